@@ -1,0 +1,81 @@
+//! A provider that misbehaves on demand, to test the host's containment.
+//! `all-instances` reads the kv key `mode`:
+//! - `count` (or absent): returns one instance whose id is the number of calls
+//!   this wasm instance has served — it tells a reused instance from a fresh one;
+//! - `trap`: panics (a wasm trap);
+//! - `loop`: spins forever (only the deadline stops it);
+//! - `memhog`: allocates until memory runs out;
+//! - `print`: writes a line to stdout and one to stderr.
+//! The other methods behave.
+
+use broker_guest::types::{
+    BrokerError, Instance, InstanceStatus, ProviderInfo, StartInstanceParams, StartInstanceResult,
+};
+use broker_guest::{CallContext, Guest, host_kv};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+static CALLS_SERVED: AtomicU64 = AtomicU64::new(0);
+
+struct Hostile;
+
+fn mode() -> String {
+    match host_kv::get("mode") {
+        Ok(Some(bytes)) => String::from_utf8_lossy(&bytes).into_owned(),
+        _ => "count".into(),
+    }
+}
+
+impl Guest for Hostile {
+    fn describe() -> ProviderInfo {
+        ProviderInfo { name: "hostile".into(), version: env!("CARGO_PKG_VERSION").into(), features: vec![] }
+    }
+
+    fn validate_config(_config: String) -> Result<(), BrokerError> {
+        Ok(())
+    }
+
+    fn start_instance(_ctx: &CallContext, _params: StartInstanceParams) -> Result<StartInstanceResult, BrokerError> {
+        Err(BrokerError::NotSupported("the hostile provider starts nothing".into()))
+    }
+
+    fn stop_instances(_ctx: &CallContext, _ids: Vec<String>) -> Result<(), BrokerError> {
+        Ok(())
+    }
+
+    fn all_instances(_ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
+        let served = CALLS_SERVED.fetch_add(1, Ordering::SeqCst) + 1;
+        match mode().as_str() {
+            "trap" => panic!("hostile guest traps on purpose"),
+            "loop" => {
+                let mut spins: u64 = 0;
+                loop {
+                    spins = std::hint::black_box(spins.wrapping_add(1));
+                }
+            }
+            "memhog" => {
+                let mut hoard: Vec<Vec<u8>> = Vec::new();
+                loop {
+                    hoard.push(vec![1u8; 1 << 20]);
+                    std::hint::black_box(&hoard);
+                }
+            }
+            "print" => {
+                println!("hello from the hostile guest's stdout");
+                eprintln!("hello from the hostile guest's stderr");
+                Ok(vec![])
+            }
+            _ => Ok(vec![Instance {
+                id: served.to_string(),
+                status: InstanceStatus::Running,
+                message: String::new(),
+                addresses: vec![],
+            }]),
+        }
+    }
+
+    fn maintain_instance(_ctx: &CallContext, _id: String, _params: StartInstanceParams) -> Result<(), BrokerError> {
+        Ok(())
+    }
+}
+
+broker_guest::export_provider!(Hostile);

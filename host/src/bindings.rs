@@ -1,0 +1,24 @@
+//! The one `bindgen!` for the host side of `broker:provider@0.1.0`.
+//!
+//! Imports are async (so a capability may wait) and trappable (outer
+//! `Result` = trap, inner = what the guest sees). The generated data types
+//! double as the host's domain types: they carry serde so they can be
+//! stored, compared and served over the API.
+
+wasmtime::component::bindgen!({
+    path: "../wit",
+    world: "provider",
+    imports: { default: async | trappable },
+    exports: { default: async },
+    with: {
+        "broker:provider/context.call-context": crate::capabilities::context::CallContext,
+    },
+    additional_derives: [serde::Serialize, serde::Deserialize, PartialEq],
+});
+
+pub use broker::provider::types::*;
+pub use exports::broker::provider::instance_broker::Guest as InstanceBrokerExports;
+
+/// The contract version this host implements; components must match it.
+pub const CONTRACT_PACKAGE: &str = "broker:provider";
+pub const CONTRACT_VERSION: &str = "0.1.0";

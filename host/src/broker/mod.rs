@@ -1,0 +1,13 @@
+//! Brokers: the wasm adapter that runs a provider component, the contract's
+//! errors, Juju's constraint syntax, and the service that ties providers to
+//! the host's records.
+
+pub mod constraints;
+mod errors;
+pub mod imports;
+pub mod service;
+pub mod wasm;
+
+pub use errors::{CallError, describe_broker_error};
+pub use service::{Broker, BrokerServiceError, InstanceRecord};
+pub use wasm::WasmProvider;

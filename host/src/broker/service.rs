@@ -1,0 +1,191 @@
+//! The broker service: provider calls plus the host's records of what they did.
+
+use super::CallError;
+use crate::bindings::{Instance, StartInstanceParams};
+use crate::capabilities::context::CallHooks;
+use crate::providers::{Registry, RegistryError};
+use crate::runtime::{Runtime, RuntimeError};
+use crate::store::records::{Hardware, now_rfc3339, status_name};
+use crate::store::{Store, StoreError};
+use std::path::Path;
+use std::sync::Arc;
+
+pub use crate::store::InstanceRecord;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerServiceError {
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error(transparent)]
+    Call(#[from] CallError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error("unknown instance {0:?}: the host has no record of it (pass --provider to ask a provider directly)")]
+    UnknownInstance(String),
+    #[error("instance id {id:?} is recorded for several providers ({providers}); pass --provider")]
+    AmbiguousInstance { id: String, providers: String },
+    #[error("provider {provider}: started {id} but could not record it ({source}); the instance was stopped again")]
+    RecordFailed { provider: String, id: String, source: StoreError },
+}
+
+pub struct Broker {
+    store: Arc<Store>,
+    registry: Registry,
+}
+
+impl Broker {
+    /// Open the host state in `data_dir` (compiled components are cached in `data_dir/cache`).
+    pub fn open(data_dir: &Path) -> Result<Broker, BrokerServiceError> {
+        let store = Arc::new(Store::open(data_dir)?);
+        let runtime = Runtime::new(Some(&data_dir.join("cache")))?;
+        Ok(Broker::with_parts(runtime, store))
+    }
+
+    pub fn with_parts(runtime: Arc<Runtime>, store: Arc<Store>) -> Broker {
+        Broker { registry: Registry::new(runtime, store.clone()), store }
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub async fn start_instance(
+        &self,
+        provider: &str,
+        params: &StartInstanceParams,
+        hooks: &CallHooks,
+    ) -> Result<InstanceRecord, BrokerServiceError> {
+        let wasm = self.registry.get(provider).await?;
+        let result = wasm.start_instance(hooks, params).await?;
+        let instance = &result.instance;
+        let record = InstanceRecord {
+            id: instance.id.clone(),
+            provider: provider.to_owned(),
+            status: status_name(instance.status).to_owned(),
+            message: instance.message.clone(),
+            display_name: result.display_name.clone(),
+            hardware: result.hardware.as_ref().map(Hardware::from).unwrap_or_default(),
+            tags: params.constraints.tags.clone().unwrap_or_default(),
+            addresses: instance.addresses.iter().map(|a| a.value.clone()).collect(),
+            created: now_rfc3339(),
+            params: Some(params.clone()),
+        };
+        if let Err(source) = self.store.put_instance(&record) {
+            // As Juju's provisioner does: an instance the host cannot record is stopped.
+            let _ = wasm.stop_instances(&CallHooks::default(), std::slice::from_ref(&record.id)).await;
+            return Err(BrokerServiceError::RecordFailed { provider: provider.to_owned(), id: record.id, source });
+        }
+        Ok(record)
+    }
+
+    /// Stop instances of one provider; unknown ids are ignored.
+    pub async fn stop_instances(&self, provider: &str, ids: &[String]) -> Result<(), BrokerServiceError> {
+        let wasm = self.registry.get(provider).await?;
+        wasm.stop_instances(&CallHooks::default(), ids).await?;
+        self.store.remove_instances(provider, ids)?;
+        Ok(())
+    }
+
+    pub async fn maintain_instance(&self, provider: &str, id: &str) -> Result<(), BrokerServiceError> {
+        let wasm = self.registry.get(provider).await?;
+        let params = self
+            .store
+            .instances(Some(provider))?
+            .into_iter()
+            .find(|r| r.id == id)
+            .and_then(|r| r.params)
+            .unwrap_or_else(empty_params);
+        wasm.maintain_instance(&CallHooks::default(), id, &params).await?;
+        Ok(())
+    }
+
+    /// The provider that owns a recorded instance id.
+    pub fn provider_of(&self, id: &str) -> Result<String, BrokerServiceError> {
+        let owners: Vec<String> =
+            self.store.instances(None)?.into_iter().filter(|r| r.id == id).map(|r| r.provider).collect();
+        match owners.as_slice() {
+            [] => Err(BrokerServiceError::UnknownInstance(id.to_owned())),
+            [one] => Ok(one.clone()),
+            _ => Err(BrokerServiceError::AmbiguousInstance { id: id.to_owned(), providers: owners.join(", ") }),
+        }
+    }
+
+    /// What the providers report, joined with the host's records: live status
+    /// from `all-instances`; records the provider no longer reports show as
+    /// `unknown`, and instances the host never recorded appear without hardware.
+    pub async fn list_instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>, BrokerServiceError> {
+        let names: Vec<String> = match provider {
+            Some(name) => vec![name.to_owned()],
+            None => self.registry.list()?.into_iter().map(|p| p.name).collect(),
+        };
+        let mut out = Vec::new();
+        for name in names {
+            let wasm = self.registry.get(&name).await?;
+            let live = wasm.all_instances(&CallHooks::default()).await?;
+            let mut records = self.store.instances(Some(&name))?;
+            for instance in &live {
+                match records.iter().position(|r| r.id == instance.id) {
+                    Some(i) => {
+                        let mut record = records.swap_remove(i);
+                        record.status = status_name(instance.status).to_owned();
+                        record.message = instance.message.clone();
+                        out.push(record);
+                    }
+                    None => out.push(unrecorded(&name, instance)),
+                }
+            }
+            for mut missing in records {
+                missing.status = "unknown".into();
+                missing.message = "not reported by the provider".into();
+                out.push(missing);
+            }
+        }
+        out.sort_by(|a, b| (&a.provider, &a.id).cmp(&(&b.provider, &b.id)));
+        Ok(out)
+    }
+}
+
+fn unrecorded(provider: &str, instance: &Instance) -> InstanceRecord {
+    InstanceRecord {
+        id: instance.id.clone(),
+        provider: provider.to_owned(),
+        status: status_name(instance.status).to_owned(),
+        message: instance.message.clone(),
+        display_name: String::new(),
+        hardware: Hardware::default(),
+        tags: Vec::new(),
+        addresses: instance.addresses.iter().map(|a| a.value.clone()).collect(),
+        created: String::new(),
+        params: None,
+    }
+}
+
+/// Params with nothing in them but the given constraints.
+pub fn params_with(constraints: crate::bindings::Constraints) -> StartInstanceParams {
+    StartInstanceParams {
+        controller_uuid: String::new(),
+        constraints,
+        tools: Vec::new(),
+        instance_config: None,
+        placement: None,
+        volumes: Vec::new(),
+        volume_attachments: Vec::new(),
+        network_info: Vec::new(),
+        subnets_to_zones: Vec::new(),
+        endpoint_bindings: Vec::new(),
+        image_metadata: Vec::new(),
+        availability_zone: None,
+        root_disk: None,
+        charm_lxd_profiles: Vec::new(),
+    }
+}
+
+pub fn empty_params() -> StartInstanceParams {
+    params_with(super::constraints::empty())
+}

@@ -1,0 +1,306 @@
+//! The wasm adapter: one loaded provider version, its warm instance pool, and
+//! the call path (store limits, epoch deadline, trap classification).
+
+use super::errors::CallError;
+use super::imports;
+use crate::bindings::{
+    BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
+};
+use crate::capabilities::context::{CallContext, CallHooks};
+use crate::capabilities::kv::KvBackend;
+use crate::providers::manifest::{Isolation, Manifest, ManifestError, Method};
+use crate::runtime::{HostState, LinkedCapabilities, Runtime, RuntimeError};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tracing::Instrument;
+use wasmtime::Store;
+use wasmtime::component::Resource;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error("provider {provider}: {source}")]
+    Contract { provider: String, source: imports::ContractError },
+    #[error("provider {provider}: cannot link component: {reason}")]
+    Link { provider: String, reason: String },
+}
+
+/// Extra time past a method's deadline that the host waits for a guest that
+/// is blocked in a host call (where the epoch cannot interrupt it).
+const HOST_WAIT_GRACE: Duration = Duration::from_secs(1);
+
+/// A warm guest instance.
+struct Warm {
+    store: Store<HostState>,
+    exports: Provider,
+    calls: u64,
+    born: Instant,
+}
+
+/// Counters a test or the metrics can read.
+#[derive(Debug, Default)]
+pub struct ProviderStats {
+    pub instantiations: AtomicU64,
+    pub discarded: AtomicU64,
+}
+
+type CallFuture<'a, R> = Pin<Box<dyn Future<Output = wasmtime::Result<Result<R, BrokerError>>> + Send + 'a>>;
+
+/// One loaded version of a provider component.
+pub struct WasmProvider {
+    name: Arc<str>,
+    manifest: Manifest,
+    sha256: String,
+    runtime: Arc<Runtime>,
+    pre: ProviderPre<HostState>,
+    kv: Arc<dyn KvBackend>,
+    config_json: Arc<str>,
+    pool: Mutex<Vec<Warm>>,
+    stats: ProviderStats,
+}
+
+impl WasmProvider {
+    /// Read, verify, compile, check and link the manifest's component.
+    pub fn load(runtime: Arc<Runtime>, manifest: Manifest, kv: Arc<dyn KvBackend>) -> Result<WasmProvider, LoadError> {
+        let (bytes, sha256) = manifest.read_component()?;
+        let component = runtime.compile(&manifest.component, &bytes)?;
+        let provider = manifest.name.clone();
+        imports::check(runtime.engine(), &component, &manifest.grants)
+            .map_err(|source| LoadError::Contract { provider: provider.clone(), source })?;
+        let linker = runtime
+            .linker(LinkedCapabilities { kv: manifest.grants.kv, log: manifest.grants.log })
+            .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
+        let instance_pre = linker
+            .instantiate_pre(&component)
+            .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
+        let pre = ProviderPre::new(instance_pre)
+            .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
+        Ok(WasmProvider {
+            name: provider.into(),
+            config_json: manifest.config_json.clone().into(),
+            manifest,
+            sha256,
+            runtime,
+            pre,
+            kv,
+            pool: Mutex::new(Vec::new()),
+            stats: ProviderStats::default(),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// sha256 of the component bytes this version was loaded from.
+    pub fn sha256(&self) -> &str {
+        &self.sha256
+    }
+
+    pub fn stats(&self) -> &ProviderStats {
+        &self.stats
+    }
+
+    /// Warm instances waiting in the pool.
+    pub fn pooled_instances(&self) -> usize {
+        self.lock_pool().len()
+    }
+
+    pub async fn describe(&self) -> Result<ProviderInfo, CallError> {
+        self.call(Method::Describe, &CallHooks::default(), |store, exports, _ctx| {
+            Box::pin(async move { exports.broker_provider_instance_broker().call_describe(store).await.map(Ok) })
+        })
+        .await
+    }
+
+    pub async fn validate_config(&self, config_json: &str) -> Result<(), CallError> {
+        let config = config_json.to_owned();
+        self.call(Method::ValidateConfig, &CallHooks::default(), move |store, exports, _ctx| {
+            Box::pin(
+                async move { exports.broker_provider_instance_broker().call_validate_config(store, &config).await },
+            )
+        })
+        .await
+    }
+
+    pub async fn start_instance(
+        &self,
+        hooks: &CallHooks,
+        params: &StartInstanceParams,
+    ) -> Result<StartInstanceResult, CallError> {
+        // Owned copies: the call future may only borrow the store.
+        let params = params.clone();
+        self.call(Method::StartInstance, hooks, move |store, exports, ctx| {
+            Box::pin(
+                async move { exports.broker_provider_instance_broker().call_start_instance(store, ctx, &params).await },
+            )
+        })
+        .await
+    }
+
+    pub async fn stop_instances(&self, hooks: &CallHooks, ids: &[InstanceId]) -> Result<(), CallError> {
+        let ids = ids.to_vec();
+        self.call(Method::StopInstances, hooks, move |store, exports, ctx| {
+            Box::pin(
+                async move { exports.broker_provider_instance_broker().call_stop_instances(store, ctx, &ids).await },
+            )
+        })
+        .await
+    }
+
+    pub async fn all_instances(&self, hooks: &CallHooks) -> Result<Vec<Instance>, CallError> {
+        self.call(Method::AllInstances, hooks, move |store, exports, ctx| {
+            Box::pin(async move { exports.broker_provider_instance_broker().call_all_instances(store, ctx).await })
+        })
+        .await
+    }
+
+    pub async fn maintain_instance(
+        &self,
+        hooks: &CallHooks,
+        id: &str,
+        params: &StartInstanceParams,
+    ) -> Result<(), CallError> {
+        let (id, params) = (id.to_owned(), params.clone());
+        self.call(Method::MaintainInstance, hooks, move |store, exports, ctx| {
+            Box::pin(async move {
+                exports.broker_provider_instance_broker().call_maintain_instance(store, ctx, &id, &params).await
+            })
+        })
+        .await
+    }
+
+    /// Run one export on a warm or fresh instance under the method's deadline.
+    async fn call<R, F>(&self, method: Method, hooks: &CallHooks, invoke: F) -> Result<R, CallError>
+    where
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+    {
+        let span = tracing::debug_span!("provider_call", provider = &*self.name, method = method.name());
+        async move {
+            let deadline = self.manifest.limits.deadlines.for_method(method);
+            let mut warm = self.checkout(method, deadline).await?;
+            warm.store.set_epoch_deadline(Runtime::deadline_ticks(deadline));
+            let context = CallContext { hooks: hooks.clone(), provider_config: self.config_json.clone() };
+            let handle = warm.store.data_mut().table.push(context).map_err(|e| CallError::Instantiate {
+                provider: self.name.to_string(),
+                method,
+                reason: format!("call context: {e}"),
+            })?;
+            let borrowed = Resource::<CallContext>::new_borrow(handle.rep());
+            let started = Instant::now();
+            let outcome = {
+                let Warm { store, exports, .. } = &mut warm;
+                tokio::time::timeout(deadline + HOST_WAIT_GRACE, invoke(store, exports, borrowed)).await
+            };
+            let _ = warm.store.data_mut().table.delete(handle);
+            warm.calls += 1;
+            tracing::debug!(elapsed_us = started.elapsed().as_micros() as u64, "call finished");
+            match outcome {
+                Ok(Ok(Ok(value))) => {
+                    self.checkin(warm);
+                    Ok(value)
+                }
+                Ok(Ok(Err(error))) => {
+                    self.checkin(warm);
+                    Err(CallError::Guest { provider: self.name.to_string(), method, error })
+                }
+                Ok(Err(trap)) => {
+                    let error = self.classify_trap(method, deadline, &warm, &trap);
+                    self.discard(warm, &error);
+                    Err(error)
+                }
+                Err(_elapsed) => {
+                    let error = CallError::Deadline { provider: self.name.to_string(), method, deadline };
+                    self.discard(warm, &error);
+                    Err(error)
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    fn classify_trap(&self, method: Method, deadline: Duration, warm: &Warm, trap: &wasmtime::Error) -> CallError {
+        let provider = self.name.to_string();
+        if let Some(limit) = warm.store.data().limiter.hit() {
+            return CallError::Limit { provider, method, limit: limit.to_owned() };
+        }
+        match trap.downcast_ref::<wasmtime::Trap>() {
+            Some(wasmtime::Trap::Interrupt) => CallError::Deadline { provider, method, deadline },
+            Some(code) => CallError::Trap { provider, method, reason: code.to_string() },
+            None => CallError::Trap { provider, method, reason: format!("{trap:#}") },
+        }
+    }
+
+    fn lock_pool(&self) -> std::sync::MutexGuard<'_, Vec<Warm>> {
+        self.pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A healthy warm instance from the pool, or a fresh one.
+    async fn checkout(&self, method: Method, deadline: Duration) -> Result<Warm, CallError> {
+        if self.manifest.isolation == Isolation::Pooled {
+            let max_age = self.manifest.limits.max_age;
+            loop {
+                let candidate = self.lock_pool().pop();
+                match candidate {
+                    Some(warm) if warm.born.elapsed() < max_age => return Ok(warm),
+                    Some(_) => {
+                        self.stats.discarded.fetch_add(1, Ordering::Relaxed);
+                    }
+                    None => break,
+                }
+            }
+        }
+        self.instantiate(method, deadline).await
+    }
+
+    async fn instantiate(&self, method: Method, deadline: Duration) -> Result<Warm, CallError> {
+        let memory_bytes = (self.manifest.limits.memory_mib << 20) as usize;
+        let state = HostState::new(self.name.clone(), self.kv.clone(), memory_bytes);
+        let mut store = Store::new(self.runtime.engine(), state);
+        store.limiter(|state| &mut state.limiter);
+        store.epoch_deadline_trap();
+        store.set_epoch_deadline(Runtime::deadline_ticks(deadline));
+        let exports = self.pre.instantiate_async(&mut store).await.map_err(|e| CallError::Instantiate {
+            provider: self.name.to_string(),
+            method,
+            reason: format!("{e:#}"),
+        })?;
+        self.stats.instantiations.fetch_add(1, Ordering::Relaxed);
+        Ok(Warm { store, exports, calls: 0, born: Instant::now() })
+    }
+
+    /// Return a healthy instance to the pool unless its isolation, call count,
+    /// age or the pool's size says to retire it.
+    fn checkin(&self, warm: Warm) {
+        let limits = &self.manifest.limits;
+        let keep = self.manifest.isolation == Isolation::Pooled
+            && warm.calls < limits.max_calls
+            && warm.born.elapsed() < limits.max_age;
+        if keep {
+            let mut pool = self.lock_pool();
+            if pool.len() < limits.pool_size {
+                pool.push(warm);
+                return;
+            }
+        }
+        self.stats.discarded.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Throw away an instance that trapped or hit a limit: it is never reused.
+    fn discard(&self, warm: Warm, error: &CallError) {
+        tracing::warn!(provider = &*self.name, error = %error, "discarding guest instance");
+        self.stats.discarded.fetch_add(1, Ordering::Relaxed);
+        drop(warm);
+    }
+}

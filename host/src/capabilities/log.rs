@@ -1,0 +1,64 @@
+//! `broker:provider/log`: guest log lines become `tracing` events tagged with the provider.
+
+use crate::bindings::broker::provider::log::{self as wit, Level};
+use std::sync::Arc;
+use wasmtime::component::{HasSelf, Linker};
+
+/// Longest message kept; the rest is cut so a guest cannot flood the logs with one line.
+const MAX_MESSAGE_BYTES: usize = 4096;
+
+pub struct LogCtx {
+    provider: Arc<str>,
+}
+
+impl LogCtx {
+    pub fn new(provider: Arc<str>) -> Self {
+        LogCtx { provider }
+    }
+}
+
+impl wit::Host for LogCtx {
+    async fn log(&mut self, level: Level, message: String) -> wasmtime::Result<()> {
+        let message = truncate(&message, MAX_MESSAGE_BYTES);
+        let provider = &*self.provider;
+        match level {
+            Level::Trace => tracing::trace!(provider, message, "guest log"),
+            Level::Debug => tracing::debug!(provider, message, "guest log"),
+            Level::Info => tracing::info!(provider, message, "guest log"),
+            Level::Warn => tracing::warn!(provider, message, "guest log"),
+            Level::Error => tracing::error!(provider, message, "guest log"),
+        }
+        Ok(())
+    }
+}
+
+/// Cut `text` to at most `max` bytes on a character boundary.
+pub fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+pub fn add_to_linker<T: Send + 'static>(
+    linker: &mut Linker<T>,
+    getter: fn(&mut T) -> &mut LogCtx,
+) -> wasmtime::Result<()> {
+    wit::add_to_linker::<T, HasSelf<LogCtx>>(linker, getter)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn truncate_respects_char_boundaries() {
+        assert_eq!(truncate("héllo", 2), "h");
+        assert_eq!(truncate("héllo", 3), "hé");
+        assert_eq!(truncate("abc", 10), "abc");
+    }
+}

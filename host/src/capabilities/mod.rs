@@ -1,0 +1,8 @@
+//! Host implementations of the imported WIT interfaces: one module per
+//! interface, each with its context, its backend trait (real and in-memory)
+//! where it has one, and its `add_to_linker`.
+
+pub mod context;
+pub mod kv;
+pub mod log;
+pub mod wasi;

@@ -1,0 +1,91 @@
+//! The WASI a provider gets: nothing ambient. No env, args, preopened
+//! directories, sockets or name lookups; stdout and stderr become `tracing`
+//! events tagged with the provider.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use tokio::io::AsyncWrite;
+use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
+use wasmtime_wasi::{WasiCtx, WasiCtxBuilder};
+
+/// Longest line kept from guest output; longer lines are split.
+const MAX_LINE_BYTES: usize = 4096;
+
+pub fn sandboxed_ctx(provider: &Arc<str>) -> WasiCtx {
+    WasiCtxBuilder::new()
+        .stdout(TracingOutput { provider: provider.clone(), stream: "stdout" })
+        .stderr(TracingOutput { provider: provider.clone(), stream: "stderr" })
+        .allow_tcp(false)
+        .allow_udp(false)
+        .allow_ip_name_lookup(false)
+        .build()
+}
+
+/// A guest output stream that turns lines into `tracing` events.
+#[derive(Clone)]
+struct TracingOutput {
+    provider: Arc<str>,
+    stream: &'static str,
+}
+
+impl IsTerminal for TracingOutput {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl StdoutStream for TracingOutput {
+    fn async_stream(&self) -> Box<dyn AsyncWrite + Send + Sync> {
+        Box::new(LineWriter { out: self.clone(), pending: Vec::new() })
+    }
+}
+
+struct LineWriter {
+    out: TracingOutput,
+    pending: Vec<u8>,
+}
+
+impl LineWriter {
+    fn emit(&self, line: &[u8]) {
+        let line = String::from_utf8_lossy(line);
+        tracing::info!(provider = &*self.out.provider, stream = self.out.stream, line = %line.trim_end(), "guest output");
+    }
+
+    fn absorb(&mut self, buf: &[u8]) {
+        for &byte in buf {
+            if byte == b'\n' {
+                let line = std::mem::take(&mut self.pending);
+                self.emit(&line);
+            } else {
+                self.pending.push(byte);
+                if self.pending.len() >= MAX_LINE_BYTES {
+                    let line = std::mem::take(&mut self.pending);
+                    self.emit(&line);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for LineWriter {
+    fn drop(&mut self) {
+        if !self.pending.is_empty() {
+            let line = std::mem::take(&mut self.pending);
+            self.emit(&line);
+        }
+    }
+}
+
+impl AsyncWrite for LineWriter {
+    fn poll_write(mut self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        self.absorb(buf);
+        Poll::Ready(Ok(buf.len()))
+    }
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}

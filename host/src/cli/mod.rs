@@ -1,0 +1,215 @@
+//! The `broker` command line. Exit codes: 0 success, 1 the operation failed,
+//! 2 usage error.
+
+mod output;
+
+use crate::broker::service::params_with;
+use crate::broker::{Broker, constraints};
+use crate::capabilities::context::{CallEvent, CallHooks};
+use crate::store::records::status_name;
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "broker",
+    version,
+    about = "A per-machine broker host: runs sandboxed provider components behind Juju's InstanceBroker contract",
+    long_about = "A per-machine broker host. Provider logic (LXD, KVM, a cloud, the fake) runs as sandboxed \
+                  WebAssembly components that get nothing but what their manifest grants; the host keeps \
+                  the state, in --data-dir.\n\nExit codes: 0 success, 1 the operation failed, 2 usage error."
+)]
+pub struct Cli {
+    /// Where the host keeps its state and compiled-component cache.
+    #[arg(long, global = true, env = "BROKER_DATA_DIR", default_value_os_t = default_data_dir())]
+    pub data_dir: PathBuf,
+    /// More logging on stderr (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Register, list and remove provider components.
+    #[command(subcommand)]
+    Provider(ProviderCommand),
+    /// Start, list, stop and maintain instances through a provider.
+    #[command(subcommand)]
+    Instance(InstanceCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ProviderCommand {
+    /// Check a provider's manifest and component (sha256 pin, imports against
+    /// grants, contract version, validate-config) and register it.
+    Add {
+        /// Path to the provider's provider.toml.
+        manifest: PathBuf,
+    },
+    /// List registered providers.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Unregister a provider that has no recorded instances.
+    Remove { name: String },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum InstanceCommand {
+    /// Start an instance; status updates are shown as they happen.
+    Start(StartArgs),
+    /// List instances as the providers report them, joined with the host's records.
+    List {
+        /// Only this provider's instances.
+        #[arg(long)]
+        provider: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop instances (unknown ids are ignored by providers).
+    Stop {
+        #[arg(required = true)]
+        ids: Vec<String>,
+        /// The provider to ask; needed only for ids the host has no record of.
+        #[arg(long)]
+        provider: Option<String>,
+    },
+    /// Run a provider's maintain-instance on an existing instance.
+    Maintain {
+        id: String,
+        #[arg(long)]
+        provider: Option<String>,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct StartArgs {
+    /// The registered provider to start it with.
+    #[arg(long)]
+    provider: String,
+    /// Juju constraints, e.g. "mem=2G cores=2 arch=amd64 tags=a,b zones=z1,z2".
+    #[arg(long, default_value = "")]
+    constraints: String,
+    /// A placement directive, e.g. zone=z1.
+    #[arg(long)]
+    placement: Option<String>,
+    /// Print the result as JSON on stdout (status updates still go to stderr).
+    #[arg(long)]
+    json: bool,
+}
+
+fn default_data_dir() -> PathBuf {
+    match std::env::var_os("HOME") {
+        Some(home) => PathBuf::from(home).join(".local/share/wasm-broker"),
+        None => PathBuf::from("/var/lib/wasm-broker"),
+    }
+}
+
+/// Run the CLI; the caller maps the result to an exit code.
+pub async fn run(cli: Cli) -> Result<()> {
+    let broker = Broker::open(&cli.data_dir)
+        .with_context(|| format!("cannot open the broker state in {}", cli.data_dir.display()))?;
+    let mut stdout = std::io::stdout().lock();
+    match cli.command {
+        Command::Provider(command) => provider(&broker, command, &mut stdout).await,
+        Command::Instance(command) => instance(&broker, command, &mut stdout).await,
+    }
+}
+
+async fn provider(broker: &Broker, command: ProviderCommand, out: &mut impl Write) -> Result<()> {
+    match command {
+        ProviderCommand::Add { manifest } => {
+            let record = broker
+                .registry()
+                .add(&manifest)
+                .await
+                .with_context(|| format!("cannot add provider from {}", manifest.display()))?;
+            writeln!(out, "added provider {} {} (sha256 {})", record.name, record.version, record.component_sha256)?;
+        }
+        ProviderCommand::List { json } => {
+            let records = broker.registry().list()?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&records)?)?;
+            } else {
+                output::provider_table(out, &records)?;
+            }
+        }
+        ProviderCommand::Remove { name } => {
+            broker.registry().remove(&name).with_context(|| format!("cannot remove provider {name}"))?;
+            writeln!(out, "removed provider {name}")?;
+        }
+    }
+    Ok(())
+}
+
+async fn instance(broker: &Broker, command: InstanceCommand, out: &mut impl Write) -> Result<()> {
+    match command {
+        InstanceCommand::Start(args) => {
+            let constraints = constraints::parse(&args.constraints).context("invalid --constraints")?;
+            let mut params = params_with(constraints);
+            params.placement = args.placement.clone();
+            let provider = args.provider.clone();
+            let hooks = CallHooks::with_events(move |event| output::progress(&provider, &event));
+            let record = broker
+                .start_instance(&args.provider, &params, &hooks)
+                .await
+                .with_context(|| format!("cannot start an instance with provider {}", args.provider))?;
+            if args.json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&output::InstanceView::from(&record))?)?;
+            } else {
+                writeln!(out, "started {} ({}): {}", record.id, record.provider, record.hardware.juju_text())?;
+            }
+        }
+        InstanceCommand::List { provider, json } => {
+            let records = broker.list_instances(provider.as_deref()).await.context("cannot list instances")?;
+            let views: Vec<output::InstanceView> = records.iter().map(output::InstanceView::from).collect();
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&views)?)?;
+            } else {
+                output::instance_table(out, &views)?;
+            }
+        }
+        InstanceCommand::Stop { ids, provider } => {
+            let mut by_provider: Vec<(String, Vec<String>)> = Vec::new();
+            for id in ids {
+                let owner = match &provider {
+                    Some(p) => p.clone(),
+                    None => broker.provider_of(&id)?,
+                };
+                match by_provider.iter_mut().find(|(p, _)| *p == owner) {
+                    Some((_, list)) => list.push(id),
+                    None => by_provider.push((owner, vec![id])),
+                }
+            }
+            for (owner, ids) in by_provider {
+                broker.stop_instances(&owner, &ids).await.with_context(|| format!("cannot stop {}", ids.join(" ")))?;
+                for id in ids {
+                    writeln!(out, "stopped {id} ({owner})")?;
+                }
+            }
+        }
+        InstanceCommand::Maintain { id, provider } => {
+            let owner = match provider {
+                Some(p) => p,
+                None => broker.provider_of(&id)?,
+            };
+            broker.maintain_instance(&owner, &id).await.with_context(|| format!("cannot maintain {id}"))?;
+            writeln!(out, "maintained {id} ({owner})")?;
+        }
+    }
+    Ok(())
+}
+
+/// Text of a status event, as the CLI prints it.
+pub fn describe_event(event: &CallEvent) -> String {
+    match event {
+        CallEvent::Status { status, info, .. } if info.is_empty() => status_name(*status).to_owned(),
+        CallEvent::Status { status, info, .. } => format!("{}: {info}", status_name(*status)),
+        CallEvent::Cleanup { info } => format!("cleanup: {info}"),
+    }
+}

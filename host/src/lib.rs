@@ -1,0 +1,10 @@
+//! wasm-broker's host: runs provider components behind Juju's
+//! `environs.InstanceBroker` contract (`wit/`), with nothing ambient.
+
+pub mod bindings;
+pub mod broker;
+pub mod capabilities;
+pub mod cli;
+pub mod providers;
+pub mod runtime;
+pub mod store;

@@ -1,0 +1,333 @@
+//! `provider.toml`: what a provider is, what it may do, and its limits.
+//!
+//! ```toml
+//! name = "fake"
+//! component = "../target/wasm32-wasip2/release/fake.wasm"   # relative to this file
+//! sha256 = "…"                   # optional pin
+//! isolation = "pooled"           # or "per-call"
+//! [limits]
+//! memory-mib = 64
+//! pool-size = 4                  # warm instances kept (pooled)
+//! max-calls = 10000              # an instance is retired after this many calls
+//! max-age = "1h"                 # … or this age
+//! [limits.deadlines]
+//! default = "30s"
+//! start-instance = "10m"
+//! [grants]
+//! kv = true
+//! log = true
+//! [config]                       # passed to validate-config and the call context as JSON
+//! ```
+
+use serde::{Deserialize, Deserializer};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    #[error("cannot read manifest {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("invalid manifest {path}: {message}")]
+    Invalid { path: String, message: String },
+    #[error("cannot read component {path} named by manifest {manifest}: {source}")]
+    Component { manifest: String, path: String, source: std::io::Error },
+    #[error("component {path} does not match the manifest's sha256 pin: expected {expected}, found {actual}")]
+    HashMismatch { path: String, expected: String, actual: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Isolation {
+    /// Warm instances reused across calls; thrown away after a trap, a limit, a swap or an age.
+    #[default]
+    Pooled,
+    /// A fresh instance for every call.
+    PerCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Limits {
+    #[serde(default = "default_memory_mib")]
+    pub memory_mib: u64,
+    #[serde(default = "default_pool_size")]
+    pub pool_size: usize,
+    #[serde(default = "default_max_calls")]
+    pub max_calls: u64,
+    #[serde(default = "default_max_age", deserialize_with = "duration")]
+    pub max_age: Duration,
+    #[serde(default)]
+    pub deadlines: Deadlines,
+}
+
+fn default_memory_mib() -> u64 {
+    128
+}
+fn default_pool_size() -> usize {
+    4
+}
+fn default_max_calls() -> u64 {
+    10_000
+}
+fn default_max_age() -> Duration {
+    Duration::from_secs(3600)
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            memory_mib: default_memory_mib(),
+            pool_size: default_pool_size(),
+            max_calls: default_max_calls(),
+            max_age: default_max_age(),
+            deadlines: Deadlines::default(),
+        }
+    }
+}
+
+/// Per-method deadlines; a method without its own uses `default`, except
+/// `start-instance`, which defaults to 10 minutes.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Deadlines {
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub default: Option<Duration>,
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub describe: Option<Duration>,
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub validate_config: Option<Duration>,
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub start_instance: Option<Duration>,
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub stop_instances: Option<Duration>,
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub all_instances: Option<Duration>,
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub maintain_instance: Option<Duration>,
+}
+
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
+pub const DEFAULT_START_DEADLINE: Duration = Duration::from_secs(600);
+
+/// The contract's methods, as manifests and errors name them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Method {
+    Describe,
+    ValidateConfig,
+    StartInstance,
+    StopInstances,
+    AllInstances,
+    MaintainInstance,
+}
+
+impl Method {
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::Describe => "describe",
+            Method::ValidateConfig => "validate-config",
+            Method::StartInstance => "start-instance",
+            Method::StopInstances => "stop-instances",
+            Method::AllInstances => "all-instances",
+            Method::MaintainInstance => "maintain-instance",
+        }
+    }
+}
+
+impl std::fmt::Display for Method {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Deadlines {
+    pub fn for_method(&self, method: Method) -> Duration {
+        let specific = match method {
+            Method::Describe => self.describe,
+            Method::ValidateConfig => self.validate_config,
+            Method::StartInstance => self.start_instance.or(Some(DEFAULT_START_DEADLINE)),
+            Method::StopInstances => self.stop_instances,
+            Method::AllInstances => self.all_instances,
+            Method::MaintainInstance => self.maintain_instance,
+        };
+        specific.or(self.default).unwrap_or(DEFAULT_DEADLINE)
+    }
+}
+
+/// Host interfaces a provider may import. Nothing is granted by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Grants {
+    #[serde(default)]
+    pub kv: bool,
+    #[serde(default)]
+    pub log: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RawManifest {
+    name: String,
+    component: PathBuf,
+    sha256: Option<String>,
+    #[serde(default)]
+    isolation: Isolation,
+    #[serde(default)]
+    limits: Limits,
+    #[serde(default)]
+    grants: Grants,
+    #[serde(default)]
+    config: toml::Table,
+}
+
+/// A checked manifest, with the component path resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Manifest {
+    pub path: PathBuf,
+    pub name: String,
+    pub component: PathBuf,
+    pub sha256: Option<String>,
+    pub isolation: Isolation,
+    pub limits: Limits,
+    pub grants: Grants,
+    /// The `[config]` table as JSON, as the guest receives it.
+    pub config_json: String,
+}
+
+impl Manifest {
+    pub fn load(path: &Path) -> Result<Manifest, ManifestError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ManifestError::Read { path: path.display().to_string(), source })?;
+        Manifest::parse(path, &text)
+    }
+
+    /// Parse manifest text; `path` locates the component and names errors.
+    pub fn parse(path: &Path, text: &str) -> Result<Manifest, ManifestError> {
+        let invalid = |message: String| ManifestError::Invalid { path: path.display().to_string(), message };
+        let raw: RawManifest = toml::from_str(text).map_err(|e| invalid(e.to_string().trim_end().to_owned()))?;
+        if raw.name.is_empty()
+            || raw.name.len() > 63
+            || !raw.name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        {
+            return Err(invalid(format!(
+                "name {:?} must be 1-63 characters of lowercase letters, digits and '-'",
+                raw.name
+            )));
+        }
+        if let Some(pin) = &raw.sha256
+            && (pin.len() != 64 || !pin.chars().all(|c| c.is_ascii_hexdigit()))
+        {
+            return Err(invalid(format!("sha256 {pin:?} must be 64 hex digits")));
+        }
+        let max_mib = crate::runtime::MAX_GUEST_MEMORY_BYTES >> 20;
+        if raw.limits.memory_mib == 0 || raw.limits.memory_mib > max_mib {
+            return Err(invalid(format!("limits.memory-mib must be between 1 and {max_mib}")));
+        }
+        if raw.limits.pool_size == 0 {
+            return Err(invalid("limits.pool-size must be at least 1".into()));
+        }
+        let base = path.parent().unwrap_or(Path::new("."));
+        let component = if raw.component.is_absolute() { raw.component.clone() } else { base.join(&raw.component) };
+        let config_json = serde_json::to_string(&raw.config).map_err(|e| invalid(format!("config: {e}")))?;
+        Ok(Manifest {
+            path: path.to_owned(),
+            name: raw.name,
+            component,
+            sha256: raw.sha256.map(|s| s.to_ascii_lowercase()),
+            isolation: raw.isolation,
+            limits: raw.limits,
+            grants: raw.grants,
+            config_json,
+        })
+    }
+
+    /// Read the component's bytes, checking the sha256 pin if there is one.
+    /// Returns the bytes and their sha256.
+    pub fn read_component(&self) -> Result<(Vec<u8>, String), ManifestError> {
+        let bytes = std::fs::read(&self.component).map_err(|source| ManifestError::Component {
+            manifest: self.path.display().to_string(),
+            path: self.component.display().to_string(),
+            source,
+        })?;
+        let actual = hex::encode(Sha256::digest(&bytes));
+        if let Some(expected) = &self.sha256
+            && *expected != actual
+        {
+            return Err(ManifestError::HashMismatch {
+                path: self.component.display().to_string(),
+                expected: expected.clone(),
+                actual,
+            });
+        }
+        Ok((bytes, actual))
+    }
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(text).map_err(|e| format!("invalid duration {text:?}: {e}"))?;
+    if duration.is_zero() {
+        return Err(format!("duration {text:?} must be positive"));
+    }
+    Ok(duration)
+}
+
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_duration(&text).map_err(serde::de::Error::custom)
+}
+
+fn optional_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    duration(d).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Manifest, ManifestError> {
+        Manifest::parse(Path::new("/p/provider.toml"), text)
+    }
+
+    #[test]
+    fn minimal_manifest_takes_defaults_and_grants_nothing() {
+        let m = parse("name = \"x\"\ncomponent = \"x.wasm\"\n").unwrap();
+        assert_eq!(m.component, Path::new("/p/x.wasm"));
+        assert_eq!(m.isolation, Isolation::Pooled);
+        assert_eq!(m.grants, Grants::default());
+        assert_eq!(m.limits.deadlines.for_method(Method::StartInstance), DEFAULT_START_DEADLINE);
+        assert_eq!(m.limits.deadlines.for_method(Method::AllInstances), DEFAULT_DEADLINE);
+        assert_eq!(m.config_json, "{}");
+    }
+
+    #[test]
+    fn unknown_key_is_an_error_with_its_line() {
+        let err = parse("name = \"x\"\ncomponent = \"x.wasm\"\n[grants]\nkv = true\nsockets = true\n").unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("line 5"), "{text}");
+        assert!(text.contains("sockets"), "{text}");
+    }
+
+    #[test]
+    fn deadlines_and_isolation_parse() {
+        let m = parse(
+            "name = \"x\"\ncomponent = \"/abs/x.wasm\"\nisolation = \"per-call\"\n\
+             [limits.deadlines]\ndefault = \"2s\"\nstart-instance = \"1m\"\n[config]\nzones = [\"a\"]\n",
+        )
+        .unwrap();
+        assert_eq!(m.component, Path::new("/abs/x.wasm"));
+        assert_eq!(m.isolation, Isolation::PerCall);
+        assert_eq!(m.limits.deadlines.for_method(Method::StopInstances), Duration::from_secs(2));
+        assert_eq!(m.limits.deadlines.for_method(Method::StartInstance), Duration::from_secs(60));
+        assert_eq!(m.config_json, r#"{"zones":["a"]}"#);
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let bad_duration = parse("name = \"x\"\ncomponent = \"x\"\n[limits.deadlines]\ndefault = \"soon\"\n");
+        assert!(bad_duration.unwrap_err().to_string().contains("soon"));
+        let bad_name = parse("name = \"Bad Name\"\ncomponent = \"x\"\n");
+        assert!(bad_name.unwrap_err().to_string().contains("Bad Name"));
+        let bad_pin = parse("name = \"x\"\ncomponent = \"x\"\nsha256 = \"abc\"\n");
+        assert!(bad_pin.unwrap_err().to_string().contains("64 hex"));
+    }
+}

@@ -1,0 +1,7 @@
+//! Providers: their manifests and the registry of the ones this host runs.
+
+pub mod manifest;
+pub mod registry;
+
+pub use manifest::{Grants, Isolation, Limits, Manifest, ManifestError};
+pub use registry::{Registry, RegistryError};

@@ -1,0 +1,127 @@
+//! The wasmtime side: one [`Engine`] per host (epoch interruption, pooling
+//! allocator, on-disk compilation cache), the per-store [`HostState`], and
+//! the linker built from a provider's grants.
+
+mod limits;
+mod state;
+mod ticker;
+
+pub use limits::GuestLimiter;
+pub use state::HostState;
+
+use crate::capabilities;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use wasmtime::component::{Component, Linker};
+use wasmtime::{Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+
+/// How often the epoch advances; deadlines are rounded up to this.
+pub const EPOCH_TICK: Duration = Duration::from_millis(10);
+
+/// Largest linear memory any provider may ask for.
+pub const MAX_GUEST_MEMORY_BYTES: u64 = 4 << 30;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("cannot configure the wasm engine: {0}")]
+    Engine(String),
+    #[error("cannot compile component {path}: {reason}")]
+    Compile { path: String, reason: String },
+}
+
+/// Which host interfaces a store's linker provides.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinkedCapabilities {
+    pub kv: bool,
+    pub log: bool,
+}
+
+/// Shared by every provider of one host.
+pub struct Runtime {
+    engine: Engine,
+    _ticker: ticker::EpochTicker,
+}
+
+impl Runtime {
+    /// `cache_dir`: where compiled components are kept across runs (keyed by
+    /// the component's content hash and the engine's settings); `None` = no disk cache.
+    pub fn new(cache_dir: Option<&Path>) -> Result<Arc<Runtime>, RuntimeError> {
+        let mut config = Config::new();
+        config.epoch_interruption(true);
+        config.wasm_component_model(true);
+        config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling_config()));
+        // Guests get a small fiber stack: providers are not deep recursers.
+        config.max_wasm_stack(512 << 10);
+        config.async_stack_size(1 << 20);
+        if let Some(dir) = cache_dir {
+            let mut cache_config = CacheConfig::new();
+            cache_config.with_directory(dir);
+            let cache = Cache::new(cache_config).map_err(|e| RuntimeError::Engine(format!("cache: {e}")))?;
+            config.cache(Some(cache));
+        }
+        let engine = Engine::new(&config).map_err(|e| RuntimeError::Engine(e.to_string()))?;
+        let ticker = ticker::EpochTicker::start(engine.clone(), EPOCH_TICK);
+        Ok(Arc::new(Runtime { engine, _ticker: ticker }))
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub fn compile(&self, path: &Path, bytes: &[u8]) -> Result<Component, RuntimeError> {
+        Component::new(&self.engine, bytes)
+            .map_err(|e| RuntimeError::Compile { path: path.display().to_string(), reason: format!("{e:#}") })
+    }
+
+    /// A linker with WASI (nothing ambient) and exactly the granted host interfaces.
+    pub fn linker(&self, capabilities: LinkedCapabilities) -> wasmtime::Result<Linker<HostState>> {
+        let mut linker = Linker::new(&self.engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        capabilities::context::add_to_linker(&mut linker, HostState::context_view)?;
+        if capabilities.kv {
+            capabilities::kv::add_to_linker(&mut linker, |s| &mut s.kv)?;
+        }
+        if capabilities.log {
+            capabilities::log::add_to_linker(&mut linker, |s| &mut s.log)?;
+        }
+        Ok(linker)
+    }
+
+    /// Ticks of [`EPOCH_TICK`] covering `deadline` (at least one).
+    pub fn deadline_ticks(deadline: Duration) -> u64 {
+        let tick = EPOCH_TICK.as_nanos();
+        (deadline.as_nanos().div_ceil(tick)).max(1) as u64
+    }
+}
+
+/// Slots for many warm instances; virtual reservations are cheap on 64-bit.
+fn pooling_config() -> PoolingAllocationConfig {
+    let mut pooling = PoolingAllocationConfig::new();
+    pooling
+        .total_component_instances(512)
+        .total_core_instances(2048)
+        .total_memories(1024)
+        .total_tables(2048)
+        .total_stacks(512)
+        .max_memory_size(MAX_GUEST_MEMORY_BYTES as usize)
+        // Reset the first pages by memset instead of madvise, so a recycled slot
+        // does not page-fault them in again: per-call instantiation stays cheap.
+        .linear_memory_keep_resident(256 << 10)
+        .table_keep_resident(16 << 10)
+        .async_stack_keep_resident(64 << 10);
+    pooling
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deadline_ticks_round_up() {
+        assert_eq!(Runtime::deadline_ticks(Duration::from_millis(1)), 1);
+        assert_eq!(Runtime::deadline_ticks(Duration::from_millis(10)), 1);
+        assert_eq!(Runtime::deadline_ticks(Duration::from_millis(11)), 2);
+        assert_eq!(Runtime::deadline_ticks(Duration::from_secs(30)), 3000);
+    }
+}

@@ -1,0 +1,139 @@
+//! The host's embedded state, in one redb file in the data dir: registered
+//! providers, instance records, and every provider's kv namespace.
+//!
+//! redb is ACID with copy-on-write pages and a checksummed commit, so a crash
+//! mid-write leaves the previous committed state; it is pure Rust (no C
+//! toolchain), and one file per host is all the host needs.
+
+mod kv;
+pub mod records;
+
+pub use kv::RedbKv;
+pub use records::{InstanceRecord, ProviderRecord};
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use std::path::Path;
+use std::sync::Arc;
+
+const PROVIDERS: TableDefinition<&str, &[u8]> = TableDefinition::new("providers");
+/// Key: (provider, instance id).
+const INSTANCES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("instances");
+/// Key: (provider namespace, key).
+const KV: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("kv");
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("state database {path}: {reason}")]
+    Open { path: String, reason: String },
+    #[error("state database: {0}")]
+    Db(String),
+    #[error("state database holds a corrupt {what} record: {reason}")]
+    Corrupt { what: &'static str, reason: String },
+}
+
+fn db_error(err: impl Into<redb::Error>) -> StoreError {
+    StoreError::Db(err.into().to_string())
+}
+
+pub struct Store {
+    db: Arc<Database>,
+    kv: Arc<RedbKv>,
+}
+
+impl Store {
+    /// Open (or create) the state file; the data dir is created if missing.
+    pub fn open(data_dir: &Path) -> Result<Store, StoreError> {
+        let open_error =
+            |reason: String| StoreError::Open { path: data_dir.join("state.redb").display().to_string(), reason };
+        std::fs::create_dir_all(data_dir).map_err(|e| open_error(e.to_string()))?;
+        let db = Database::create(data_dir.join("state.redb")).map_err(|e| open_error(e.to_string()))?;
+        let txn = db.begin_write().map_err(db_error)?;
+        txn.open_table(PROVIDERS).map_err(db_error)?;
+        txn.open_table(INSTANCES).map_err(db_error)?;
+        txn.open_table(KV).map_err(db_error)?;
+        txn.commit().map_err(db_error)?;
+        let db = Arc::new(db);
+        Ok(Store { kv: Arc::new(RedbKv::new(db.clone())), db })
+    }
+
+    /// The kv backend behind every provider's namespace.
+    pub fn kv(&self) -> Arc<RedbKv> {
+        self.kv.clone()
+    }
+
+    pub fn put_provider(&self, record: &ProviderRecord) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(record).map_err(|e| StoreError::Db(e.to_string()))?;
+        let txn = self.db.begin_write().map_err(db_error)?;
+        txn.open_table(PROVIDERS)
+            .map_err(db_error)?
+            .insert(record.name.as_str(), bytes.as_slice())
+            .map_err(db_error)?;
+        txn.commit().map_err(db_error)
+    }
+
+    /// True if it was registered.
+    pub fn remove_provider(&self, name: &str) -> Result<bool, StoreError> {
+        let txn = self.db.begin_write().map_err(db_error)?;
+        let existed = txn.open_table(PROVIDERS).map_err(db_error)?.remove(name).map_err(db_error)?.is_some();
+        txn.commit().map_err(db_error)?;
+        Ok(existed)
+    }
+
+    pub fn provider(&self, name: &str) -> Result<Option<ProviderRecord>, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(PROVIDERS).map_err(db_error)?;
+        let value = table.get(name).map_err(db_error)?;
+        value.map(|v| decode("provider", v.value())).transpose()
+    }
+
+    pub fn providers(&self) -> Result<Vec<ProviderRecord>, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(PROVIDERS).map_err(db_error)?;
+        let mut records = Vec::new();
+        for entry in table.iter().map_err(db_error)? {
+            let (_, value) = entry.map_err(db_error)?;
+            records.push(decode("provider", value.value())?);
+        }
+        Ok(records)
+    }
+
+    pub fn put_instance(&self, record: &InstanceRecord) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(record).map_err(|e| StoreError::Db(e.to_string()))?;
+        let txn = self.db.begin_write().map_err(db_error)?;
+        txn.open_table(INSTANCES)
+            .map_err(db_error)?
+            .insert((record.provider.as_str(), record.id.as_str()), bytes.as_slice())
+            .map_err(db_error)?;
+        txn.commit().map_err(db_error)
+    }
+
+    /// Remove records in one transaction; unknown ids are ignored.
+    pub fn remove_instances(&self, provider: &str, ids: &[String]) -> Result<(), StoreError> {
+        let txn = self.db.begin_write().map_err(db_error)?;
+        {
+            let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
+            for id in ids {
+                table.remove((provider, id.as_str())).map_err(db_error)?;
+            }
+        }
+        txn.commit().map_err(db_error)
+    }
+
+    /// Records of one provider, or of all, in (provider, id) order.
+    pub fn instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(INSTANCES).map_err(db_error)?;
+        let mut records = Vec::new();
+        for entry in table.iter().map_err(db_error)? {
+            let (key, value) = entry.map_err(db_error)?;
+            if provider.is_none_or(|p| key.value().0 == p) {
+                records.push(decode("instance", value.value())?);
+            }
+        }
+        Ok(records)
+    }
+}
+
+fn decode<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt { what, reason: e.to_string() })
+}

@@ -1,0 +1,144 @@
+//! What the host remembers about providers and instances.
+
+use crate::bindings::{HardwareCharacteristics, InstanceStatus, StartInstanceParams};
+use serde::{Deserialize, Serialize};
+
+/// A registered provider: where its manifest is, and what it was when added.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ProviderRecord {
+    pub name: String,
+    /// Absolute path of the manifest.
+    pub manifest: String,
+    pub component_sha256: String,
+    pub version: String,
+    pub added: String,
+}
+
+/// Hardware with Juju's names and units (MiB); absent = unknown.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Hardware {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arch: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mem: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub root_disk: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub root_disk_source: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_cores: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_power: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tags: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub availability_zone: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub virt_type: Option<String>,
+}
+
+impl From<&HardwareCharacteristics> for Hardware {
+    fn from(h: &HardwareCharacteristics) -> Self {
+        Hardware {
+            arch: h.arch.clone(),
+            mem: h.mem,
+            root_disk: h.root_disk,
+            root_disk_source: h.root_disk_source.clone(),
+            cpu_cores: h.cpu_cores,
+            cpu_power: h.cpu_power,
+            tags: h.tags.clone(),
+            availability_zone: h.availability_zone.clone(),
+            virt_type: h.virt_type.clone(),
+        }
+    }
+}
+
+impl Hardware {
+    /// Juju's text form: `arch=amd64 cores=2 mem=2048M …`.
+    pub fn juju_text(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(v) = &self.arch {
+            parts.push(format!("arch={v}"));
+        }
+        if let Some(v) = self.cpu_cores {
+            parts.push(format!("cores={v}"));
+        }
+        if let Some(v) = self.cpu_power {
+            parts.push(format!("cpu-power={v}"));
+        }
+        if let Some(v) = self.mem {
+            parts.push(format!("mem={v}M"));
+        }
+        if let Some(v) = self.root_disk {
+            parts.push(format!("root-disk={v}M"));
+        }
+        if let Some(v) = &self.root_disk_source {
+            parts.push(format!("root-disk-source={v}"));
+        }
+        if let Some(v) = &self.tags {
+            parts.push(format!("tags={}", v.join(",")));
+        }
+        if let Some(v) = &self.availability_zone {
+            parts.push(format!("availability-zone={v}"));
+        }
+        if let Some(v) = &self.virt_type {
+            parts.push(format!("virt-type={v}"));
+        }
+        parts.join(" ")
+    }
+}
+
+/// Lower-case names of instance statuses, as the CLI and API show them.
+pub fn status_name(status: InstanceStatus) -> &'static str {
+    match status {
+        InstanceStatus::Pending => "pending",
+        InstanceStatus::Allocating => "allocating",
+        InstanceStatus::Provisioning => "provisioning",
+        InstanceStatus::Running => "running",
+        InstanceStatus::ProvisioningError => "provisioning-error",
+        InstanceStatus::Stopping => "stopping",
+        InstanceStatus::Stopped => "stopped",
+        InstanceStatus::Error => "error",
+        InstanceStatus::Unknown => "unknown",
+    }
+}
+
+/// The host's record of an instance it started.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct InstanceRecord {
+    pub id: String,
+    pub provider: String,
+    pub status: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    pub display_name: String,
+    pub hardware: Hardware,
+    pub tags: Vec<String>,
+    pub addresses: Vec<String>,
+    /// RFC 3339, UTC.
+    pub created: String,
+    /// The params it was started with, replayed by `maintain-instance`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params: Option<StartInstanceParams>,
+}
+
+/// Now, as RFC 3339 UTC with seconds.
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hardware_uses_juju_names_and_omits_unknowns() {
+        let hw = Hardware { arch: Some("amd64".into()), mem: Some(2048), cpu_cores: Some(2), ..Default::default() };
+        let json = serde_json::to_value(&hw).unwrap();
+        assert_eq!(json, serde_json::json!({"arch": "amd64", "mem": 2048, "cpu-cores": 2}));
+        assert_eq!(hw.juju_text(), "arch=amd64 cores=2 mem=2048M");
+    }
+}
