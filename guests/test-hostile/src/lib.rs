@@ -6,6 +6,7 @@
 //! - `loop`: spins forever (only the deadline stops it);
 //! - `memhog`: allocates until memory runs out;
 //! - `print`: writes a line to stdout and one to stderr.
+//!
 //! The other methods behave.
 
 use broker_guest::types::{

@@ -31,10 +31,6 @@ pub enum LoadError {
     Link { provider: String, reason: String },
 }
 
-/// Extra time past a method's deadline that the host waits for a guest that
-/// is blocked in a host call (where the epoch cannot interrupt it).
-const HOST_WAIT_GRACE: Duration = Duration::from_secs(1);
-
 /// A warm guest instance.
 struct Warm {
     store: Store<HostState>,
@@ -189,7 +185,9 @@ impl WasmProvider {
         async move {
             let deadline = self.manifest.limits.deadlines.for_method(method);
             let mut warm = self.checkout(method, deadline).await?;
-            warm.store.set_epoch_deadline(Runtime::deadline_ticks(deadline));
+            // Yield to the executor every epoch tick, so a busy guest never holds a
+            // worker thread; the deadline itself is the timeout around the call.
+            warm.store.epoch_deadline_async_yield_and_update(1);
             let context = CallContext { hooks: hooks.clone(), provider_config: self.config_json.clone() };
             let handle = warm.store.data_mut().table.push(context).map_err(|e| CallError::Instantiate {
                 provider: self.name.to_string(),
@@ -200,7 +198,7 @@ impl WasmProvider {
             let started = Instant::now();
             let outcome = {
                 let Warm { store, exports, .. } = &mut warm;
-                tokio::time::timeout(deadline + HOST_WAIT_GRACE, invoke(store, exports, borrowed)).await
+                tokio::time::timeout(deadline, invoke(store, exports, borrowed)).await
             };
             let _ = warm.store.data_mut().table.delete(handle);
             warm.calls += 1;
@@ -215,7 +213,7 @@ impl WasmProvider {
                     Err(CallError::Guest { provider: self.name.to_string(), method, error })
                 }
                 Ok(Err(trap)) => {
-                    let error = self.classify_trap(method, deadline, &warm, &trap);
+                    let error = self.classify_trap(method, &warm, &trap);
                     self.discard(warm, &error);
                     Err(error)
                 }
@@ -230,13 +228,12 @@ impl WasmProvider {
         .await
     }
 
-    fn classify_trap(&self, method: Method, deadline: Duration, warm: &Warm, trap: &wasmtime::Error) -> CallError {
+    fn classify_trap(&self, method: Method, warm: &Warm, trap: &wasmtime::Error) -> CallError {
         let provider = self.name.to_string();
         if let Some(limit) = warm.store.data().limiter.hit() {
             return CallError::Limit { provider, method, limit: limit.to_owned() };
         }
         match trap.downcast_ref::<wasmtime::Trap>() {
-            Some(wasmtime::Trap::Interrupt) => CallError::Deadline { provider, method, deadline },
             Some(code) => CallError::Trap { provider, method, reason: code.to_string() },
             None => CallError::Trap { provider, method, reason: format!("{trap:#}") },
         }
@@ -269,13 +266,16 @@ impl WasmProvider {
         let state = HostState::new(self.name.clone(), self.kv.clone(), memory_bytes);
         let mut store = Store::new(self.runtime.engine(), state);
         store.limiter(|state| &mut state.limiter);
-        store.epoch_deadline_trap();
-        store.set_epoch_deadline(Runtime::deadline_ticks(deadline));
-        let exports = self.pre.instantiate_async(&mut store).await.map_err(|e| CallError::Instantiate {
-            provider: self.name.to_string(),
-            method,
-            reason: format!("{e:#}"),
-        })?;
+        store.epoch_deadline_async_yield_and_update(1);
+        let instantiation = tokio::time::timeout(deadline, self.pre.instantiate_async(&mut store));
+        let exports = match instantiation.await {
+            Ok(Ok(exports)) => exports,
+            Ok(Err(e)) => {
+                let reason = format!("{e:#}");
+                return Err(CallError::Instantiate { provider: self.name.to_string(), method, reason });
+            }
+            Err(_elapsed) => return Err(CallError::Deadline { provider: self.name.to_string(), method, deadline }),
+        };
         self.stats.instantiations.fetch_add(1, Ordering::Relaxed);
         Ok(Warm { store, exports, calls: 0, born: Instant::now() })
     }

@@ -103,6 +103,11 @@ pub struct StartArgs {
     json: bool,
 }
 
+/// A mistake in how the command was called (exit code 2), found after parsing.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
 fn default_data_dir() -> PathBuf {
     match std::env::var_os("HOME") {
         Some(home) => PathBuf::from(home).join(".local/share/wasm-broker"),
@@ -150,7 +155,8 @@ async fn provider(broker: &Broker, command: ProviderCommand, out: &mut impl Writ
 async fn instance(broker: &Broker, command: InstanceCommand, out: &mut impl Write) -> Result<()> {
     match command {
         InstanceCommand::Start(args) => {
-            let constraints = constraints::parse(&args.constraints).context("invalid --constraints")?;
+            let constraints = constraints::parse(&args.constraints)
+                .map_err(|e| UsageError(format!("invalid --constraints {:?}: {e}", args.constraints)))?;
             let mut params = params_with(constraints);
             params.placement = args.placement.clone();
             let provider = args.provider.clone();

@@ -16,7 +16,7 @@ use std::time::Duration;
 use wasmtime::component::{Component, Linker};
 use wasmtime::{Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
-/// How often the epoch advances; deadlines are rounded up to this.
+/// How often the epoch advances: a running guest yields to the executor this often.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 
 /// Largest linear memory any provider may ask for.
@@ -87,12 +87,6 @@ impl Runtime {
         }
         Ok(linker)
     }
-
-    /// Ticks of [`EPOCH_TICK`] covering `deadline` (at least one).
-    pub fn deadline_ticks(deadline: Duration) -> u64 {
-        let tick = EPOCH_TICK.as_nanos();
-        (deadline.as_nanos().div_ceil(tick)).max(1) as u64
-    }
 }
 
 /// Slots for many warm instances; virtual reservations are cheap on 64-bit.
@@ -111,17 +105,4 @@ fn pooling_config() -> PoolingAllocationConfig {
         .table_keep_resident(16 << 10)
         .async_stack_keep_resident(64 << 10);
     pooling
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn deadline_ticks_round_up() {
-        assert_eq!(Runtime::deadline_ticks(Duration::from_millis(1)), 1);
-        assert_eq!(Runtime::deadline_ticks(Duration::from_millis(10)), 1);
-        assert_eq!(Runtime::deadline_ticks(Duration::from_millis(11)), 2);
-        assert_eq!(Runtime::deadline_ticks(Duration::from_secs(30)), 3000);
-    }
 }

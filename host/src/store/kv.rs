@@ -7,15 +7,15 @@ use redb::{Database, ReadableDatabase};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
 
+type Namespace = Arc<RwLock<BTreeMap<String, Vec<u8>>>>;
+
 pub struct RedbKv {
     db: Arc<Database>,
     /// Loaded namespaces; a namespace is read from disk once, on first use.
-    mirror: RwLock<HashMap<String, Arc<RwLock<BTreeMap<String, Vec<u8>>>>>>,
+    mirror: RwLock<HashMap<String, Namespace>>,
     /// Serialises writers so the mirror and the disk change in the same order.
     write_lock: Mutex<()>,
 }
-
-type Namespace = Arc<RwLock<BTreeMap<String, Vec<u8>>>>;
 
 fn storage(err: super::StoreError) -> KvError {
     KvError::Storage(err.to_string())

@@ -1,0 +1,153 @@
+//! The `broker` binary end to end, on the bundled fake provider.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use serde_json::Value;
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn broker(data_dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_broker"))
+        .arg("--data-dir")
+        .arg(data_dir)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run broker")
+}
+
+fn ok(data_dir: &Path, args: &[&str]) -> String {
+    let out = broker(data_dir, args);
+    assert!(out.status.success(), "broker {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn json(data_dir: &Path, args: &[&str]) -> Value {
+    serde_json::from_str(&ok(data_dir, args)).expect("--json prints JSON")
+}
+
+fn fake_manifest() -> String {
+    guest_artifacts::manifest("fake").display().to_string()
+}
+
+#[test]
+fn start_list_stop_maintain_through_the_fake_provider() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    assert!(ok(data, &["provider", "add", &fake_manifest()]).contains("added provider fake"));
+    let providers = json(data, &["provider", "list", "--json"]);
+    assert_eq!(providers[0]["name"], "fake");
+
+    let out = broker(
+        data,
+        &[
+            "instance",
+            "start",
+            "--provider",
+            "fake",
+            "--constraints",
+            "mem=2G cores=2 arch=amd64 tags=a,b zones=zone-b",
+            "--json",
+        ],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let progress = String::from_utf8_lossy(&out.stderr);
+    assert!(progress.contains("[fake] allocating") && progress.contains("[fake] running"), "{progress}");
+    let started: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(started["id"], "fake-0");
+    assert_eq!(started["provider"], "fake");
+    assert_eq!(started["status"], "running");
+    let hw = &started["hardware"];
+    assert_eq!((hw["mem"].as_u64(), hw["cpu-cores"].as_u64()), (Some(2048), Some(2)));
+    assert_eq!(hw["arch"], "amd64");
+    assert_eq!(hw["availability-zone"], "zone-b");
+    assert_eq!(hw["tags"], serde_json::json!(["a", "b"]));
+    assert!(hw.get("root-disk").is_none(), "unknown hardware is absent, not null");
+
+    let placed = json(data, &["instance", "start", "--provider", "fake", "--placement", "zone=zone-c", "--json"]);
+    assert_eq!(placed["hardware"]["availability-zone"], "zone-c");
+
+    let listed = json(data, &["instance", "list", "--json"]);
+    let ids: Vec<&str> = listed.as_array().unwrap().iter().map(|i| i["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["fake-0", "fake-1"]);
+    let table = ok(data, &["instance", "list"]);
+    assert!(table.starts_with("ID") && table.contains("fake-1") && table.contains("zone-c"), "{table}");
+
+    assert!(ok(data, &["instance", "maintain", "fake-0"]).contains("maintained fake-0"));
+    assert!(ok(data, &["instance", "stop", "fake-0"]).contains("stopped fake-0"));
+    let listed = json(data, &["instance", "list", "--provider", "fake", "--json"]);
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    // Stopping an id the provider never had is fine when the provider is named.
+    ok(data, &["instance", "stop", "--provider", "fake", "fake-0"]);
+}
+
+#[test]
+fn exit_codes_separate_usage_errors_from_failures() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    assert_eq!(broker(data, &["instance", "frobnicate"]).status.code(), Some(2));
+    assert_eq!(broker(data, &["--help"]).status.code(), Some(0));
+
+    ok(data, &["provider", "add", &fake_manifest()]);
+    let unknown_key = broker(data, &["instance", "start", "--provider", "fake", "--constraints", "colour=red"]);
+    assert_eq!(unknown_key.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&unknown_key.stderr).contains("unknown constraint \"colour\""));
+    let twice = broker(data, &["instance", "start", "--provider", "fake", "--constraints", "mem=1G mem=2G"]);
+    assert_eq!(twice.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&twice.stderr).contains("\"mem\" constraint: already set"));
+
+    let no_provider = broker(data, &["instance", "start", "--provider", "nope"]);
+    assert_eq!(no_provider.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&no_provider.stderr).contains("unknown provider \"nope\""));
+    let bad_zone = broker(data, &["instance", "start", "--provider", "fake", "--placement", "zone=mars"]);
+    assert_eq!(bad_zone.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad_zone.stderr).contains("invalid params"));
+    let unknown_instance = broker(data, &["instance", "stop", "fake-99"]);
+    assert_eq!(unknown_instance.status.code(), Some(1));
+}
+
+#[test]
+fn refuses_a_provider_with_instances_and_a_missing_manifest() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    ok(data, &["provider", "add", &fake_manifest()]);
+    ok(data, &["instance", "start", "--provider", "fake"]);
+    let remove = broker(data, &["provider", "remove", "fake"]);
+    assert_eq!(remove.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&remove.stderr).contains("still has 1 recorded instance"));
+    let missing = broker(data, &["provider", "add", "/nonexistent/provider.toml"]);
+    assert_eq!(missing.status.code(), Some(1));
+    ok(data, &["instance", "stop", "fake-0"]);
+    ok(data, &["provider", "remove", "fake"]);
+    assert_eq!(json(data, &["provider", "list", "--json"]), serde_json::json!([]));
+}
+
+/// Kill the CLI with SIGKILL at many points of `instance start`: the state
+/// always reopens, and every instance the host recorded exists in the
+/// provider's kv (the provider writes first, the host records after).
+#[test]
+fn a_killed_start_leaves_the_state_consistent() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    ok(data, &["provider", "add", &fake_manifest()]);
+    for round in 0..24u64 {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_broker"))
+            .arg("--data-dir")
+            .arg(data)
+            .args(["instance", "start", "--provider", "fake"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(round * 4));
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let listed = json(data, &["instance", "list", "--json"]);
+    for instance in listed.as_array().unwrap() {
+        assert_ne!(instance["status"], "unknown", "every recorded instance is known to the provider: {instance}");
+    }
+    // And the host still works on that state.
+    let started = json(data, &["instance", "start", "--provider", "fake", "--json"]);
+    assert_eq!(started["status"], "running");
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Every check CI runs: formatting, clippy, unit and end-to-end tests (which
+# build the guests), and the benchmarks in test mode. Needs only rustup.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+rustup target add wasm32-wasip2
+rustup component add rustfmt clippy
+
+cargo fmt --all --check
+(cd guests && cargo fmt --all --check)
+
+# Host workspace; the guest build runs inside it (tests/artifacts/build.rs).
+cargo clippy --release --workspace --all-targets -- -D warnings
+(cd guests && cargo clippy --release --workspace -- -D warnings)
+
+# The fake provider's logic, natively (guests/.cargo/config.toml only applies inside guests/).
+cargo test --release --manifest-path guests/fake-logic/Cargo.toml
+
+cargo test --release --workspace
+# Each benchmark once, as a test: they must keep working.
+cargo bench --workspace -- --test

@@ -1,0 +1,146 @@
+//! Containment: hostile guests trap, loop and hog memory; each gets its typed
+//! error, the bad instance is never reused, and the host serves the next call.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use broker_host::broker::{CallError, WasmProvider};
+use broker_host::capabilities::context::CallHooks;
+use broker_host::capabilities::kv::{KvBackend, MemoryKv};
+use broker_host::runtime::Runtime;
+use broker_tests::{fake_manifest_extra, load_provider, runtime};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+struct Hostile {
+    _dir: tempfile::TempDir,
+    kv: Arc<MemoryKv>,
+    provider: WasmProvider,
+    runtime: Arc<Runtime>,
+}
+
+fn hostile(isolation: &str) -> Hostile {
+    hostile_with(isolation, "")
+}
+
+/// `limits`: extra lines for the manifest's [limits] table.
+fn hostile_with(isolation: &str, limits: &str) -> Hostile {
+    let dir = tempfile::tempdir().unwrap();
+    let kv = Arc::new(MemoryKv::default());
+    let runtime = runtime();
+    let extra = format!(
+        "isolation = \"{isolation}\"\n[limits]\nmemory-mib = 16\n{limits}\n[limits.deadlines]\ndefault = \"300ms\"\n[grants]\nkv = true\n"
+    );
+    let provider = load_provider(&runtime, kv.clone(), dir.path(), "hostile", "test-hostile", &extra).expect("load");
+    Hostile { _dir: dir, kv, provider, runtime }
+}
+
+impl Hostile {
+    fn mode(&self, mode: &str) {
+        self.kv.set("hostile", "mode", mode.as_bytes()).unwrap();
+    }
+
+    /// The number of calls the answering instance has served, counted in wasm memory.
+    async fn served(&self) -> u64 {
+        self.mode("count");
+        let instances = self.provider.all_instances(&CallHooks::default()).await.expect("count call");
+        instances[0].id.parse().unwrap()
+    }
+}
+
+#[tokio::test]
+async fn pooled_instances_are_reused_per_call_instances_are_not() {
+    let pooled = hostile("pooled");
+    assert_eq!([pooled.served().await, pooled.served().await, pooled.served().await], [1, 2, 3]);
+    assert_eq!(pooled.provider.stats().instantiations.load(Ordering::Relaxed), 1);
+
+    let per_call = hostile("per-call");
+    assert_eq!([per_call.served().await, per_call.served().await, per_call.served().await], [1, 1, 1]);
+    assert_eq!(per_call.provider.stats().instantiations.load(Ordering::Relaxed), 3);
+    assert_eq!(per_call.provider.pooled_instances(), 0);
+}
+
+#[tokio::test]
+async fn pooled_instances_retire_after_max_calls_and_max_age() {
+    let by_calls = hostile_with("pooled", "max-calls = 2");
+    let mut served = Vec::new();
+    for _ in 0..5 {
+        served.push(by_calls.served().await);
+    }
+    assert_eq!(served, [1, 2, 1, 2, 1]);
+
+    let by_age = hostile_with("pooled", "max-age = \"50ms\"");
+    assert_eq!(by_age.served().await, 1);
+    assert_eq!(by_age.served().await, 2);
+    tokio::time::sleep(std::time::Duration::from_millis(60)).await;
+    assert_eq!(by_age.served().await, 1, "an instance older than max-age is not reused");
+}
+
+#[tokio::test]
+async fn trap_gives_typed_error_and_the_instance_is_never_reused() {
+    let h = hostile("pooled");
+    assert_eq!(h.served().await, 1);
+    h.mode("trap");
+    let err = h.provider.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(matches!(&err, CallError::Trap { provider, .. } if provider == "hostile"), "{err}");
+    assert!(err.to_string().contains("all-instances trapped"), "{err}");
+    assert_eq!(h.provider.pooled_instances(), 0, "the trapped instance went back to no pool");
+    assert_eq!(h.served().await, 1, "the next call runs on a fresh instance");
+}
+
+#[tokio::test]
+async fn loop_past_deadline_is_stopped() {
+    let h = hostile("pooled");
+    h.mode("loop");
+    let err = h.provider.all_instances(&CallHooks::default()).await.unwrap_err();
+    match &err {
+        CallError::Deadline { provider, method, deadline } => {
+            assert_eq!(provider, "hostile");
+            assert_eq!(method.name(), "all-instances");
+            assert_eq!(deadline.as_millis(), 300);
+        }
+        other => panic!("expected a deadline error, got {other}"),
+    }
+    assert_eq!(h.served().await, 1, "the looping instance was discarded");
+}
+
+#[tokio::test]
+async fn memory_hog_hits_its_limit() {
+    let h = hostile("pooled");
+    h.mode("memhog");
+    let err = h.provider.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(matches!(&err, CallError::Limit { limit, .. } if limit.contains("memory limit of 16 MiB")), "{err}");
+    assert_eq!(h.served().await, 1, "the instance that hit the limit was discarded");
+}
+
+/// A looping guest yields its worker at every epoch tick: other providers keep
+/// answering while it spins, and it is stopped at its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_providers_keep_serving_while_one_misbehaves() {
+    let h = Arc::new(hostile("pooled"));
+    let dir = tempfile::tempdir().unwrap();
+    let fake = load_provider(
+        &h.runtime,
+        Arc::new(MemoryKv::default()),
+        dir.path(),
+        "fake",
+        "fake",
+        &fake_manifest_extra("pooled"),
+    )
+    .unwrap();
+    h.mode("loop");
+    let spinning = h.clone();
+    let looping = tokio::spawn(async move { spinning.provider.all_instances(&CallHooks::default()).await });
+    tokio::task::yield_now().await;
+    for _ in 0..20 {
+        fake.all_instances(&CallHooks::default()).await.expect("fake answers");
+    }
+    assert!(!looping.is_finished(), "20 calls to the fake were answered while the hostile guest was still spinning");
+    assert!(matches!(looping.await.unwrap(), Err(CallError::Deadline { .. })));
+}
+
+#[tokio::test]
+async fn guest_output_does_not_break_the_call() {
+    let h = hostile("per-call");
+    h.mode("print");
+    assert!(h.provider.all_instances(&CallHooks::default()).await.unwrap().is_empty());
+}
