@@ -55,9 +55,8 @@ async fn lifecycle(isolation: &str) {
 
     // Maintain marks the instance; an unknown one is a typed not-found.
     provider.maintain_instance(&none, "fake-0", &empty_params()).await.unwrap();
-    let record: serde_json::Value =
-        serde_json::from_slice(&kv.get("fake", "instance/fake-0").unwrap().unwrap()).unwrap();
-    assert_eq!(record["maintained"], 1);
+    let record = fake_logic::decode(&kv.get("fake", "instance/fake-0").unwrap().unwrap()).unwrap();
+    assert_eq!(record.maintained, 1);
     let err = provider.maintain_instance(&none, "fake-1", &empty_params()).await.unwrap_err();
     assert!(matches!(err.broker_error(), Some(BrokerError::NotFound(_))), "{err}");
 }

@@ -131,12 +131,14 @@ fn instance_key(id: &str) -> String {
     format!("{INSTANCE_PREFIX}{id}")
 }
 
-fn decode(bytes: &[u8]) -> Result<FakeInstance, FakeError> {
-    serde_json::from_slice(bytes).map_err(|e| FakeError::Storage(format!("corrupt instance record: {e}")))
+/// Records are postcard, not JSON: decoding dominates `all-instances`, and
+/// postcard decodes several times faster, inside wasm as natively.
+pub fn decode(bytes: &[u8]) -> Result<FakeInstance, FakeError> {
+    postcard::from_bytes(bytes).map_err(|e| FakeError::Storage(format!("corrupt instance record: {e}")))
 }
 
 fn encode(instance: &FakeInstance) -> Result<Vec<u8>, FakeError> {
-    serde_json::to_vec(instance).map_err(|e| FakeError::Storage(e.to_string()))
+    postcard::to_allocvec(instance).map_err(|e| FakeError::Storage(e.to_string()))
 }
 
 /// Start an instance: pick its zone, echo the constraints as hardware, store it.
