@@ -138,9 +138,38 @@ async fn other_providers_keep_serving_while_one_misbehaves() {
     assert!(matches!(looping.await.unwrap(), Err(CallError::Deadline { .. })));
 }
 
+/// Collects what a `tracing` fmt subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 #[tokio::test]
-async fn guest_output_does_not_break_the_call() {
+async fn guest_stdout_and_stderr_become_tracing_events_with_the_provider_name() {
+    let captured = Captured::default();
+    let sink = captured.clone();
+    let subscriber = tracing_subscriber::fmt().with_writer(move || sink.clone()).with_ansi(false).finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
     let h = hostile("per-call");
     h.mode("print");
     assert!(h.provider.all_instances(&CallHooks::default()).await.unwrap().is_empty());
+
+    let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let line_of = |stream: &str| logs.lines().find(|l| l.contains(&format!("stream=\"{stream}\""))).map(str::to_owned);
+    let stdout = line_of("stdout").unwrap_or_else(|| panic!("no stdout event in:\n{logs}"));
+    assert!(
+        stdout.contains("provider=\"hostile\"") && stdout.contains("hello from the hostile guest's stdout"),
+        "{stdout}"
+    );
+    let stderr = line_of("stderr").unwrap_or_else(|| panic!("no stderr event in:\n{logs}"));
+    assert!(stderr.contains("hello from the hostile guest's stderr"), "{stderr}");
 }

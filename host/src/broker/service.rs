@@ -55,6 +55,7 @@ impl Broker {
         &self.store
     }
 
+    #[tracing::instrument(skip_all, fields(provider = %provider, instance_id = tracing::field::Empty))]
     pub async fn start_instance(
         &self,
         provider: &str,
@@ -64,6 +65,7 @@ impl Broker {
         let wasm = self.registry.get(provider).await?;
         let result = wasm.start_instance(hooks, params).await?;
         let instance = &result.instance;
+        tracing::Span::current().record("instance_id", instance.id.as_str());
         let record = InstanceRecord {
             id: instance.id.clone(),
             provider: provider.to_owned(),
@@ -85,6 +87,7 @@ impl Broker {
     }
 
     /// Stop instances of one provider; unknown ids are ignored.
+    #[tracing::instrument(skip(self, ids), fields(instance_ids = ?ids))]
     pub async fn stop_instances(&self, provider: &str, ids: &[String]) -> Result<(), BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
         wasm.stop_instances(&CallHooks::default(), ids).await?;
@@ -92,6 +95,7 @@ impl Broker {
         Ok(())
     }
 
+    #[tracing::instrument(skip(self, id), fields(instance_id = %id))]
     pub async fn maintain_instance(&self, provider: &str, id: &str) -> Result<(), BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
         let params = self
