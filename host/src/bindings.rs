@@ -12,6 +12,7 @@ wasmtime::component::bindgen!({
     exports: { default: async },
     with: {
         "broker:provider/context.call-context": crate::capabilities::context::CallContext,
+        "broker:provider/machine-lock.lock-guard": crate::capabilities::machine_lock::HeldLock,
     },
     additional_derives: [serde::Serialize, serde::Deserialize, PartialEq],
 });

@@ -23,7 +23,7 @@ fn main() -> ExitCode {
         }
     };
     match runtime.block_on(run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(code),
         Err(e) if e.downcast_ref::<UsageError>().is_some() => {
             eprintln!("error: {e:#}\n(see `broker --help`)");
             ExitCode::from(2)

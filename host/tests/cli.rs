@@ -26,6 +26,20 @@ fn json(data_dir: &Path, args: &[&str]) -> Value {
     serde_json::from_str(&ok(data_dir, args)).expect("--json prints JSON")
 }
 
+/// The names of the files under `dir`, at any depth.
+fn file_names(dir: &Path) -> Vec<String> {
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            names.extend(file_names(&path));
+        } else {
+            names.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    names
+}
+
 fn fake_manifest() -> String {
     guest_artifacts::manifest("fake").display().to_string()
 }
@@ -35,6 +49,9 @@ fn start_list_stop_maintain_through_the_fake_provider() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path();
     assert!(ok(data, &["provider", "add", &fake_manifest()]).contains("added provider fake"));
+    // wasmtime names a cached module by its hash; its bookkeeping files have dots.
+    let modules = file_names(&data.join("cache")).into_iter().filter(|n| !n.contains('.')).count();
+    assert!(modules >= 1, "the compiled component is cached on disk for the next run");
     let providers = json(data, &["provider", "list", "--json"]);
     assert_eq!(providers[0]["name"], "fake");
 

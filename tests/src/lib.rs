@@ -4,7 +4,7 @@
 use broker_host::broker::WasmProvider;
 use broker_host::capabilities::kv::KvBackend;
 use broker_host::providers::Manifest;
-use broker_host::runtime::Runtime;
+use broker_host::runtime::{HostCapabilities, Runtime};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -28,8 +28,20 @@ pub fn load_provider(
     guest_crate: &str,
     extra: &str,
 ) -> Result<WasmProvider, broker_host::broker::wasm::LoadError> {
+    load_provider_with(runtime, HostCapabilities { kv, machine_lock: None }, dir, name, guest_crate, extra)
+}
+
+/// As [`load_provider`], with every host capability given.
+pub fn load_provider_with(
+    runtime: &Arc<Runtime>,
+    capabilities: HostCapabilities,
+    dir: &Path,
+    name: &str,
+    guest_crate: &str,
+    extra: &str,
+) -> Result<WasmProvider, broker_host::broker::wasm::LoadError> {
     let manifest = Manifest::load(&write_manifest(dir, name, guest_crate, extra))?;
-    WasmProvider::load(runtime.clone(), manifest, kv)
+    WasmProvider::load(runtime.clone(), manifest, capabilities)
 }
 
 /// Grants and config of the bundled fake, with a chosen isolation.

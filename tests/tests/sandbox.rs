@@ -173,3 +173,49 @@ async fn guest_stdout_and_stderr_become_tracing_events_with_the_provider_name() 
     let stderr = line_of("stderr").unwrap_or_else(|| panic!("no stderr event in:\n{logs}"));
     assert!(stderr.contains("hello from the hostile guest's stderr"), "{stderr}");
 }
+
+/// The machine lock through a real guest: access-denied without the grant; with
+/// it, a guard the guest forgets is released when its call ends.
+#[tokio::test]
+async fn machine_lock_needs_its_grant_and_cannot_leak() {
+    use broker_host::bindings::BrokerError;
+    use broker_host::capabilities::machine_lock::MachineLock;
+    use broker_host::runtime::HostCapabilities;
+
+    let dir = tempfile::tempdir().unwrap();
+    let lock = MachineLock::new(dir.path(), "machine-lock", "test").unwrap();
+    let kv = Arc::new(MemoryKv::default());
+    let caps = HostCapabilities { kv: kv.clone(), machine_lock: Some(lock.clone()) };
+    let rt = runtime();
+    let base = "[limits.deadlines]\ndefault = \"5s\"\n[grants]\nkv = true\n";
+    let ungranted =
+        broker_tests::load_provider_with(&rt, caps.clone(), dir.path(), "hostile", "test-hostile", base).unwrap();
+    kv.set("hostile", "mode", b"lock").unwrap();
+    let err = ungranted.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(matches!(err.broker_error(), Some(BrokerError::AccessDenied(m)) if m.contains("machine-lock")), "{err}");
+
+    let granted = broker_tests::load_provider_with(
+        &rt,
+        caps,
+        dir.path(),
+        "hostile",
+        "test-hostile",
+        &format!("{base}machine-lock = true\n"),
+    )
+    .unwrap();
+    assert_eq!(granted.all_instances(&CallHooks::default()).await.unwrap()[0].id, "locked");
+    kv.set("hostile", "mode", b"lock-leak").unwrap();
+    assert_eq!(granted.all_instances(&CallHooks::default()).await.unwrap()[0].id, "locked");
+    let report = lock.report(10);
+    assert!(report.holder.is_none(), "the forgotten guard was released at the end of the call");
+    assert_eq!(report.history.len(), 2);
+    assert!(report.history[1].contains("hostile (lock-leak)"), "{:?}", report.history);
+
+    // While the host holds the lock, the guest's acquire times out with Juju's message.
+    let _held = lock
+        .acquire(broker_host::capabilities::machine_lock::Spec { worker: "host".into(), ..Default::default() })
+        .await
+        .unwrap();
+    let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(matches!(err.broker_error(), Some(BrokerError::Timeout(m)) if m == "timeout acquiring mutex"), "{err}");
+}

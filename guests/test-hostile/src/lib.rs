@@ -5,14 +5,16 @@
 //! - `trap`: panics (a wasm trap);
 //! - `loop`: spins forever (only the deadline stops it);
 //! - `memhog`: allocates until memory runs out;
-//! - `print`: writes a line to stdout and one to stderr.
+//! - `print`: writes a line to stdout and one to stderr;
+//! - `lock`: takes the machine lock and releases it, returning instance `locked`;
+//! - `lock-leak`: takes the machine lock and forgets the guard.
 //!
 //! The other methods behave.
 
 use broker_guest::types::{
     BrokerError, Instance, InstanceStatus, ProviderInfo, StartInstanceParams, StartInstanceResult,
 };
-use broker_guest::{CallContext, Guest, host_kv};
+use broker_guest::{CallContext, Guest, host_kv, machine_lock};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 static CALLS_SERVED: AtomicU64 = AtomicU64::new(0);
@@ -59,6 +61,20 @@ impl Guest for Hostile {
                     hoard.push(vec![1u8; 1 << 20]);
                     std::hint::black_box(&hoard);
                 }
+            }
+            mode @ ("lock" | "lock-leak") => {
+                let guard = machine_lock::acquire("hostile", mode, 1000)?;
+                if mode == "lock-leak" {
+                    std::mem::forget(guard);
+                } else {
+                    guard.release();
+                }
+                Ok(vec![Instance {
+                    id: "locked".into(),
+                    status: InstanceStatus::Running,
+                    message: String::new(),
+                    addresses: vec![],
+                }])
             }
             "print" => {
                 println!("hello from the hostile guest's stdout");

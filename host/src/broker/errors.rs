@@ -39,6 +39,7 @@ pub fn describe_broker_error(error: &BrokerError) -> String {
         BrokerError::ZoneUnavailable(m) => ("zone unavailable", m),
         BrokerError::AccessDenied(m) => ("access denied", m),
         BrokerError::Aborted(m) => ("aborted", m),
+        BrokerError::Timeout(m) => ("timeout", m),
         BrokerError::Provider(m) => ("provider error", m),
     };
     format!("{kind}: {message}")

@@ -79,7 +79,8 @@ fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
     }
     let not_granted = |grant| ContractError::NotGranted { import: import.to_owned(), grant };
     match interface {
-        "types" | "context" => Ok(()),
+        // Linked for everyone; without the grant its calls answer access-denied.
+        "types" | "context" | "machine-lock" => Ok(()),
         "kv" if grants.kv => Ok(()),
         "kv" => Err(not_granted("kv")),
         "log" if grants.log => Ok(()),

@@ -3,8 +3,9 @@
 use super::CallError;
 use crate::bindings::{Instance, StartInstanceParams};
 use crate::capabilities::context::CallHooks;
+use crate::capabilities::machine_lock::{LockError, MachineLock};
 use crate::providers::{Registry, RegistryError};
-use crate::runtime::{Runtime, RuntimeError};
+use crate::runtime::{HostCapabilities, Runtime, RuntimeError};
 use crate::store::records::{Hardware, now_rfc3339, status_name};
 use crate::store::{Store, StoreError};
 use std::path::Path;
@@ -22,6 +23,8 @@ pub enum BrokerServiceError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+    #[error(transparent)]
+    Lock(#[from] LockError),
     #[error("unknown instance {0:?}: the host has no record of it (pass --provider to ask a provider directly)")]
     UnknownInstance(String),
     #[error("instance id {id:?} is recorded for several providers ({providers}); pass --provider")]
@@ -40,11 +43,13 @@ impl Broker {
     pub fn open(data_dir: &Path) -> Result<Broker, BrokerServiceError> {
         let store = Arc::new(Store::open(data_dir)?);
         let runtime = Runtime::new(Some(&data_dir.join("cache")))?;
-        Ok(Broker::with_parts(runtime, store))
+        let machine_lock = machine_lock(data_dir)?;
+        Ok(Broker::with_parts(runtime, store, machine_lock))
     }
 
-    pub fn with_parts(runtime: Arc<Runtime>, store: Arc<Store>) -> Broker {
-        Broker { registry: Registry::new(runtime, store.clone()), store }
+    pub fn with_parts(runtime: Arc<Runtime>, store: Arc<Store>, machine_lock: MachineLock) -> Broker {
+        let capabilities = HostCapabilities { kv: store.kv(), machine_lock: Some(machine_lock) };
+        Broker { registry: Registry::new(runtime, store.clone(), capabilities), store }
     }
 
     pub fn registry(&self) -> &Registry {
@@ -153,6 +158,11 @@ impl Broker {
         out.sort_by(|a, b| (&a.provider, &a.id).cmp(&(&b.provider, &b.id)));
         Ok(out)
     }
+}
+
+/// The machine's lock in `data_dir`, as this host (agent `broker`) takes it.
+pub fn machine_lock(data_dir: &Path) -> Result<MachineLock, LockError> {
+    MachineLock::new(data_dir, "machine-lock", "broker")
 }
 
 fn unrecorded(provider: &str, instance: &Instance) -> InstanceRecord {

@@ -7,9 +7,8 @@ use crate::bindings::{
     BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
 };
 use crate::capabilities::context::{CallContext, CallHooks};
-use crate::capabilities::kv::KvBackend;
 use crate::providers::manifest::{Isolation, Manifest, ManifestError, Method};
-use crate::runtime::{HostState, LinkedCapabilities, Runtime, RuntimeError};
+use crate::runtime::{HostCapabilities, HostState, LinkedCapabilities, Runtime, RuntimeError};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,7 +54,7 @@ pub struct WasmProvider {
     sha256: String,
     runtime: Arc<Runtime>,
     pre: ProviderPre<HostState>,
-    kv: Arc<dyn KvBackend>,
+    capabilities: HostCapabilities,
     config_json: Arc<str>,
     pool: Mutex<Vec<Warm>>,
     stats: ProviderStats,
@@ -63,7 +62,11 @@ pub struct WasmProvider {
 
 impl WasmProvider {
     /// Read, verify, compile, check and link the manifest's component.
-    pub fn load(runtime: Arc<Runtime>, manifest: Manifest, kv: Arc<dyn KvBackend>) -> Result<WasmProvider, LoadError> {
+    pub fn load(
+        runtime: Arc<Runtime>,
+        manifest: Manifest,
+        capabilities: HostCapabilities,
+    ) -> Result<WasmProvider, LoadError> {
         let (bytes, sha256) = manifest.read_component()?;
         let component = runtime.compile(&manifest.component, &bytes)?;
         let provider = manifest.name.clone();
@@ -77,6 +80,7 @@ impl WasmProvider {
             .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
         let pre = ProviderPre::new(instance_pre)
             .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
+        let granted_lock = manifest.grants.machine_lock;
         Ok(WasmProvider {
             name: provider.into(),
             config_json: manifest.config_json.clone().into(),
@@ -84,7 +88,10 @@ impl WasmProvider {
             sha256,
             runtime,
             pre,
-            kv,
+            capabilities: HostCapabilities {
+                machine_lock: capabilities.machine_lock.filter(|_| granted_lock),
+                ..capabilities
+            },
             pool: Mutex::new(Vec::new()),
             stats: ProviderStats::default(),
         })
@@ -188,6 +195,7 @@ impl WasmProvider {
             // Yield to the executor every epoch tick, so a busy guest never holds a
             // worker thread; the deadline itself is the timeout around the call.
             warm.store.epoch_deadline_async_yield_and_update(1);
+            warm.store.data_mut().machine_lock.begin_call(hooks.abort.clone());
             let context = CallContext { hooks: hooks.clone(), provider_config: self.config_json.clone() };
             let handle = warm.store.data_mut().table.push(context).map_err(|e| CallError::Instantiate {
                 provider: self.name.to_string(),
@@ -201,6 +209,7 @@ impl WasmProvider {
                 tokio::time::timeout(deadline, invoke(store, exports, borrowed)).await
             };
             let _ = warm.store.data_mut().table.delete(handle);
+            warm.store.data_mut().end_call();
             warm.calls += 1;
             tracing::debug!(elapsed_us = started.elapsed().as_micros() as u64, "call finished");
             match outcome {
@@ -263,7 +272,8 @@ impl WasmProvider {
 
     async fn instantiate(&self, method: Method, deadline: Duration) -> Result<Warm, CallError> {
         let memory_bytes = (self.manifest.limits.memory_mib << 20) as usize;
-        let state = HostState::new(self.name.clone(), self.kv.clone(), memory_bytes);
+        let caps = &self.capabilities;
+        let state = HostState::new(self.name.clone(), caps.kv.clone(), caps.machine_lock.clone(), memory_bytes);
         let mut store = Store::new(self.runtime.engine(), state);
         store.limiter(|state| &mut state.limiter);
         store.epoch_deadline_async_yield_and_update(1);

@@ -5,4 +5,5 @@
 pub mod context;
 pub mod kv;
 pub mod log;
+pub mod machine_lock;
 pub mod wasi;

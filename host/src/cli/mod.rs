@@ -1,6 +1,7 @@
 //! The `broker` command line. Exit codes: 0 success, 1 the operation failed,
 //! 2 usage error.
 
+mod lock;
 mod output;
 
 use crate::broker::service::params_with;
@@ -40,6 +41,8 @@ pub enum Command {
     /// Start, list, stop and maintain instances through a provider.
     #[command(subcommand)]
     Instance(InstanceCommand),
+    /// Report the machine lock (holder, waiting, history), or hold it around a program.
+    Lock(lock::LockArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -115,15 +118,22 @@ fn default_data_dir() -> PathBuf {
     }
 }
 
-/// Run the CLI; the caller maps the result to an exit code.
-pub async fn run(cli: Cli) -> Result<()> {
+/// Run the CLI; returns the exit code of a successful run (errors exit 1, or 2
+/// for a [`UsageError`]).
+pub async fn run(cli: Cli) -> Result<u8> {
+    let mut stdout = std::io::stdout().lock();
+    // The lock commands never open the state database, which another broker may hold.
+    if let Command::Lock(args) = cli.command {
+        return lock::run(&cli.data_dir, args, &mut stdout).await;
+    }
     let broker = Broker::open(&cli.data_dir)
         .with_context(|| format!("cannot open the broker state in {}", cli.data_dir.display()))?;
-    let mut stdout = std::io::stdout().lock();
     match cli.command {
-        Command::Provider(command) => provider(&broker, command, &mut stdout).await,
-        Command::Instance(command) => instance(&broker, command, &mut stdout).await,
+        Command::Provider(command) => provider(&broker, command, &mut stdout).await?,
+        Command::Instance(command) => instance(&broker, command, &mut stdout).await?,
+        Command::Lock(_) => unreachable!("handled above"),
     }
+    Ok(0)
 }
 
 async fn provider(broker: &Broker, command: ProviderCommand, out: &mut impl Write) -> Result<()> {

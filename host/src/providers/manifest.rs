@@ -16,6 +16,7 @@
 //! [grants]
 //! kv = true
 //! log = true
+//! machine-lock = true
 //! [config]                       # passed to validate-config and the call context as JSON
 //! ```
 
@@ -162,6 +163,9 @@ pub struct Grants {
     pub kv: bool,
     #[serde(default)]
     pub log: bool,
+    /// The machine lock (shared with the host and `broker lock run`).
+    #[serde(default)]
+    pub machine_lock: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -3,7 +3,7 @@
 use crate::broker::CallError;
 use crate::broker::wasm::{LoadError, WasmProvider};
 use crate::providers::Manifest;
-use crate::runtime::Runtime;
+use crate::runtime::{HostCapabilities, Runtime};
 use crate::store::{ProviderRecord, Store, StoreError, records::now_rfc3339};
 use std::collections::HashMap;
 use std::path::Path;
@@ -32,12 +32,13 @@ pub enum RegistryError {
 pub struct Registry {
     runtime: Arc<Runtime>,
     store: Arc<Store>,
+    capabilities: HostCapabilities,
     loaded: RwLock<HashMap<String, Arc<WasmProvider>>>,
 }
 
 impl Registry {
-    pub fn new(runtime: Arc<Runtime>, store: Arc<Store>) -> Self {
-        Registry { runtime, store, loaded: RwLock::new(HashMap::new()) }
+    pub fn new(runtime: Arc<Runtime>, store: Arc<Store>, capabilities: HostCapabilities) -> Self {
+        Registry { runtime, store, capabilities, loaded: RwLock::new(HashMap::new()) }
     }
 
     /// Load and check a provider, run its `validate-config`, then register it.
@@ -69,10 +70,10 @@ impl Registry {
     pub async fn load(&self, manifest: Manifest) -> Result<Arc<WasmProvider>, RegistryError> {
         let name = manifest.name.clone();
         let config = manifest.config_json.clone();
-        let kv = self.store.kv();
+        let capabilities = self.capabilities.clone();
         let runtime = self.runtime.clone();
         // Compiling is CPU-bound: keep it off the async workers.
-        let provider = tokio::task::spawn_blocking(move || WasmProvider::load(runtime, manifest, kv))
+        let provider = tokio::task::spawn_blocking(move || WasmProvider::load(runtime, manifest, capabilities))
             .await
             .map_err(|e| RegistryError::Path { path: name.clone(), source: std::io::Error::other(e) })??;
         provider

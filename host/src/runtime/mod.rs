@@ -7,7 +7,7 @@ mod state;
 mod ticker;
 
 pub use limits::GuestLimiter;
-pub use state::HostState;
+pub use state::{HostCapabilities, HostState};
 
 use crate::capabilities;
 use std::path::Path;
@@ -79,6 +79,8 @@ impl Runtime {
         let mut linker = Linker::new(&self.engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         capabilities::context::add_to_linker(&mut linker, HostState::context_view)?;
+        // Always linked: without the grant, calls answer access-denied.
+        capabilities::machine_lock::add_to_linker(&mut linker, HostState::machine_lock_view)?;
         if capabilities.kv {
             capabilities::kv::add_to_linker(&mut linker, |s| &mut s.kv)?;
         }

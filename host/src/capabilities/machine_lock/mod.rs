@@ -1,0 +1,236 @@
+//! `broker:provider/machine-lock`: the machine lock for guests, and the lock
+//! itself ([`MachineLock`]), which the host and `broker lock` use too.
+
+mod history;
+mod lock;
+
+pub use history::go_duration;
+pub use lock::{LockError, LockGuard, MachineLock, Party, Report, Spec};
+
+use crate::bindings::BrokerError;
+use crate::bindings::broker::provider::machine_lock::{self as wit};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
+
+/// The host object behind a guest's `lock-guard`.
+pub struct HeldLock(LockGuard);
+
+/// Per-store context: the lock if granted, and the guards handed out, so the
+/// host can release whatever a guest still holds when its call ends.
+pub struct MachineLockCtx {
+    lock: Option<MachineLock>,
+    abort: Arc<AtomicBool>,
+    handed_out: Vec<u32>,
+}
+
+impl MachineLockCtx {
+    /// `lock` is `None` when the manifest does not grant `machine-lock`.
+    pub fn new(lock: Option<MachineLock>) -> Self {
+        MachineLockCtx { lock, abort: Arc::default(), handed_out: Vec::new() }
+    }
+
+    /// The abort flag of the call about to run.
+    pub fn begin_call(&mut self, abort: Arc<AtomicBool>) {
+        self.abort = abort;
+    }
+
+    /// Release every guard the guest still holds; the handles it keeps go inert.
+    pub fn end_call(&mut self, table: &mut ResourceTable) {
+        for rep in self.handed_out.drain(..) {
+            if let Ok(held) = table.get_mut(&Resource::<HeldLock>::new_own(rep)) {
+                held.0.release();
+            }
+        }
+    }
+}
+
+pub struct MachineLockView<'a> {
+    pub ctx: &'a mut MachineLockCtx,
+    pub table: &'a mut ResourceTable,
+}
+
+pub struct MachineLockData;
+
+impl HasData for MachineLockData {
+    type Data<'a> = MachineLockView<'a>;
+}
+
+fn to_broker_error(err: LockError) -> BrokerError {
+    match err {
+        LockError::Timeout => BrokerError::Timeout(err.to_string()),
+        LockError::Cancelled => BrokerError::Aborted(err.to_string()),
+        LockError::InvalidSpec(_) => BrokerError::InvalidParams(err.to_string()),
+        LockError::Io { .. } => BrokerError::Provider(err.to_string()),
+    }
+}
+
+impl wit::Host for MachineLockView<'_> {
+    async fn acquire(
+        &mut self,
+        worker: String,
+        comment: String,
+        timeout_ms: u64,
+    ) -> wasmtime::Result<Result<Resource<HeldLock>, BrokerError>> {
+        let Some(lock) = self.ctx.lock.clone() else {
+            return Ok(Err(BrokerError::AccessDenied(
+                "machine-lock is not granted: add `machine-lock = true` under [grants]".into(),
+            )));
+        };
+        let spec = Spec {
+            worker,
+            comment,
+            timeout: (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms)),
+            abort: Some(self.ctx.abort.clone()),
+        };
+        match lock.acquire(spec).await {
+            Ok(guard) => {
+                let handle = self.table.push(HeldLock(guard))?;
+                self.ctx.handed_out.push(handle.rep());
+                Ok(Ok(handle))
+            }
+            Err(e) => Ok(Err(to_broker_error(e))),
+        }
+    }
+}
+
+impl wit::HostLockGuard for MachineLockView<'_> {
+    async fn release(&mut self, handle: Resource<HeldLock>) -> wasmtime::Result<()> {
+        self.table.get_mut(&handle)?.0.release();
+        Ok(())
+    }
+
+    async fn drop(&mut self, handle: Resource<HeldLock>) -> wasmtime::Result<()> {
+        let rep = handle.rep();
+        self.ctx.handed_out.retain(|r| *r != rep);
+        // Dropping the guard releases the lock.
+        self.table.delete(handle)?;
+        Ok(())
+    }
+}
+
+pub fn add_to_linker<T: Send + 'static>(
+    linker: &mut Linker<T>,
+    getter: fn(&mut T) -> MachineLockView<'_>,
+) -> wasmtime::Result<()> {
+    wit::add_to_linker::<T, MachineLockData>(linker, getter)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bindings::broker::provider::machine_lock::{Host, HostLockGuard};
+    use std::sync::atomic::Ordering;
+
+    fn lock(dir: &std::path::Path) -> MachineLock {
+        MachineLock::new(dir, "machine-lock", "test-agent").unwrap()
+    }
+
+    fn spec(worker: &str, timeout: Option<Duration>) -> Spec {
+        Spec { worker: worker.into(), comment: "testing".into(), timeout, abort: None }
+    }
+
+    #[tokio::test]
+    async fn waiters_are_served_in_arrival_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let lock = lock(dir.path());
+        let first = lock.acquire(spec("first", None)).await.unwrap();
+        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for name in ["a", "b", "c", "d"] {
+            let (waiter, order) = (lock.clone(), order.clone());
+            tasks.push(tokio::spawn(async move {
+                let _guard = waiter.acquire(spec(name, None)).await.unwrap();
+                order.lock().unwrap().push(name);
+                tokio::task::yield_now().await;
+            }));
+            // Each waiter is queued before the next one arrives.
+            while lock.report(0).waiting.len() < tasks.len() {
+                tokio::task::yield_now().await;
+            }
+        }
+        assert_eq!(lock.report(0).holder.unwrap().worker, "first");
+        drop(first);
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), ["a", "b", "c", "d"]);
+    }
+
+    #[tokio::test]
+    async fn timeout_and_abort_give_jujus_errors_and_pass_the_turn_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let lock = lock(dir.path());
+        let mut held = lock.acquire(spec("holder", None)).await.unwrap();
+        let err = lock.acquire(spec("impatient", Some(Duration::from_millis(30)))).await.err().unwrap();
+        assert_eq!(err.to_string(), "timeout acquiring mutex");
+
+        let abort = Arc::new(AtomicBool::new(false));
+        let aborting = {
+            let lock = lock.clone();
+            let abort = abort.clone();
+            tokio::spawn(async move { lock.acquire(Spec { abort: Some(abort), ..spec("aborter", None) }).await.err() })
+        };
+        abort.store(true, Ordering::SeqCst);
+        assert_eq!(aborting.await.unwrap().unwrap().to_string(), "cancelled acquiring mutex");
+        assert!(lock.report(0).waiting.is_empty(), "waiters that gave up left the queue");
+
+        held.release();
+        held.release(); // idempotent
+        let again = lock.acquire(spec("next", Some(Duration::from_millis(500)))).await;
+        assert!(again.is_ok(), "the turn passed on to a new waiter");
+    }
+
+    #[tokio::test]
+    async fn release_writes_history_and_the_report_shows_the_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let lock = lock(dir.path());
+        let guard = lock.acquire(spec("uniter", None)).await.unwrap();
+        let report = lock.report(10);
+        assert_eq!(report.holder.as_ref().map(Party::label).as_deref(), Some("uniter (testing)"));
+        assert!(report.text().contains("holder: uniter (testing), holding 0s"), "{}", report.text());
+        drop(guard);
+        let report = lock.report(10);
+        assert!(report.text().contains("holder: none"), "{}", report.text());
+        assert_eq!(report.history.len(), 1);
+        assert!(
+            report.history[0].ends_with(" test-agent: uniter (testing), waited 0s, held 0s"),
+            "{:?}",
+            report.history
+        );
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(lock.path()).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+    }
+
+    #[test]
+    fn lock_names_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(MachineLock::new(dir.path(), "machine-lock-net", "a").is_ok());
+        assert!(MachineLock::new(dir.path(), "other", "a").is_err());
+        assert!(MachineLock::new(dir.path(), "machine-lock-../x", "a").is_err());
+    }
+
+    #[tokio::test]
+    async fn guests_without_the_grant_get_access_denied_and_leaked_guards_are_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut table = ResourceTable::new();
+        let mut ungranted = MachineLockCtx::new(None);
+        let mut view = MachineLockView { ctx: &mut ungranted, table: &mut table };
+        let denied = view.acquire("w".into(), String::new(), 0).await.unwrap();
+        assert!(matches!(denied, Err(BrokerError::AccessDenied(m)) if m.contains("machine-lock = true")));
+
+        let shared = lock(dir.path());
+        let mut granted = MachineLockCtx::new(Some(shared.clone()));
+        let mut view = MachineLockView { ctx: &mut granted, table: &mut table };
+        let handle = view.acquire("guest".into(), String::new(), 0).await.unwrap().unwrap();
+        assert!(shared.report(0).holder.is_some());
+        // The guest "forgets" its guard; the end of the call releases it anyway.
+        let _kept = Resource::<HeldLock>::new_own(handle.rep());
+        granted.end_call(&mut table);
+        assert!(shared.report(0).holder.is_none());
+        let mut view = MachineLockView { ctx: &mut granted, table: &mut table };
+        view.release(Resource::new_own(handle.rep())).await.unwrap(); // inert, no error
+    }
+}
