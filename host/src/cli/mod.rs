@@ -58,6 +58,13 @@ pub enum ProviderCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Show a provider: version, component hash, isolation, limits, per-method
+    /// deadlines and the effective grants.
+    Show {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Unregister a provider that has no recorded instances.
     Remove { name: String },
 }
@@ -152,6 +159,15 @@ async fn provider(broker: &Broker, command: ProviderCommand, out: &mut impl Writ
                 writeln!(out, "{}", serde_json::to_string_pretty(&records)?)?;
             } else {
                 output::provider_table(out, &records)?;
+            }
+        }
+        ProviderCommand::Show { name, json } => {
+            let (record, manifest) = broker.registry().show(&name)?;
+            let view = output::ProviderView::new(&record, &manifest);
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&view)?)?;
+            } else {
+                output::provider_details(out, &view)?;
             }
         }
         ProviderCommand::Remove { name } => {

@@ -2,6 +2,8 @@
 
 use super::describe_event;
 use crate::capabilities::context::CallEvent;
+use crate::providers::Manifest;
+use crate::providers::manifest::Method;
 use crate::store::records::Hardware;
 use crate::store::{InstanceRecord, ProviderRecord};
 use serde::Serialize;
@@ -39,6 +41,87 @@ impl From<&InstanceRecord> for InstanceView {
             created: r.created.clone(),
         }
     }
+}
+
+/// A provider as `provider show` prints it.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ProviderView {
+    pub name: String,
+    pub version: String,
+    pub component: String,
+    pub component_sha256: String,
+    pub manifest: String,
+    pub isolation: crate::providers::Isolation,
+    pub memory_mib: u64,
+    pub pool_size: usize,
+    pub max_calls: u64,
+    pub max_age: String,
+    /// Method name -> deadline.
+    pub deadlines: Vec<(String, String)>,
+    /// Every capability and whether it is granted.
+    pub grants: Vec<(String, bool)>,
+    pub config: serde_json::Value,
+}
+
+impl ProviderView {
+    pub fn new(record: &ProviderRecord, manifest: &Manifest) -> Self {
+        let limits = &manifest.limits;
+        let methods = [
+            Method::Describe,
+            Method::ValidateConfig,
+            Method::StartInstance,
+            Method::StopInstances,
+            Method::AllInstances,
+            Method::MaintainInstance,
+        ];
+        let grants = &manifest.grants;
+        ProviderView {
+            name: record.name.clone(),
+            version: record.version.clone(),
+            component: manifest.component.display().to_string(),
+            component_sha256: record.component_sha256.clone(),
+            manifest: record.manifest.clone(),
+            isolation: manifest.isolation,
+            memory_mib: limits.memory_mib,
+            pool_size: limits.pool_size,
+            max_calls: limits.max_calls,
+            max_age: humantime::format_duration(limits.max_age).to_string(),
+            deadlines: methods
+                .iter()
+                .map(|m| (m.name().to_owned(), humantime::format_duration(limits.deadlines.for_method(*m)).to_string()))
+                .collect(),
+            grants: vec![
+                ("kv".into(), grants.kv),
+                ("log".into(), grants.log),
+                ("machine-lock".into(), grants.machine_lock),
+            ],
+            config: serde_json::from_str(&manifest.config_json).unwrap_or(serde_json::Value::Null),
+        }
+    }
+}
+
+pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Result<()> {
+    writeln!(out, "name:       {}", v.name)?;
+    writeln!(out, "version:    {}", v.version)?;
+    writeln!(out, "manifest:   {}", v.manifest)?;
+    writeln!(out, "component:  {} (sha256 {})", v.component, v.component_sha256)?;
+    let isolation = serde_json::to_value(v.isolation).ok().and_then(|i| i.as_str().map(str::to_owned));
+    writeln!(out, "isolation:  {}", isolation.unwrap_or_default())?;
+    writeln!(
+        out,
+        "limits:     memory {} MiB, pool {}, retire after {} calls or {}",
+        v.memory_mib, v.pool_size, v.max_calls, v.max_age
+    )?;
+    writeln!(out, "deadlines:")?;
+    for (method, deadline) in &v.deadlines {
+        writeln!(out, "  {method:<18} {deadline}")?;
+    }
+    writeln!(out, "grants:")?;
+    for (grant, granted) in &v.grants {
+        writeln!(out, "  {grant:<18} {}", if *granted { "granted" } else { "denied" })?;
+    }
+    writeln!(out, "config:     {}", v.config)
 }
 
 /// A status update as it happens, on stderr so stdout stays parseable.

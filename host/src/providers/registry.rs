@@ -95,6 +95,13 @@ impl Registry {
         Ok(())
     }
 
+    /// A registered provider's record and its manifest as it is now.
+    pub fn show(&self, name: &str) -> Result<(ProviderRecord, Manifest), RegistryError> {
+        let record = self.store.provider(name)?.ok_or_else(|| RegistryError::UnknownProvider(name.to_owned()))?;
+        let manifest = Manifest::load(Path::new(&record.manifest)).map_err(LoadError::from)?;
+        Ok((record, manifest))
+    }
+
     pub fn list(&self) -> Result<Vec<ProviderRecord>, RegistryError> {
         Ok(self.store.providers()?)
     }
