@@ -19,4 +19,4 @@ cargo test --release --manifest-path guests/fake-logic/Cargo.toml
 
 cargo test --release --workspace
 # Each benchmark once, as a test: they must keep working.
-cargo bench --workspace -- --test
+cargo bench -p broker-tests --bench all_instances -- --test

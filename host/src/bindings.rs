@@ -13,6 +13,7 @@ wasmtime::component::bindgen!({
     with: {
         "broker:provider/context.call-context": crate::capabilities::context::CallContext,
         "broker:provider/machine-lock.lock-guard": crate::capabilities::machine_lock::HeldLock,
+        "broker:provider/process.child": crate::capabilities::process::HeldChild,
     },
     additional_derives: [serde::Serialize, serde::Deserialize, PartialEq],
 });

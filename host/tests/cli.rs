@@ -55,7 +55,10 @@ fn start_list_stop_maintain_through_the_fake_provider() {
     let providers = json(data, &["provider", "list", "--json"]);
     assert_eq!(providers[0]["name"], "fake");
     let shown = json(data, &["provider", "show", "fake", "--json"]);
-    assert_eq!(shown["grants"], serde_json::json!([["kv", true], ["log", true], ["machine-lock", false]]));
+    assert_eq!(
+        shown["grants"],
+        serde_json::json!({"kv": true, "log": true, "machine-lock": false, "process": [], "paths": []})
+    );
     assert_eq!(shown["deadlines"][2], serde_json::json!(["start-instance", "10m"]));
     assert_eq!(shown["isolation"], "pooled");
     assert!(ok(data, &["provider", "show", "fake"]).contains("machine-lock       denied"));

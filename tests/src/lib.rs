@@ -3,6 +3,7 @@
 
 use broker_host::broker::WasmProvider;
 use broker_host::capabilities::kv::KvBackend;
+use broker_host::capabilities::process::MemoryChildRecords;
 use broker_host::providers::Manifest;
 use broker_host::runtime::{HostCapabilities, Runtime};
 use std::path::{Path, PathBuf};
@@ -28,7 +29,18 @@ pub fn load_provider(
     guest_crate: &str,
     extra: &str,
 ) -> Result<WasmProvider, broker_host::broker::wasm::LoadError> {
-    load_provider_with(runtime, HostCapabilities { kv, machine_lock: None }, dir, name, guest_crate, extra)
+    load_provider_with(runtime, host_capabilities(dir, kv), dir, name, guest_crate, extra)
+}
+
+/// Host capabilities for tests: the given kv, no machine lock, data dirs under `dir/providers`.
+pub fn host_capabilities(dir: &Path, kv: Arc<dyn KvBackend>) -> HostCapabilities {
+    HostCapabilities {
+        kv,
+        machine_lock: None,
+        providers_dir: dir.join("providers"),
+        child_records: Arc::new(MemoryChildRecords::default()),
+        live_children: Arc::default(),
+    }
 }
 
 /// As [`load_provider`], with every host capability given.

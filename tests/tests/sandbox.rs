@@ -185,7 +185,10 @@ async fn machine_lock_needs_its_grant_and_cannot_leak() {
     let dir = tempfile::tempdir().unwrap();
     let lock = MachineLock::new(dir.path(), "machine-lock", "test").unwrap();
     let kv = Arc::new(MemoryKv::default());
-    let caps = HostCapabilities { kv: kv.clone(), machine_lock: Some(lock.clone()) };
+    let caps = HostCapabilities {
+        machine_lock: Some(lock.clone()),
+        ..broker_tests::host_capabilities(dir.path(), kv.clone())
+    };
     let rt = runtime();
     let base = "[limits.deadlines]\ndefault = \"5s\"\n[grants]\nkv = true\n";
     let ungranted =

@@ -7,14 +7,16 @@
 //! - `memhog`: allocates until memory runs out;
 //! - `print`: writes a line to stdout and one to stderr;
 //! - `lock`: takes the machine lock and releases it, returning instance `locked`;
-//! - `lock-leak`: takes the machine lock and forgets the guard.
+//! - `lock-leak`: takes the machine lock and forgets the guard;
+//! - `run`: runs `echo hello` through the process capability, returning its output as the id;
+//! - `fs`: writes `/data/hello.txt` and reads it back, returning its text as the id.
 //!
 //! The other methods behave.
 
 use broker_guest::types::{
     BrokerError, Instance, InstanceStatus, ProviderInfo, StartInstanceParams, StartInstanceResult,
 };
-use broker_guest::{CallContext, Guest, host_kv, machine_lock};
+use broker_guest::{CallContext, Guest, host_kv, machine_lock, process};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 static CALLS_SERVED: AtomicU64 = AtomicU64::new(0);
@@ -76,6 +78,20 @@ impl Guest for Hostile {
                     addresses: vec![],
                 }])
             }
+            "run" => {
+                let out = process::run("echo", &["hello".to_string()], &[], &[], 5000)?;
+                Ok(vec![instance(String::from_utf8_lossy(&out.stdout).trim())])
+            }
+            "fs" => {
+                let written = std::fs::write("/data/hello.txt", "written by the guest")
+                    .and_then(|_| std::fs::read_to_string("/data/hello.txt"));
+                let outside = std::fs::read_to_string("/etc/passwd").is_ok();
+                match written {
+                    Ok(text) if !outside => Ok(vec![instance(&text)]),
+                    Ok(_) => Err(BrokerError::Provider("could read /etc/passwd".into())),
+                    Err(e) => Err(BrokerError::Provider(format!("data dir: {e}"))),
+                }
+            }
             "print" => {
                 println!("hello from the hostile guest's stdout");
                 eprintln!("hello from the hostile guest's stderr");
@@ -93,6 +109,10 @@ impl Guest for Hostile {
     fn maintain_instance(_ctx: &CallContext, _id: String, _params: StartInstanceParams) -> Result<(), BrokerError> {
         Ok(())
     }
+}
+
+fn instance(id: &str) -> Instance {
+    Instance { id: id.to_owned(), status: InstanceStatus::Running, message: String::new(), addresses: vec![] }
 }
 
 broker_guest::export_provider!(Hostile);

@@ -80,7 +80,7 @@ fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
     let not_granted = |grant| ContractError::NotGranted { import: import.to_owned(), grant };
     match interface {
         // Linked for everyone; without the grant its calls answer access-denied.
-        "types" | "context" | "machine-lock" => Ok(()),
+        "types" | "context" | "machine-lock" | "process" => Ok(()),
         "kv" if grants.kv => Ok(()),
         "kv" => Err(not_granted("kv")),
         "log" if grants.log => Ok(()),
@@ -118,6 +118,7 @@ mod tests {
         assert!(newer.contains("broker:provider/kv@0.2.0") && newer.contains("0.1.0"), "{newer}");
         assert!(check_import("wasi:http/outgoing-handler@0.2.0", &none).is_err());
         assert!(check_import("evil:net/raw-sockets@1.0.0", &none).is_err());
-        assert!(check_import("broker:provider/process@0.1.0", &kv).is_err());
+        assert!(check_import("broker:provider/process@0.1.0", &kv).is_ok(), "linked; denied per call");
+        assert!(check_import("broker:provider/network-bridge@0.1.0", &kv).is_err());
     }
 }

@@ -48,7 +48,13 @@ impl Broker {
     }
 
     pub fn with_parts(runtime: Arc<Runtime>, store: Arc<Store>, machine_lock: MachineLock) -> Broker {
-        let capabilities = HostCapabilities { kv: store.kv(), machine_lock: Some(machine_lock) };
+        let capabilities = HostCapabilities {
+            kv: store.kv(),
+            machine_lock: Some(machine_lock),
+            providers_dir: store.data_dir().join("providers"),
+            child_records: store.child_records(),
+            live_children: Arc::default(),
+        };
         Broker { registry: Registry::new(runtime, store.clone(), capabilities), store }
     }
 

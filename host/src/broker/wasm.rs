@@ -7,8 +7,9 @@ use crate::bindings::{
     BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
 };
 use crate::capabilities::context::{CallContext, CallHooks};
+use crate::capabilities::process::{PolicyError, ProcessPolicy};
 use crate::providers::manifest::{Isolation, Manifest, ManifestError, Method};
-use crate::runtime::{HostCapabilities, HostState, LinkedCapabilities, Runtime, RuntimeError};
+use crate::runtime::{HostCapabilities, HostState, LinkedCapabilities, ProviderCapabilities, Runtime, RuntimeError};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,6 +29,10 @@ pub enum LoadError {
     Contract { provider: String, source: imports::ContractError },
     #[error("provider {provider}: cannot link component: {reason}")]
     Link { provider: String, reason: String },
+    #[error("provider {provider}: grants: {source}")]
+    Grant { provider: String, source: PolicyError },
+    #[error("provider {provider}: cannot make its data dir {path}: {source}")]
+    DataDir { provider: String, path: String, source: std::io::Error },
 }
 
 /// A warm guest instance.
@@ -54,7 +59,7 @@ pub struct WasmProvider {
     sha256: String,
     runtime: Arc<Runtime>,
     pre: ProviderPre<HostState>,
-    capabilities: HostCapabilities,
+    capabilities: ProviderCapabilities,
     config_json: Arc<str>,
     pool: Mutex<Vec<Warm>>,
     stats: ProviderStats,
@@ -80,7 +85,7 @@ impl WasmProvider {
             .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
         let pre = ProviderPre::new(instance_pre)
             .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
-        let granted_lock = manifest.grants.machine_lock;
+        let capabilities = narrow(capabilities, &manifest)?;
         Ok(WasmProvider {
             name: provider.into(),
             config_json: manifest.config_json.clone().into(),
@@ -88,10 +93,7 @@ impl WasmProvider {
             sha256,
             runtime,
             pre,
-            capabilities: HostCapabilities {
-                machine_lock: capabilities.machine_lock.filter(|_| granted_lock),
-                ..capabilities
-            },
+            capabilities,
             pool: Mutex::new(Vec::new()),
             stats: ProviderStats::default(),
         })
@@ -99,6 +101,11 @@ impl WasmProvider {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The provider's data dir on the host (`/data` to the guest).
+    pub fn data_dir(&self) -> &std::path::Path {
+        &self.capabilities.data_dir
     }
 
     pub fn manifest(&self) -> &Manifest {
@@ -272,8 +279,7 @@ impl WasmProvider {
 
     async fn instantiate(&self, method: Method, deadline: Duration) -> Result<Warm, CallError> {
         let memory_bytes = (self.manifest.limits.memory_mib << 20) as usize;
-        let caps = &self.capabilities;
-        let state = HostState::new(self.name.clone(), caps.kv.clone(), caps.machine_lock.clone(), memory_bytes);
+        let state = HostState::new(self.name.clone(), &self.capabilities, memory_bytes);
         let mut store = Store::new(self.runtime.engine(), state);
         store.limiter(|state| &mut state.limiter);
         store.epoch_deadline_async_yield_and_update(1);
@@ -313,4 +319,26 @@ impl WasmProvider {
         self.stats.discarded.fetch_add(1, Ordering::Relaxed);
         drop(warm);
     }
+}
+
+/// The host's capabilities as far as the manifest grants them: the machine
+/// lock only with its grant, programs resolved now, a data dir of its own.
+fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabilities, LoadError> {
+    let provider = manifest.name.clone();
+    let data_dir = host.providers_dir.join(&manifest.name);
+    std::fs::create_dir_all(&data_dir).map_err(|source| LoadError::DataDir {
+        provider: provider.clone(),
+        path: data_dir.display().to_string(),
+        source,
+    })?;
+    let grants = &manifest.grants;
+    let process = if grants.process.is_empty() {
+        None
+    } else {
+        let policy = ProcessPolicy::resolve(&grants.process, &grants.paths, &data_dir)
+            .map_err(|source| LoadError::Grant { provider, source })?;
+        Some(Arc::new(policy))
+    };
+    let host = HostCapabilities { machine_lock: host.machine_lock.filter(|_| grants.machine_lock), ..host };
+    Ok(ProviderCapabilities { host, data_dir, process })
 }

@@ -6,4 +6,5 @@ pub mod context;
 pub mod kv;
 pub mod log;
 pub mod machine_lock;
+pub mod process;
 pub mod wasi;

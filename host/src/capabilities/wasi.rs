@@ -2,24 +2,31 @@
 //! directories, sockets or name lookups; stdout and stderr become `tracing`
 //! events tagged with the provider.
 
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use tokio::io::AsyncWrite;
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
-use wasmtime_wasi::{WasiCtx, WasiCtxBuilder};
+use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder};
 
 /// Longest line kept from guest output; longer lines are split.
 const MAX_LINE_BYTES: usize = 4096;
 
-pub fn sandboxed_ctx(provider: &Arc<str>) -> WasiCtx {
-    WasiCtxBuilder::new()
+/// `data_dir` is preopened as `/data`, the guest's only filesystem.
+pub fn sandboxed_ctx(provider: &Arc<str>, data_dir: &Path) -> WasiCtx {
+    let mut builder = WasiCtxBuilder::new();
+    builder
         .stdout(TracingOutput { provider: provider.clone(), stream: "stdout" })
         .stderr(TracingOutput { provider: provider.clone(), stream: "stderr" })
         .allow_tcp(false)
         .allow_udp(false)
-        .allow_ip_name_lookup(false)
-        .build()
+        .allow_ip_name_lookup(false);
+    if let Err(e) = builder.preopened_dir(data_dir, crate::capabilities::process::GUEST_DATA_DIR, FsPerms::ReadWrite) {
+        // The data dir is made when the provider loads; a guest without it simply has no filesystem.
+        tracing::warn!(provider = &**provider, error = %e, "cannot preopen the provider's data dir");
+    }
+    builder.build()
 }
 
 /// A guest output stream that turns lines into `tracing` events.

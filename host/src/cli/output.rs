@@ -43,6 +43,17 @@ impl From<&InstanceRecord> for InstanceView {
     }
 }
 
+/// The effective grants: everything not listed here is denied.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct GrantsView {
+    pub kv: bool,
+    pub log: bool,
+    pub machine_lock: bool,
+    pub process: Vec<String>,
+    pub paths: Vec<String>,
+}
+
 /// A provider as `provider show` prints it.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -59,8 +70,7 @@ pub struct ProviderView {
     pub max_age: String,
     /// Method name -> deadline.
     pub deadlines: Vec<(String, String)>,
-    /// Every capability and whether it is granted.
-    pub grants: Vec<(String, bool)>,
+    pub grants: GrantsView,
     pub config: serde_json::Value,
 }
 
@@ -91,11 +101,13 @@ impl ProviderView {
                 .iter()
                 .map(|m| (m.name().to_owned(), humantime::format_duration(limits.deadlines.for_method(*m)).to_string()))
                 .collect(),
-            grants: vec![
-                ("kv".into(), grants.kv),
-                ("log".into(), grants.log),
-                ("machine-lock".into(), grants.machine_lock),
-            ],
+            grants: GrantsView {
+                kv: grants.kv,
+                log: grants.log,
+                machine_lock: grants.machine_lock,
+                process: grants.process.clone(),
+                paths: grants.paths.iter().map(|p| p.display().to_string()).collect(),
+            },
             config: serde_json::from_str(&manifest.config_json).unwrap_or(serde_json::Value::Null),
         }
     }
@@ -117,10 +129,14 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
     for (method, deadline) in &v.deadlines {
         writeln!(out, "  {method:<18} {deadline}")?;
     }
+    let yes_no = |granted: bool| if granted { "granted" } else { "denied" };
+    let list = |items: &[String]| if items.is_empty() { "denied".to_owned() } else { items.join(", ") };
     writeln!(out, "grants:")?;
-    for (grant, granted) in &v.grants {
-        writeln!(out, "  {grant:<18} {}", if *granted { "granted" } else { "denied" })?;
-    }
+    writeln!(out, "  {:<18} {}", "kv", yes_no(v.grants.kv))?;
+    writeln!(out, "  {:<18} {}", "log", yes_no(v.grants.log))?;
+    writeln!(out, "  {:<18} {}", "machine-lock", yes_no(v.grants.machine_lock))?;
+    writeln!(out, "  {:<18} {}", "process", list(&v.grants.process))?;
+    writeln!(out, "  {:<18} {}", "paths", list(&v.grants.paths))?;
     writeln!(out, "config:     {}", v.config)
 }
 

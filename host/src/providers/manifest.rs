@@ -17,6 +17,8 @@
 //! kv = true
 //! log = true
 //! machine-lock = true
+//! process = ["qemu-img"]         # programs it may run
+//! paths = ["/var/lib/images"]    # host paths their arguments may name
 //! [config]                       # passed to validate-config and the call context as JSON
 //! ```
 
@@ -156,7 +158,7 @@ impl Deadlines {
 }
 
 /// Host interfaces a provider may import. Nothing is granted by default.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct Grants {
     #[serde(default)]
@@ -166,6 +168,12 @@ pub struct Grants {
     /// The machine lock (shared with the host and `broker lock run`).
     #[serde(default)]
     pub machine_lock: bool,
+    /// Programs the provider may run (names on the host's PATH, or absolute paths).
+    #[serde(default)]
+    pub process: Vec<String>,
+    /// Host paths (read by granted programs, e.g. base images) that arguments may name.
+    #[serde(default)]
+    pub paths: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]

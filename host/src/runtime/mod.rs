@@ -7,7 +7,7 @@ mod state;
 mod ticker;
 
 pub use limits::GuestLimiter;
-pub use state::{HostCapabilities, HostState};
+pub use state::{HostCapabilities, HostState, ProviderCapabilities};
 
 use crate::capabilities;
 use std::path::Path;
@@ -81,6 +81,7 @@ impl Runtime {
         capabilities::context::add_to_linker(&mut linker, HostState::context_view)?;
         // Always linked: without the grant, calls answer access-denied.
         capabilities::machine_lock::add_to_linker(&mut linker, HostState::machine_lock_view)?;
+        capabilities::process::add_to_linker(&mut linker, HostState::process_view)?;
         if capabilities.kv {
             capabilities::kv::add_to_linker(&mut linker, |s| &mut s.kv)?;
         }

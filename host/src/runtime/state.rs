@@ -5,7 +5,9 @@ use crate::capabilities::context::ContextView;
 use crate::capabilities::kv::{KvBackend, KvCtx};
 use crate::capabilities::log::LogCtx;
 use crate::capabilities::machine_lock::{MachineLock, MachineLockCtx, MachineLockView};
+use crate::capabilities::process::{ChildRecords, LiveChildren, ProcessCtx, ProcessPolicy, ProcessView};
 use crate::capabilities::wasi;
+use std::path::PathBuf;
 use std::sync::Arc;
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
@@ -17,6 +19,7 @@ pub struct HostState {
     pub kv: KvCtx,
     pub log: LogCtx,
     pub machine_lock: MachineLockCtx,
+    pub process: ProcessCtx,
     pub limiter: GuestLimiter,
 }
 
@@ -26,22 +29,36 @@ pub struct HostState {
 pub struct HostCapabilities {
     pub kv: Arc<dyn KvBackend>,
     pub machine_lock: Option<MachineLock>,
+    /// Each provider gets `<providers_dir>/<name>` as its data dir (`/data` to the guest).
+    pub providers_dir: PathBuf,
+    pub child_records: Arc<dyn ChildRecords>,
+    pub live_children: Arc<LiveChildren>,
+}
+
+/// What one provider's stores get: the host capabilities narrowed to its grants.
+#[derive(Clone)]
+pub struct ProviderCapabilities {
+    pub host: HostCapabilities,
+    pub data_dir: PathBuf,
+    /// `None` unless `process` is granted.
+    pub process: Option<Arc<ProcessPolicy>>,
 }
 
 impl HostState {
-    /// `machine_lock` is `None` unless the manifest grants it.
-    pub fn new(
-        provider: Arc<str>,
-        kv: Arc<dyn KvBackend>,
-        machine_lock: Option<MachineLock>,
-        memory_bytes: usize,
-    ) -> Self {
+    pub fn new(provider: Arc<str>, caps: &ProviderCapabilities, memory_bytes: usize) -> Self {
+        let host = &caps.host;
         HostState {
             table: ResourceTable::new(),
-            wasi: wasi::sandboxed_ctx(&provider),
-            kv: KvCtx::new(provider.clone(), kv),
+            wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir),
+            kv: KvCtx::new(provider.clone(), host.kv.clone()),
             log: LogCtx::new(provider.clone()),
-            machine_lock: MachineLockCtx::new(machine_lock),
+            machine_lock: MachineLockCtx::new(host.machine_lock.clone()),
+            process: ProcessCtx::new(
+                &provider,
+                caps.process.clone(),
+                host.child_records.clone(),
+                host.live_children.clone(),
+            ),
             limiter: GuestLimiter::new(memory_bytes),
             provider,
         }
@@ -49,6 +66,10 @@ impl HostState {
 
     pub fn context_view(&mut self) -> ContextView<'_> {
         ContextView { table: &mut self.table }
+    }
+
+    pub fn process_view(&mut self) -> ProcessView<'_> {
+        ProcessView { ctx: &mut self.process, table: &mut self.table }
     }
 
     pub fn machine_lock_view(&mut self) -> MachineLockView<'_> {

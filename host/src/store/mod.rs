@@ -11,8 +11,9 @@ pub mod records;
 pub use kv::RedbKv;
 pub use records::{InstanceRecord, ProviderRecord};
 
+use crate::capabilities::process::{ChildRecord, ChildRecords, RecordsError};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 const PROVIDERS: TableDefinition<&str, &[u8]> = TableDefinition::new("providers");
@@ -20,6 +21,8 @@ const PROVIDERS: TableDefinition<&str, &[u8]> = TableDefinition::new("providers"
 const INSTANCES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("instances");
 /// Key: (provider namespace, key).
 const KV: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("kv");
+/// Key: (provider, child name).
+const CHILDREN: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("children");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -38,6 +41,7 @@ fn db_error(err: impl Into<redb::Error>) -> StoreError {
 pub struct Store {
     db: Arc<Database>,
     kv: Arc<RedbKv>,
+    data_dir: PathBuf,
 }
 
 impl Store {
@@ -51,9 +55,19 @@ impl Store {
         txn.open_table(PROVIDERS).map_err(db_error)?;
         txn.open_table(INSTANCES).map_err(db_error)?;
         txn.open_table(KV).map_err(db_error)?;
+        txn.open_table(CHILDREN).map_err(db_error)?;
         txn.commit().map_err(db_error)?;
         let db = Arc::new(db);
-        Ok(Store { kv: Arc::new(RedbKv::new(db.clone())), db })
+        Ok(Store { kv: Arc::new(RedbKv::new(db.clone())), db, data_dir: data_dir.to_owned() })
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// The records of providers' long-running children.
+    pub fn child_records(&self) -> Arc<dyn ChildRecords> {
+        Arc::new(RedbChildren { db: self.db.clone() })
     }
 
     /// The kv backend behind every provider's namespace.
@@ -136,4 +150,52 @@ impl Store {
 
 fn decode<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, StoreError> {
     serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt { what, reason: e.to_string() })
+}
+
+/// Child records in the `children` table.
+struct RedbChildren {
+    db: Arc<Database>,
+}
+
+fn records_error(err: impl std::fmt::Display) -> RecordsError {
+    RecordsError(err.to_string())
+}
+
+impl ChildRecords for RedbChildren {
+    fn put(&self, record: &ChildRecord) -> Result<(), RecordsError> {
+        let bytes = serde_json::to_vec(record).map_err(records_error)?;
+        let txn = self.db.begin_write().map_err(records_error)?;
+        txn.open_table(CHILDREN)
+            .map_err(records_error)?
+            .insert((record.provider.as_str(), record.name.as_str()), bytes.as_slice())
+            .map_err(records_error)?;
+        txn.commit().map_err(records_error)
+    }
+
+    fn get(&self, provider: &str, name: &str) -> Result<Option<ChildRecord>, RecordsError> {
+        let txn = self.db.begin_read().map_err(records_error)?;
+        let table = txn.open_table(CHILDREN).map_err(records_error)?;
+        let value = table.get((provider, name)).map_err(records_error)?;
+        value.map(|v| serde_json::from_slice(v.value()).map_err(records_error)).transpose()
+    }
+
+    fn remove(&self, provider: &str, name: &str) -> Result<(), RecordsError> {
+        let txn = self.db.begin_write().map_err(records_error)?;
+        txn.open_table(CHILDREN).map_err(records_error)?.remove((provider, name)).map_err(records_error)?;
+        txn.commit().map_err(records_error)
+    }
+
+    fn list(&self, provider: &str) -> Result<Vec<ChildRecord>, RecordsError> {
+        let txn = self.db.begin_read().map_err(records_error)?;
+        let table = txn.open_table(CHILDREN).map_err(records_error)?;
+        let mut records = Vec::new();
+        for entry in table.range((provider, "")..).map_err(records_error)? {
+            let (key, value) = entry.map_err(records_error)?;
+            if key.value().0 != provider {
+                break;
+            }
+            records.push(serde_json::from_slice(value.value()).map_err(records_error)?);
+        }
+        Ok(records)
+    }
 }

@@ -1,0 +1,138 @@
+//! Long-running children: the host's records of them (which survive a
+//! restart) and the live handles of the ones this process spawned.
+
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::process::Child;
+use std::sync::Mutex;
+
+/// What the host remembers of a spawned child.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChildRecord {
+    pub provider: String,
+    pub name: String,
+    pub pid: u32,
+    /// Field 22 of `/proc/<pid>/stat`: with the pid, it names one process for
+    /// good, so a recycled pid is never mistaken for the child.
+    pub start_time: u64,
+    pub program: String,
+    pub args: Vec<String>,
+    pub log: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("child records: {0}")]
+pub struct RecordsError(pub String);
+
+/// Storage of child records; the real one is in [`crate::store`].
+pub trait ChildRecords: Send + Sync + 'static {
+    fn put(&self, record: &ChildRecord) -> Result<(), RecordsError>;
+    fn get(&self, provider: &str, name: &str) -> Result<Option<ChildRecord>, RecordsError>;
+    fn remove(&self, provider: &str, name: &str) -> Result<(), RecordsError>;
+    fn list(&self, provider: &str) -> Result<Vec<ChildRecord>, RecordsError>;
+}
+
+#[derive(Default)]
+pub struct MemoryChildRecords {
+    records: Mutex<BTreeMap<(String, String), ChildRecord>>,
+}
+
+impl MemoryChildRecords {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, String), ChildRecord>> {
+        self.records.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl ChildRecords for MemoryChildRecords {
+    fn put(&self, record: &ChildRecord) -> Result<(), RecordsError> {
+        self.lock().insert((record.provider.clone(), record.name.clone()), record.clone());
+        Ok(())
+    }
+    fn get(&self, provider: &str, name: &str) -> Result<Option<ChildRecord>, RecordsError> {
+        Ok(self.lock().get(&(provider.to_owned(), name.to_owned())).cloned())
+    }
+    fn remove(&self, provider: &str, name: &str) -> Result<(), RecordsError> {
+        self.lock().remove(&(provider.to_owned(), name.to_owned()));
+        Ok(())
+    }
+    fn list(&self, provider: &str) -> Result<Vec<ChildRecord>, RecordsError> {
+        Ok(self.lock().values().filter(|r| r.provider == provider).cloned().collect())
+    }
+}
+
+/// How a child is doing, as far as the host can see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Liveness {
+    Running,
+    Exited(i32),
+    Signalled(i32),
+    Gone,
+}
+
+/// `(start time, state)` of a pid from `/proc/<pid>/stat`.
+pub fn proc_stat(pid: u32) -> Option<(u64, char)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is parenthesised and may hold spaces.
+    let after_name = &text[text.rfind(')')? + 2..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let state = fields.first()?.chars().next()?;
+    // Fields are counted from 1 and this slice starts at field 3: starttime (22) is index 19.
+    let start_time = fields.get(19)?.parse().ok()?;
+    Some((start_time, state))
+}
+
+/// Live handles of children spawned by this host process, so they are reaped
+/// and their exit status is known. Shared by every provider of the host.
+#[derive(Default)]
+pub struct LiveChildren {
+    handles: Mutex<HashMap<(String, String), Child>>,
+}
+
+impl LiveChildren {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Child>> {
+        self.handles.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn insert(&self, provider: &str, name: &str, child: Child) {
+        self.lock().insert((provider.to_owned(), name.to_owned()), child);
+    }
+
+    pub fn remove(&self, provider: &str, name: &str) {
+        self.lock().remove(&(provider.to_owned(), name.to_owned()));
+    }
+
+    /// The child's state: from its handle if this process spawned it, else
+    /// from `/proc`, matched by pid and start time.
+    pub fn liveness(&self, record: &ChildRecord) -> Liveness {
+        use std::os::unix::process::ExitStatusExt;
+        let key = (record.provider.clone(), record.name.clone());
+        if let Some(child) = self.lock().get_mut(&key) {
+            return match child.try_wait() {
+                Ok(None) => Liveness::Running,
+                Ok(Some(status)) => match (status.code(), status.signal()) {
+                    (Some(code), _) => Liveness::Exited(code),
+                    (None, Some(signal)) => Liveness::Signalled(signal),
+                    (None, None) => Liveness::Gone,
+                },
+                Err(_) => Liveness::Gone,
+            };
+        }
+        match proc_stat(record.pid) {
+            Some((start, state)) if start == record.start_time && state != 'Z' && state != 'X' => Liveness::Running,
+            _ => Liveness::Gone,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_stat_reads_our_own_start_time() {
+        let (start, state) = proc_stat(std::process::id()).unwrap();
+        assert!(start > 0);
+        assert!("RS".contains(state), "{state}");
+        assert_eq!(proc_stat(std::process::id()).unwrap().0, start, "start time is stable");
+    }
+}

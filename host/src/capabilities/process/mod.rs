@@ -1,0 +1,381 @@
+//! `broker:provider/process`: granted programs only, no shell, capped output,
+//! process-group kills, and long-running children that survive the host.
+
+mod children;
+mod policy;
+
+pub use children::{ChildRecord, ChildRecords, LiveChildren, Liveness, MemoryChildRecords, RecordsError, proc_stat};
+pub use policy::{GUEST_DATA_DIR, PolicyError, ProcessPolicy};
+
+use crate::bindings::BrokerError;
+use crate::bindings::broker::provider::process::{self as wit, ChildStatus, Output};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use std::os::unix::process::CommandExt;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
+
+/// Each of stdout and stderr of `run` is cut at this size.
+pub const MAX_OUTPUT_BYTES: usize = 1 << 20;
+/// How often `wait` looks at a child that is not ours to wait on.
+const WAIT_POLL: Duration = Duration::from_millis(10);
+
+/// The host object behind a guest's `child` handle.
+pub struct HeldChild {
+    record: ChildRecord,
+}
+
+pub struct ProcessCtx {
+    provider: String,
+    /// `None` when the manifest grants no programs.
+    policy: Option<Arc<ProcessPolicy>>,
+    records: Arc<dyn ChildRecords>,
+    live: Arc<LiveChildren>,
+}
+
+impl ProcessCtx {
+    pub fn new(
+        provider: &str,
+        policy: Option<Arc<ProcessPolicy>>,
+        records: Arc<dyn ChildRecords>,
+        live: Arc<LiveChildren>,
+    ) -> Self {
+        ProcessCtx { provider: provider.to_owned(), policy, records, live }
+    }
+
+    fn policy(&self) -> Result<&ProcessPolicy, BrokerError> {
+        self.policy.as_deref().ok_or_else(|| {
+            BrokerError::AccessDenied(
+                "process is not granted: list programs in `process = [...]` under [grants]".into(),
+            )
+        })
+    }
+}
+
+fn denied(err: PolicyError) -> BrokerError {
+    BrokerError::AccessDenied(err.to_string())
+}
+
+fn translate_all(policy: &ProcessPolicy, args: &[String]) -> Result<Vec<String>, BrokerError> {
+    args.iter().map(|a| policy.translate(a).map_err(denied)).collect()
+}
+
+fn translate_env(policy: &ProcessPolicy, env: &[(String, String)]) -> Result<Vec<(String, String)>, BrokerError> {
+    env.iter().map(|(k, v)| Ok((k.clone(), policy.translate(v).map_err(denied)?))).collect()
+}
+
+/// Kills a process group when dropped, unless disarmed: a timed-out or
+/// abandoned `run` takes its grandchildren with it.
+struct GroupKiller(Option<i32>);
+
+impl Drop for GroupKiller {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.0 {
+            let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+        }
+    }
+}
+
+/// Read all of `stream`, keeping at most `cap` bytes.
+async fn read_capped(mut stream: impl AsyncRead + Unpin, cap: usize) -> (Vec<u8>, bool) {
+    let mut kept = Vec::new();
+    let mut truncated = false;
+    let mut buf = [0u8; 8192];
+    loop {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return (kept, truncated),
+            Ok(n) => {
+                let room = cap.saturating_sub(kept.len());
+                kept.extend_from_slice(&buf[..n.min(room)]);
+                truncated |= n > room;
+            }
+        }
+    }
+}
+
+fn status_of(liveness: Liveness) -> ChildStatus {
+    match liveness {
+        Liveness::Running => ChildStatus::Running,
+        Liveness::Exited(code) => ChildStatus::Exited(code),
+        Liveness::Signalled(signal) => ChildStatus::Signalled(signal),
+        Liveness::Gone => ChildStatus::Gone,
+    }
+}
+
+fn valid_child_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('.')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+impl ProcessCtx {
+    async fn run(
+        &self,
+        program: &str,
+        args: &[String],
+        env: &[(String, String)],
+        stdin: Vec<u8>,
+        timeout_ms: u64,
+    ) -> Result<Output, BrokerError> {
+        let policy = self.policy()?;
+        let path = policy.program(program).map_err(denied)?;
+        let args = translate_all(policy, args)?;
+        let env = translate_env(policy, env)?;
+        let mut command = tokio::process::Command::new(&path);
+        command
+            .args(&args)
+            .env_clear()
+            .envs(env)
+            .current_dir(policy.data_dir())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child =
+            command.spawn().map_err(|e| BrokerError::Provider(format!("cannot run {}: {e}", path.display())))?;
+        let mut group = GroupKiller(child.id().map(|pid| pid as i32));
+        tracing::debug!(provider = %self.provider, program = %path.display(), pid = ?child.id(), "run");
+
+        let mut input = child.stdin.take();
+        let feed = async move {
+            if let Some(input) = input.as_mut() {
+                let _ = input.write_all(&stdin).await;
+            }
+            drop(input);
+        };
+        let stdout = read_capped(child.stdout.take().expect("piped"), MAX_OUTPUT_BYTES);
+        let stderr = read_capped(child.stderr.take().expect("piped"), MAX_OUTPUT_BYTES);
+        let finish = async { tokio::join!(feed, stdout, stderr, child.wait()) };
+        let outcome = if timeout_ms == 0 {
+            Ok(finish.await)
+        } else {
+            tokio::time::timeout(Duration::from_millis(timeout_ms), finish).await
+        };
+        match outcome {
+            Ok((_, (stdout, out_cut), (stderr, err_cut), status)) => {
+                group.0 = None;
+                let status =
+                    status.map_err(|e| BrokerError::Provider(format!("waiting for {}: {e}", path.display())))?;
+                use std::os::unix::process::ExitStatusExt;
+                Ok(Output {
+                    exit_code: status.code(),
+                    signal: status.signal(),
+                    stdout,
+                    stderr,
+                    truncated: out_cut || err_cut,
+                    timed_out: false,
+                })
+            }
+            Err(_elapsed) => {
+                drop(group); // SIGKILL to the whole group
+                Ok(Output {
+                    exit_code: None,
+                    signal: Some(Signal::SIGKILL as i32),
+                    stdout: Vec::new(),
+                    stderr: Vec::new(),
+                    truncated: false,
+                    timed_out: true,
+                })
+            }
+        }
+    }
+
+    fn spawn(
+        &self,
+        name: &str,
+        program: &str,
+        args: &[String],
+        env: &[(String, String)],
+    ) -> Result<ChildRecord, BrokerError> {
+        let policy = self.policy()?;
+        if !valid_child_name(name) {
+            return Err(BrokerError::InvalidParams(format!(
+                "child name {name:?} must be 1-64 letters, digits, '-', '_' or '.'"
+            )));
+        }
+        if let Some(existing) = self.records.get(&self.provider, name).map_err(|e| BrokerError::Provider(e.0))?
+            && self.live.liveness(&existing) == Liveness::Running
+        {
+            return Err(BrokerError::InvalidParams(format!("a child named {name:?} is still running")));
+        }
+        let path = policy.program(program).map_err(denied)?;
+        let args = translate_all(policy, args)?;
+        let env = translate_env(policy, env)?;
+        let logs = policy.data_dir().join("logs");
+        let log_path = logs.join(format!("{name}.log"));
+        let log = std::fs::create_dir_all(&logs)
+            .and_then(|_| std::fs::OpenOptions::new().create(true).append(true).open(&log_path))
+            .map_err(|e| BrokerError::Provider(format!("cannot open {}: {e}", log_path.display())))?;
+        let log_err = log.try_clone().map_err(|e| BrokerError::Provider(e.to_string()))?;
+        let child = std::process::Command::new(&path)
+            .args(&args)
+            .env_clear()
+            .envs(env)
+            .current_dir(policy.data_dir())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            // Its own process group: signals go to the whole group, and the
+            // host's own signals (Ctrl-C) do not reach it.
+            .process_group(0)
+            .spawn()
+            .map_err(|e| BrokerError::Provider(format!("cannot spawn {}: {e}", path.display())))?;
+        let pid = child.id();
+        let start_time = proc_stat(pid).map(|(start, _)| start).unwrap_or(0);
+        let record = ChildRecord {
+            provider: self.provider.clone(),
+            name: name.to_owned(),
+            pid,
+            start_time,
+            program: path.display().to_string(),
+            args,
+            log: log_path.display().to_string(),
+        };
+        self.live.insert(&self.provider, name, child);
+        self.records.put(&record).map_err(|e| BrokerError::Provider(e.0))?;
+        tracing::info!(provider = %self.provider, child = name, pid, "spawned child");
+        Ok(record)
+    }
+
+    fn adopt(&self, name: &str) -> Result<Option<ChildRecord>, BrokerError> {
+        self.policy()?;
+        let Some(record) = self.records.get(&self.provider, name).map_err(|e| BrokerError::Provider(e.0))? else {
+            return Ok(None);
+        };
+        if self.live.liveness(&record) == Liveness::Gone {
+            // Gone for good (or its pid was recycled): forget it.
+            self.records.remove(&self.provider, name).map_err(|e| BrokerError::Provider(e.0))?;
+            self.live.remove(&self.provider, name);
+            return Ok(None);
+        }
+        Ok(Some(record))
+    }
+}
+
+pub struct ProcessView<'a> {
+    pub ctx: &'a mut ProcessCtx,
+    pub table: &'a mut ResourceTable,
+}
+
+pub struct ProcessData;
+
+impl HasData for ProcessData {
+    type Data<'a> = ProcessView<'a>;
+}
+
+impl ProcessView<'_> {
+    fn hold(&mut self, record: ChildRecord) -> wasmtime::Result<Resource<HeldChild>> {
+        Ok(self.table.push(HeldChild { record })?)
+    }
+
+    fn record(&self, handle: &Resource<HeldChild>) -> wasmtime::Result<ChildRecord> {
+        Ok(self.table.get(handle)?.record.clone())
+    }
+}
+
+impl wit::Host for ProcessView<'_> {
+    async fn run(
+        &mut self,
+        program: String,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        stdin: Vec<u8>,
+        timeout_ms: u64,
+    ) -> wasmtime::Result<Result<Output, BrokerError>> {
+        Ok(self.ctx.run(&program, &args, &env, stdin, timeout_ms).await)
+    }
+
+    async fn spawn(
+        &mut self,
+        name: String,
+        program: String,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    ) -> wasmtime::Result<Result<Resource<HeldChild>, BrokerError>> {
+        match self.ctx.spawn(&name, &program, &args, &env) {
+            Ok(record) => Ok(Ok(self.hold(record)?)),
+            Err(e) => Ok(Err(e)),
+        }
+    }
+
+    async fn adopt(&mut self, name: String) -> wasmtime::Result<Result<Option<Resource<HeldChild>>, BrokerError>> {
+        match self.ctx.adopt(&name) {
+            Ok(Some(record)) => Ok(Ok(Some(self.hold(record)?))),
+            Ok(None) => Ok(Ok(None)),
+            Err(e) => Ok(Err(e)),
+        }
+    }
+
+    async fn children(&mut self) -> wasmtime::Result<Vec<String>> {
+        if self.ctx.policy.is_none() {
+            return Ok(Vec::new());
+        }
+        let records = self.ctx.records.list(&self.ctx.provider).unwrap_or_default();
+        Ok(records.into_iter().map(|r| r.name).collect())
+    }
+}
+
+impl wit::HostChild for ProcessView<'_> {
+    async fn name(&mut self, handle: Resource<HeldChild>) -> wasmtime::Result<String> {
+        Ok(self.record(&handle)?.name)
+    }
+
+    async fn pid(&mut self, handle: Resource<HeldChild>) -> wasmtime::Result<u32> {
+        Ok(self.record(&handle)?.pid)
+    }
+
+    async fn status(&mut self, handle: Resource<HeldChild>) -> wasmtime::Result<ChildStatus> {
+        let record = self.record(&handle)?;
+        Ok(status_of(self.ctx.live.liveness(&record)))
+    }
+
+    async fn signal(&mut self, handle: Resource<HeldChild>, signal: i32) -> wasmtime::Result<Result<(), BrokerError>> {
+        let record = self.record(&handle)?;
+        let Ok(signal) = Signal::try_from(signal) else {
+            return Ok(Err(BrokerError::InvalidParams(format!("{signal} is not a signal"))));
+        };
+        // Only the very process we started: pid and start time must both match.
+        if self.ctx.live.liveness(&record) != Liveness::Running {
+            return Ok(Err(BrokerError::NotFound(format!("child {:?} is not running", record.name))));
+        }
+        Ok(killpg(Pid::from_raw(record.pid as i32), signal)
+            .map_err(|e| BrokerError::Provider(format!("signal {signal} to child {:?}: {e}", record.name))))
+    }
+
+    async fn wait(&mut self, handle: Resource<HeldChild>, timeout_ms: u64) -> wasmtime::Result<ChildStatus> {
+        let record = self.record(&handle)?;
+        let until = Instant::now() + Duration::from_millis(timeout_ms);
+        loop {
+            let liveness = self.ctx.live.liveness(&record);
+            if liveness != Liveness::Running || Instant::now() >= until {
+                return Ok(status_of(liveness));
+            }
+            tokio::time::sleep(WAIT_POLL).await;
+        }
+    }
+
+    async fn forget(&mut self, handle: Resource<HeldChild>) -> wasmtime::Result<()> {
+        let record = self.record(&handle)?;
+        let _ = self.ctx.records.remove(&record.provider, &record.name);
+        self.ctx.live.remove(&record.provider, &record.name);
+        Ok(())
+    }
+
+    async fn drop(&mut self, handle: Resource<HeldChild>) -> wasmtime::Result<()> {
+        // The child keeps running: it belongs to the host's records, not to the handle.
+        self.table.delete(handle)?;
+        Ok(())
+    }
+}
+
+pub fn add_to_linker<T: Send + 'static>(
+    linker: &mut Linker<T>,
+    getter: fn(&mut T) -> ProcessView<'_>,
+) -> wasmtime::Result<()> {
+    wit::add_to_linker::<T, ProcessData>(linker, getter)
+}
