@@ -6,5 +6,6 @@ pub mod context;
 pub mod kv;
 pub mod log;
 pub mod machine_lock;
+pub mod network_bridge;
 pub mod process;
 pub mod wasi;

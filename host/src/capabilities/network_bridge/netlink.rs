@@ -1,0 +1,242 @@
+//! The real bridger: rtnetlink, in the network namespace of the thread that
+//! connects. No shelling out to `ip`.
+
+use super::{BridgeError, Device, DeviceAddress, DeviceToBridge, check_name, format_mac, parse_mac};
+use futures_util::TryStreamExt;
+use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage};
+use rtnetlink::packet_route::link::{LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
+use rtnetlink::{Handle, LinkBridge, LinkUnspec, LinkVeth};
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+fn nl(err: rtnetlink::Error) -> BridgeError {
+    BridgeError::Netlink(err.to_string())
+}
+
+/// A netlink connection. Must be made inside a tokio runtime; it works on the
+/// network namespace of the thread that makes it.
+pub struct Netlink {
+    handle: Handle,
+}
+
+struct Link {
+    message: LinkMessage,
+}
+
+impl Link {
+    fn index(&self) -> u32 {
+        self.message.header.index
+    }
+
+    fn name(&self) -> String {
+        self.message
+            .attributes
+            .iter()
+            .find_map(|a| if let LinkAttribute::IfName(n) = a { Some(n.clone()) } else { None })
+            .unwrap_or_default()
+    }
+
+    fn mac(&self) -> Vec<u8> {
+        self.message
+            .attributes
+            .iter()
+            .find_map(|a| if let LinkAttribute::Address(m) = a { Some(m.clone()) } else { None })
+            .unwrap_or_default()
+    }
+
+    fn mtu(&self) -> u32 {
+        self.message
+            .attributes
+            .iter()
+            .find_map(|a| if let LinkAttribute::Mtu(m) = a { Some(*m) } else { None })
+            .unwrap_or(0)
+    }
+
+    fn controller(&self) -> Option<u32> {
+        self.message.attributes.iter().find_map(|a| if let LinkAttribute::Controller(c) = a { Some(*c) } else { None })
+    }
+
+    fn kind(&self) -> String {
+        self.message
+            .attributes
+            .iter()
+            .filter_map(|a| if let LinkAttribute::LinkInfo(infos) = a { Some(infos) } else { None })
+            .flatten()
+            .find_map(|i| if let LinkInfo::Kind(kind) = i { Some(format!("{kind}").to_lowercase()) } else { None })
+            .unwrap_or_default()
+    }
+
+    fn up(&self) -> bool {
+        self.message.header.flags.contains(LinkFlags::Up)
+    }
+}
+
+fn address_of(message: &AddressMessage) -> Option<DeviceAddress> {
+    let address = message.attributes.iter().find_map(|a| match a {
+        AddressAttribute::Local(ip) => Some(*ip),
+        _ => None,
+    });
+    let address = address.or_else(|| {
+        message.attributes.iter().find_map(|a| if let AddressAttribute::Address(ip) = a { Some(*ip) } else { None })
+    })?;
+    Some(DeviceAddress { address, prefix: message.header.prefix_len })
+}
+
+/// IPv6 link-local addresses belong to the link itself; they are not moved.
+fn movable(address: &DeviceAddress) -> bool {
+    match address.address {
+        IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) != 0xfe80,
+        IpAddr::V4(_) => true,
+    }
+}
+
+impl Netlink {
+    pub fn connect() -> Result<Netlink, BridgeError> {
+        let (connection, handle, _) = rtnetlink::new_connection().map_err(|e| BridgeError::Netlink(e.to_string()))?;
+        tokio::spawn(connection);
+        Ok(Netlink { handle })
+    }
+
+    async fn links(&self) -> Result<Vec<Link>, BridgeError> {
+        let messages: Vec<LinkMessage> = self.handle.link().get().execute().try_collect().await.map_err(nl)?;
+        Ok(messages.into_iter().map(|message| Link { message }).collect())
+    }
+
+    async fn link(&self, name: &str) -> Result<Option<Link>, BridgeError> {
+        Ok(self.links().await?.into_iter().find(|l| l.name() == name))
+    }
+
+    async fn address_messages(&self, index: u32) -> Result<Vec<AddressMessage>, BridgeError> {
+        let all: Vec<AddressMessage> =
+            self.handle.address().get().set_link_index_filter(index).execute().try_collect().await.map_err(nl)?;
+        // The kernel may ignore the filter on dumps: filter again.
+        Ok(all.into_iter().filter(|m| m.header.index == index).collect())
+    }
+
+    /// Every device with its addresses, MAC, MTU and controller.
+    pub async fn devices(&self) -> Result<Vec<Device>, BridgeError> {
+        let links = self.links().await?;
+        let names: HashMap<u32, String> = links.iter().map(|l| (l.index(), l.name())).collect();
+        let mut devices = Vec::new();
+        for link in &links {
+            let addresses = self.address_messages(link.index()).await?.iter().filter_map(address_of).collect();
+            devices.push(Device {
+                name: link.name(),
+                index: link.index(),
+                mac: format_mac(&link.mac()),
+                mtu: link.mtu(),
+                kind: link.kind(),
+                controller: link.controller().and_then(|c| names.get(&c).cloned()),
+                up: link.up(),
+                addresses,
+            });
+        }
+        devices.sort_by_key(|d| d.index);
+        Ok(devices)
+    }
+
+    pub async fn device(&self, name: &str) -> Result<Option<Device>, BridgeError> {
+        Ok(self.devices().await?.into_iter().find(|d| d.name == name))
+    }
+
+    /// Bridge `device` as Juju does: the bridge takes the device's MAC (or the
+    /// one given), MTU and addresses; the device is enslaved to it. Running it
+    /// again for the same pair changes nothing; a device already in another
+    /// bridge is an error.
+    pub async fn bridge(&self, change: &DeviceToBridge) -> Result<(), BridgeError> {
+        check_name(&change.device)?;
+        check_name(&change.bridge)?;
+        let device = self.link(&change.device).await?.ok_or_else(|| BridgeError::NoDevice(change.device.clone()))?;
+        let links = self.links().await?;
+        if let Some(controller) = device.controller() {
+            let existing = links.iter().find(|l| l.index() == controller).map(Link::name).unwrap_or_default();
+            if existing == change.bridge {
+                return Ok(());
+            }
+            return Err(BridgeError::BridgedElsewhere {
+                device: change.device.clone(),
+                wanted: change.bridge.clone(),
+                existing,
+            });
+        }
+        let mac = if change.mac.is_empty() { device.mac() } else { parse_mac(&change.mac)? };
+        let bridge = match links.iter().find(|l| l.name() == change.bridge) {
+            Some(existing) if existing.kind() != "bridge" => {
+                return Err(BridgeError::NotABridge(change.bridge.clone()));
+            }
+            Some(existing) => existing.index(),
+            None => {
+                let mut builder = LinkBridge::new(&change.bridge).mtu(device.mtu());
+                if !mac.is_empty() {
+                    builder = builder.address(mac);
+                }
+                self.handle.link().add(builder.build()).execute().await.map_err(nl)?;
+                self.link(&change.bridge).await?.ok_or_else(|| BridgeError::NoDevice(change.bridge.clone()))?.index()
+            }
+        };
+        self.move_addresses(device.index(), bridge).await?;
+        self.set_controller(device.index(), Some(bridge)).await?;
+        self.set_up(bridge).await?;
+        self.set_up(device.index()).await
+    }
+
+    /// Undo [`Netlink::bridge`]: addresses back to the device, the bridge deleted.
+    pub async fn unbridge(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
+        let dev = self.link(device).await?.ok_or_else(|| BridgeError::NoDevice(device.to_owned()))?;
+        let br = self.link(bridge).await?.ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?;
+        self.set_controller(dev.index(), None).await?;
+        self.move_addresses(br.index(), dev.index()).await?;
+        self.delete(bridge).await
+    }
+
+    async fn move_addresses(&self, from: u32, to: u32) -> Result<(), BridgeError> {
+        for message in self.address_messages(from).await? {
+            let Some(address) = address_of(&message).filter(movable) else { continue };
+            self.handle.address().del(message).execute().await.map_err(nl)?;
+            self.handle.address().add(to, address.address, address.prefix).execute().await.map_err(nl)?;
+        }
+        Ok(())
+    }
+
+    async fn set_controller(&self, index: u32, controller: Option<u32>) -> Result<(), BridgeError> {
+        let builder = LinkUnspec::new_with_index(index);
+        let message = match controller {
+            Some(c) => builder.controller(c).build(),
+            None => builder.nocontroller().build(),
+        };
+        self.handle.link().set(message).execute().await.map_err(nl)
+    }
+
+    async fn set_up(&self, index: u32) -> Result<(), BridgeError> {
+        self.handle.link().set(LinkUnspec::new_with_index(index).up().build()).execute().await.map_err(nl)
+    }
+
+    /// A veth pair for an instance: `name` attached to `bridge`, `peer` left for
+    /// the instance; both up.
+    pub async fn create_veth(&self, name: &str, peer: &str, bridge: &str) -> Result<(), BridgeError> {
+        check_name(name)?;
+        check_name(peer)?;
+        let br = self.link(bridge).await?.ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?;
+        self.handle.link().add(LinkVeth::new(name, peer).build()).execute().await.map_err(nl)?;
+        self.attach(name, &br.name()).await?;
+        let peer_link = self.link(peer).await?.ok_or_else(|| BridgeError::NoDevice(peer.to_owned()))?;
+        self.set_up(peer_link.index()).await
+    }
+
+    /// Attach an existing device (a tap qemu made, a veth) to a bridge and bring it up.
+    pub async fn attach(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
+        let dev = self.link(device).await?.ok_or_else(|| BridgeError::NoDevice(device.to_owned()))?;
+        let br = self.link(bridge).await?.ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?;
+        if br.kind() != "bridge" {
+            return Err(BridgeError::NotABridge(bridge.to_owned()));
+        }
+        self.set_controller(dev.index(), Some(br.index())).await?;
+        self.set_up(dev.index()).await
+    }
+
+    /// Delete a device (for a veth, its peer goes too).
+    pub async fn delete(&self, name: &str) -> Result<(), BridgeError> {
+        let link = self.link(name).await?.ok_or_else(|| BridgeError::NoDevice(name.to_owned()))?;
+        self.handle.link().del(link.index()).execute().await.map_err(nl)
+    }
+}

@@ -1,0 +1,111 @@
+//! Host bridging through real netlink, in a network namespace each test makes
+//! for itself (`unshare(CLONE_NEWNET)` on a thread of its own), with veth
+//! devices standing in for the host's NICs (this kernel has no `dummy` driver).
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use broker_host::capabilities::network_bridge::names::bridge_name;
+use broker_host::capabilities::network_bridge::netlink::Netlink;
+use broker_host::capabilities::network_bridge::{BridgeError, Device, DeviceToBridge};
+use nix::sched::{CloneFlags, unshare};
+use rtnetlink::LinkVeth;
+use std::future::Future;
+
+/// Run `test` on a thread inside a fresh network namespace, with its own runtime.
+fn in_netns<F, Fut>(test: F)
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    std::thread::spawn(move || {
+        unshare(CloneFlags::CLONE_NEWNET).expect(
+            "unshare(CLONE_NEWNET) was refused: these tests need root (or CAP_SYS_ADMIN) and network namespaces",
+        );
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(test());
+    })
+    .join()
+    .expect("the namespaced test panicked");
+}
+
+/// A "NIC" (one end of a veth pair, the other end `<name>p`) with a MAC and an address, up.
+async fn make_nic(name: &str, mac: [u8; 6], address: &str) {
+    let (connection, handle, _) = rtnetlink::new_connection().unwrap();
+    tokio::spawn(connection);
+    let peer = format!("{name}p");
+    handle.link().add(LinkVeth::new(name, &peer).address(mac.to_vec()).up().build()).execute().await.unwrap();
+    let nl = Netlink::connect().unwrap();
+    let index = nl.device(name).await.unwrap().unwrap().index;
+    let (ip, prefix) = address.split_once('/').unwrap();
+    handle.address().add(index, ip.parse().unwrap(), prefix.parse().unwrap()).execute().await.unwrap();
+}
+
+fn addresses(device: &Device) -> Vec<String> {
+    let mut addrs: Vec<String> =
+        device.addresses.iter().map(|a| a.to_string()).filter(|a| !a.starts_with("fe80")).collect();
+    addrs.sort();
+    addrs
+}
+
+#[test]
+fn bridging_moves_addresses_keeps_the_mac_and_is_idempotent() {
+    in_netns(|| async {
+        make_nic("eth0", [0x00, 0x16, 0x3e, 0x11, 0x22, 0x33], "10.10.0.2/24").await;
+        let nl = Netlink::connect().unwrap();
+        let before = nl.device("eth0").await.unwrap().unwrap();
+        assert_eq!(addresses(&before), ["10.10.0.2/24"]);
+
+        let change = DeviceToBridge { device: "eth0".into(), bridge: bridge_name("eth0"), mac: String::new() };
+        nl.bridge(&change).await.unwrap();
+        let bridge = nl.device("br-eth0").await.unwrap().expect("bridge made");
+        let eth0 = nl.device("eth0").await.unwrap().unwrap();
+        assert_eq!(bridge.kind, "bridge");
+        assert_eq!(bridge.mac, "00:16:3e:11:22:33", "the bridge keeps the device's MAC");
+        assert_eq!(addresses(&bridge), ["10.10.0.2/24"], "the address moved to the bridge");
+        assert!(addresses(&eth0).is_empty(), "and left the device");
+        assert_eq!(eth0.controller.as_deref(), Some("br-eth0"));
+        assert!(bridge.up && eth0.up);
+
+        // Again: a no-op.
+        let devices = nl.devices().await.unwrap();
+        nl.bridge(&change).await.unwrap();
+        assert_eq!(nl.devices().await.unwrap(), devices);
+
+        // Into another bridge: refused.
+        let elsewhere = DeviceToBridge { device: "eth0".into(), bridge: "br-other".into(), mac: String::new() };
+        assert!(matches!(nl.bridge(&elsewhere).await, Err(BridgeError::BridgedElsewhere { .. })));
+        assert!(nl.device("br-other").await.unwrap().is_none(), "nothing was made for the refused change");
+        let missing = DeviceToBridge { device: "eth9".into(), bridge: "br-eth9".into(), mac: String::new() };
+        assert!(matches!(nl.bridge(&missing).await, Err(BridgeError::NoDevice(_))));
+    });
+}
+
+#[test]
+fn an_instance_veth_is_attached_and_cleanup_restores_the_namespace() {
+    in_netns(|| async {
+        make_nic("eth1", [0x00, 0x16, 0x3e, 0x44, 0x55, 0x66], "192.168.77.5/24").await;
+        let nl = Netlink::connect().unwrap();
+        let initial = nl.devices().await.unwrap();
+
+        nl.bridge(&DeviceToBridge { device: "eth1".into(), bridge: "br-eth1".into(), mac: String::new() })
+            .await
+            .unwrap();
+        nl.create_veth("vm1-host", "vm1-guest", "br-eth1").await.unwrap();
+        let host_end = nl.device("vm1-host").await.unwrap().unwrap();
+        assert_eq!(host_end.controller.as_deref(), Some("br-eth1"));
+        assert_eq!(host_end.kind, "veth");
+        assert!(nl.device("vm1-guest").await.unwrap().unwrap().up);
+        assert!(matches!(nl.attach("vm1-guest", "eth1").await, Err(BridgeError::NotABridge(_))));
+
+        // Delete what the host made: the veth pair, then the bridge.
+        nl.delete("vm1-host").await.unwrap();
+        assert!(nl.device("vm1-guest").await.unwrap().is_none(), "the peer went with it");
+        nl.unbridge("eth1", "br-eth1").await.unwrap();
+        let after = nl.devices().await.unwrap();
+        let names = |ds: &[Device]| ds.iter().map(|d| d.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&after), names(&initial));
+        let eth1 = after.iter().find(|d| d.name == "eth1").unwrap();
+        assert_eq!(addresses(eth1), ["192.168.77.5/24"]);
+        assert_eq!(eth1.controller, None);
+    });
+}
