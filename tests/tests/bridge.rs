@@ -4,6 +4,9 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
+use broker_host::broker::Broker;
+use broker_host::broker::service::{empty_params, interface_on};
+use broker_host::capabilities::context::CallHooks;
 use broker_host::capabilities::network_bridge::names::bridge_name;
 use broker_host::capabilities::network_bridge::netlink::Netlink;
 use broker_host::capabilities::network_bridge::{BridgeError, Device, DeviceToBridge};
@@ -107,5 +110,41 @@ fn an_instance_veth_is_attached_and_cleanup_restores_the_namespace() {
         let eth1 = after.iter().find(|d| d.name == "eth1").unwrap();
         assert_eq!(addresses(eth1), ["192.168.77.5/24"]);
         assert_eq!(eth1.controller, None);
+    });
+}
+
+/// Through the real broker: a start whose network info hangs off `br-eth2`
+/// first bridges eth2 under the machine lock, records the observed network,
+/// then starts the instance; a parent the host cannot make stops the start
+/// before the provider is called.
+#[test]
+fn start_instance_prepares_the_host_bridge_first() {
+    in_netns(|| async {
+        make_nic("eth2", [0x00, 0x16, 0x3e, 0x77, 0x88, 0x99], "10.20.0.2/24").await;
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(&dir.path().join("data")).unwrap();
+        broker.registry().add(&broker_tests::bundled_manifest("fake")).await.unwrap();
+
+        let mut params = empty_params();
+        params.network_info = vec![interface_on("br-eth2", "00:16:3e:00:00:01")];
+        let first = broker.start_instance("fake", &params, &CallHooks::default()).await.unwrap();
+        let nl = Netlink::connect().unwrap();
+        let bridge = nl.device("br-eth2").await.unwrap().expect("HostPreparer made the bridge");
+        assert_eq!(addresses(&bridge), ["10.20.0.2/24"]);
+        let observed = broker.store().observed_network().unwrap().expect("observed network recorded");
+        assert!(observed.devices.iter().any(|d| d.name == "br-eth2" && d.mac == "00:16:3e:77:88:99"));
+        let lock_report = broker_host::broker::service::machine_lock(&dir.path().join("data")).unwrap().report(10);
+        assert_eq!(lock_report.history.len(), 1);
+        assert!(lock_report.history[0].contains("broker: broker (bridging devices)"), "{:?}", lock_report.history);
+
+        // The bridge exists now: a second start takes the lock, finds nothing to do.
+        let second = broker.start_instance("fake", &params, &CallHooks::default()).await.unwrap();
+        assert_ne!(first.id, second.id);
+        let before = broker.list_instances(Some("fake")).await.unwrap().len();
+
+        params.network_info = vec![interface_on("br-nowhere", "00:16:3e:00:00:02")];
+        let err = broker.start_instance("fake", &params, &CallHooks::default()).await.unwrap_err();
+        assert!(err.to_string().starts_with("unable to setup network: no host device"), "{err}");
+        assert_eq!(broker.list_instances(Some("fake")).await.unwrap().len(), before, "the provider was not called");
     });
 }

@@ -4,6 +4,7 @@
 
 pub mod constraints;
 mod errors;
+pub mod host_preparer;
 pub mod imports;
 pub mod service;
 pub mod wasm;

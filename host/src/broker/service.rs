@@ -1,13 +1,16 @@
 //! The broker service: provider calls plus the host's records of what they did.
 
 use super::CallError;
+use super::host_preparer::{HostPreparer, PrepareError};
 use crate::bindings::{Instance, StartInstanceParams};
 use crate::capabilities::context::CallHooks;
 use crate::capabilities::machine_lock::{LockError, MachineLock};
+use crate::capabilities::network_bridge::netlink::Netlink;
 use crate::providers::{Registry, RegistryError};
 use crate::runtime::{HostCapabilities, Runtime, RuntimeError};
 use crate::store::records::{Hardware, now_rfc3339, status_name};
 use crate::store::{Store, StoreError};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -25,6 +28,10 @@ pub enum BrokerServiceError {
     Runtime(#[from] RuntimeError),
     #[error(transparent)]
     Lock(#[from] LockError),
+    #[error(transparent)]
+    Prepare(#[from] PrepareError),
+    #[error("host config {path}: {reason}")]
+    HostConfig { path: String, reason: String },
     #[error("unknown instance {0:?}: the host has no record of it (pass --provider to ask a provider directly)")]
     UnknownInstance(String),
     #[error("instance id {id:?} is recorded for several providers ({providers}); pass --provider")]
@@ -36,6 +43,35 @@ pub enum BrokerServiceError {
 pub struct Broker {
     store: Arc<Store>,
     registry: Registry,
+    machine_lock: MachineLock,
+    host: HostConfig,
+}
+
+/// `DATA_DIR/host.toml`: how this machine's network is to be bridged.
+///
+/// ```toml
+/// [bridges]          # bridge name -> the host device it is made over
+/// br-lan = "eth0"
+/// ```
+/// A bridge not listed here is made over the device whose Juju bridge name it is
+/// (`br-eth0` over `eth0`).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostConfig {
+    #[serde(default)]
+    pub bridges: BTreeMap<String, String>,
+}
+
+impl HostConfig {
+    pub fn load(data_dir: &Path) -> Result<HostConfig, BrokerServiceError> {
+        let path = data_dir.join("host.toml");
+        let error = |reason: String| BrokerServiceError::HostConfig { path: path.display().to_string(), reason };
+        match std::fs::read_to_string(&path) {
+            Ok(text) => toml::from_str(&text).map_err(|e| error(e.to_string().trim_end().to_owned())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(HostConfig::default()),
+            Err(e) => Err(error(e.to_string())),
+        }
+    }
 }
 
 impl Broker {
@@ -44,18 +80,19 @@ impl Broker {
         let store = Arc::new(Store::open(data_dir)?);
         let runtime = Runtime::new(Some(&data_dir.join("cache")))?;
         let machine_lock = machine_lock(data_dir)?;
-        Ok(Broker::with_parts(runtime, store, machine_lock))
+        let host = HostConfig::load(data_dir)?;
+        Ok(Broker::with_parts(runtime, store, machine_lock, host))
     }
 
-    pub fn with_parts(runtime: Arc<Runtime>, store: Arc<Store>, machine_lock: MachineLock) -> Broker {
+    pub fn with_parts(runtime: Arc<Runtime>, store: Arc<Store>, machine_lock: MachineLock, host: HostConfig) -> Broker {
         let capabilities = HostCapabilities {
             kv: store.kv(),
-            machine_lock: Some(machine_lock),
+            machine_lock: Some(machine_lock.clone()),
             providers_dir: store.data_dir().join("providers"),
             child_records: store.child_records(),
             live_children: Arc::default(),
         };
-        Broker { registry: Registry::new(runtime, store.clone(), capabilities), store }
+        Broker { registry: Registry::new(runtime, store.clone(), capabilities), store, machine_lock, host }
     }
 
     pub fn registry(&self) -> &Registry {
@@ -74,6 +111,7 @@ impl Broker {
         hooks: &CallHooks,
     ) -> Result<InstanceRecord, BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
+        self.prepare_host(params, hooks).await?;
         let result = wasm.start_instance(hooks, params).await?;
         let instance = &result.instance;
         tracing::Span::current().record("instance_id", instance.id.as_str());
@@ -95,6 +133,23 @@ impl Broker {
             return Err(BrokerServiceError::RecordFailed { provider: provider.to_owned(), id: record.id, source });
         }
         Ok(record)
+    }
+
+    /// HostPreparer, when the network info hangs off host bridges.
+    async fn prepare_host(&self, params: &StartInstanceParams, hooks: &CallHooks) -> Result<(), BrokerServiceError> {
+        if params.network_info.iter().all(|i| i.parent_interface_name.is_empty()) {
+            return Ok(());
+        }
+        let network = Netlink::connect().map_err(|e| PrepareError::Changes(e.to_string()))?;
+        let preparer = HostPreparer {
+            lock: &self.machine_lock,
+            network: &network,
+            sink: &*self.store,
+            host_bridges: &self.host.bridges,
+            lock_timeout: None,
+        };
+        preparer.prepare(&params.network_info, hooks.abort.clone()).await?;
+        Ok(())
     }
 
     /// Stop instances of one provider; unknown ids are ignored.
@@ -208,4 +263,33 @@ pub fn params_with(constraints: crate::bindings::Constraints) -> StartInstancePa
 
 pub fn empty_params() -> StartInstanceParams {
     params_with(super::constraints::empty())
+}
+
+/// A DHCP ethernet interface `eth<n>` hanging off host device or bridge `parent`.
+pub fn interface_on(parent: &str, mac: &str) -> crate::bindings::InterfaceInfo {
+    use crate::bindings::{AddressConfigType, InterfaceInfo, InterfaceType};
+    InterfaceInfo {
+        device_index: 0,
+        mac_address: mac.into(),
+        provider_id: None,
+        provider_subnet_id: None,
+        provider_space_id: None,
+        provider_vlan_id: None,
+        availability_zones: vec![],
+        vlan_tag: 0,
+        interface_name: "eth0".into(),
+        parent_interface_name: parent.into(),
+        interface_type: InterfaceType::Ethernet,
+        disabled: false,
+        no_auto_start: false,
+        config_type: AddressConfigType::Dhcp,
+        addresses: vec![],
+        shadow_addresses: vec![],
+        dns_servers: vec![],
+        dns_search_domains: vec![],
+        gateway_address: None,
+        routes: vec![],
+        mtu: 0,
+        is_default_gateway: false,
+    }
 }

@@ -9,8 +9,9 @@ mod kv;
 pub mod records;
 
 pub use kv::RedbKv;
-pub use records::{InstanceRecord, ProviderRecord};
+pub use records::{InstanceRecord, ObservedNetwork, ProviderRecord};
 
+use crate::capabilities::network_bridge::Device;
 use crate::capabilities::process::{ChildRecord, ChildRecords, RecordsError};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use std::path::{Path, PathBuf};
@@ -21,6 +22,8 @@ const PROVIDERS: TableDefinition<&str, &[u8]> = TableDefinition::new("providers"
 const INSTANCES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("instances");
 /// Key: (provider namespace, key).
 const KV: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("kv");
+/// The host's network as HostPreparer last observed it; one key, `host`.
+const OBSERVED_NETWORK: TableDefinition<&str, &[u8]> = TableDefinition::new("observed_network");
 /// Key: (provider, child name).
 const CHILDREN: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("children");
 
@@ -56,6 +59,7 @@ impl Store {
         txn.open_table(INSTANCES).map_err(db_error)?;
         txn.open_table(KV).map_err(db_error)?;
         txn.open_table(CHILDREN).map_err(db_error)?;
+        txn.open_table(OBSERVED_NETWORK).map_err(db_error)?;
         txn.commit().map_err(db_error)?;
         let db = Arc::new(db);
         Ok(Store { kv: Arc::new(RedbKv::new(db.clone())), db, data_dir: data_dir.to_owned() })
@@ -63,6 +67,22 @@ impl Store {
 
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
+    }
+
+    /// Record the host network HostPreparer observed after bridging.
+    pub fn put_observed_network(&self, devices: &[Device]) -> Result<(), StoreError> {
+        let record = ObservedNetwork { observed: records::now_rfc3339(), devices: devices.to_vec() };
+        let bytes = serde_json::to_vec(&record).map_err(|e| StoreError::Db(e.to_string()))?;
+        let txn = self.db.begin_write().map_err(db_error)?;
+        txn.open_table(OBSERVED_NETWORK).map_err(db_error)?.insert("host", bytes.as_slice()).map_err(db_error)?;
+        txn.commit().map_err(db_error)
+    }
+
+    pub fn observed_network(&self) -> Result<Option<ObservedNetwork>, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(OBSERVED_NETWORK).map_err(db_error)?;
+        let value = table.get("host").map_err(db_error)?;
+        value.map(|v| decode("observed network", v.value())).transpose()
     }
 
     /// The records of providers' long-running children.
@@ -197,5 +217,11 @@ impl ChildRecords for RedbChildren {
             records.push(serde_json::from_slice(value.value()).map_err(records_error)?);
         }
         Ok(records)
+    }
+}
+
+impl crate::broker::host_preparer::ObservedNetworkSink for Store {
+    fn record(&self, observed: &[Device]) -> Result<(), String> {
+        self.put_observed_network(observed).map_err(|e| e.to_string())
     }
 }

@@ -125,6 +125,14 @@ pub struct InstanceRecord {
     pub params: Option<StartInstanceParams>,
 }
 
+/// The host network as last observed after bridging.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ObservedNetwork {
+    /// RFC 3339, UTC.
+    pub observed: String,
+    pub devices: Vec<crate::capabilities::network_bridge::Device>,
+}
+
 /// Now, as RFC 3339 UTC with seconds.
 pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()

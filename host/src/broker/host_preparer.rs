@@ -1,0 +1,308 @@
+//! HostPreparer: before a provider's `start-instance`, make the host bridges
+//! that the params' network info hangs off, in Juju's (newer) order:
+//! take the machine lock FIRST, compute the devices to bridge, bridge,
+//! observe the network, record what was observed, release.
+
+use crate::bindings::InterfaceInfo;
+use crate::capabilities::machine_lock::{LockError, MachineLock, Spec};
+use crate::capabilities::network_bridge::names::bridge_name;
+use crate::capabilities::network_bridge::netlink::Netlink;
+use crate::capabilities::network_bridge::{BridgeError, Device, DeviceToBridge};
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+pub const LOCK_WORKER: &str = "broker";
+pub const LOCK_COMMENT: &str = "bridging devices";
+
+/// The messages are Juju's.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("failed to acquire machine lock for bridging: {0}")]
+    Lock(LockError),
+    #[error("unable to setup network: {0}")]
+    Changes(String),
+    #[error("failed to bridge devices: {0}")]
+    Bridge(BridgeError),
+    #[error("cannot discover observed network config: {0}")]
+    Observe(BridgeError),
+    #[error("cannot record observed network config: {0}")]
+    Record(String),
+}
+
+/// The host's network, as HostPreparer needs it.
+pub trait HostNetwork {
+    fn observe(&self) -> impl Future<Output = Result<Vec<Device>, BridgeError>> + Send;
+    fn bridge(&self, changes: &[DeviceToBridge]) -> impl Future<Output = Result<(), BridgeError>> + Send;
+}
+
+impl HostNetwork for Netlink {
+    async fn observe(&self) -> Result<Vec<Device>, BridgeError> {
+        self.devices().await
+    }
+
+    async fn bridge(&self, changes: &[DeviceToBridge]) -> Result<(), BridgeError> {
+        for change in changes {
+            Netlink::bridge(self, change).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Where observed network config is kept (the host's store).
+pub trait ObservedNetworkSink {
+    fn record(&self, observed: &[Device]) -> Result<(), String>;
+}
+
+/// Juju's `HostChangesForContainer`, computed on the host: each network-info
+/// parent that is not an existing device is a bridge to make, over the host
+/// device that `host_bridges` maps to it, or else the device whose Juju bridge
+/// name it is (`br-eth0` over `eth0`).
+pub fn host_changes(
+    network_info: &[InterfaceInfo],
+    devices: &[Device],
+    host_bridges: &BTreeMap<String, String>,
+) -> Result<Vec<DeviceToBridge>, String> {
+    let mut changes: Vec<DeviceToBridge> = Vec::new();
+    for parent in network_info.iter().map(|i| i.parent_interface_name.as_str()).filter(|p| !p.is_empty()) {
+        if devices.iter().any(|d| d.name == parent) || changes.iter().any(|c| c.bridge == parent) {
+            continue;
+        }
+        let device = host_bridges
+            .get(parent)
+            .cloned()
+            .or_else(|| devices.iter().find(|d| bridge_name(&d.name) == parent).map(|d| d.name.clone()))
+            .ok_or_else(|| {
+                format!("no host device to make bridge {parent:?} over (map it under [bridges] in the host config)")
+            })?;
+        let mac = devices.iter().find(|d| d.name == device).map(|d| d.mac.clone()).unwrap_or_default();
+        changes.push(DeviceToBridge { device, bridge: parent.to_owned(), mac });
+    }
+    Ok(changes)
+}
+
+pub struct HostPreparer<'a, N, S> {
+    pub lock: &'a MachineLock,
+    pub network: &'a N,
+    pub sink: &'a S,
+    pub host_bridges: &'a BTreeMap<String, String>,
+    pub lock_timeout: Option<Duration>,
+}
+
+impl<N: HostNetwork, S: ObservedNetworkSink> HostPreparer<'_, N, S> {
+    /// Returns the changes made (empty when none were needed).
+    pub async fn prepare(
+        &self,
+        network_info: &[InterfaceInfo],
+        abort: Arc<AtomicBool>,
+    ) -> Result<Vec<DeviceToBridge>, PrepareError> {
+        let spec = Spec {
+            worker: LOCK_WORKER.into(),
+            comment: LOCK_COMMENT.into(),
+            timeout: self.lock_timeout,
+            abort: Some(abort),
+        };
+        let _held = self.lock.acquire(spec).await.map_err(PrepareError::Lock)?;
+        let devices = self.network.observe().await.map_err(|e| PrepareError::Changes(e.to_string()))?;
+        let changes = host_changes(network_info, &devices, self.host_bridges).map_err(PrepareError::Changes)?;
+        if changes.is_empty() {
+            tracing::debug!("no host bridges needed");
+            return Ok(changes);
+        }
+        tracing::info!(?changes, "bridging host devices");
+        self.network.bridge(&changes).await.map_err(PrepareError::Bridge)?;
+        let observed = self.network.observe().await.map_err(PrepareError::Observe)?;
+        if !observed.is_empty() {
+            self.sink.record(&observed).map_err(PrepareError::Record)?;
+        }
+        Ok(changes)
+        // `_held` drops here: the lock is released on every path.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::service::interface_on;
+    use std::sync::Mutex;
+
+    /// A host network that records each step and whether the lock was held then.
+    struct FakeNetwork {
+        lock: MachineLock,
+        devices: Vec<Device>,
+        events: Mutex<Vec<String>>,
+        fail_bridge: bool,
+        fail_second_observe: bool,
+        observe_nothing_after_bridge: bool,
+    }
+
+    impl FakeNetwork {
+        fn new(lock: &MachineLock) -> Self {
+            FakeNetwork {
+                lock: lock.clone(),
+                devices: vec![device("eth0", "00:16:3e:00:00:01")],
+                events: Mutex::default(),
+                fail_bridge: false,
+                fail_second_observe: false,
+                observe_nothing_after_bridge: false,
+            }
+        }
+
+        fn note(&self, step: &str) -> usize {
+            let holder = self.lock.report(0).holder.map(|h| h.label());
+            let held = holder.as_deref() == Some("broker (bridging devices)");
+            let mut events = self.events.lock().unwrap();
+            events.push(format!("{step}{}", if held { "" } else { " WITHOUT LOCK" }));
+            events.len()
+        }
+
+        fn events(&self) -> Vec<String> {
+            self.events.lock().unwrap().clone()
+        }
+    }
+
+    impl HostNetwork for FakeNetwork {
+        async fn observe(&self) -> Result<Vec<Device>, BridgeError> {
+            let n = self.note("observe");
+            if n > 1 && self.fail_second_observe {
+                return Err(BridgeError::Netlink("observe failed".into()));
+            }
+            if n > 1 && self.observe_nothing_after_bridge {
+                return Ok(vec![]);
+            }
+            Ok(self.devices.clone())
+        }
+        async fn bridge(&self, changes: &[DeviceToBridge]) -> Result<(), BridgeError> {
+            self.note(&format!("bridge {}->{}", changes[0].device, changes[0].bridge));
+            if self.fail_bridge { Err(BridgeError::Netlink("bridge failed".into())) } else { Ok(()) }
+        }
+    }
+
+    impl ObservedNetworkSink for FakeNetwork {
+        fn record(&self, observed: &[Device]) -> Result<(), String> {
+            self.note(&format!("record {}", observed.len()));
+            Ok(())
+        }
+    }
+
+    fn device(name: &str, mac: &str) -> Device {
+        Device {
+            name: name.into(),
+            index: 2,
+            mac: mac.into(),
+            mtu: 1500,
+            kind: String::new(),
+            controller: None,
+            up: true,
+            addresses: vec![],
+        }
+    }
+
+    /// Network info with one interface whose parent is `parent`.
+    fn nic_on(parent: &str) -> Vec<InterfaceInfo> {
+        vec![interface_on(parent, "00:16:3e:00:00:99")]
+    }
+
+    fn lock() -> (tempfile::TempDir, MachineLock) {
+        let dir = tempfile::tempdir().unwrap();
+        let lock = MachineLock::new(dir.path(), "machine-lock", "test").unwrap();
+        (dir, lock)
+    }
+
+    async fn prepare(
+        lock: &MachineLock,
+        network: &FakeNetwork,
+        info: &[InterfaceInfo],
+        timeout: Option<Duration>,
+        abort: bool,
+    ) -> Result<Vec<DeviceToBridge>, PrepareError> {
+        let bridges = BTreeMap::new();
+        let preparer = HostPreparer { lock, network, sink: network, host_bridges: &bridges, lock_timeout: timeout };
+        preparer.prepare(info, Arc::new(AtomicBool::new(abort))).await
+    }
+
+    #[tokio::test]
+    async fn no_devices_to_bridge_means_no_bridging_and_the_lock_released() {
+        let (_dir, lock) = lock();
+        let network = FakeNetwork::new(&lock);
+        let changes = prepare(&lock, &network, &nic_on("eth0"), None, false).await.unwrap();
+        assert!(changes.is_empty(), "eth0 exists: nothing to bridge");
+        assert_eq!(network.events(), ["observe"]);
+        let report = lock.report(10);
+        assert!(report.holder.is_none());
+        assert!(report.history[0].contains("test: broker (bridging devices)"));
+    }
+
+    #[tokio::test]
+    async fn happy_path_runs_in_jujus_order_under_the_lock() {
+        let (_dir, lock) = lock();
+        let network = FakeNetwork::new(&lock);
+        let changes = prepare(&lock, &network, &nic_on("br-eth0"), None, false).await.unwrap();
+        assert_eq!(
+            changes,
+            [DeviceToBridge { device: "eth0".into(), bridge: "br-eth0".into(), mac: "00:16:3e:00:00:01".into() }]
+        );
+        assert_eq!(network.events(), ["observe", "bridge eth0->br-eth0", "observe", "record 1"]);
+        assert!(lock.report(0).holder.is_none(), "released at the end");
+    }
+
+    #[tokio::test]
+    async fn bridge_failure_skips_observe_and_releases() {
+        let (_dir, lock) = lock();
+        let network = FakeNetwork { fail_bridge: true, ..FakeNetwork::new(&lock) };
+        let err = prepare(&lock, &network, &nic_on("br-eth0"), None, false).await.unwrap_err();
+        assert_eq!(err.to_string(), "failed to bridge devices: netlink: bridge failed");
+        assert_eq!(network.events(), ["observe", "bridge eth0->br-eth0"]);
+        assert!(lock.report(0).holder.is_none());
+    }
+
+    #[tokio::test]
+    async fn observe_failure_skips_the_record() {
+        let (_dir, lock) = lock();
+        let network = FakeNetwork { fail_second_observe: true, ..FakeNetwork::new(&lock) };
+        let err = prepare(&lock, &network, &nic_on("br-eth0"), None, false).await.unwrap_err();
+        assert_eq!(err.to_string(), "cannot discover observed network config: netlink: observe failed");
+        assert_eq!(network.events(), ["observe", "bridge eth0->br-eth0", "observe"]);
+        assert!(lock.report(0).holder.is_none());
+    }
+
+    #[tokio::test]
+    async fn nothing_observed_means_nothing_recorded() {
+        let (_dir, lock) = lock();
+        let network = FakeNetwork { observe_nothing_after_bridge: true, ..FakeNetwork::new(&lock) };
+        prepare(&lock, &network, &nic_on("br-eth0"), None, false).await.unwrap();
+        assert_eq!(network.events(), ["observe", "bridge eth0->br-eth0", "observe"]);
+    }
+
+    #[tokio::test]
+    async fn lock_timeout_and_abort_run_nothing() {
+        let (_dir, lock) = lock();
+        let network = FakeNetwork::new(&lock);
+        let held = lock.acquire(Spec { worker: "other".into(), ..Default::default() }).await.unwrap();
+        let err = prepare(&lock, &network, &nic_on("br-eth0"), Some(Duration::from_millis(30)), false).await;
+        assert_eq!(
+            err.unwrap_err().to_string(),
+            "failed to acquire machine lock for bridging: timeout acquiring mutex"
+        );
+        drop(held);
+        let err = prepare(&lock, &network, &nic_on("br-eth0"), None, true).await.unwrap_err();
+        assert_eq!(err.to_string(), "failed to acquire machine lock for bridging: cancelled acquiring mutex");
+        assert!(network.events().is_empty(), "neither observe nor bridge ran");
+        assert_eq!(lock.report(10).history.len(), 1, "only the other holder ever held it");
+    }
+
+    #[test]
+    fn host_changes_follow_the_host_config_then_jujus_names() {
+        let devices = vec![device("eth0", "aa:aa:aa:aa:aa:aa"), device("br-data", "bb:bb:bb:bb:bb:bb")];
+        let mapping = BTreeMap::from([("br-lan".to_string(), "eth0".to_string())]);
+        let info: Vec<InterfaceInfo> =
+            ["br-lan", "br-eth0", "br-data", "", "br-lan"].iter().flat_map(|p| nic_on(p)).collect();
+        let changes = host_changes(&info, &devices, &mapping).unwrap();
+        let pairs: Vec<_> = changes.iter().map(|c| (c.device.as_str(), c.bridge.as_str())).collect();
+        assert_eq!(pairs, [("eth0", "br-lan"), ("eth0", "br-eth0")]);
+        let err = host_changes(&nic_on("br-nowhere"), &devices, &BTreeMap::new()).unwrap_err();
+        assert!(err.contains("br-nowhere"), "{err}");
+    }
+}
