@@ -57,7 +57,10 @@ fn start_list_stop_maintain_through_the_fake_provider() {
     let shown = json(data, &["provider", "show", "fake", "--json"]);
     assert_eq!(
         shown["grants"],
-        serde_json::json!({"kv": true, "log": true, "machine-lock": false, "process": [], "paths": []})
+        serde_json::json!({
+            "kv": true, "log": true, "machine-lock": false, "process": [], "paths": [],
+            "bridge-devices": [], "bridge-bridges": []
+        })
     );
     assert_eq!(shown["deadlines"][2], serde_json::json!(["start-instance", "10m"]));
     assert_eq!(shown["isolation"], "pooled");

@@ -148,3 +148,37 @@ fn start_instance_prepares_the_host_bridge_first() {
         assert_eq!(broker.list_instances(Some("fake")).await.unwrap().len(), before, "the provider was not called");
     });
 }
+
+/// A guest bridges through the capability only what its grant names.
+#[test]
+fn a_guest_bridges_only_granted_devices() {
+    in_netns(|| async {
+        use broker_host::bindings::BrokerError;
+        use broker_host::capabilities::kv::{KvBackend, MemoryKv};
+        use std::sync::Arc;
+
+        make_nic("eth3", [0x00, 0x16, 0x3e, 0x01, 0x02, 0x03], "10.30.0.2/24").await;
+        make_nic("eth4", [0x00, 0x16, 0x3e, 0x04, 0x05, 0x06], "10.40.0.2/24").await;
+        let dir = tempfile::tempdir().unwrap();
+        let kv = Arc::new(MemoryKv::default());
+        let rt = broker_tests::runtime();
+        let load = |extra: &str| {
+            broker_tests::load_provider(&rt, kv.clone(), dir.path(), "hostile", "test-hostile", extra).unwrap()
+        };
+        let ungranted = load("[grants]\nkv = true\n");
+        let granted = load("[grants]\nkv = true\n[grants.bridge]\ndevices = [\"eth3\"]\nbridges = [\"br-*\"]\n");
+
+        kv.set("hostile", "mode", b"bridge:eth3").unwrap();
+        let err = ungranted.all_instances(&CallHooks::default()).await.unwrap_err();
+        assert!(matches!(err.broker_error(), Some(BrokerError::AccessDenied(_))), "{err}");
+        let visible = granted.all_instances(&CallHooks::default()).await.unwrap()[0].id.clone();
+        assert_eq!(visible, "eth3,br-eth3", "the guest sees only granted devices");
+        let nl = Netlink::connect().unwrap();
+        assert_eq!(addresses(&nl.device("br-eth3").await.unwrap().unwrap()), ["10.30.0.2/24"]);
+
+        kv.set("hostile", "mode", b"bridge:eth4").unwrap();
+        let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
+        assert!(matches!(err.broker_error(), Some(BrokerError::AccessDenied(m)) if m.contains("eth4")), "{err}");
+        assert!(nl.device("br-eth4").await.unwrap().is_none(), "nothing was done for the ungranted device");
+    });
+}

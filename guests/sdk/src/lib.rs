@@ -16,7 +16,9 @@ wit_bindgen::generate!({
     additional_derives: [serde::Serialize, serde::Deserialize, PartialEq],
 });
 
-pub use broker::provider::{context::CallContext, kv as host_kv, log as host_log, machine_lock, process, types};
+pub use broker::provider::{
+    context::CallContext, kv as host_kv, log as host_log, machine_lock, network_bridge, process, types,
+};
 pub use exports::broker::provider::instance_broker::Guest;
 
 pub mod kv;

@@ -9,14 +9,15 @@
 //! - `lock`: takes the machine lock and releases it, returning instance `locked`;
 //! - `lock-leak`: takes the machine lock and forgets the guard;
 //! - `run`: runs `echo hello` through the process capability, returning its output as the id;
-//! - `fs`: writes `/data/hello.txt` and reads it back, returning its text as the id.
+//! - `fs`: writes `/data/hello.txt` and reads it back, returning its text as the id;
+//! - `bridge:<dev>`: bridges `<dev>` into its Juju bridge and returns the visible devices, comma-separated.
 //!
 //! The other methods behave.
 
 use broker_guest::types::{
     BrokerError, Instance, InstanceStatus, ProviderInfo, StartInstanceParams, StartInstanceResult,
 };
-use broker_guest::{CallContext, Guest, host_kv, machine_lock, process};
+use broker_guest::{CallContext, Guest, host_kv, machine_lock, network_bridge, process};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 static CALLS_SERVED: AtomicU64 = AtomicU64::new(0);
@@ -91,6 +92,17 @@ impl Guest for Hostile {
                     Ok(_) => Err(BrokerError::Provider("could read /etc/passwd".into())),
                     Err(e) => Err(BrokerError::Provider(format!("data dir: {e}"))),
                 }
+            }
+            mode if mode.starts_with("bridge:") => {
+                let device = &mode["bridge:".len()..];
+                let change = network_bridge::DeviceToBridge {
+                    device: device.into(),
+                    bridge: network_bridge::bridge_name(device),
+                    mac: String::new(),
+                };
+                network_bridge::bridge(&[change])?;
+                let names: Vec<String> = network_bridge::devices()?.into_iter().map(|d| d.name).collect();
+                Ok(vec![instance(&names.join(","))])
             }
             "print" => {
                 println!("hello from the hostile guest's stdout");

@@ -80,7 +80,7 @@ fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
     let not_granted = |grant| ContractError::NotGranted { import: import.to_owned(), grant };
     match interface {
         // Linked for everyone; without the grant its calls answer access-denied.
-        "types" | "context" | "machine-lock" | "process" => Ok(()),
+        "types" | "context" | "machine-lock" | "process" | "network-bridge" => Ok(()),
         "kv" if grants.kv => Ok(()),
         "kv" => Err(not_granted("kv")),
         "log" if grants.log => Ok(()),
@@ -119,6 +119,7 @@ mod tests {
         assert!(check_import("wasi:http/outgoing-handler@0.2.0", &none).is_err());
         assert!(check_import("evil:net/raw-sockets@1.0.0", &none).is_err());
         assert!(check_import("broker:provider/process@0.1.0", &kv).is_ok(), "linked; denied per call");
-        assert!(check_import("broker:provider/network-bridge@0.1.0", &kv).is_err());
+        assert!(check_import("broker:provider/network-bridge@0.1.0", &kv).is_ok());
+        assert!(check_import("broker:provider/teleporter@0.1.0", &kv).is_err());
     }
 }

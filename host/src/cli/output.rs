@@ -52,6 +52,8 @@ pub struct GrantsView {
     pub machine_lock: bool,
     pub process: Vec<String>,
     pub paths: Vec<String>,
+    pub bridge_devices: Vec<String>,
+    pub bridge_bridges: Vec<String>,
 }
 
 /// A provider as `provider show` prints it.
@@ -107,6 +109,8 @@ impl ProviderView {
                 machine_lock: grants.machine_lock,
                 process: grants.process.clone(),
                 paths: grants.paths.iter().map(|p| p.display().to_string()).collect(),
+                bridge_devices: grants.bridge.as_ref().map(|b| b.devices.clone()).unwrap_or_default(),
+                bridge_bridges: grants.bridge.as_ref().map(|b| b.bridges.clone()).unwrap_or_default(),
             },
             config: serde_json::from_str(&manifest.config_json).unwrap_or(serde_json::Value::Null),
         }
@@ -137,6 +141,8 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
     writeln!(out, "  {:<18} {}", "machine-lock", yes_no(v.grants.machine_lock))?;
     writeln!(out, "  {:<18} {}", "process", list(&v.grants.process))?;
     writeln!(out, "  {:<18} {}", "paths", list(&v.grants.paths))?;
+    writeln!(out, "  {:<18} {}", "bridge devices", list(&v.grants.bridge_devices))?;
+    writeln!(out, "  {:<18} {}", "bridge bridges", list(&v.grants.bridge_bridges))?;
     writeln!(out, "config:     {}", v.config)
 }
 

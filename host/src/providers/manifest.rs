@@ -19,6 +19,9 @@
 //! machine-lock = true
 //! process = ["qemu-img"]         # programs it may run
 //! paths = ["/var/lib/images"]    # host paths their arguments may name
+//! [grants.bridge]                # devices and bridges (`*` suffix = prefix)
+//! devices = ["eth0", "vm-*"]
+//! bridges = ["br-*"]
 //! [config]                       # passed to validate-config and the call context as JSON
 //! ```
 
@@ -174,6 +177,8 @@ pub struct Grants {
     /// Host paths (read by granted programs, e.g. base images) that arguments may name.
     #[serde(default)]
     pub paths: Vec<PathBuf>,
+    /// Devices and bridges the provider may bridge, attach to and list.
+    pub bridge: Option<crate::capabilities::network_bridge::wit::BridgeGrant>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]

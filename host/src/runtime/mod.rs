@@ -82,6 +82,7 @@ impl Runtime {
         // Always linked: without the grant, calls answer access-denied.
         capabilities::machine_lock::add_to_linker(&mut linker, HostState::machine_lock_view)?;
         capabilities::process::add_to_linker(&mut linker, HostState::process_view)?;
+        capabilities::network_bridge::wit::add_to_linker(&mut linker, |s| &mut s.bridge)?;
         if capabilities.kv {
             capabilities::kv::add_to_linker(&mut linker, |s| &mut s.kv)?;
         }

@@ -5,6 +5,7 @@ use crate::capabilities::context::ContextView;
 use crate::capabilities::kv::{KvBackend, KvCtx};
 use crate::capabilities::log::LogCtx;
 use crate::capabilities::machine_lock::{MachineLock, MachineLockCtx, MachineLockView};
+use crate::capabilities::network_bridge::wit::{BridgeCtx, BridgeGrant};
 use crate::capabilities::process::{ChildRecords, LiveChildren, ProcessCtx, ProcessPolicy, ProcessView};
 use crate::capabilities::wasi;
 use std::path::PathBuf;
@@ -20,6 +21,7 @@ pub struct HostState {
     pub log: LogCtx,
     pub machine_lock: MachineLockCtx,
     pub process: ProcessCtx,
+    pub bridge: BridgeCtx,
     pub limiter: GuestLimiter,
 }
 
@@ -42,6 +44,8 @@ pub struct ProviderCapabilities {
     pub data_dir: PathBuf,
     /// `None` unless `process` is granted.
     pub process: Option<Arc<ProcessPolicy>>,
+    /// `None` unless `[grants.bridge]` is given.
+    pub bridge: Option<BridgeGrant>,
 }
 
 impl HostState {
@@ -59,6 +63,7 @@ impl HostState {
                 host.child_records.clone(),
                 host.live_children.clone(),
             ),
+            bridge: BridgeCtx::new(caps.bridge.clone()),
             limiter: GuestLimiter::new(memory_bytes),
             provider,
         }

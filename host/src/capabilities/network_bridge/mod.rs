@@ -5,6 +5,7 @@
 
 pub mod names;
 pub mod netlink;
+pub mod wit;
 
 use serde::{Deserialize, Serialize};
 use std::net::IpAddr;
