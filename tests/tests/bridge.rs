@@ -43,6 +43,36 @@ async fn make_nic(name: &str, mac: [u8; 6], address: &str) {
     handle.address().add(index, ip.parse().unwrap(), prefix.parse().unwrap()).execute().await.unwrap();
 }
 
+async fn add_default_route(gateway: &str, oif: u32) {
+    use rtnetlink::RouteMessageBuilder;
+    let (connection, handle, _) = rtnetlink::new_connection().unwrap();
+    tokio::spawn(connection);
+    let route = RouteMessageBuilder::<std::net::Ipv4Addr>::new()
+        .gateway(gateway.parse().unwrap())
+        .output_interface(oif)
+        .build();
+    handle.route().add(route).execute().await.unwrap();
+}
+
+/// The output interface of the IPv4 default route, if there is one.
+async fn default_route_oif() -> Option<u32> {
+    use futures_util::TryStreamExt;
+    use rtnetlink::packet_route::route::RouteAttribute;
+    let (connection, handle, _) = rtnetlink::new_connection().unwrap();
+    tokio::spawn(connection);
+    let routes: Vec<_> = handle
+        .route()
+        .get(rtnetlink::RouteMessageBuilder::<std::net::Ipv4Addr>::new().build())
+        .execute()
+        .try_collect()
+        .await
+        .unwrap();
+    routes
+        .iter()
+        .filter(|r| r.header.destination_prefix_length == 0)
+        .find_map(|r| r.attributes.iter().find_map(|a| if let RouteAttribute::Oif(i) = a { Some(*i) } else { None }))
+}
+
 fn addresses(device: &Device) -> Vec<String> {
     let mut addrs: Vec<String> =
         device.addresses.iter().map(|a| a.to_string()).filter(|a| !a.starts_with("fe80")).collect();
@@ -57,6 +87,8 @@ fn bridging_moves_addresses_keeps_the_mac_and_is_idempotent() {
         let nl = Netlink::connect().unwrap();
         let before = nl.device("eth0").await.unwrap().unwrap();
         assert_eq!(addresses(&before), ["10.10.0.2/24"]);
+        add_default_route("10.10.0.1", before.index).await;
+        assert_eq!(default_route_oif().await, Some(before.index));
 
         let change = DeviceToBridge { device: "eth0".into(), bridge: bridge_name("eth0"), mac: String::new() };
         nl.bridge(&change).await.unwrap();
@@ -68,6 +100,7 @@ fn bridging_moves_addresses_keeps_the_mac_and_is_idempotent() {
         assert!(addresses(&eth0).is_empty(), "and left the device");
         assert_eq!(eth0.controller.as_deref(), Some("br-eth0"));
         assert!(bridge.up && eth0.up);
+        assert_eq!(default_route_oif().await, Some(bridge.index), "the default route followed the address");
 
         // Again: a no-op.
         let devices = nl.devices().await.unwrap();
@@ -89,6 +122,8 @@ fn an_instance_veth_is_attached_and_cleanup_restores_the_namespace() {
         make_nic("eth1", [0x00, 0x16, 0x3e, 0x44, 0x55, 0x66], "192.168.77.5/24").await;
         let nl = Netlink::connect().unwrap();
         let initial = nl.devices().await.unwrap();
+        let eth1_index = initial.iter().find(|d| d.name == "eth1").unwrap().index;
+        add_default_route("192.168.77.1", eth1_index).await;
 
         nl.bridge(&DeviceToBridge { device: "eth1".into(), bridge: "br-eth1".into(), mac: String::new() })
             .await
@@ -110,6 +145,7 @@ fn an_instance_veth_is_attached_and_cleanup_restores_the_namespace() {
         let eth1 = after.iter().find(|d| d.name == "eth1").unwrap();
         assert_eq!(addresses(eth1), ["192.168.77.5/24"]);
         assert_eq!(eth1.controller, None);
+        assert_eq!(default_route_oif().await, Some(eth1_index), "the default route came back to eth1");
     });
 }
 

@@ -5,9 +5,13 @@ use super::{BridgeError, Device, DeviceAddress, DeviceToBridge, check_name, form
 use futures_util::TryStreamExt;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage};
 use rtnetlink::packet_route::link::{LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
-use rtnetlink::{Handle, LinkBridge, LinkUnspec, LinkVeth};
+use rtnetlink::packet_route::route::{RouteAttribute, RouteFlags, RouteMessage, RouteProtocol, RouteType};
+use rtnetlink::{Handle, LinkBridge, LinkUnspec, LinkVeth, RouteMessageBuilder};
 use std::collections::HashMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+/// The kernel's main routing table.
+const RT_TABLE_MAIN: u8 = 254;
 
 fn nl(err: rtnetlink::Error) -> BridgeError {
     BridgeError::Netlink(err.to_string())
@@ -174,19 +178,71 @@ impl Netlink {
                 self.link(&change.bridge).await?.ok_or_else(|| BridgeError::NoDevice(change.bridge.clone()))?.index()
             }
         };
+        // Removing the addresses takes the routes through the device with them
+        // (the default route among them): note them first, put them back after.
+        let routes = self.routes_via(device.index()).await?;
         self.move_addresses(device.index(), bridge).await?;
         self.set_controller(device.index(), Some(bridge)).await?;
         self.set_up(bridge).await?;
-        self.set_up(device.index()).await
+        self.set_up(device.index()).await?;
+        self.restore_routes(routes, bridge).await
     }
 
     /// Undo [`Netlink::bridge`]: addresses back to the device, the bridge deleted.
     pub async fn unbridge(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
         let dev = self.link(device).await?.ok_or_else(|| BridgeError::NoDevice(device.to_owned()))?;
         let br = self.link(bridge).await?.ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?;
+        let routes = self.routes_via(br.index()).await?;
         self.set_controller(dev.index(), None).await?;
         self.move_addresses(br.index(), dev.index()).await?;
-        self.delete(bridge).await
+        self.delete(bridge).await?;
+        self.restore_routes(routes, dev.index()).await
+    }
+
+    /// Routes out of `index` that the kernel did not make itself (those come
+    /// back by themselves with the addresses).
+    async fn routes_via(&self, index: u32) -> Result<Vec<RouteMessage>, BridgeError> {
+        let mut routes = Vec::new();
+        for request in [RouteMessageBuilder::<Ipv4Addr>::new().build(), RouteMessageBuilder::<Ipv6Addr>::new().build()]
+        {
+            let all: Vec<RouteMessage> = self.handle.route().get(request).execute().try_collect().await.map_err(nl)?;
+            routes.extend(all.into_iter().filter(|r| {
+                r.header.protocol != RouteProtocol::Kernel
+                    && r.header.table == RT_TABLE_MAIN
+                    && r.header.kind == RouteType::Unicast
+                    && r.attributes.contains(&RouteAttribute::Oif(index))
+            }));
+        }
+        Ok(routes)
+    }
+
+    /// Put routes back, now out of `index`; ones that still exist are left as they are.
+    async fn restore_routes(&self, routes: Vec<RouteMessage>, index: u32) -> Result<(), BridgeError> {
+        for mut route in routes {
+            // Keep what defines the route; dump-only flags (linkdown) and
+            // attributes (cache info, expiry) are refused on add.
+            route.header.flags = RouteFlags::empty();
+            route.attributes.retain(|a| {
+                matches!(
+                    a,
+                    RouteAttribute::Destination(_)
+                        | RouteAttribute::Gateway(_)
+                        | RouteAttribute::PrefSource(_)
+                        | RouteAttribute::Priority(_)
+                        | RouteAttribute::Oif(_)
+                )
+            });
+            for attribute in route.attributes.iter_mut() {
+                if let RouteAttribute::Oif(oif) = attribute {
+                    *oif = index;
+                }
+            }
+            match self.handle.route().add(route).execute().await {
+                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc_eexist() => {}
+                other => other.map_err(nl)?,
+            }
+        }
+        Ok(())
     }
 
     async fn move_addresses(&self, from: u32, to: u32) -> Result<(), BridgeError> {
@@ -239,4 +295,9 @@ impl Netlink {
         let link = self.link(name).await?.ok_or_else(|| BridgeError::NoDevice(name.to_owned()))?;
         self.handle.link().del(link.index()).execute().await.map_err(nl)
     }
+}
+
+/// EEXIST, without a libc dependency for one constant.
+const fn libc_eexist() -> i32 {
+    nix::errno::Errno::EEXIST as i32
 }
