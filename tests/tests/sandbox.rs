@@ -19,16 +19,17 @@ struct Hostile {
 }
 
 fn hostile(isolation: &str) -> Hostile {
-    hostile_with(isolation, "")
+    hostile_with(isolation, "", "300ms")
 }
 
 /// `limits`: extra lines for the manifest's [limits] table.
-fn hostile_with(isolation: &str, limits: &str) -> Hostile {
+/// `deadline`: every method's.
+fn hostile_with(isolation: &str, limits: &str, deadline: &str) -> Hostile {
     let dir = tempfile::tempdir().unwrap();
     let kv = Arc::new(MemoryKv::default());
     let runtime = runtime();
     let extra = format!(
-        "isolation = \"{isolation}\"\n[limits]\nmemory-mib = 16\n{limits}\n[limits.deadlines]\ndefault = \"300ms\"\n[grants]\nkv = true\n"
+        "isolation = \"{isolation}\"\n[limits]\nmemory-mib = 16\n{limits}\n[limits.deadlines]\ndefault = \"{deadline}\"\n[grants]\nkv = true\n"
     );
     let provider = load_provider(&runtime, kv.clone(), dir.path(), "hostile", "test-hostile", &extra).expect("load");
     Hostile { _dir: dir, kv, provider, runtime }
@@ -61,17 +62,17 @@ async fn pooled_instances_are_reused_per_call_instances_are_not() {
 
 #[tokio::test]
 async fn pooled_instances_retire_after_max_calls_and_max_age() {
-    let by_calls = hostile_with("pooled", "max-calls = 2");
+    let by_calls = hostile_with("pooled", "max-calls = 2", "300ms");
     let mut served = Vec::new();
     for _ in 0..5 {
         served.push(by_calls.served().await);
     }
     assert_eq!(served, [1, 2, 1, 2, 1]);
 
-    let by_age = hostile_with("pooled", "max-age = \"50ms\"");
+    let by_age = hostile_with("pooled", "max-age = \"500ms\"", "300ms");
     assert_eq!(by_age.served().await, 1);
     assert_eq!(by_age.served().await, 2);
-    tokio::time::sleep(std::time::Duration::from_millis(60)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
     assert_eq!(by_age.served().await, 1, "an instance older than max-age is not reused");
 }
 
@@ -116,7 +117,8 @@ async fn memory_hog_hits_its_limit() {
 /// answering while it spins, and it is stopped at its deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_providers_keep_serving_while_one_misbehaves() {
-    let h = Arc::new(hostile("pooled"));
+    // A long deadline, so a loaded machine still answers the 20 calls well within it.
+    let h = Arc::new(hostile_with("pooled", "", "3s"));
     let dir = tempfile::tempdir().unwrap();
     let fake = load_provider(
         &h.runtime,
