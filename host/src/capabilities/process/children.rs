@@ -97,6 +97,14 @@ impl LiveChildren {
         self.lock().insert((provider.to_owned(), name.to_owned()), child);
     }
 
+    /// Collect the exit status of every child that has ended, so none stays a
+    /// zombie; `std` keeps the status for later `liveness` calls.
+    pub fn reap(&self) {
+        for child in self.lock().values_mut() {
+            let _ = child.try_wait();
+        }
+    }
+
     pub fn remove(&self, provider: &str, name: &str) {
         self.lock().remove(&(provider.to_owned(), name.to_owned()));
     }
@@ -127,6 +135,32 @@ impl LiveChildren {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reaping_leaves_no_zombie_and_keeps_the_status() {
+        let child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let live = LiveChildren::default();
+        live.insert("p", "quick", child);
+        let record = ChildRecord {
+            provider: "p".into(),
+            name: "quick".into(),
+            pid,
+            start_time: 0,
+            program: "true".into(),
+            args: vec![],
+            log: String::new(),
+        };
+        for _ in 0..500 {
+            live.reap();
+            if proc_stat(pid).is_none() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(proc_stat(pid).is_none(), "the exited child was reaped, not left a zombie");
+        assert_eq!(live.liveness(&record), Liveness::Exited(0));
+    }
 
     #[test]
     fn proc_stat_reads_our_own_start_time() {

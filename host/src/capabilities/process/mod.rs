@@ -193,6 +193,7 @@ impl ProcessCtx {
         env: &[(String, String)],
     ) -> Result<ChildRecord, BrokerError> {
         let policy = self.policy()?;
+        self.live.reap();
         if !valid_child_name(name) {
             return Err(BrokerError::InvalidParams(format!(
                 "child name {name:?} must be 1-64 letters, digits, '-', '_' or '.'"
@@ -315,8 +316,14 @@ impl wit::Host for ProcessView<'_> {
         if self.ctx.policy.is_none() {
             return Ok(Vec::new());
         }
-        let records = self.ctx.records.list(&self.ctx.provider).unwrap_or_default();
-        Ok(records.into_iter().map(|r| r.name).collect())
+        self.ctx.live.reap();
+        match self.ctx.records.list(&self.ctx.provider) {
+            Ok(records) => Ok(records.into_iter().map(|r| r.name).collect()),
+            Err(e) => {
+                tracing::warn!(provider = %self.ctx.provider, error = %e, "cannot list child records");
+                Ok(Vec::new())
+            }
+        }
     }
 }
 
