@@ -134,6 +134,13 @@ fn an_instance_veth_is_attached_and_cleanup_restores_the_namespace() {
         assert_eq!(host_end.kind, "veth");
         assert!(nl.device("vm1-guest").await.unwrap().unwrap().up);
         assert!(matches!(nl.attach("vm1-guest", "eth1").await, Err(BridgeError::NotABridge(_))));
+        nl.create_tap("tap-vm2", "br-eth1", "52:54:00:12:34:56").await.unwrap();
+        let tap = nl.device("tap-vm2").await.unwrap().expect("tap made");
+        assert_eq!(tap.kind, "tun");
+        assert_eq!(tap.mac, "52:54:00:12:34:56");
+        assert_eq!(tap.controller.as_deref(), Some("br-eth1"));
+        nl.delete("tap-vm2").await.unwrap();
+        assert!(nl.device("tap-vm2").await.unwrap().is_none(), "the persistent tap is gone");
 
         // Delete what the host made: the veth pair, then the bridge.
         nl.delete("vm1-host").await.unwrap();

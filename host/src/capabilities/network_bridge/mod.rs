@@ -5,6 +5,7 @@
 
 pub mod names;
 pub mod netlink;
+pub mod tap;
 pub mod wit;
 
 use serde::{Deserialize, Serialize};

@@ -279,7 +279,22 @@ impl Netlink {
         self.set_up(peer_link.index()).await
     }
 
-    /// Attach an existing device (a tap qemu made, a veth) to a bridge and bring it up.
+    /// A persistent tap for a VM, with the MAC given (empty = the kernel's),
+    /// attached to `bridge` and up.
+    pub async fn create_tap(&self, name: &str, bridge: &str, mac: &str) -> Result<(), BridgeError> {
+        if self.link(bridge).await?.is_none() {
+            return Err(BridgeError::NoDevice(bridge.to_owned()));
+        }
+        super::tap::create_persistent_tap(name)?;
+        if !mac.is_empty() {
+            let tap = self.link(name).await?.ok_or_else(|| BridgeError::NoDevice(name.to_owned()))?;
+            let message = LinkUnspec::new_with_index(tap.index()).address(parse_mac(mac)?).build();
+            self.handle.link().set(message).execute().await.map_err(nl)?;
+        }
+        self.attach(name, bridge).await
+    }
+
+    /// Attach an existing device (a tap, a veth) to a bridge and bring it up.
     pub async fn attach(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
         let dev = self.link(device).await?.ok_or_else(|| BridgeError::NoDevice(device.to_owned()))?;
         let br = self.link(bridge).await?.ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?;

@@ -154,6 +154,13 @@ impl wit::Host for BridgeCtx {
         Ok(with_netlink(async |nl| nl.create_veth(&name, &peer, &bridge).await).await)
     }
 
+    async fn create_tap(&mut self, name: String, bridge: String, mac: String) -> WitResult<()> {
+        if let Err(e) = self.grant().and_then(|g| g.device(&name).and_then(|_| g.bridge(&bridge))) {
+            return Ok(Err(e));
+        }
+        Ok(with_netlink(async |nl| nl.create_tap(&name, &bridge, &mac).await).await)
+    }
+
     async fn attach(&mut self, device: String, bridge: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
             return Ok(Err(e));
@@ -161,13 +168,13 @@ impl wit::Host for BridgeCtx {
         Ok(with_netlink(async |nl| nl.attach(&device, &bridge).await).await)
     }
 
-    async fn delete_veth(&mut self, name: String) -> WitResult<()> {
+    async fn delete_link(&mut self, name: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&name)) {
             return Ok(Err(e));
         }
         Ok(with_netlink(async |nl| match nl.device(&name).await? {
-            Some(device) if device.kind == "veth" => nl.delete(&name).await,
-            Some(_) => Err(BridgeError::NotABridge(format!("{name} is not a veth; only veths can be deleted"))),
+            Some(device) if device.kind == "veth" || device.kind == "tun" => nl.delete(&name).await,
+            Some(_) => Err(BridgeError::NotABridge(format!("{name} is not a veth or tap; nothing else is deleted"))),
             None => Err(BridgeError::NoDevice(name.clone())),
         })
         .await)

@@ -1,0 +1,62 @@
+//! Persistent tap devices for VMs, made as `ip tuntap add mode tap` makes them:
+//! open `/dev/net/tun`, TUNSETIFF, TUNSETPERSIST, close. Netlink cannot create
+//! taps, so this is the one place in the host with `unsafe`: two ioctls on an
+//! fd we own with a buffer we own.
+#![allow(unsafe_code)]
+
+use super::{BridgeError, check_name};
+use nix::libc::{c_int, c_ulong, ioctl};
+use std::fs::OpenOptions;
+use std::os::fd::AsRawFd;
+
+/// `struct ifreq` as TUNSETIFF reads it: the name, the flags, and the rest of
+/// the 24-byte union (40 bytes in all on 64-bit Linux).
+#[repr(C)]
+struct TunRequest {
+    name: [u8; 16],
+    flags: i16,
+    rest: [u8; 22],
+}
+
+const TUNSETIFF: c_ulong = 0x4004_54ca;
+const TUNSETPERSIST: c_ulong = 0x4004_54cb;
+const IFF_TAP: i16 = 0x0002;
+const IFF_NO_PI: i16 = 0x1000;
+
+fn os_error(what: &str) -> BridgeError {
+    BridgeError::Netlink(format!("{what}: {}", std::io::Error::last_os_error()))
+}
+
+/// Make a persistent tap named `name` (no-op if it already is one).
+pub fn create_persistent_tap(name: &str) -> Result<(), BridgeError> {
+    check_name(name)?;
+    let tun = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .map_err(|e| BridgeError::Netlink(format!("open /dev/net/tun: {e}")))?;
+    let mut request = TunRequest { name: [0; 16], flags: IFF_TAP | IFF_NO_PI, rest: [0; 22] };
+    request.name[..name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: `tun` is an open /dev/net/tun for the whole call, and `request` is
+    // a live, zero-padded, ifreq-sized buffer that the kernel reads and writes
+    // within its 40 bytes.
+    let rc: c_int = unsafe { ioctl(tun.as_raw_fd(), TUNSETIFF, &mut request as *mut TunRequest) };
+    if rc < 0 {
+        return Err(os_error("TUNSETIFF"));
+    }
+    // SAFETY: same fd; TUNSETPERSIST takes a plain integer argument.
+    let rc: c_int = unsafe { ioctl(tun.as_raw_fd(), TUNSETPERSIST, 1 as c_ulong) };
+    if rc < 0 {
+        return Err(os_error("TUNSETPERSIST"));
+    }
+    // Closing the fd leaves the persistent device behind.
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_request_has_the_size_of_ifreq() {
+        assert_eq!(std::mem::size_of::<super::TunRequest>(), 40);
+    }
+}
