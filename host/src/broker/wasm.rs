@@ -197,7 +197,9 @@ impl WasmProvider {
     {
         let span = tracing::debug_span!("provider_call", provider = &*self.name, method = method.name());
         async move {
+            // One budget for the method: instantiating a fresh instance spends from it.
             let deadline = self.manifest.limits.deadlines.for_method(method);
+            let until = Instant::now() + deadline;
             let mut warm = self.checkout(method, deadline).await?;
             // Yield to the executor every epoch tick, so a busy guest never holds a
             // worker thread; the deadline itself is the timeout around the call.
@@ -213,7 +215,7 @@ impl WasmProvider {
             let started = Instant::now();
             let outcome = {
                 let Warm { store, exports, .. } = &mut warm;
-                tokio::time::timeout(deadline, invoke(store, exports, borrowed)).await
+                tokio::time::timeout_at(until.into(), invoke(store, exports, borrowed)).await
             };
             let _ = warm.store.data_mut().table.delete(handle);
             warm.store.data_mut().end_call();
