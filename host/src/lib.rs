@@ -5,6 +5,7 @@ pub mod bindings;
 pub mod broker;
 pub mod capabilities;
 pub mod cli;
+pub mod conformance;
 pub mod providers;
 pub mod runtime;
 pub mod store;

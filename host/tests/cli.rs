@@ -179,3 +179,24 @@ fn a_killed_start_leaves_the_state_consistent() {
     let started = json(data, &["instance", "start", "--provider", "fake", "--json"]);
     assert_eq!(started["status"], "running");
 }
+
+#[test]
+fn provider_test_exits_zero_only_when_every_scenario_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    let fake = broker(
+        data,
+        &["provider", "test", guest_artifacts::wasm("fake").to_str().unwrap(), "--manifest", &fake_manifest()],
+    );
+    assert_eq!(fake.status.code(), Some(0), "{}", String::from_utf8_lossy(&fake.stdout));
+    assert!(String::from_utf8_lossy(&fake.stdout).contains(" passed, 0 failed"));
+    let hostile = broker(
+        data,
+        &["provider", "test", guest_artifacts::wasm("test-hostile").to_str().unwrap(), "--format", "json"],
+    );
+    assert_eq!(hostile.status.code(), Some(1));
+    let report: Value = serde_json::from_slice(&hostile.stdout).unwrap();
+    assert_eq!(report["provider"], "hostile");
+    assert!(report["cases"].as_array().unwrap().iter().any(|c| c["passed"] == false));
+    assert!(!data.join("state.redb").exists(), "a conformance run touches no host state");
+}

@@ -67,6 +67,18 @@ pub enum ProviderCommand {
     },
     /// Unregister a provider that has no recorded instances.
     Remove { name: String },
+    /// Run the conformance scenarios against a component in the sandbox, on
+    /// simulated capabilities (no real infrastructure). Exit 0 only if all pass.
+    Test {
+        /// The component to test.
+        component: PathBuf,
+        /// Its manifest (limits, grants, config); the component path in it is
+        /// replaced by COMPONENT. Without one: kv and log granted, empty config.
+        #[arg(long)]
+        manifest: Option<PathBuf>,
+        #[arg(long, value_enum, default_value_t = ReportFormat::Text)]
+        format: ReportFormat,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -113,6 +125,12 @@ pub struct StartArgs {
     json: bool,
 }
 
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum ReportFormat {
+    Text,
+    Json,
+}
+
 /// A mistake in how the command was called (exit code 2), found after parsing.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -129,9 +147,13 @@ fn default_data_dir() -> PathBuf {
 /// for a [`UsageError`]).
 pub async fn run(cli: Cli) -> Result<u8> {
     let mut stdout = std::io::stdout().lock();
-    // The lock commands never open the state database, which another broker may hold.
+    // The lock commands never open the state database, which another broker may hold,
+    // and a conformance run uses a sandbox of its own.
     if let Command::Lock(args) = cli.command {
         return lock::run(&cli.data_dir, args, &mut stdout).await;
+    }
+    if let Command::Provider(ProviderCommand::Test { component, manifest, format }) = cli.command {
+        return provider_test(&component, manifest.as_deref(), format, &mut stdout).await;
     }
     let broker = Broker::open(&cli.data_dir)
         .with_context(|| format!("cannot open the broker state in {}", cli.data_dir.display()))?;
@@ -170,6 +192,7 @@ async fn provider(broker: &Broker, command: ProviderCommand, out: &mut impl Writ
                 output::provider_details(out, &view)?;
             }
         }
+        ProviderCommand::Test { .. } => unreachable!("handled before the state is opened"),
         ProviderCommand::Remove { name } => {
             broker.registry().remove(&name).with_context(|| format!("cannot remove provider {name}"))?;
             writeln!(out, "removed provider {name}")?;
@@ -244,4 +267,33 @@ pub fn describe_event(event: &CallEvent) -> String {
         CallEvent::Status { status, info, .. } => format!("{}: {info}", status_name(*status)),
         CallEvent::Cleanup { info } => format!("cleanup: {info}"),
     }
+}
+
+async fn provider_test(
+    component: &std::path::Path,
+    manifest: Option<&std::path::Path>,
+    format: ReportFormat,
+    out: &mut impl Write,
+) -> Result<u8> {
+    use crate::providers::Manifest;
+    let mut loaded = match manifest {
+        Some(path) => Manifest::load(path).with_context(|| format!("cannot read manifest {}", path.display()))?,
+        None => {
+            let name = component
+                .file_stem()
+                .map(|s| s.to_string_lossy().to_lowercase().replace(['_', '.'], "-"))
+                .unwrap_or_else(|| "candidate".into());
+            let text = format!("name = {name:?}\ncomponent = \"x\"\n[grants]\nkv = true\nlog = true\n");
+            Manifest::parse(std::path::Path::new("provider.toml"), &text).map_err(|e| UsageError(e.to_string()))?
+        }
+    };
+    loaded.component = component.to_owned();
+    let report = crate::conformance::run(&loaded)
+        .await
+        .with_context(|| format!("cannot load {} into the sandbox", component.display()))?;
+    match format {
+        ReportFormat::Text => write!(out, "{}", report.text())?,
+        ReportFormat::Json => writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?,
+    }
+    Ok(if report.passed() { 0 } else { 1 })
 }

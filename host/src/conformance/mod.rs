@@ -1,0 +1,279 @@
+//! `broker provider test`: run a provider component through the contract's
+//! scenarios inside the production sandbox, on simulated capabilities (an
+//! in-memory kv, a private machine lock and data dir), without any real
+//! infrastructure and without trusting the component.
+//!
+//! This first part covers the lifecycle scenarios; simulated process,
+//! bridge and HTTP worlds (and scripts/recording for them) come later, so a
+//! provider's `process` and `bridge` grants are not honoured here yet.
+
+use crate::bindings::{BrokerError, Instance};
+use crate::broker::service::{empty_params, params_with};
+use crate::broker::{CallError, WasmProvider, constraints, describe_broker_error};
+use crate::capabilities::context::CallHooks;
+use crate::capabilities::kv::MemoryKv;
+use crate::capabilities::machine_lock::MachineLock;
+use crate::capabilities::process::MemoryChildRecords;
+use crate::providers::Manifest;
+use crate::runtime::{HostCapabilities, Runtime};
+use serde::Serialize;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// One scenario's outcome.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Case {
+    pub name: &'static str,
+    pub passed: bool,
+    /// Why it failed, or what was checked.
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub provider: String,
+    pub version: String,
+    pub cases: Vec<Case>,
+    pub millis: u128,
+}
+
+impl Report {
+    pub fn passed(&self) -> bool {
+        self.cases.iter().all(|c| c.passed)
+    }
+
+    pub fn text(&self) -> String {
+        let mut out = format!("provider {} {}\n", self.provider, self.version);
+        for case in &self.cases {
+            let mark = if case.passed { "ok  " } else { "FAIL" };
+            out.push_str(&format!("{mark} {:<40} {}\n", case.name, case.detail));
+        }
+        let failed = self.cases.iter().filter(|c| !c.passed).count();
+        out.push_str(&format!("{} passed, {} failed ({} ms)\n", self.cases.len() - failed, failed, self.millis));
+        out
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConformanceError {
+    #[error(transparent)]
+    Load(#[from] crate::broker::wasm::LoadError),
+    #[error("cannot set up the sandbox: {0}")]
+    Sandbox(String),
+}
+
+/// Load the manifest's component into a throwaway sandbox and run every scenario.
+pub async fn run(manifest: &Manifest) -> Result<Report, ConformanceError> {
+    let started = Instant::now();
+    let scratch = tempfile_dir()?;
+    let runtime = Runtime::new(None).map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
+    let lock = MachineLock::new(scratch.path(), "machine-lock", "broker-provider-test")
+        .map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
+    let mut manifest = manifest.clone();
+    // Not simulated yet: never let the kit run real programs or touch real devices.
+    manifest.grants.process.clear();
+    manifest.grants.paths.clear();
+    manifest.grants.bridge = None;
+    let caps = HostCapabilities {
+        kv: Arc::new(MemoryKv::default()),
+        machine_lock: Some(lock),
+        providers_dir: scratch.path().join("providers"),
+        child_records: Arc::new(MemoryChildRecords::default()),
+        live_children: Arc::default(),
+    };
+    let config = manifest.config_json.clone();
+    let provider = WasmProvider::load(runtime, manifest, caps)?;
+    let mut kit = Kit { provider, cases: Vec::new() };
+    let (name, version, features) = kit.describe().await;
+    kit.validate_config(&config).await;
+    kit.lifecycle().await;
+    if features.iter().any(|f| f == "zones") {
+        kit.distribution_group().await;
+    }
+    Ok(Report { provider: name, version, cases: kit.cases, millis: started.elapsed().as_millis() })
+}
+
+fn tempfile_dir() -> Result<TempDir, ConformanceError> {
+    let base = std::env::temp_dir().join(format!("broker-provider-test-{}-{}", std::process::id(), unique()));
+    std::fs::create_dir_all(&base).map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
+    Ok(TempDir(base))
+}
+
+fn unique() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)
+}
+
+/// A scratch directory removed on drop.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+struct Kit {
+    provider: WasmProvider,
+    cases: Vec<Case>,
+}
+
+fn explain(err: &CallError) -> String {
+    match err {
+        CallError::Guest { error, .. } => describe_broker_error(error),
+        other => other.to_string(),
+    }
+}
+
+fn ids(instances: &[Instance]) -> Vec<String> {
+    instances.iter().map(|i| i.id.clone()).collect()
+}
+
+impl Kit {
+    fn record(&mut self, name: &'static str, result: Result<String, String>) {
+        let (passed, detail) = match result {
+            Ok(detail) => (true, detail),
+            Err(detail) => (false, detail),
+        };
+        self.cases.push(Case { name, passed, detail });
+    }
+
+    async fn describe(&mut self) -> (String, String, Vec<String>) {
+        match self.provider.describe().await {
+            Ok(info) => {
+                let ok = !info.name.is_empty() && !info.version.is_empty();
+                let detail = format!("{} {} features {:?}", info.name, info.version, info.features);
+                self.record(
+                    "describe is well formed",
+                    if ok { Ok(detail) } else { Err(format!("empty field: {detail}")) },
+                );
+                (info.name, info.version, info.features)
+            }
+            Err(e) => {
+                self.record("describe is well formed", Err(explain(&e)));
+                (self.provider.name().to_owned(), String::new(), Vec::new())
+            }
+        }
+    }
+
+    async fn validate_config(&mut self, config: &str) {
+        let accepted = self.provider.validate_config(config).await;
+        self.record(
+            "validate-config accepts its config",
+            accepted.map(|_| format!("accepted {config}")).map_err(|e| explain(&e)),
+        );
+        for garbage in ["not json at all", r#"{"definitely-not-a-setting": [1, 2, 3]}"#] {
+            let result = match self.provider.validate_config(garbage).await {
+                Err(CallError::Guest { error: BrokerError::InvalidParams(_), .. }) => Ok(format!("rejected {garbage}")),
+                Err(e) => Err(format!("rejected {garbage} but not as invalid-params: {}", explain(&e))),
+                Ok(()) => Err(format!("accepted garbage config {garbage}")),
+            };
+            self.record("validate-config rejects garbage", result);
+        }
+    }
+
+    async fn all(&self) -> Result<Vec<Instance>, String> {
+        self.provider.all_instances(&CallHooks::default()).await.map_err(|e| explain(&e))
+    }
+
+    async fn lifecycle(&mut self) {
+        let asked = "arch=amd64 cores=2 mem=1024";
+        let params = params_with(constraints::parse(asked).unwrap_or_else(|_| constraints::empty()));
+        let started = match self.provider.start_instance(&CallHooks::default(), &params).await {
+            Ok(result) => result,
+            Err(e) => {
+                self.record("start-instance succeeds", Err(explain(&e)));
+                return;
+            }
+        };
+        let id = started.instance.id.clone();
+        self.record("start-instance succeeds", Ok(format!("started {id}")));
+
+        let hardware = started.hardware.clone();
+        let consistent = match &hardware {
+            None => Ok("no hardware reported (allowed)".to_owned()),
+            Some(h) => {
+                let mut problems = Vec::new();
+                if h.arch.as_deref().is_some_and(|a| a != "amd64") {
+                    problems.push(format!("arch {:?} for arch=amd64", h.arch));
+                }
+                if h.cpu_cores.is_some_and(|c| c < 2) {
+                    problems.push(format!("cpu-cores {:?} for cores=2", h.cpu_cores));
+                }
+                if h.mem.is_some_and(|m| m < 1024) {
+                    problems.push(format!("mem {:?} MiB for mem=1024", h.mem));
+                }
+                if problems.is_empty() { Ok(format!("hardware satisfies {asked}")) } else { Err(problems.join("; ")) }
+            }
+        };
+        self.record("hardware satisfies the constraints", consistent);
+
+        let listed = self.all().await.and_then(|all| {
+            if ids(&all).contains(&id) {
+                Ok(format!("{id} listed"))
+            } else {
+                Err(format!("{id} missing from {:?}", ids(&all)))
+            }
+        });
+        self.record("started instance is listed", listed);
+
+        let maintained = self.provider.maintain_instance(&CallHooks::default(), &id, &params).await;
+        self.record(
+            "maintain-instance on a known instance",
+            maintained.map(|_| format!("maintained {id}")).map_err(|e| explain(&e)),
+        );
+
+        let stopped = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
+        self.record("stop-instances succeeds", stopped.map(|_| format!("stopped {id}")).map_err(|e| explain(&e)));
+        let gone = self.all().await.and_then(|all| {
+            if ids(&all).contains(&id) {
+                Err(format!("{id} still listed after stop"))
+            } else {
+                Ok(format!("{id} gone"))
+            }
+        });
+        self.record("stopped instance is gone", gone);
+
+        let again = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
+        self.record(
+            "double stop is ok",
+            again
+                .map(|_| "stopped twice".to_owned())
+                .map_err(|e| format!("second stop of {id} returned {}", explain(&e))),
+        );
+        let unknown = "broker-provider-test-never-existed".to_owned();
+        let result = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&unknown)).await;
+        self.record(
+            "stop of an unknown id is ok",
+            result
+                .map(|_| "ignored".to_owned())
+                .map_err(|e| format!("stop-instances of an unknown id returned {}", explain(&e))),
+        );
+    }
+
+    /// A provider that claims zones spreads a distribution group over them.
+    async fn distribution_group(&mut self) {
+        let zone_of =
+            |r: &crate::bindings::StartInstanceResult| r.hardware.as_ref().and_then(|h| h.availability_zone.clone());
+        let first = match self.provider.start_instance(&CallHooks::default(), &empty_params()).await {
+            Ok(r) => r,
+            Err(e) => return self.record("distribution group is spread over zones", Err(explain(&e))),
+        };
+        let group = vec![first.instance.id.clone()];
+        let hooks = CallHooks { distribution_group: Some(Arc::new(move || Ok(group.clone()))), ..Default::default() };
+        let result = match self.provider.start_instance(&hooks, &empty_params()).await {
+            Err(e) => Err(explain(&e)),
+            Ok(second) => match (zone_of(&first), zone_of(&second)) {
+                (Some(a), Some(b)) if a != b => Ok(format!("{a} then {b}")),
+                (a, b) => Err(format!("second group member went to {b:?}, the first was in {a:?}")),
+            },
+        };
+        self.record("distribution group is spread over zones", result);
+    }
+}
