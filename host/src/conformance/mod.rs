@@ -17,7 +17,6 @@ use crate::capabilities::process::MemoryChildRecords;
 use crate::providers::Manifest;
 use crate::runtime::{HostCapabilities, Runtime};
 use serde::Serialize;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -66,7 +65,10 @@ pub enum ConformanceError {
 /// Load the manifest's component into a throwaway sandbox and run every scenario.
 pub async fn run(manifest: &Manifest) -> Result<Report, ConformanceError> {
     let started = Instant::now();
-    let scratch = tempfile_dir()?;
+    let scratch = tempfile::Builder::new()
+        .prefix("broker-provider-test-")
+        .tempdir()
+        .map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
     let runtime = Runtime::new(None).map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
     let lock = MachineLock::new(scratch.path(), "machine-lock", "broker-provider-test")
         .map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
@@ -92,31 +94,6 @@ pub async fn run(manifest: &Manifest) -> Result<Report, ConformanceError> {
         kit.distribution_group().await;
     }
     Ok(Report { provider: name, version, cases: kit.cases, millis: started.elapsed().as_millis() })
-}
-
-fn tempfile_dir() -> Result<TempDir, ConformanceError> {
-    let base = std::env::temp_dir().join(format!("broker-provider-test-{}-{}", std::process::id(), unique()));
-    std::fs::create_dir_all(&base).map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
-    Ok(TempDir(base))
-}
-
-fn unique() -> u128 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)
-}
-
-/// A scratch directory removed on drop.
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 struct Kit {
