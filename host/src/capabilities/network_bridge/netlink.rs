@@ -106,8 +106,9 @@ impl Netlink {
         Ok(messages.into_iter().map(|message| Link { message }).collect())
     }
 
-    async fn link(&self, name: &str) -> Result<Option<Link>, BridgeError> {
-        Ok(self.links().await?.into_iter().find(|l| l.name() == name))
+    /// The link named `name`; its absence is [`BridgeError::NoDevice`].
+    async fn link(&self, name: &str) -> Result<Link, BridgeError> {
+        self.links().await?.into_iter().find(|l| l.name() == name).ok_or_else(|| BridgeError::NoDevice(name.to_owned()))
     }
 
     async fn address_messages(&self, index: u32) -> Result<Vec<AddressMessage>, BridgeError> {
@@ -150,8 +151,11 @@ impl Netlink {
     pub async fn bridge(&self, change: &DeviceToBridge) -> Result<(), BridgeError> {
         check_name(&change.device)?;
         check_name(&change.bridge)?;
-        let device = self.link(&change.device).await?.ok_or_else(|| BridgeError::NoDevice(change.device.clone()))?;
         let links = self.links().await?;
+        let device = links
+            .iter()
+            .find(|l| l.name() == change.device)
+            .ok_or_else(|| BridgeError::NoDevice(change.device.clone()))?;
         if let Some(controller) = device.controller() {
             let existing = links.iter().find(|l| l.index() == controller).map(Link::name).unwrap_or_default();
             if existing == change.bridge {
@@ -175,7 +179,7 @@ impl Netlink {
                     builder = builder.address(mac);
                 }
                 self.handle.link().add(builder.build()).execute().await.map_err(nl)?;
-                self.link(&change.bridge).await?.ok_or_else(|| BridgeError::NoDevice(change.bridge.clone()))?.index()
+                self.link(&change.bridge).await?.index()
             }
         };
         // Removing the addresses takes the routes through the device with them
@@ -190,8 +194,8 @@ impl Netlink {
 
     /// Undo [`Netlink::bridge`]: addresses back to the device, the bridge deleted.
     pub async fn unbridge(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
-        let dev = self.link(device).await?.ok_or_else(|| BridgeError::NoDevice(device.to_owned()))?;
-        let br = self.link(bridge).await?.ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?;
+        let dev = self.link(device).await?;
+        let br = self.link(bridge).await?;
         let routes = self.routes_via(br.index()).await?;
         self.set_controller(dev.index(), None).await?;
         self.move_addresses(br.index(), dev.index()).await?;
@@ -238,7 +242,7 @@ impl Netlink {
                 }
             }
             match self.handle.route().add(route).execute().await {
-                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc_eexist() => {}
+                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -(nix::errno::Errno::EEXIST as i32) => {}
                 other => other.map_err(nl)?,
             }
         }
@@ -272,22 +276,20 @@ impl Netlink {
     pub async fn create_veth(&self, name: &str, peer: &str, bridge: &str) -> Result<(), BridgeError> {
         check_name(name)?;
         check_name(peer)?;
-        let br = self.link(bridge).await?.ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?;
+        let br = self.link(bridge).await?;
         self.handle.link().add(LinkVeth::new(name, peer).build()).execute().await.map_err(nl)?;
         self.attach(name, &br.name()).await?;
-        let peer_link = self.link(peer).await?.ok_or_else(|| BridgeError::NoDevice(peer.to_owned()))?;
+        let peer_link = self.link(peer).await?;
         self.set_up(peer_link.index()).await
     }
 
     /// A persistent tap for a VM, with the MAC given (empty = the kernel's),
     /// attached to `bridge` and up.
     pub async fn create_tap(&self, name: &str, bridge: &str, mac: &str) -> Result<(), BridgeError> {
-        if self.link(bridge).await?.is_none() {
-            return Err(BridgeError::NoDevice(bridge.to_owned()));
-        }
+        self.link(bridge).await?; // the bridge must exist before a tap is made for it
         super::tap::create_persistent_tap(name)?;
         if !mac.is_empty() {
-            let tap = self.link(name).await?.ok_or_else(|| BridgeError::NoDevice(name.to_owned()))?;
+            let tap = self.link(name).await?;
             let message = LinkUnspec::new_with_index(tap.index()).address(parse_mac(mac)?).build();
             self.handle.link().set(message).execute().await.map_err(nl)?;
         }
@@ -296,8 +298,8 @@ impl Netlink {
 
     /// Attach an existing device (a tap, a veth) to a bridge and bring it up.
     pub async fn attach(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
-        let dev = self.link(device).await?.ok_or_else(|| BridgeError::NoDevice(device.to_owned()))?;
-        let br = self.link(bridge).await?.ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?;
+        let dev = self.link(device).await?;
+        let br = self.link(bridge).await?;
         if br.kind() != "bridge" {
             return Err(BridgeError::NotABridge(bridge.to_owned()));
         }
@@ -307,12 +309,7 @@ impl Netlink {
 
     /// Delete a device (for a veth, its peer goes too).
     pub async fn delete(&self, name: &str) -> Result<(), BridgeError> {
-        let link = self.link(name).await?.ok_or_else(|| BridgeError::NoDevice(name.to_owned()))?;
+        let link = self.link(name).await?;
         self.handle.link().del(link.index()).execute().await.map_err(nl)
     }
-}
-
-/// EEXIST, without a libc dependency for one constant.
-const fn libc_eexist() -> i32 {
-    nix::errno::Errno::EEXIST as i32
 }
