@@ -164,13 +164,7 @@ impl Broker {
     #[tracing::instrument(skip(self, id), fields(instance_id = %id))]
     pub async fn maintain_instance(&self, provider: &str, id: &str) -> Result<(), BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
-        let params = self
-            .store
-            .instances(Some(provider))?
-            .into_iter()
-            .find(|r| r.id == id)
-            .and_then(|r| r.params)
-            .unwrap_or_else(empty_params);
+        let params = self.store.instance(provider, id)?.and_then(|r| r.params).unwrap_or_else(empty_params);
         wasm.maintain_instance(&CallHooks::default(), id, &params).await?;
         Ok(())
     }

@@ -153,6 +153,13 @@ impl Store {
         txn.commit().map_err(db_error)
     }
 
+    pub fn instance(&self, provider: &str, id: &str) -> Result<Option<InstanceRecord>, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(INSTANCES).map_err(db_error)?;
+        let value = table.get((provider, id)).map_err(db_error)?;
+        value.map(|v| decode("instance", v.value())).transpose()
+    }
+
     /// Records of one provider, or of all, in (provider, id) order.
     pub fn instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
