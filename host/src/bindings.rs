@@ -14,6 +14,7 @@ wasmtime::component::bindgen!({
         "broker:provider/context.call-context": crate::capabilities::context::CallContext,
         "broker:provider/machine-lock.lock-guard": crate::capabilities::machine_lock::HeldLock,
         "broker:provider/process.child": crate::capabilities::process::HeldChild,
+        "broker:provider/local-socket.connection": crate::capabilities::local_socket::HeldConnection,
     },
     additional_derives: [serde::Serialize, serde::Deserialize, PartialEq],
 });

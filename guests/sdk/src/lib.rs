@@ -17,7 +17,7 @@ wit_bindgen::generate!({
 });
 
 pub use broker::provider::{
-    context::CallContext, kv as host_kv, log as host_log, machine_lock, network_bridge, process, types,
+    context::CallContext, kv as host_kv, local_socket, log as host_log, machine_lock, network_bridge, process, types,
 };
 pub use exports::broker::provider::instance_broker::Guest;
 

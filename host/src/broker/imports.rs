@@ -80,7 +80,7 @@ fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
     let not_granted = |grant| ContractError::NotGranted { import: import.to_owned(), grant };
     match interface {
         // Linked for everyone; without the grant its calls answer access-denied.
-        "types" | "context" | "machine-lock" | "process" | "network-bridge" => Ok(()),
+        "types" | "context" | "machine-lock" | "process" | "network-bridge" | "local-socket" => Ok(()),
         "kv" if grants.kv => Ok(()),
         "kv" => Err(not_granted("kv")),
         "log" if grants.log => Ok(()),

@@ -342,5 +342,11 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         Some(Arc::new(policy))
     };
     let host = HostCapabilities { machine_lock: host.machine_lock.filter(|_| grants.machine_lock), ..host };
-    Ok(ProviderCapabilities { host, data_dir, process, bridge: grants.bridge.clone() })
+    Ok(ProviderCapabilities {
+        host,
+        data_dir,
+        process,
+        bridge: grants.bridge.clone(),
+        local_sockets: grants.local_sockets,
+    })
 }

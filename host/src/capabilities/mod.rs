@@ -4,6 +4,7 @@
 
 pub mod context;
 pub mod kv;
+pub mod local_socket;
 pub mod log;
 pub mod machine_lock;
 pub mod network_bridge;

@@ -19,6 +19,7 @@
 //! machine-lock = true
 //! process = ["qemu-img"]         # programs it may run
 //! paths = ["/var/lib/images"]    # host paths their arguments may name
+//! local-sockets = true           # unix sockets inside its own data dir (QMP)
 //! [grants.bridge]                # devices and bridges (`*` suffix = prefix)
 //! devices = ["eth0", "vm-*"]
 //! bridges = ["br-*"]
@@ -177,6 +178,9 @@ pub struct Grants {
     /// Host paths (read by granted programs, e.g. base images) that arguments may name.
     #[serde(default)]
     pub paths: Vec<PathBuf>,
+    /// Connecting to unix sockets inside its own data dir (a VM's QMP monitor).
+    #[serde(default)]
+    pub local_sockets: bool,
     /// Devices and bridges the provider may bridge, attach to and list.
     pub bridge: Option<crate::capabilities::network_bridge::wit::BridgeGrant>,
 }

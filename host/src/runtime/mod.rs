@@ -83,6 +83,7 @@ impl Runtime {
         capabilities::machine_lock::add_to_linker(&mut linker, HostState::machine_lock_view)?;
         capabilities::process::add_to_linker(&mut linker, HostState::process_view)?;
         capabilities::network_bridge::wit::add_to_linker(&mut linker, |s| &mut s.bridge)?;
+        capabilities::local_socket::add_to_linker(&mut linker, HostState::local_socket_view)?;
         if capabilities.kv {
             capabilities::kv::add_to_linker(&mut linker, |s| &mut s.kv)?;
         }

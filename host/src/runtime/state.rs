@@ -3,6 +3,7 @@
 use super::GuestLimiter;
 use crate::capabilities::context::ContextView;
 use crate::capabilities::kv::{KvBackend, KvCtx};
+use crate::capabilities::local_socket::{LocalSocketCtx, LocalSocketView};
 use crate::capabilities::log::LogCtx;
 use crate::capabilities::machine_lock::{MachineLock, MachineLockCtx, MachineLockView};
 use crate::capabilities::network_bridge::wit::{BridgeCtx, BridgeGrant};
@@ -22,6 +23,7 @@ pub struct HostState {
     pub machine_lock: MachineLockCtx,
     pub process: ProcessCtx,
     pub bridge: BridgeCtx,
+    pub local_socket: LocalSocketCtx,
     pub limiter: GuestLimiter,
 }
 
@@ -46,6 +48,8 @@ pub struct ProviderCapabilities {
     pub process: Option<Arc<ProcessPolicy>>,
     /// `None` unless `[grants.bridge]` is given.
     pub bridge: Option<BridgeGrant>,
+    /// Whether `local-sockets` is granted.
+    pub local_sockets: bool,
 }
 
 impl HostState {
@@ -64,6 +68,7 @@ impl HostState {
                 host.live_children.clone(),
             ),
             bridge: BridgeCtx::new(caps.bridge.clone()),
+            local_socket: LocalSocketCtx::new(provider.clone(), caps.local_sockets.then(|| caps.data_dir.clone())),
             limiter: GuestLimiter::new(memory_bytes),
             provider,
         }
@@ -75,6 +80,10 @@ impl HostState {
 
     pub fn process_view(&mut self) -> ProcessView<'_> {
         ProcessView { ctx: &mut self.process, table: &mut self.table }
+    }
+
+    pub fn local_socket_view(&mut self) -> LocalSocketView<'_> {
+        LocalSocketView { ctx: &mut self.local_socket, table: &mut self.table }
     }
 
     pub fn machine_lock_view(&mut self) -> MachineLockView<'_> {

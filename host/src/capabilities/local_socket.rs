@@ -1,0 +1,352 @@
+//! `broker:provider/local-socket`: stream connections to unix sockets in the
+//! provider's own data dir (a VM's QMP monitor), with no way out of it.
+//!
+//! The path is resolved with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`
+//! from the data dir to an `O_PATH` handle, checked to be a socket, and
+//! connected through `/proc/self/fd/N`. So a symlink planted in the data dir
+//! cannot lead to the host's sockets (e.g. Docker's or Incus's), a rename
+//! between check and connect changes nothing, and the 108-byte limit of
+//! socket paths does not apply to deep data dirs.
+
+use crate::bindings::BrokerError;
+use crate::bindings::broker::provider::local_socket as wit;
+use nix::errno::Errno;
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+use nix::sys::stat::{Mode, SFlag, fstat};
+use std::os::fd::AsRawFd;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
+
+/// A line longer than this is refused rather than buffered without end.
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+/// Open connections one store may hold at once.
+pub const MAX_CONNECTIONS: usize = 32;
+const GUEST_DATA_PREFIX: &str = "/data/";
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SocketError {
+    #[error("local-sockets is not granted: add `local-sockets = true` under [grants]")]
+    NotGranted,
+    #[error("socket path {0:?} is not inside /data (the provider's data dir) or is not a clean path")]
+    OutsideDataDir(String),
+    #[error("socket path {0:?} leads through a symlink or out of /data")]
+    Escapes(String),
+    #[error("no socket at {0:?}")]
+    Missing(String),
+    #[error("{0:?} is not a socket")]
+    NotASocket(String),
+    #[error("cannot connect to {path:?}: {reason}")]
+    Connect { path: String, reason: String },
+    #[error("too many open connections (at most {MAX_CONNECTIONS})")]
+    TooMany,
+    #[error("timed out after {0} ms waiting for a line")]
+    Timeout(u64),
+    #[error("line longer than {MAX_LINE_BYTES} bytes")]
+    LineTooLong,
+    #[error("line is not UTF-8")]
+    NotUtf8,
+    #[error("socket i/o: {0}")]
+    Io(String),
+}
+
+impl From<SocketError> for BrokerError {
+    fn from(err: SocketError) -> Self {
+        let message = err.to_string();
+        match err {
+            SocketError::NotGranted | SocketError::OutsideDataDir(_) | SocketError::Escapes(_) => {
+                BrokerError::AccessDenied(message)
+            }
+            SocketError::Missing(_) => BrokerError::NotFound(message),
+            SocketError::NotASocket(_) | SocketError::TooMany => BrokerError::InvalidParams(message),
+            SocketError::Timeout(_) => BrokerError::Timeout(message),
+            SocketError::Connect { .. } | SocketError::LineTooLong | SocketError::NotUtf8 | SocketError::Io(_) => {
+                BrokerError::Provider(message)
+            }
+        }
+    }
+}
+
+/// The host object behind a guest's `connection` handle.
+pub struct HeldConnection {
+    stream: UnixStream,
+    /// Bytes read past the last line handed out; kept across timeouts.
+    pending: Vec<u8>,
+    closed: bool,
+}
+
+pub struct LocalSocketCtx {
+    provider: Arc<str>,
+    /// `None` unless `local-sockets` is granted.
+    data_dir: Option<PathBuf>,
+    open: usize,
+}
+
+impl LocalSocketCtx {
+    pub fn new(provider: Arc<str>, data_dir: Option<PathBuf>) -> Self {
+        LocalSocketCtx { provider, data_dir, open: 0 }
+    }
+
+    pub async fn connect(&mut self, guest_path: &str) -> Result<HeldConnection, SocketError> {
+        let data_dir = self.data_dir.as_deref().ok_or(SocketError::NotGranted)?;
+        if self.open >= MAX_CONNECTIONS {
+            return Err(SocketError::TooMany);
+        }
+        let relative = inside_data_dir(guest_path)?;
+        let stream = connect_beneath(data_dir, relative, guest_path).await?;
+        self.open += 1;
+        tracing::debug!(provider = %self.provider, path = guest_path, "local socket connected");
+        Ok(HeldConnection { stream, pending: Vec::new(), closed: false })
+    }
+
+    fn closed_one(&mut self) {
+        self.open = self.open.saturating_sub(1);
+    }
+}
+
+/// `/data/a/b.sock` -> `a/b.sock`, refusing anything that is not a plain path below `/data`.
+fn inside_data_dir(guest_path: &str) -> Result<&Path, SocketError> {
+    let outside = || SocketError::OutsideDataDir(guest_path.to_owned());
+    let relative = Path::new(guest_path.strip_prefix(GUEST_DATA_PREFIX).ok_or_else(outside)?);
+    let plain = relative.components().all(|c| matches!(c, Component::Normal(_)));
+    if relative.as_os_str().is_empty() || !plain {
+        return Err(outside());
+    }
+    Ok(relative)
+}
+
+async fn connect_beneath(data_dir: &Path, relative: &Path, guest_path: &str) -> Result<UnixStream, SocketError> {
+    let dir = nix::fcntl::open(data_dir, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+        .map_err(|e| SocketError::Connect { path: guest_path.to_owned(), reason: format!("data dir: {e}") })?;
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let socket = nix::fcntl::openat2(&dir, relative, how).map_err(|errno| match errno {
+        Errno::ENOENT | Errno::ENOTDIR => SocketError::Missing(guest_path.to_owned()),
+        Errno::ELOOP | Errno::EXDEV => SocketError::Escapes(guest_path.to_owned()),
+        other => SocketError::Connect { path: guest_path.to_owned(), reason: other.to_string() },
+    })?;
+    let stat = fstat(&socket).map_err(|e| SocketError::Io(e.to_string()))?;
+    match SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT {
+        SFlag::S_IFSOCK => {}
+        // O_PATH | O_NOFOLLOW opens a final symlink itself rather than failing.
+        SFlag::S_IFLNK => return Err(SocketError::Escapes(guest_path.to_owned())),
+        _ => return Err(SocketError::NotASocket(guest_path.to_owned())),
+    }
+    // Connecting through the handle's magic link reaches exactly the inode checked above.
+    let by_handle = format!("/proc/self/fd/{}", socket.as_raw_fd());
+    let stream = UnixStream::connect(&by_handle)
+        .await
+        .map_err(|e| SocketError::Connect { path: guest_path.to_owned(), reason: e.to_string() })?;
+    drop(socket);
+    Ok(stream)
+}
+
+impl HeldConnection {
+    pub async fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
+        self.stream.write_all(data).await.map_err(|e| SocketError::Io(e.to_string()))
+    }
+
+    /// The next line, or `None` at the end of the stream. A timeout keeps what
+    /// was read so far for the next call.
+    pub async fn receive_line(&mut self, timeout: Duration) -> Result<Option<String>, SocketError> {
+        let read = async {
+            let mut buf = [0u8; 8192];
+            loop {
+                if let Some(end) = self.pending.iter().position(|&b| b == b'\n') {
+                    let mut line: Vec<u8> = self.pending.drain(..=end).collect();
+                    line.pop();
+                    return line_text(line).map(Some);
+                }
+                if self.pending.len() > MAX_LINE_BYTES {
+                    return Err(SocketError::LineTooLong);
+                }
+                if self.closed {
+                    return if self.pending.is_empty() {
+                        Ok(None)
+                    } else {
+                        line_text(std::mem::take(&mut self.pending)).map(Some)
+                    };
+                }
+                match self.stream.read(&mut buf).await {
+                    Ok(0) => self.closed = true,
+                    Ok(n) => self.pending.extend_from_slice(&buf[..n]),
+                    Err(e) => return Err(SocketError::Io(e.to_string())),
+                }
+            }
+        };
+        tokio::time::timeout(timeout, read).await.unwrap_or(Err(SocketError::Timeout(timeout.as_millis() as u64)))
+    }
+}
+
+fn line_text(mut line: Vec<u8>) -> Result<String, SocketError> {
+    if line.last() == Some(&b'\r') {
+        line.pop();
+    }
+    String::from_utf8(line).map_err(|_| SocketError::NotUtf8)
+}
+
+pub struct LocalSocketView<'a> {
+    pub ctx: &'a mut LocalSocketCtx,
+    pub table: &'a mut ResourceTable,
+}
+
+pub struct LocalSocketData;
+
+impl HasData for LocalSocketData {
+    type Data<'a> = LocalSocketView<'a>;
+}
+
+impl wit::Host for LocalSocketView<'_> {
+    async fn connect(&mut self, path: String) -> wasmtime::Result<Result<Resource<HeldConnection>, BrokerError>> {
+        match self.ctx.connect(&path).await {
+            Ok(connection) => Ok(Ok(self.table.push(connection)?)),
+            Err(err) => {
+                tracing::debug!(provider = %self.ctx.provider, path, error = %err, "local socket refused");
+                Ok(Err(err.into()))
+            }
+        }
+    }
+}
+
+impl wit::HostConnection for LocalSocketView<'_> {
+    async fn send(
+        &mut self,
+        handle: Resource<HeldConnection>,
+        data: Vec<u8>,
+    ) -> wasmtime::Result<Result<(), BrokerError>> {
+        Ok(self.table.get_mut(&handle)?.send(&data).await.map_err(BrokerError::from))
+    }
+
+    async fn receive_line(
+        &mut self,
+        handle: Resource<HeldConnection>,
+        timeout_ms: u64,
+    ) -> wasmtime::Result<Result<Option<String>, BrokerError>> {
+        let connection = self.table.get_mut(&handle)?;
+        Ok(connection.receive_line(Duration::from_millis(timeout_ms)).await.map_err(BrokerError::from))
+    }
+
+    async fn drop(&mut self, handle: Resource<HeldConnection>) -> wasmtime::Result<()> {
+        self.table.delete(handle)?;
+        self.ctx.closed_one();
+        Ok(())
+    }
+}
+
+pub fn add_to_linker<T: Send + 'static>(
+    linker: &mut Linker<T>,
+    getter: fn(&mut T) -> LocalSocketView<'_>,
+) -> wasmtime::Result<()> {
+    wit::add_to_linker::<T, LocalSocketData>(linker, getter)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncBufReadExt;
+    use tokio::net::UnixListener;
+
+    fn granted(dir: &Path) -> LocalSocketCtx {
+        LocalSocketCtx::new("kvm".into(), Some(dir.to_owned()))
+    }
+
+    /// A line-echo server on `path` that greets first, as QMP does.
+    fn echo_server(path: &Path) -> tokio::task::JoinHandle<()> {
+        let listener = UnixListener::bind(path).unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let (read, mut write) = stream.into_split();
+                    write.write_all(b"{\"hello\":1}\r\n").await.unwrap();
+                    let mut lines = tokio::io::BufReader::new(read).lines();
+                    while let Ok(Some(line)) = lines.next_line().await {
+                        write.write_all(format!("echo {line}\n").as_bytes()).await.unwrap();
+                    }
+                });
+            }
+        })
+    }
+
+    #[tokio::test]
+    async fn talks_lines_to_a_socket_in_the_data_dir_even_past_the_path_length_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        // Deeper than the 108 bytes a sockaddr_un can hold, from the host's side.
+        let deep = dir.path().join("d".repeat(60)).join("e".repeat(60));
+        std::fs::create_dir_all(&deep).unwrap();
+        // Bound at a short path, then moved deep: connecting finds the inode.
+        let short = tempfile::tempdir().unwrap();
+        let _server = echo_server(&short.path().join("q.sock"));
+        std::fs::rename(short.path().join("q.sock"), deep.join("q.sock")).unwrap();
+
+        let mut ctx = granted(dir.path());
+        let guest_path = format!("/data/{}/{}/q.sock", "d".repeat(60), "e".repeat(60));
+        let mut conn = ctx.connect(&guest_path).await.unwrap();
+        let greeting = conn.receive_line(Duration::from_secs(5)).await.unwrap();
+        assert_eq!(greeting.as_deref(), Some("{\"hello\":1}"), "CR LF is trimmed");
+        conn.send(b"one\ntwo\n").await.unwrap();
+        assert_eq!(conn.receive_line(Duration::from_secs(5)).await.unwrap().as_deref(), Some("echo one"));
+        assert_eq!(conn.receive_line(Duration::from_secs(5)).await.unwrap().as_deref(), Some("echo two"));
+        assert_eq!(
+            conn.receive_line(Duration::from_millis(50)).await,
+            Err(SocketError::Timeout(50)),
+            "nothing more was sent"
+        );
+    }
+
+    #[tokio::test]
+    async fn refuses_ungranted_outside_symlinked_and_non_socket_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let outside_socket = elsewhere.path().join("host.sock");
+        let _server = echo_server(&outside_socket);
+        std::os::unix::fs::symlink(&outside_socket, dir.path().join("evil.sock")).unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        std::os::unix::fs::symlink(elsewhere.path(), dir.path().join("sub/up")).unwrap();
+        std::fs::write(dir.path().join("file"), b"x").unwrap();
+
+        let mut ungranted = LocalSocketCtx::new("kvm".into(), None);
+        assert_eq!(ungranted.connect("/data/evil.sock").await.err(), Some(SocketError::NotGranted));
+
+        let mut ctx = granted(dir.path());
+        let host_path = outside_socket.display().to_string();
+        for (path, expected) in [
+            (host_path.as_str(), SocketError::OutsideDataDir(host_path.clone())),
+            ("/data/../x.sock", SocketError::OutsideDataDir("/data/../x.sock".into())),
+            ("/data/", SocketError::OutsideDataDir("/data/".into())),
+            ("/data/evil.sock", SocketError::Escapes("/data/evil.sock".into())),
+            ("/data/sub/up/host.sock", SocketError::Escapes("/data/sub/up/host.sock".into())),
+            ("/data/nothing.sock", SocketError::Missing("/data/nothing.sock".into())),
+            ("/data/file", SocketError::NotASocket("/data/file".into())),
+        ] {
+            assert_eq!(ctx.connect(path).await.err(), Some(expected), "{path}");
+        }
+        assert!(matches!(BrokerError::from(SocketError::Escapes("x".into())), BrokerError::AccessDenied(_)));
+        assert_eq!(ctx.open, 0, "refusals hold nothing");
+    }
+
+    #[tokio::test]
+    async fn end_of_stream_and_oversized_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(async move {
+            let (mut a, _) = listener.accept().await.unwrap();
+            a.write_all(b"last words").await.unwrap();
+            drop(a);
+            let (mut b, _) = listener.accept().await.unwrap();
+            let _ = b.write_all(&vec![b'x'; MAX_LINE_BYTES + 10]).await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        });
+        let mut ctx = granted(dir.path());
+        let mut first = ctx.connect("/data/s.sock").await.unwrap();
+        assert_eq!(first.receive_line(Duration::from_secs(5)).await.unwrap().as_deref(), Some("last words"));
+        assert_eq!(first.receive_line(Duration::from_secs(5)).await.unwrap(), None);
+        let mut second = ctx.connect("/data/s.sock").await.unwrap();
+        assert_eq!(second.receive_line(Duration::from_secs(5)).await, Err(SocketError::LineTooLong));
+        server.abort();
+    }
+}
