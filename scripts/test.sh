@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 
 rustup target add wasm32-wasip2
 rustup component add rustfmt clippy
+# qemu, genisoimage, busybox-static (Debian; needs root), then the VM payload the KVM tests boot.
+bash scripts/install-test-deps.sh
+bash scripts/vm-payload.sh target/vm-payload
 
 cargo fmt --all --check
 (cd guests && cargo fmt --all --check)
@@ -14,8 +17,9 @@ cargo fmt --all --check
 cargo clippy --release --workspace --all-targets -- -D warnings
 (cd guests && cargo clippy --release --workspace -- -D warnings)
 
-# The fake provider's logic, natively (guests/.cargo/config.toml only applies inside guests/).
+# The providers' logic, natively (guests/.cargo/config.toml only applies inside guests/).
 cargo test --release --manifest-path guests/fake-logic/Cargo.toml
+cargo test --release --manifest-path guests/kvm-logic/Cargo.toml
 
 cargo test --release --workspace
 # Each benchmark once, as a test: they must keep working.

@@ -11,6 +11,8 @@ use std::sync::Arc;
 
 pub use guest_artifacts::{manifest as bundled_manifest, wasm};
 
+pub mod netns;
+
 /// Write `provider.toml` for a built guest into `dir`; `extra` is appended
 /// TOML (isolation, limits, grants, config).
 pub fn write_manifest(dir: &Path, name: &str, guest_crate: &str, extra: &str) -> PathBuf {

@@ -10,38 +10,7 @@ use broker_host::capabilities::context::CallHooks;
 use broker_host::capabilities::network_bridge::names::bridge_name;
 use broker_host::capabilities::network_bridge::netlink::Netlink;
 use broker_host::capabilities::network_bridge::{BridgeError, Device, DeviceToBridge};
-use nix::sched::{CloneFlags, unshare};
-use rtnetlink::LinkVeth;
-use std::future::Future;
-
-/// Run `test` on a thread inside a fresh network namespace, with its own runtime.
-fn in_netns<F, Fut>(test: F)
-where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = ()>,
-{
-    std::thread::spawn(move || {
-        unshare(CloneFlags::CLONE_NEWNET).expect(
-            "unshare(CLONE_NEWNET) was refused: these tests need root (or CAP_SYS_ADMIN) and network namespaces",
-        );
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        runtime.block_on(test());
-    })
-    .join()
-    .expect("the namespaced test panicked");
-}
-
-/// A "NIC" (one end of a veth pair, the other end `<name>p`) with a MAC and an address, up.
-async fn make_nic(name: &str, mac: [u8; 6], address: &str) {
-    let (connection, handle, _) = rtnetlink::new_connection().unwrap();
-    tokio::spawn(connection);
-    let peer = format!("{name}p");
-    handle.link().add(LinkVeth::new(name, &peer).address(mac.to_vec()).up().build()).execute().await.unwrap();
-    let nl = Netlink::connect().unwrap();
-    let index = nl.device(name).await.unwrap().unwrap().index;
-    let (ip, prefix) = address.split_once('/').unwrap();
-    handle.address().add(index, ip.parse().unwrap(), prefix.parse().unwrap()).execute().await.unwrap();
-}
+use broker_tests::netns::{in_netns, make_nic};
 
 async fn add_default_route(gateway: &str, oif: u32) {
     use rtnetlink::RouteMessageBuilder;

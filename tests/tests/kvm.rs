@@ -1,0 +1,325 @@
+//! The KVM provider against real qemu: the real host (`Broker`), the real
+//! component, real taps on a real bridge in a network namespace the test makes.
+//! The VMs boot Debian's kernel with a busybox initramfs (scripts/vm-payload.sh)
+//! whose init prints `BROKER-VM-UP mem_kb=… cpus=… mac=…` on the serial console.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use broker_host::bindings::InstanceStatus;
+use broker_host::broker::service::{interface_on, params_with};
+use broker_host::broker::{Broker, BrokerServiceError, constraints};
+use broker_host::capabilities::context::{CallEvent, CallHooks};
+use broker_host::capabilities::network_bridge::netlink::Netlink;
+use broker_host::capabilities::process::proc_stat;
+use broker_tests::netns::{in_netns, make_nic};
+use broker_tests::wasm;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a VM may take to print its marker (TCG on a busy machine is slow).
+const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
+
+struct Payload {
+    dir: PathBuf,
+    accel: String,
+}
+
+fn payload() -> Payload {
+    let dir = std::env::var_os("BROKER_VM_PAYLOAD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/vm-payload"));
+    let accel = std::fs::read_to_string(dir.join("accel")).unwrap_or_else(|_| {
+        panic!("no VM payload in {}: run scripts/vm-payload.sh (scripts/test.sh does)", dir.display())
+    });
+    Payload { dir: dir.canonicalize().unwrap(), accel: accel.trim().to_owned() }
+}
+
+/// The KVM provider's manifest, its grants exactly what it needs.
+fn kvm_manifest(dir: &Path, payload: &Payload, namespace: &str, grant_process: bool) -> PathBuf {
+    let p = payload.dir.display();
+    let process = if grant_process { r#"process = ["qemu-system-x86_64", "qemu-img", "genisoimage"]"# } else { "" };
+    let text = format!(
+        r#"name = "kvm"
+component = "{component}"
+[limits]
+memory-mib = 64
+[limits.deadlines]
+default = "60s"
+start-instance = "120s"
+[grants]
+kv = true
+log = true
+local-sockets = true
+{process}
+paths = ["{p}"]
+[grants.bridge]
+devices = ["kt*"]
+bridges = ["br-*"]
+[config]
+namespace = "{namespace}"
+kernel = "{p}/vmlinuz"
+initrd = "{p}/initrd.gz"
+append = "console=ttyS0 quiet panic=-1"
+accel = "{accel}"
+max-cores = 4
+stop-grace-ms = 300
+"#,
+        component = wasm("kvm").display(),
+        accel = payload.accel,
+    );
+    let path = dir.join("kvm.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+type StatusLog = Arc<Mutex<Vec<(InstanceStatus, String)>>>;
+
+fn recording_hooks() -> (CallHooks, StatusLog) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    let hooks = CallHooks::with_events(move |event| {
+        if let CallEvent::Status { status, info, .. } = event {
+            sink.lock().unwrap().push((status, info));
+        }
+    });
+    (hooks, seen)
+}
+
+fn vm_dir(data_dir: &Path, id: &str) -> PathBuf {
+    data_dir.join("providers/kvm/vm").join(id)
+}
+
+/// Wait for the marker on the VM's serial console; returns the marker line.
+fn await_boot(data_dir: &Path, id: &str) -> String {
+    let console = vm_dir(data_dir, id).join("console.log");
+    let started = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&console).unwrap_or_default();
+        if let Some(line) = text.lines().find(|l| l.starts_with("BROKER-VM-UP")) {
+            return line.to_owned();
+        }
+        assert!(started.elapsed() < BOOT_TIMEOUT, "{id} did not boot; console:\n{text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn marker_field<'a>(line: &'a str, key: &str) -> &'a str {
+    line.split_whitespace().find_map(|w| w.strip_prefix(key)).unwrap_or_else(|| panic!("{key} in {line}"))
+}
+
+/// The pid of the VM's qemu, from the host's child records.
+fn qemu_pid(broker: &Broker, id: &str) -> u32 {
+    broker.store().child_records().get("kvm", id).unwrap().unwrap_or_else(|| panic!("no child record for {id}")).pid
+}
+
+fn alive(pid: u32) -> bool {
+    proc_stat(pid).is_some_and(|(_, state)| state != 'Z')
+}
+
+/// Kills any qemu left behind by a failing test (they would outlive it).
+struct KillQemusUnder(PathBuf);
+
+impl Drop for KillQemusUnder {
+    fn drop(&mut self) {
+        let needle = self.0.display().to_string();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            if cmdline.starts_with("/usr/bin/qemu-system")
+                && cmdline.contains(&needle)
+                && let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>()
+            {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+            }
+        }
+    }
+}
+
+#[test]
+fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() {
+    let payload = payload();
+    in_netns(move || async move {
+        make_nic("ethk", [0x00, 0x16, 0x3e, 0x10, 0x20, 0x30], "10.60.0.2/24").await;
+        let dir = tempfile::tempdir().unwrap();
+        let _reaper = KillQemusUnder(dir.path().to_owned());
+        let data = dir.path();
+        let broker = Broker::open(data).unwrap();
+        broker.registry().add(&kvm_manifest(data, &payload, "t1", true)).await.unwrap();
+
+        let asked = [
+            ("mem=512M cores=1", 512, 1, 8192),
+            ("mem=768M cores=2", 768, 2, 8192),
+            ("mem=640M root-disk=3G", 640, 1, 3072),
+        ];
+        let mut ids = Vec::new();
+        for (i, (text, ..)) in asked.iter().enumerate() {
+            let mut params = params_with(constraints::parse(text).unwrap());
+            if i == 0 {
+                params.network_info = vec![interface_on("br-ethk", "52:54:00:aa:bb:01")];
+            }
+            let (hooks, seen) = recording_hooks();
+            let record = broker.start_instance("kvm", &params, &hooks).await.unwrap();
+            let infos: Vec<String> = seen.lock().unwrap().iter().map(|(_, info)| info.clone()).collect();
+            assert_eq!(infos, ["Creating instance", "Starting instance", "Instance started"]);
+            assert_eq!(seen.lock().unwrap().last().unwrap().0, InstanceStatus::Running);
+            assert!(record.id.starts_with("juju-t1-vm"), "{}", record.id);
+            ids.push(record.id);
+        }
+
+        for (id, (_, mem, cores, disk)) in ids.iter().zip(asked) {
+            let marker = await_boot(data, id);
+            let mem_kb: u64 = marker_field(&marker, "mem_kb=").parse().unwrap();
+            // The kernel keeps some for itself; what it sees must be most of what was asked, never more.
+            assert!(mem_kb <= mem * 1024 && mem_kb > mem * 1024 * 3 / 4, "{id}: {marker} for mem={mem}M");
+            assert_eq!(marker_field(&marker, "cpus="), cores.to_string(), "{id}: {marker}");
+            let overlay = vm_dir(data, id).join("root.qcow2");
+            let info = std::process::Command::new("qemu-img").args(["info", "-U"]).arg(&overlay).output().unwrap();
+            let info = String::from_utf8_lossy(&info.stdout);
+            assert!(info.contains(&format!("virtual size: {} GiB", disk / 1024)), "{id}: {info}");
+        }
+        // The first VM's NIC: the MAC asked for inside, a tap on the bridge HostPreparer made outside.
+        let first_marker = await_boot(data, &ids[0]);
+        assert_eq!(marker_field(&first_marker, "mac="), "52:54:00:aa:bb:01");
+        let nl = Netlink::connect().unwrap();
+        let tap = nl.devices().await.unwrap().into_iter().find(|d| d.name.starts_with("kt")).expect("a tap");
+        assert_eq!(tap.controller.as_deref(), Some("br-ethk"));
+        assert_eq!(tap.mac, "fe:54:00:aa:bb:01");
+
+        let listed = broker.list_instances(Some("kvm")).await.unwrap();
+        assert_eq!(listed.len(), 3);
+        for (record, (_, mem, cores, disk)) in listed.iter().zip(asked) {
+            assert_eq!(record.status, "running", "{record:?}");
+            assert_eq!(
+                (record.hardware.mem, record.hardware.cpu_cores, record.hardware.root_disk),
+                (Some(mem), Some(cores), Some(disk))
+            );
+            let virt = if payload.accel == "kvm" { "kvm" } else { "qemu" };
+            assert_eq!(record.hardware.virt_type.as_deref(), Some(virt));
+        }
+
+        // Stop the first: process, files and tap go; stopping it again is fine.
+        let pid = qemu_pid(&broker, &ids[0]);
+        broker.stop_instances("kvm", std::slice::from_ref(&ids[0])).await.unwrap();
+        assert!(!alive(pid), "qemu {pid} still runs");
+        assert!(!vm_dir(data, &ids[0]).exists());
+        assert!(nl.device(&tap.name).await.unwrap().is_none(), "tap {} remains", tap.name);
+        assert_eq!(broker.list_instances(Some("kvm")).await.unwrap().len(), 2);
+        broker.stop_instances("kvm", std::slice::from_ref(&ids[0])).await.unwrap();
+        broker.stop_instances("kvm", &["juju-t1-nonesuch".to_owned(), "someone-elses".to_owned()]).await.unwrap();
+
+        // Restart the host with two VMs running: the new host re-adopts them.
+        let survivor = qemu_pid(&broker, &ids[1]);
+        drop(broker);
+        let broker = Broker::open(data).unwrap();
+        for id in &ids[1..] {
+            broker.maintain_instance("kvm", id).await.unwrap();
+        }
+        let listed = broker.list_instances(Some("kvm")).await.unwrap();
+        assert_eq!(listed.iter().map(|r| r.status.as_str()).collect::<Vec<_>>(), ["running", "running"]);
+        assert!(alive(survivor));
+
+        broker.stop_instances("kvm", &ids[1..]).await.unwrap();
+        assert!(!alive(survivor));
+        assert!(broker.list_instances(Some("kvm")).await.unwrap().is_empty());
+        let left: Vec<_> = std::fs::read_dir(data.join("providers/kvm/vm")).unwrap().collect();
+        assert!(left.is_empty(), "VM dirs left: {left:?}");
+    });
+}
+
+#[test]
+fn maintain_recreates_a_missing_tap() {
+    let payload = payload();
+    in_netns(move || async move {
+        make_nic("ethm", [0x00, 0x16, 0x3e, 0x10, 0x20, 0x40], "10.61.0.2/24").await;
+        let dir = tempfile::tempdir().unwrap();
+        let _reaper = KillQemusUnder(dir.path().to_owned());
+        let broker = Broker::open(dir.path()).unwrap();
+        broker.registry().add(&kvm_manifest(dir.path(), &payload, "t2", true)).await.unwrap();
+        let mut params = params_with(constraints::parse("mem=512M").unwrap());
+        params.network_info = vec![interface_on("br-ethm", "52:54:00:aa:bb:02")];
+        let record = broker.start_instance("kvm", &params, &CallHooks::default()).await.unwrap();
+
+        let nl = Netlink::connect().unwrap();
+        let tap = nl.devices().await.unwrap().into_iter().find(|d| d.name.starts_with("kt")).expect("a tap");
+        nl.delete(&tap.name).await.unwrap();
+        broker.maintain_instance("kvm", &record.id).await.unwrap();
+        let back = nl.device(&tap.name).await.unwrap().expect("tap recreated");
+        assert_eq!((back.controller.as_deref(), back.mac.as_str()), (Some("br-ethm"), "fe:54:00:aa:bb:02"));
+
+        let err = broker.maintain_instance("kvm", "juju-t2-nonesuch").await.unwrap_err();
+        assert!(err.to_string().contains("no VM juju-t2-nonesuch"), "{err}");
+        broker.stop_instances("kvm", &[record.id]).await.unwrap();
+    });
+}
+
+/// Nothing of the VM may remain: no record, no files, no child, no process.
+fn assert_nothing_left(broker: &Broker, data: &Path) {
+    let vms = data.join("providers/kvm/vm");
+    let dirs: Vec<_> = std::fs::read_dir(&vms).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    assert!(dirs.is_empty(), "left behind: {dirs:?}");
+    assert!(broker.store().child_records().list("kvm").unwrap().is_empty(), "child records left");
+    assert!(broker.store().instances(Some("kvm")).unwrap().is_empty(), "instance records left");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unmeetable_constraints_and_failed_boots_leave_nothing_behind() {
+    let payload = payload();
+    let dir = tempfile::tempdir().unwrap();
+    let _reaper = KillQemusUnder(dir.path().to_owned());
+    let data = dir.path();
+    let broker = Broker::open(data).unwrap();
+    broker.registry().add(&kvm_manifest(data, &payload, "t3", true)).await.unwrap();
+
+    for (text, needle) in [
+        ("cores=64", "cores=64 cannot be met: this host gives a VM at most 4 (provider config max-cores)"),
+        ("arch=arm64", "arch=arm64 cannot be met"),
+    ] {
+        let err = broker
+            .start_instance("kvm", &params_with(constraints::parse(text).unwrap()), &CallHooks::default())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, BrokerServiceError::Call(_)), "{err:?}");
+        assert!(err.to_string().contains(needle), "{text}: {err}");
+        assert_nothing_left(&broker, data);
+    }
+
+    // qemu starts and dies at once (the image names a kernel that is not there):
+    // the cause comes back, and the overlay, seed and records are gone.
+    let mut params = params_with(constraints::empty());
+    params.image_metadata = vec![broker_host::bindings::ImageMetadata {
+        id: "missing".into(),
+        arch: "amd64".into(),
+        base: String::new(),
+        region: String::new(),
+        endpoint: String::new(),
+        stream: String::new(),
+        virt_type: Some("kvm".into()),
+        storage: None,
+        extra: vec![("kernel".into(), format!("{}/no-such-kernel", payload.dir.display()))],
+    }];
+    let (hooks, seen) = recording_hooks();
+    let err = broker.start_instance("kvm", &params, &hooks).await.unwrap_err();
+    assert!(err.to_string().contains("no-such-kernel"), "qemu's own words should say why: {err}");
+    let last = seen.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(last.0, InstanceStatus::ProvisioningError);
+    assert_nothing_left(&broker, data);
+    assert!(broker.list_instances(Some("kvm")).await.unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_its_process_grant_the_provider_gets_access_denied() {
+    let payload = payload();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    let broker = Broker::open(data).unwrap();
+    broker.registry().add(&kvm_manifest(data, &payload, "t4", false)).await.unwrap();
+    let err =
+        broker.start_instance("kvm", &params_with(constraints::empty()), &CallHooks::default()).await.unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("access-denied") || text.contains("access denied"), "{text}");
+    assert!(text.contains("process is not granted"), "{text}");
+    assert_nothing_left(&broker, data);
+    // The host is fine: the provider still answers.
+    assert!(broker.list_instances(Some("kvm")).await.unwrap().is_empty());
+}
