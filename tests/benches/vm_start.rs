@@ -4,6 +4,11 @@
 //! command the provider ran (taken from the host's child record), launched
 //! directly on copies of the same disk and seed, until the same marker.
 //!
+//! The boot dominates and varies by a second or more under TCG, so two more
+//! pairs isolate what the host adds: (c) the `start-instance` call alone (it
+//! returns once QMP says the VM runs) against (d) launching that qemu command
+//! until its QMP socket says the same.
+//!
 //! Needs the VM payload (scripts/vm-payload.sh).
 //! cargo bench -p broker-tests --bench vm_start
 
@@ -14,6 +19,8 @@ use broker_host::broker::constraints;
 use broker_host::broker::service::params_with;
 use broker_host::capabilities::context::CallHooks;
 use criterion::{Criterion, criterion_group, criterion_main};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -53,6 +60,30 @@ fn wait_for_marker(console: &Path) {
     }
 }
 
+/// Launch qemu and wait until QMP answers `query-status` with `running`.
+fn qemu_until_qmp_running(program: &str, args: &[String], qmp: &Path) -> std::process::Child {
+    let qemu = Command::new(program).args(args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let started = Instant::now();
+    let stream = loop {
+        match UnixStream::connect(qmp) {
+            Ok(stream) => break stream,
+            Err(_) if started.elapsed() < Duration::from_secs(10) => std::thread::sleep(Duration::from_millis(1)),
+            Err(e) => panic!("no QMP socket at {}: {e}", qmp.display()),
+        }
+    };
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap(); // greeting
+    for command in ["qmp_capabilities", "query-status"] {
+        writeln!(writer, "{{\"execute\":\"{command}\"}}").unwrap();
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+    }
+    assert!(line.contains("\"running\""), "{line}");
+    qemu
+}
+
 fn bench(c: &mut Criterion) {
     let payload = payload_dir();
     let dir = tempfile::tempdir().unwrap();
@@ -73,11 +104,8 @@ fn bench(c: &mut Criterion) {
     }
     let (from_dir, to_dir) = (vm_dir(&first.id).display().to_string(), direct_dir.display().to_string());
     let qmp_dir = data.join("providers/kvm/run").display().to_string();
-    let direct_args: Vec<String> = child
-        .args
-        .iter()
-        .map(|a| a.replace(&from_dir, &to_dir).replace(&qmp_dir, &to_dir))
-        .collect();
+    let direct_args: Vec<String> =
+        child.args.iter().map(|a| a.replace(&from_dir, &to_dir).replace(&qmp_dir, &to_dir)).collect();
     runtime.block_on(broker.stop_instances("kvm", std::slice::from_ref(&first.id))).unwrap();
 
     let mut group = c.benchmark_group("vm_start_to_running");
@@ -109,6 +137,41 @@ fn bench(c: &mut Criterion) {
                     .spawn()
                     .unwrap();
                 wait_for_marker(&console);
+                total += started.elapsed();
+                qemu.kill().unwrap();
+                qemu.wait().unwrap();
+            }
+            total
+        })
+    });
+    group.finish();
+
+    let mut group = c.benchmark_group("vm_start_call");
+    group.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(10));
+    group.bench_function("broker_start_instance", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let started = Instant::now();
+                let record = runtime.block_on(broker.start_instance("kvm", &params, &CallHooks::default())).unwrap();
+                total += started.elapsed();
+                runtime.block_on(broker.stop_instances("kvm", &[record.id])).unwrap();
+            }
+            total
+        })
+    });
+    let qmp = direct_args
+        .iter()
+        .find_map(|a| a.strip_prefix("unix:").and_then(|rest| rest.split(',').next()))
+        .map(PathBuf::from)
+        .unwrap();
+    group.bench_function("qemu_direct_until_qmp_running", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let _ = std::fs::remove_file(&qmp);
+                let started = Instant::now();
+                let mut qemu = qemu_until_qmp_running(&child.program, &direct_args, &qmp);
                 total += started.elapsed();
                 qemu.kill().unwrap();
                 qemu.wait().unwrap();

@@ -227,8 +227,29 @@ fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() 
     });
 }
 
+/// Send QMP commands straight to a VM's monitor (while the provider is not connected).
+fn qmp(socket: &Path, commands: &[&str]) {
+    use std::io::{BufRead, BufReader, Write};
+    let stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    for command in std::iter::once(&"qmp_capabilities").chain(commands) {
+        writeln!(writer, "{{\"execute\":\"{command}\"}}").unwrap();
+        loop {
+            line.clear();
+            reader.read_line(&mut line).unwrap();
+            if !line.contains("\"event\"") {
+                break; // events (STOP, RESUME) may come before the answer
+            }
+        }
+        assert!(line.contains("return"), "{command}: {line}");
+    }
+}
+
 #[test]
-fn maintain_recreates_a_missing_tap() {
+fn state_comes_from_qmp_and_maintain_recreates_a_missing_tap() {
     let payload = payload();
     in_netns(move || async move {
         make_nic("ethm", [0x00, 0x16, 0x3e, 0x10, 0x20, 0x40], "10.61.0.2/24").await;
@@ -249,7 +270,32 @@ fn maintain_recreates_a_missing_tap() {
 
         let err = broker.maintain_instance("kvm", "juju-t2-nonesuch").await.unwrap_err();
         assert!(err.to_string().contains("no VM juju-t2-nonesuch"), "{err}");
+
+        // Paused through its monitor: all-instances says so; then it runs again.
+        let run_dir = dir.path().join("providers/kvm/run");
+        let socket = std::fs::read_dir(&run_dir).unwrap().flatten().next().unwrap().path();
+        let state = async || {
+            let listed = broker.list_instances(Some("kvm")).await.unwrap();
+            (listed[0].status.clone(), listed[0].message.clone())
+        };
+        qmp(&socket, &["stop"]);
+        assert_eq!(state().await, ("stopped".to_owned(), "paused".to_owned()));
+        qmp(&socket, &["cont"]);
+        assert_eq!(state().await.0, "running");
+
+        // Killed behind the host's back: unknown, and maintain says it cannot re-adopt it.
+        let pid = qemu_pid(&broker, &record.id);
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::SIGKILL).unwrap();
+        while alive(pid) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(state().await, ("unknown".to_owned(), "qemu was killed by signal 9".to_owned()));
+        let err = broker.maintain_instance("kvm", &record.id).await.unwrap_err();
+        assert!(err.to_string().contains("cannot be re-adopted: qemu was killed by signal 9"), "{err}");
+        // Stopping it still cleans up what it left.
         broker.stop_instances("kvm", &[record.id]).await.unwrap();
+        assert!(nl.device(&tap.name).await.unwrap().is_none());
+        assert!(broker.list_instances(Some("kvm")).await.unwrap().is_empty());
     });
 }
 

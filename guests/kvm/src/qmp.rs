@@ -29,7 +29,7 @@ impl Qmp {
                             child.status()
                         )));
                     }
-                    std::thread::sleep(Duration::from_millis(20));
+                    std::thread::sleep(Duration::from_millis(5));
                 }
                 Err(err) => return Err(err),
             }

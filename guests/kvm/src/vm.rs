@@ -195,6 +195,14 @@ pub fn observe(record: &VmRecord) -> (InstanceStatus, String) {
         Ok(None) => return (InstanceStatus::Unknown, "qemu process is gone".into()),
         Err(err) => return (InstanceStatus::Unknown, describe(&err)),
     };
+    match child.status() {
+        ChildStatus::Running => {}
+        ChildStatus::Exited(code) => return (InstanceStatus::Unknown, format!("qemu exited with code {code}")),
+        ChildStatus::Signalled(signal) => {
+            return (InstanceStatus::Unknown, format!("qemu was killed by signal {signal}"));
+        }
+        ChildStatus::Gone => return (InstanceStatus::Unknown, "qemu process is gone".into()),
+    }
     let paths = spec::paths(&record.name, record.seq);
     let state =
         Qmp::connect(&paths.qmp, &child, Duration::from_millis(500)).and_then(|mut m| m.execute("query-status", None));
