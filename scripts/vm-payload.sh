@@ -48,7 +48,7 @@ rm -rf "$root"
 accel=tcg
 if [ -r /dev/kvm ]; then
     console=$(mktemp)
-    timeout 20 qemu-system-x86_64 -accel kvm -cpu host -m 256 -nodefaults -no-user-config -display none \
+    qemu-system-x86_64 -accel kvm -cpu host -m 256 -nodefaults -no-user-config -display none \
         -kernel "$out/vmlinuz" -initrd "$out/initrd.gz" -append "console=ttyS0 quiet" \
         -serial "file:$console" >/dev/null 2>&1 &
     probe=$!
@@ -56,7 +56,7 @@ if [ -r /dev/kvm ]; then
         if grep -q BROKER-VM-UP "$console"; then accel=kvm; break; fi
         sleep 0.2
     done
-    kill "$probe" 2>/dev/null || true
+    kill -KILL "$probe" 2>/dev/null || true
     wait "$probe" 2>/dev/null || true
     rm -f "$console"
 fi
