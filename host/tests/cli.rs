@@ -200,3 +200,37 @@ fn provider_test_exits_zero_only_when_every_scenario_passes() {
     assert!(report["cases"].as_array().unwrap().iter().any(|c| c["passed"] == false));
     assert!(!data.join("state.redb").exists(), "a conformance run touches no host state");
 }
+
+#[test]
+fn provider_swap_replaces_the_component_and_the_event_log_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    ok(data, &["provider", "add", &fake_manifest()]);
+    let started = json(data, &["instance", "start", "--provider", "fake", "--json"]);
+    let next = guest_artifacts::wasm("fake_next").display().to_string();
+    let swapped = ok(data, &["provider", "swap", "fake", &next, "--check"]);
+    assert!(swapped.starts_with("swapped provider fake: 0.1.0 (") && swapped.contains(") -> 0.2.0 ("), "{swapped}");
+    assert!(swapped.contains("conformance passed"), "{swapped}");
+    assert_eq!(json(data, &["provider", "show", "fake", "--json"])["version"], "0.2.0");
+    // The instance started by 0.1.0 is there for 0.2.0: the state is the host's.
+    let listed = json(data, &["instance", "list", "--json"]);
+    assert_eq!(listed[0]["id"], started["id"]);
+    assert_eq!(listed[0]["status"], "running");
+
+    let garbage = data.join("garbage.wasm");
+    std::fs::write(&garbage, b"not wasm").unwrap();
+    let refused = broker(data, &["provider", "swap", "fake", garbage.to_str().unwrap()]);
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("refused; version 0.2.0 keeps serving"), "{stderr}");
+
+    let events = ok(data, &["events"]);
+    let kinds: Vec<&str> = events.lines().map(|l| l.split_whitespace().nth(2).unwrap()).collect();
+    assert_eq!(kinds, ["added", "swapped", "swap-refused"], "{events}");
+    assert!(events.lines().nth(1).unwrap().contains("0.1.0 (") && events.contains("-> 0.2.0 ("), "{events}");
+    let last: Value = serde_json::from_str(ok(data, &["events", "--json", "--after", "2"]).trim()).unwrap();
+    assert_eq!(last["kind"], "swap-refused");
+    assert!(last["detail"].as_str().unwrap().contains("candidate ") && events.lines().count() == 3, "{last}");
+    let kept = file_names(&data.join("components"));
+    assert_eq!(kept.len(), 1, "only the swapped-in component is kept, not the refused one: {kept:?}");
+}

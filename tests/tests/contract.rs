@@ -156,7 +156,13 @@ async fn round_trip(isolation: &str) {
     assert_eq!(result.instance.status, InstanceStatus::Running);
     assert_eq!(result.instance.addresses.len(), 2);
     assert_eq!(result.instance.addresses[1].kind, AddressKind::Ipv6);
-    assert_eq!(result.config, vec![("controller-uuid".to_string(), params.controller_uuid.clone())]);
+    assert_eq!(
+        result.config,
+        vec![
+            ("provider-version".to_string(), "0.1.0".to_string()),
+            ("controller-uuid".to_string(), params.controller_uuid.clone())
+        ]
+    );
     let hw = result.hardware.expect("hardware");
     assert_eq!(
         hw,

@@ -49,6 +49,9 @@ pub struct Config {
     pub prefix: String,
     #[serde(default = "default_arch")]
     pub default_arch: String,
+    /// start-instance takes this long (tests of calls in flight).
+    #[serde(default)]
+    pub start_delay_ms: u64,
 }
 
 fn default_zones() -> Vec<String> {
@@ -63,7 +66,7 @@ fn default_arch() -> String {
 
 impl Default for Config {
     fn default() -> Self {
-        Config { zones: default_zones(), prefix: default_prefix(), default_arch: default_arch() }
+        Config { zones: default_zones(), prefix: default_prefix(), default_arch: default_arch(), start_delay_ms: 0 }
     }
 }
 

@@ -129,6 +129,9 @@ impl Guest for Fake {
         if ctx.aborted() {
             return Err(BrokerError::Aborted("start-instance aborted before allocation".into()));
         }
+        if config.start_delay_ms > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(config.start_delay_ms));
+        }
         let group = ctx.distribution_group()?;
         let fake = fake_logic::start(&HostKv, &config, request(&params, group)).map_err(to_broker_error)?;
         let recorded = serde_json::to_vec(&params).map_err(|e| BrokerError::Provider(e.to_string()))?;
@@ -161,11 +164,11 @@ impl Guest for Fake {
                 read_only: a.read_only,
             })
             .collect();
-        let config_out = if params.controller_uuid.is_empty() {
-            Vec::new()
-        } else {
-            vec![("controller-uuid".to_owned(), params.controller_uuid.clone())]
-        };
+        // Which build answered: hot-swap tests tell versions apart by it.
+        let mut config_out = vec![("provider-version".to_owned(), env!("CARGO_PKG_VERSION").to_owned())];
+        if !params.controller_uuid.is_empty() {
+            config_out.push(("controller-uuid".to_owned(), params.controller_uuid.clone()));
+        }
         Ok(StartInstanceResult {
             display_name: match &fake.machine_id {
                 Some(machine) => format!("{} (machine {machine})", fake.id),

@@ -36,7 +36,11 @@ impl Guest for Hostile {
         ProviderInfo { name: "hostile".into(), version: env!("CARGO_PKG_VERSION").into(), features: vec![] }
     }
 
-    fn validate_config(_config: String) -> Result<(), BrokerError> {
+    /// Traps on a config that mentions `trap-validate` (hot-swap refusal tests).
+    fn validate_config(config: String) -> Result<(), BrokerError> {
+        if config.contains("trap-validate") {
+            panic!("validate-config was told to trap");
+        }
         Ok(())
     }
 

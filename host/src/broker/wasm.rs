@@ -46,6 +46,8 @@ struct Warm {
 /// Counters a test or the metrics can read.
 #[derive(Debug, Default)]
 pub struct ProviderStats {
+    /// Calls this version began (each is answered by this version alone).
+    pub calls: AtomicU64,
     pub instantiations: AtomicU64,
     pub discarded: AtomicU64,
 }
@@ -197,6 +199,7 @@ impl WasmProvider {
     {
         let span = tracing::debug_span!("provider_call", provider = &*self.name, method = method.name());
         async move {
+            self.stats.calls.fetch_add(1, Ordering::Relaxed);
             // One budget for the method: instantiating a fresh instance spends from it.
             let deadline = self.manifest.limits.deadlines.for_method(method);
             let until = Instant::now() + deadline;

@@ -43,6 +43,16 @@ pub enum Command {
     Instance(InstanceCommand),
     /// Report the machine lock (holder, waiting, history), or hold it around a program.
     Lock(lock::LockArgs),
+    /// The event log: providers added, swapped (both versions' hashes), refused, removed.
+    Events {
+        /// Only events after this sequence number.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -67,6 +77,21 @@ pub enum ProviderCommand {
     },
     /// Unregister a provider that has no recorded instances.
     Remove { name: String },
+    /// Replace a provider's component while it serves. The candidate is compiled,
+    /// linked and type-checked, its validate-config runs on the live config and,
+    /// with --check, the conformance scenarios run in the sandbox; only then is it
+    /// swapped in. Calls in flight finish on the old version. A refused candidate
+    /// changes nothing (exit 1, with the reason).
+    Swap {
+        name: String,
+        /// The new component (.wasm); it is kept in the data dir under its hash.
+        component: PathBuf,
+        /// Also run the conformance scenarios on the candidate before swapping.
+        #[arg(long)]
+        check: bool,
+        #[arg(long)]
+        json: bool,
+    },
     /// Run the conformance scenarios against a component in the sandbox, on
     /// simulated capabilities (no real infrastructure). Exit 0 only if all pass.
     Test {
@@ -161,6 +186,16 @@ pub async fn run(cli: Cli) -> Result<u8> {
         Command::Provider(command) => provider(&broker, command, &mut stdout).await?,
         Command::Instance(command) => instance(&broker, command, &mut stdout).await?,
         Command::Lock(_) => unreachable!("handled above"),
+        Command::Events { after, limit, json } => {
+            let events = broker.store().events(after, limit)?;
+            if json {
+                for event in &events {
+                    writeln!(stdout, "{}", serde_json::to_string(event)?)?;
+                }
+            } else {
+                output::event_lines(&mut stdout, &events)?;
+            }
+        }
     }
     Ok(0)
 }
@@ -193,6 +228,22 @@ async fn provider(broker: &Broker, command: ProviderCommand, out: &mut impl Writ
             }
         }
         ProviderCommand::Test { .. } => unreachable!("handled before the state is opened"),
+        ProviderCommand::Swap { name, component, check, json } => {
+            let report = broker.registry().swap(&name, &component, check).await?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+            } else {
+                writeln!(
+                    out,
+                    "swapped provider {name}: {} ({}) -> {} ({}){}",
+                    report.old_version,
+                    &report.old_sha256[..12],
+                    report.new_version,
+                    &report.new_sha256[..12],
+                    if report.checked { ", conformance passed" } else { "" }
+                )?;
+            }
+        }
         ProviderCommand::Remove { name } => {
             broker.registry().remove(&name).with_context(|| format!("cannot remove provider {name}"))?;
             writeln!(out, "removed provider {name}")?;

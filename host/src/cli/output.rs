@@ -192,3 +192,19 @@ pub fn instance_table(out: &mut impl Write, views: &[InstanceView]) -> std::io::
         .collect();
     table(out, &["ID", "PROVIDER", "STATUS", "ZONE", "HARDWARE"], &rows)
 }
+
+/// One line per event: `seq time kind provider old -> new detail`.
+pub fn event_lines(out: &mut impl Write, events: &[crate::store::Event]) -> std::io::Result<()> {
+    let short = |sha: &Option<String>| sha.as_deref().map(|s| &s[..s.len().min(12)]).unwrap_or("-").to_owned();
+    for e in events {
+        let versions = match (&e.old_version, &e.new_version) {
+            (Some(old), Some(new)) => format!(" {old} ({}) -> {new} ({})", short(&e.old_sha256), short(&e.new_sha256)),
+            (None, Some(new)) => format!(" {new} ({})", short(&e.new_sha256)),
+            (Some(old), None) => format!(" {old} ({}), candidate {}", short(&e.old_sha256), short(&e.new_sha256)),
+            (None, None) => String::new(),
+        };
+        let detail = if e.detail.is_empty() { String::new() } else { format!(": {}", e.detail) };
+        writeln!(out, "{:>5} {} {:<12} {}{versions}{detail}", e.seq, e.time, e.kind, e.provider)?;
+    }
+    Ok(())
+}

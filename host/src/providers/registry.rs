@@ -4,9 +4,10 @@ use crate::broker::CallError;
 use crate::broker::wasm::{LoadError, WasmProvider};
 use crate::providers::Manifest;
 use crate::runtime::{HostCapabilities, Runtime};
-use crate::store::{ProviderRecord, Store, StoreError, records::now_rfc3339};
+use crate::store::{Event, ProviderRecord, Store, StoreError, records::now_rfc3339};
+use sha2::{Digest, Sha256};
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
 #[derive(Debug, thiserror::Error)]
@@ -27,6 +28,23 @@ pub enum RegistryError {
     Store(#[from] StoreError),
     #[error("cannot resolve manifest path {path}: {source}")]
     Path { path: String, source: std::io::Error },
+    #[error("cannot read candidate component {path}: {source}")]
+    Candidate { path: String, source: std::io::Error },
+    #[error("swap of {name:?} refused; version {serving} keeps serving: {reason}")]
+    SwapRefused { name: String, serving: String, reason: String },
+}
+
+/// What a swap replaced with what.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct SwapReport {
+    pub provider: String,
+    pub old_sha256: String,
+    pub new_sha256: String,
+    pub old_version: String,
+    pub new_version: String,
+    /// The candidate passed the conformance scenarios before it was swapped in.
+    pub checked: bool,
 }
 
 pub struct Registry {
@@ -34,11 +52,13 @@ pub struct Registry {
     store: Arc<Store>,
     capabilities: HostCapabilities,
     loaded: RwLock<HashMap<String, Arc<WasmProvider>>>,
+    /// One swap at a time, so two candidates cannot race for the slot.
+    swapping: tokio::sync::Mutex<()>,
 }
 
 impl Registry {
     pub fn new(runtime: Arc<Runtime>, store: Arc<Store>, capabilities: HostCapabilities) -> Self {
-        Registry { runtime, store, capabilities, loaded: RwLock::new(HashMap::new()) }
+        Registry { runtime, store, capabilities, loaded: RwLock::new(HashMap::new()), swapping: Default::default() }
     }
 
     /// Load and check a provider, run its `validate-config`, then register it.
@@ -60,9 +80,14 @@ impl Registry {
             component_sha256: provider.sha256().to_owned(),
             version: info.version,
             added: now_rfc3339(),
+            component: None,
         };
         self.store.put_provider(&record)?;
         self.write_loaded().insert(record.name.clone(), provider);
+        let mut event = Event::new("added", &record.name);
+        event.new_sha256 = Some(record.component_sha256.clone());
+        event.new_version = Some(record.version.clone());
+        self.store.append_event(&event)?;
         Ok(record)
     }
 
@@ -91,14 +116,115 @@ impl Registry {
         if !self.store.remove_provider(name)? {
             return Err(RegistryError::UnknownProvider(name.to_owned()));
         }
+        // Calls in flight hold their own reference and finish on it.
         self.write_loaded().remove(name);
+        self.store.append_event(&Event::new("removed", name))?;
         Ok(())
+    }
+
+    /// Replace a provider's component while it serves: compile, link and
+    /// type-check the candidate, run its `validate-config` on the live config
+    /// and, with `check`, the conformance scenarios in the sandbox; only then
+    /// swap it in. Calls in flight finish on the version they started on; new
+    /// calls get the candidate. A refused candidate changes nothing.
+    pub async fn swap(&self, name: &str, component: &Path, check: bool) -> Result<SwapReport, RegistryError> {
+        let _one_at_a_time = self.swapping.lock().await;
+        let record = self.store.provider(name)?.ok_or_else(|| RegistryError::UnknownProvider(name.to_owned()))?;
+        let serving = self.get(name).await?;
+        let bytes = std::fs::read(component)
+            .map_err(|source| RegistryError::Candidate { path: component.display().to_string(), source })?;
+        let sha256 = hex::encode(Sha256::digest(&bytes));
+        let mut refusal = Event::new("swap-refused", name);
+        refusal.old_sha256 = Some(serving.sha256().to_owned());
+        refusal.new_sha256 = Some(sha256.clone());
+        refusal.old_version = Some(record.version.clone());
+        let kept = self.keep_component(name, &sha256, &bytes)?;
+        let refuse = |reason: String| {
+            // wasmtime's messages can span lines; an event is one line.
+            let reason = reason.split_whitespace().collect::<Vec<_>>().join(" ");
+            if kept != serving.manifest().component {
+                let _ = std::fs::remove_file(&kept);
+            }
+            let mut event = refusal.clone();
+            event.detail = reason.clone();
+            if let Err(e) = self.store.append_event(&event) {
+                tracing::warn!(provider = name, error = %e, "cannot record a refused swap");
+            }
+            tracing::warn!(provider = name, new_sha256 = %sha256, reason = %reason, "swap refused");
+            RegistryError::SwapRefused { name: name.to_owned(), serving: record.version.clone(), reason }
+        };
+
+        let mut manifest = serving.manifest().clone();
+        manifest.component = kept.clone();
+        manifest.sha256 = Some(sha256.clone());
+        let candidate = match self.load(manifest.clone()).await {
+            Ok(candidate) => candidate,
+            Err(err) => return Err(refuse(format!("candidate {}: {err}", component.display()))),
+        };
+        let info = candidate.describe().await.map_err(|e| refuse(format!("describe: {e}")))?;
+        if check {
+            let report = crate::conformance::run(&manifest).await.map_err(|e| refuse(format!("check: {e}")))?;
+            if !report.passed() {
+                let failed: Vec<String> =
+                    report.cases.iter().filter(|c| !c.passed).map(|c| format!("{}: {}", c.name, c.detail)).collect();
+                return Err(refuse(format!("check failed: {}", failed.join("; "))));
+            }
+        }
+
+        let swapped = ProviderRecord {
+            component_sha256: sha256.clone(),
+            version: info.version.clone(),
+            component: Some(kept.display().to_string()),
+            ..record.clone()
+        };
+        self.store.put_provider(&swapped)?;
+        self.write_loaded().insert(name.to_owned(), candidate);
+        let report = SwapReport {
+            provider: name.to_owned(),
+            old_sha256: serving.sha256().to_owned(),
+            new_sha256: sha256,
+            old_version: record.version,
+            new_version: info.version,
+            checked: check,
+        };
+        let mut event = Event::new("swapped", name);
+        event.old_sha256 = Some(report.old_sha256.clone());
+        event.new_sha256 = Some(report.new_sha256.clone());
+        event.old_version = Some(report.old_version.clone());
+        event.new_version = Some(report.new_version.clone());
+        self.store.append_event(&event)?;
+        tracing::info!(provider = name, old_sha256 = %report.old_sha256, new_sha256 = %report.new_sha256, "provider swapped");
+        Ok(report)
+    }
+
+    /// A candidate's bytes, kept in the data dir under their hash, so the
+    /// swapped-in version is what loads after a restart.
+    fn keep_component(&self, name: &str, sha256: &str, bytes: &[u8]) -> Result<PathBuf, RegistryError> {
+        let dir = self.store.data_dir().join("components");
+        let path = dir.join(format!("{name}-{}.wasm", &sha256[..16]));
+        let io = |source| RegistryError::Candidate { path: path.display().to_string(), source };
+        if !path.exists() {
+            std::fs::create_dir_all(&dir).map_err(io)?;
+            let staging = dir.join(format!(".{name}-{}.tmp", &sha256[..16]));
+            std::fs::write(&staging, bytes).and_then(|_| std::fs::rename(&staging, &path)).map_err(io)?;
+        }
+        Ok(path)
+    }
+
+    /// A registered provider's manifest, with a swapped-in component in place of its own.
+    fn manifest_of(record: &ProviderRecord) -> Result<Manifest, RegistryError> {
+        let mut manifest = Manifest::load(Path::new(&record.manifest)).map_err(LoadError::from)?;
+        if let Some(component) = &record.component {
+            manifest.component = PathBuf::from(component);
+            manifest.sha256 = Some(record.component_sha256.clone());
+        }
+        Ok(manifest)
     }
 
     /// A registered provider's record and its manifest as it is now.
     pub fn show(&self, name: &str) -> Result<(ProviderRecord, Manifest), RegistryError> {
         let record = self.store.provider(name)?.ok_or_else(|| RegistryError::UnknownProvider(name.to_owned()))?;
-        let manifest = Manifest::load(Path::new(&record.manifest)).map_err(LoadError::from)?;
+        let manifest = Self::manifest_of(&record)?;
         Ok((record, manifest))
     }
 
@@ -112,8 +238,7 @@ impl Registry {
             return Ok(provider.clone());
         }
         let record = self.store.provider(name)?.ok_or_else(|| RegistryError::UnknownProvider(name.to_owned()))?;
-        let manifest = Manifest::load(Path::new(&record.manifest)).map_err(LoadError::from)?;
-        let provider = self.load(manifest).await?;
+        let provider = self.load(Self::manifest_of(&record)?).await?;
         if provider.sha256() != record.component_sha256 {
             tracing::warn!(
                 provider = name,

@@ -5,8 +5,11 @@
 //! mid-write leaves the previous committed state; it is pure Rust (no C
 //! toolchain), and one file per host is all the host needs.
 
+mod events;
 mod kv;
 pub mod records;
+
+pub use events::Event;
 
 pub use kv::RedbKv;
 pub use records::{InstanceRecord, ObservedNetwork, ProviderRecord};
@@ -60,6 +63,7 @@ impl Store {
         txn.open_table(KV).map_err(db_error)?;
         txn.open_table(CHILDREN).map_err(db_error)?;
         txn.open_table(OBSERVED_NETWORK).map_err(db_error)?;
+        txn.open_table(events::EVENTS).map_err(db_error)?;
         txn.commit().map_err(db_error)?;
         let db = Arc::new(db);
         Ok(Store { kv: Arc::new(RedbKv::new(db.clone())), db, data_dir: data_dir.to_owned() })

@@ -13,6 +13,10 @@ pub struct ProviderRecord {
     pub component_sha256: String,
     pub version: String,
     pub added: String,
+    /// A component swapped in (`broker provider swap`), kept in the data dir; it
+    /// replaces the manifest's `component` until the provider is re-added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub component: Option<String>,
 }
 
 /// Hardware with Juju's names and units (MiB); absent = unknown.

@@ -1,0 +1,103 @@
+//! The host's event log: provider swaps, refusals, loads and unloads, in order.
+
+use super::{Store, StoreError, db_error, decode};
+use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+
+pub(super) const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
+
+/// One thing that happened to a provider, with both versions where two are involved.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Event {
+    /// Assigned by the store, increasing.
+    #[serde(default)]
+    pub seq: u64,
+    /// RFC 3339, UTC.
+    pub time: String,
+    /// `added`, `swapped`, `swap-refused`, `removed`.
+    pub kind: String,
+    pub provider: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old_sha256: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_sha256: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old_version: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_version: Option<String>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+}
+
+impl Event {
+    pub fn new(kind: &str, provider: &str) -> Event {
+        Event {
+            seq: 0,
+            time: super::records::now_rfc3339(),
+            kind: kind.to_owned(),
+            provider: provider.to_owned(),
+            old_sha256: None,
+            new_sha256: None,
+            old_version: None,
+            new_version: None,
+            detail: String::new(),
+        }
+    }
+}
+
+impl Store {
+    /// Append an event; returns its sequence number.
+    pub fn append_event(&self, event: &Event) -> Result<u64, StoreError> {
+        let txn = self.db.begin_write().map_err(db_error)?;
+        let seq = {
+            let mut table = txn.open_table(EVENTS).map_err(db_error)?;
+            let next = table.last().map_err(db_error)?.map_or(1, |(k, _)| k.value() + 1);
+            let stored = Event { seq: next, ..event.clone() };
+            let bytes = serde_json::to_vec(&stored).map_err(|e| StoreError::Db(e.to_string()))?;
+            table.insert(next, bytes.as_slice()).map_err(db_error)?;
+            next
+        };
+        txn.commit().map_err(db_error)?;
+        Ok(seq)
+    }
+
+    /// Events after `after` (0 = from the start), at most `limit`, oldest first.
+    pub fn events(&self, after: u64, limit: usize) -> Result<Vec<Event>, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(EVENTS).map_err(db_error)?;
+        let mut out = Vec::new();
+        for entry in table.range(after.saturating_add(1)..).map_err(db_error)?.take(limit) {
+            let (_, value) = entry.map_err(db_error)?;
+            out.push(decode("event", value.value())?);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_numbered_in_order_and_survive_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = Store::open(dir.path()).unwrap();
+            assert_eq!(store.append_event(&Event::new("added", "a")).unwrap(), 1);
+            let mut swap = Event::new("swapped", "a");
+            swap.old_sha256 = Some("01".into());
+            swap.new_sha256 = Some("02".into());
+            assert_eq!(store.append_event(&swap).unwrap(), 2);
+        }
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.append_event(&Event::new("removed", "a")).unwrap(), 3);
+        let all = store.events(0, 100).unwrap();
+        assert_eq!(
+            all.iter().map(|e| (e.seq, e.kind.as_str())).collect::<Vec<_>>(),
+            [(1, "added"), (2, "swapped"), (3, "removed")]
+        );
+        assert_eq!(all[1].new_sha256.as_deref(), Some("02"));
+        assert_eq!(store.events(1, 1).unwrap()[0].seq, 2);
+    }
+}
