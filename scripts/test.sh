@@ -25,3 +25,4 @@ cargo test --release --workspace
 # Each benchmark once, as a test: they must keep working.
 cargo bench -p broker-tests --bench all_instances -- --test
 cargo bench -p broker-tests --bench vm_start -- --test
+cargo bench -p broker-tests --bench hot_swap -- --test
