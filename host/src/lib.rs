@@ -6,6 +6,7 @@ pub mod broker;
 pub mod capabilities;
 pub mod cli;
 pub mod conformance;
+pub mod daemon;
 pub mod providers;
 pub mod runtime;
 pub mod store;

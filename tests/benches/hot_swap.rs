@@ -4,8 +4,9 @@
 //! - `call_latency/{steady,during_swaps}`: one `all-instances` call through the
 //!   registry slot, with 4 other clients calling, without and with a swap every 20 ms.
 //!
-//! Criterion gives medians; the tail is printed first from every call of a
-//! fixed-length run (p50, p99, max, failed calls), since p99 is what a swap hurts.
+//! Criterion gives medians; the tail is printed first from every call of two
+//! 5-second runs, steady and with a swap every 20 ms (p50, p99, max, failed
+//! calls), since p99 is what a swap hurts.
 //!
 //! cargo bench -p broker-tests --bench hot_swap
 
@@ -61,20 +62,24 @@ async fn swapper(broker: Arc<Broker>, stop: Arc<AtomicBool>, every: Duration) ->
     durations
 }
 
-/// `calls` calls from each of CLIENTS clients; every latency, and the failures.
-async fn load(broker: &Arc<Broker>, calls: usize) -> (Vec<Duration>, Vec<String>) {
+/// CLIENTS clients calling back to back for `length`; every latency, and the failures.
+async fn load(broker: &Arc<Broker>, length: Duration) -> (Vec<Duration>, Vec<String>) {
+    let until = Instant::now() + length;
     let mut clients = Vec::new();
     for _ in 0..CLIENTS {
         let broker = broker.clone();
         clients.push(tokio::spawn(async move {
-            let mut latencies = Vec::with_capacity(calls);
+            let mut latencies = Vec::new();
             let mut failures = Vec::new();
-            for _ in 0..calls {
+            while Instant::now() < until {
                 let started = Instant::now();
                 if let Err(e) = one_call(&broker).await {
                     failures.push(e);
                 }
                 latencies.push(started.elapsed());
+                // Each call is its own request: let others (the swapper) run between them,
+                // as a server's tasks would. A warm call completes without ever yielding.
+                tokio::task::yield_now().await;
             }
             (latencies, failures)
         }));
@@ -93,19 +98,20 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
 }
 
-fn tail_report(runtime: &tokio::runtime::Runtime, broker: &Arc<Broker>, calls: usize) {
-    let (steady, steady_failed) = runtime.block_on(load(broker, calls));
+fn tail_report(runtime: &tokio::runtime::Runtime, broker: &Arc<Broker>, length: Duration) {
+    let (steady, steady_failed) = runtime.block_on(load(broker, length));
     let stop = Arc::new(AtomicBool::new(false));
     let swaps = runtime.spawn(swapper(broker.clone(), stop.clone(), Duration::from_millis(20)));
-    let (during, during_failed) = runtime.block_on(load(broker, calls));
+    let (during, during_failed) = runtime.block_on(load(broker, length));
     stop.store(true, Ordering::Relaxed);
     let mut swap_times = runtime.block_on(swaps).unwrap();
     swap_times.sort();
     let us = |d: Duration| d.as_secs_f64() * 1e6;
-    println!("hot swap tail ({CLIENTS} clients x {calls} all-instances calls, 20 instances):");
+    println!("hot swap tail ({CLIENTS} clients calling all-instances for {length:?} each way, 20 instances):");
     for (name, lat, failed) in [("steady", &steady, &steady_failed), ("during_swaps", &during, &during_failed)] {
         println!(
-            "  {name:<13} p50 {:>8.1} us  p99 {:>8.1} us  max {:>9.1} us  failed {}",
+            "  {name:<13} calls {:>7}  p50 {:>8.1} us  p99 {:>8.1} us  max {:>9.1} us  failed {}",
+            lat.len(),
             us(percentile(lat, 0.5)),
             us(percentile(lat, 0.99)),
             us(*lat.last().unwrap()),
@@ -128,7 +134,7 @@ fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let broker = open(dir.path(), &runtime);
     let test_mode = std::env::args().any(|a| a == "--test");
-    tail_report(&runtime, &broker, if test_mode { 200 } else { 5_000 });
+    tail_report(&runtime, &broker, Duration::from_millis(if test_mode { 300 } else { 5_000 }));
 
     let mut group = c.benchmark_group("hot_swap");
     let mut next = ["fake_next", "fake"].iter().cycle();
@@ -145,6 +151,7 @@ fn bench(c: &mut Criterion) {
                 runtime.spawn(async move {
                     while !stop.load(Ordering::Relaxed) {
                         one_call(&broker).await.unwrap();
+                        tokio::task::yield_now().await;
                     }
                 })
             })

@@ -43,6 +43,15 @@ pub enum Command {
     Instance(InstanceCommand),
     /// Report the machine lock (holder, waiting, history), or hold it around a program.
     Lock(lock::LockArgs),
+    /// Run as a daemon: the HTTP/JSON API on a unix socket (DATA_DIR/broker.sock,
+    /// mode 0600) until SIGTERM or Ctrl-C, then finish the requests in flight.
+    /// Routes: /healthz, /metrics, /v1/providers[/NAME[/swap]], /v1/instances[/ID[/maintain]]
+    /// (starting streams NDJSON status lines), /v1/events.
+    Serve {
+        /// Listen here instead of DATA_DIR/broker.sock.
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
     /// The event log: providers added, swapped (both versions' hashes), refused, removed.
     Events {
         /// Only events after this sequence number.
@@ -186,6 +195,10 @@ pub async fn run(cli: Cli) -> Result<u8> {
         Command::Provider(command) => provider(&broker, command, &mut stdout).await?,
         Command::Instance(command) => instance(&broker, command, &mut stdout).await?,
         Command::Lock(_) => unreachable!("handled above"),
+        Command::Serve { socket } => {
+            let socket = socket.unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
+            crate::daemon::serve(std::sync::Arc::new(broker), &socket, shutdown_signal()).await?;
+        }
         Command::Events { after, limit, json } => {
             let events = broker.store().events(after, limit)?;
             if json {
@@ -198,6 +211,19 @@ pub async fn run(cli: Cli) -> Result<u8> {
         }
     }
     Ok(0)
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("shutting down: no new requests; finishing those in flight");
 }
 
 async fn provider(broker: &Broker, command: ProviderCommand, out: &mut impl Write) -> Result<()> {

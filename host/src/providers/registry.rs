@@ -250,6 +250,14 @@ impl Registry {
         Ok(self.write_loaded().entry(name.to_owned()).or_insert(provider).clone())
     }
 
+    /// The versions loaded now, one per provider (the ones new calls get).
+    pub fn loaded(&self) -> Vec<Arc<WasmProvider>> {
+        let loaded = self.loaded.read().unwrap_or_else(|p| p.into_inner());
+        let mut providers: Vec<_> = loaded.values().cloned().collect();
+        providers.sort_by(|a, b| a.name().cmp(b.name()));
+        providers
+    }
+
     fn write_loaded(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<WasmProvider>>> {
         self.loaded.write().unwrap_or_else(|p| p.into_inner())
     }

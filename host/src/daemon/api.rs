@@ -1,0 +1,286 @@
+//! The daemon's routes. Request bodies are size-limited JSON; anything
+//! malformed is a 4xx with `{"error": "..."}`, never a 500.
+
+use super::MAX_BODY_BYTES;
+use crate::bindings::BrokerError;
+use crate::broker::service::params_with;
+use crate::broker::{Broker, BrokerServiceError, constraints};
+use crate::capabilities::context::{CallEvent, CallHooks};
+use crate::providers::registry::RegistryError;
+use crate::store::records::status_name;
+use axum::body::Body;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+type Shared = Arc<Broker>;
+
+/// An error as the API reports it.
+pub struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        // Too large stays 413; every other malformed body is the client's 400.
+        let status = match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        ApiError(status, rejection.body_text())
+    }
+}
+
+fn registry_status(err: &RegistryError) -> StatusCode {
+    match err {
+        RegistryError::UnknownProvider(_) => StatusCode::NOT_FOUND,
+        RegistryError::AlreadyRegistered { .. }
+        | RegistryError::HasInstances { .. }
+        | RegistryError::SwapRefused { .. } => StatusCode::CONFLICT,
+        RegistryError::Path { .. } | RegistryError::Candidate { .. } | RegistryError::Load(_) => {
+            StatusCode::UNPROCESSABLE_ENTITY
+        }
+        RegistryError::ConfigRejected { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+        RegistryError::Call(_) => StatusCode::BAD_GATEWAY,
+        RegistryError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+impl From<RegistryError> for ApiError {
+    fn from(err: RegistryError) -> Self {
+        ApiError(registry_status(&err), err.to_string())
+    }
+}
+
+impl From<BrokerServiceError> for ApiError {
+    fn from(err: BrokerServiceError) -> Self {
+        let status = match &err {
+            BrokerServiceError::Registry(e) => registry_status(e),
+            BrokerServiceError::UnknownInstance(_) => StatusCode::NOT_FOUND,
+            BrokerServiceError::AmbiguousInstance { .. } => StatusCode::CONFLICT,
+            BrokerServiceError::Call(call) => match call.broker_error() {
+                Some(BrokerError::InvalidParams(_)) => StatusCode::BAD_REQUEST,
+                Some(BrokerError::NotFound(_)) => StatusCode::NOT_FOUND,
+                // The provider or its infrastructure failed, not this host.
+                _ => StatusCode::BAD_GATEWAY,
+            },
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError(status, err.to_string())
+    }
+}
+
+impl From<crate::store::StoreError> for ApiError {
+    fn from(err: crate::store::StoreError) -> Self {
+        ApiError(StatusCode::INTERNAL_SERVER_ERROR, err.to_string())
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+pub fn router(broker: Shared) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/metrics", get(metrics))
+        .route("/v1/providers", get(list_providers).post(add_provider))
+        .route("/v1/providers/{name}", get(show_provider).delete(remove_provider))
+        .route("/v1/providers/{name}/swap", post(swap_provider))
+        .route("/v1/instances", get(list_instances).post(start_instance))
+        .route("/v1/instances/{id}", axum::routing::delete(stop_instance))
+        .route("/v1/instances/{id}/maintain", post(maintain_instance))
+        .route("/v1/events", get(events))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(broker)
+}
+
+async fn list_providers(State(broker): State<Shared>) -> ApiResult<Response> {
+    Ok(Json(broker.registry().list()?).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddProvider {
+    /// Path of the provider.toml, on the daemon's machine.
+    manifest: std::path::PathBuf,
+}
+
+async fn add_provider(
+    State(broker): State<Shared>,
+    body: Result<Json<AddProvider>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(request) = body?;
+    let record = broker.registry().add(&request.manifest).await?;
+    Ok((StatusCode::CREATED, Json(record)).into_response())
+}
+
+async fn show_provider(State(broker): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
+    let (record, manifest) = broker.registry().show(&name)?;
+    Ok(Json(json!({ "provider": record, "component": manifest.component, "isolation": manifest.isolation }))
+        .into_response())
+}
+
+async fn remove_provider(State(broker): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
+    broker.registry().remove(&name)?;
+    Ok(Json(json!({ "removed": name })).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Swap {
+    component: std::path::PathBuf,
+    #[serde(default)]
+    check: bool,
+}
+
+async fn swap_provider(
+    State(broker): State<Shared>,
+    Path(name): Path<String>,
+    body: Result<Json<Swap>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(request) = body?;
+    Ok(Json(broker.registry().swap(&name, &request.component, request.check).await?).into_response())
+}
+
+#[derive(Deserialize)]
+struct ProviderFilter {
+    provider: Option<String>,
+}
+
+async fn list_instances(State(broker): State<Shared>, Query(filter): Query<ProviderFilter>) -> ApiResult<Response> {
+    Ok(Json(broker.list_instances(filter.provider.as_deref()).await?).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StartRequest {
+    provider: String,
+    /// Juju's syntax: `mem=2G cores=2 zones=a,b`.
+    #[serde(default)]
+    constraints: String,
+    #[serde(default)]
+    placement: Option<String>,
+}
+
+/// Start an instance. The answer streams as NDJSON, one line per status update
+/// as the provider reports it, then `{"event":"started","instance":…}` or
+/// `{"event":"failed","error":…}`. The start runs to its end even if the client goes away.
+async fn start_instance(
+    State(broker): State<Shared>,
+    body: Result<Json<StartRequest>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(request) = body?;
+    let constraints = constraints::parse(&request.constraints).map_err(|e| {
+        ApiError(StatusCode::BAD_REQUEST, format!("invalid constraints {:?}: {e}", request.constraints))
+    })?;
+    broker.registry().get(&request.provider).await?;
+    let mut params = params_with(constraints);
+    params.placement = request.placement;
+
+    let (lines, receiver) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let status_lines = lines.clone();
+    let hooks = CallHooks::with_events(move |event| {
+        let line = match event {
+            CallEvent::Status { status, info, data } => {
+                json!({ "event": "status", "status": status_name(status), "info": info, "data": data })
+            }
+            CallEvent::Cleanup { info } => json!({ "event": "cleanup", "info": info }),
+        };
+        let _ = status_lines.send(line.to_string());
+    });
+    tokio::spawn(async move {
+        let last = match broker.start_instance(&request.provider, &params, &hooks).await {
+            Ok(record) => json!({ "event": "started", "instance": record }),
+            Err(err) => json!({ "event": "failed", "error": err.to_string() }),
+        };
+        let _ = lines.send(last.to_string());
+    });
+    let stream = futures_util::stream::unfold(receiver, |mut receiver| async move {
+        let line = receiver.recv().await?;
+        Some((Ok::<_, std::convert::Infallible>(format!("{line}\n")), receiver))
+    });
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(stream)).into_response())
+}
+
+/// The provider named in the query, or the one the host recorded the instance for.
+fn owner(broker: &Broker, id: &str, filter: ProviderFilter) -> ApiResult<String> {
+    match filter.provider {
+        Some(provider) => Ok(provider),
+        None => Ok(broker.provider_of(id)?),
+    }
+}
+
+async fn stop_instance(
+    State(broker): State<Shared>,
+    Path(id): Path<String>,
+    Query(filter): Query<ProviderFilter>,
+) -> ApiResult<Response> {
+    let provider = owner(&broker, &id, filter)?;
+    broker.stop_instances(&provider, std::slice::from_ref(&id)).await?;
+    Ok(Json(json!({ "stopped": id, "provider": provider })).into_response())
+}
+
+async fn maintain_instance(
+    State(broker): State<Shared>,
+    Path(id): Path<String>,
+    Query(filter): Query<ProviderFilter>,
+) -> ApiResult<Response> {
+    let provider = owner(&broker, &id, filter)?;
+    broker.maintain_instance(&provider, &id).await?;
+    Ok(Json(json!({ "maintained": id, "provider": provider })).into_response())
+}
+
+#[derive(Deserialize)]
+struct EventsQuery {
+    #[serde(default)]
+    after: u64,
+    #[serde(default = "default_limit")]
+    limit: usize,
+}
+
+fn default_limit() -> usize {
+    100
+}
+
+async fn events(State(broker): State<Shared>, Query(query): Query<EventsQuery>) -> ApiResult<Response> {
+    Ok(Json(broker.store().events(query.after, query.limit.min(10_000))?).into_response())
+}
+
+/// Prometheus text format: per loaded provider version, its calls,
+/// instantiations and discarded instances; and the swaps so far.
+async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
+    let mut text = String::new();
+    text.push_str("# HELP broker_provider_calls_total Calls begun, per loaded provider version.\n");
+    text.push_str("# TYPE broker_provider_calls_total counter\n");
+    let loaded = broker.registry().loaded();
+    for provider in &loaded {
+        let labels = format!("provider=\"{}\",sha256=\"{}\"", provider.name(), &provider.sha256()[..12]);
+        text.push_str(&format!(
+            "broker_provider_calls_total{{{labels}}} {}\n",
+            provider.stats().calls.load(Ordering::Relaxed)
+        ));
+    }
+    text.push_str("# TYPE broker_provider_instantiations_total counter\n");
+    for provider in &loaded {
+        let labels = format!("provider=\"{}\",sha256=\"{}\"", provider.name(), &provider.sha256()[..12]);
+        let stats = provider.stats();
+        text.push_str(&format!(
+            "broker_provider_instantiations_total{{{labels}}} {}\n",
+            stats.instantiations.load(Ordering::Relaxed)
+        ));
+    }
+    let swaps = broker.store().events(0, usize::MAX)?.iter().filter(|e| e.kind == "swapped").count();
+    text.push_str("# TYPE broker_swaps_total counter\n");
+    text.push_str(&format!("broker_swaps_total {swaps}\n"));
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+}
