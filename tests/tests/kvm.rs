@@ -35,7 +35,8 @@ fn payload() -> Payload {
     Payload { dir: dir.canonicalize().unwrap(), accel: accel.trim().to_owned() }
 }
 
-/// The KVM provider's manifest, its grants exactly what it needs.
+/// The KVM provider's manifest, its grants exactly what it needs: the payload
+/// and `dir/images` (base images) are the host paths its programs may read.
 fn kvm_manifest(dir: &Path, payload: &Payload, namespace: &str, grant_process: bool) -> PathBuf {
     let p = payload.dir.display();
     let process = if grant_process { r#"process = ["qemu-system-x86_64", "qemu-img", "genisoimage"]"# } else { "" };
@@ -52,7 +53,7 @@ kv = true
 log = true
 local-sockets = true
 {process}
-paths = ["{p}"]
+paths = ["{p}", "{images}"]
 [grants.bridge]
 devices = ["kt*"]
 bridges = ["br-*"]
@@ -67,10 +68,26 @@ stop-grace-ms = 300
 "#,
         component = wasm("kvm").display(),
         accel = payload.accel,
+        images = dir.join("images").display(),
     );
     let path = dir.join("kvm.toml");
     std::fs::write(&path, text).unwrap();
     path
+}
+
+/// Image metadata for a kvm image with the given `extra` keys.
+fn image_with(extra: &[(&str, &str)]) -> broker_host::bindings::ImageMetadata {
+    broker_host::bindings::ImageMetadata {
+        id: "test-image".into(),
+        arch: "amd64".into(),
+        base: String::new(),
+        region: String::new(),
+        endpoint: String::new(),
+        stream: String::new(),
+        virt_type: Some("kvm".into()),
+        storage: None,
+        extra: extra.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+    }
 }
 
 type StatusLog = Arc<Mutex<Vec<(InstanceStatus, String)>>>;
@@ -147,6 +164,13 @@ fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() 
         let broker = Broker::open(data).unwrap();
         broker.registry().add(&kvm_manifest(data, &payload, "t1", true)).await.unwrap();
 
+        // A base image for the third VM's overlay.
+        let base = data.join("images/base.qcow2");
+        std::fs::create_dir_all(base.parent().unwrap()).unwrap();
+        let made =
+            std::process::Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&base).arg("1G").status();
+        assert!(made.unwrap().success());
+
         let asked = [
             ("mem=512M cores=1", 512, 1, 8192),
             ("mem=768M cores=2", 768, 2, 8192),
@@ -157,6 +181,9 @@ fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() 
             let mut params = params_with(constraints::parse(text).unwrap());
             if i == 0 {
                 params.network_info = vec![interface_on("br-ethk", "52:54:00:aa:bb:01")];
+            }
+            if i == 2 {
+                params.image_metadata = vec![image_with(&[("base-image", &base.display().to_string())])];
             }
             let (hooks, seen) = recording_hooks();
             let record = broker.start_instance("kvm", &params, &hooks).await.unwrap();
@@ -177,7 +204,17 @@ fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() 
             let info = std::process::Command::new("qemu-img").args(["info", "-U"]).arg(&overlay).output().unwrap();
             let info = String::from_utf8_lossy(&info.stdout);
             assert!(info.contains(&format!("virtual size: {} GiB", disk / 1024)), "{id}: {info}");
+            let backed = info.contains(&format!("backing file: {}", base.display()));
+            assert_eq!(backed, *id == ids[2], "{id}: only the third VM is an overlay on the base image: {info}");
         }
+        // The NoCloud seed: volume `cidata`, meta-data naming the instance.
+        let seed = vm_dir(data, &ids[0]).join("seed.iso");
+        let volume = std::process::Command::new("isoinfo").arg("-d").arg("-i").arg(&seed).output().unwrap();
+        assert!(String::from_utf8_lossy(&volume.stdout).contains("Volume id: cidata"));
+        let meta =
+            std::process::Command::new("isoinfo").args(["-R", "-x", "/meta-data", "-i"]).arg(&seed).output().unwrap();
+        let meta: serde_json::Value = serde_json::from_slice(&meta.stdout).unwrap();
+        assert_eq!(meta["instance-id"], ids[0].as_str());
         // The first VM's NIC: the MAC asked for inside, a tap on the bridge HostPreparer made outside.
         let first_marker = await_boot(data, &ids[0]);
         assert_eq!(marker_field(&first_marker, "mac="), "52:54:00:aa:bb:01");
@@ -286,10 +323,15 @@ fn state_comes_from_qmp_and_maintain_recreates_a_missing_tap() {
         // Killed behind the host's back: unknown, and maintain says it cannot re-adopt it.
         let pid = qemu_pid(&broker, &record.id);
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::SIGKILL).unwrap();
-        while alive(pid) {
-            std::thread::sleep(Duration::from_millis(10));
+        // A multi-threaded process shows as a zombie before it can be reaped:
+        // until then the host may still see it running (and QMP fail).
+        let killed = ("unknown".to_owned(), "qemu was killed by signal 9".to_owned());
+        let since = Instant::now();
+        while state().await != killed {
+            assert!(since.elapsed() < Duration::from_secs(10), "never reported killed: {:?}", state().await);
+            std::thread::sleep(Duration::from_millis(20));
         }
-        assert_eq!(state().await, ("unknown".to_owned(), "qemu was killed by signal 9".to_owned()));
+        assert!(!alive(pid));
         let err = broker.maintain_instance("kvm", &record.id).await.unwrap_err();
         assert!(err.to_string().contains("cannot be re-adopted: qemu was killed by signal 9"), "{err}");
         // Stopping it still cleans up what it left.
@@ -333,17 +375,8 @@ async fn unmeetable_constraints_and_failed_boots_leave_nothing_behind() {
     // qemu starts and dies at once (the image names a kernel that is not there):
     // the cause comes back, and the overlay, seed and records are gone.
     let mut params = params_with(constraints::empty());
-    params.image_metadata = vec![broker_host::bindings::ImageMetadata {
-        id: "missing".into(),
-        arch: "amd64".into(),
-        base: String::new(),
-        region: String::new(),
-        endpoint: String::new(),
-        stream: String::new(),
-        virt_type: Some("kvm".into()),
-        storage: None,
-        extra: vec![("kernel".into(), format!("{}/no-such-kernel", payload.dir.display()))],
-    }];
+    let missing = format!("{}/no-such-kernel", payload.dir.display());
+    params.image_metadata = vec![image_with(&[("kernel", &missing)])];
     let (hooks, seen) = recording_hooks();
     let err = broker.start_instance("kvm", &params, &hooks).await.unwrap_err();
     assert!(err.to_string().contains("no-such-kernel"), "qemu's own words should say why: {err}");
