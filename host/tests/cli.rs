@@ -198,6 +198,15 @@ fn provider_test_exits_zero_only_when_every_scenario_passes() {
     let report: Value = serde_json::from_slice(&hostile.stdout).unwrap();
     assert_eq!(report["provider"], "hostile");
     assert!(report["cases"].as_array().unwrap().iter().any(|c| c["passed"] == false));
+    let junit = broker(
+        data,
+        &["provider", "test", guest_artifacts::wasm("test-hostile").to_str().unwrap(), "--format", "junit"],
+    );
+    assert_eq!(junit.status.code(), Some(1));
+    let xml = String::from_utf8_lossy(&junit.stdout);
+    let failed = report["cases"].as_array().unwrap().iter().filter(|c| c["passed"] == false).count();
+    assert!(xml.starts_with("<?xml") && xml.contains(&format!("failures=\"{failed}\"")), "{xml}");
+    assert_eq!(xml.matches("<failure ").count(), failed);
     assert!(!data.join("state.redb").exists(), "a conformance run touches no host state");
 }
 

@@ -163,6 +163,8 @@ pub struct StartArgs {
 pub enum ReportFormat {
     Text,
     Json,
+    /// JUnit XML, for CI systems.
+    Junit,
 }
 
 /// A mistake in how the command was called (exit code 2), found after parsing.
@@ -371,6 +373,7 @@ async fn provider_test(
     match format {
         ReportFormat::Text => write!(out, "{}", report.text())?,
         ReportFormat::Json => writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?,
+        ReportFormat::Junit => write!(out, "{}", report.junit())?,
     }
     Ok(if report.passed() { 0 } else { 1 })
 }

@@ -7,6 +7,7 @@
 //! bridge and HTTP worlds (and scripts/recording for them) come later, so a
 //! provider's `process` and `bridge` grants are not honoured here yet.
 
+mod junit;
 use crate::bindings::{BrokerError, Instance};
 use crate::broker::service::{empty_params, params_with};
 use crate::broker::{CallError, WasmProvider, constraints, describe_broker_error};

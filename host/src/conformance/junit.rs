@@ -1,0 +1,78 @@
+//! JUnit XML for CI systems: one testsuite per run, one testcase per scenario.
+
+use super::Report;
+
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            // XML 1.0 cannot carry most control characters, even escaped.
+            c if (c as u32) < 0x20 && !matches!(c, '\t' | '\n' | '\r') => out.push('\u{FFFD}'),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+impl Report {
+    pub fn junit(&self) -> String {
+        let failures = self.cases.iter().filter(|c| !c.passed).count();
+        let seconds = self.millis as f64 / 1000.0;
+        let suite = escape(&format!("broker provider test: {} {}", self.provider, self.version));
+        let class = escape(&format!("conformance.{}", self.provider));
+        let mut xml = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+        xml.push_str(&format!(
+            "<testsuites tests=\"{n}\" failures=\"{failures}\" time=\"{seconds:.3}\">\n  \
+             <testsuite name=\"{suite}\" tests=\"{n}\" failures=\"{failures}\" errors=\"0\" time=\"{seconds:.3}\">\n",
+            n = self.cases.len()
+        ));
+        for case in &self.cases {
+            let name = escape(case.name);
+            let detail = escape(&case.detail);
+            if case.passed {
+                xml.push_str(&format!(
+                    "    <testcase classname=\"{class}\" name=\"{name}\"><system-out>{detail}</system-out></testcase>\n"
+                ));
+            } else {
+                xml.push_str(&format!(
+                    "    <testcase classname=\"{class}\" name=\"{name}\"><failure message=\"{detail}\">{detail}</failure></testcase>\n"
+                ));
+            }
+        }
+        xml.push_str("  </testsuite>\n</testsuites>\n");
+        xml
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Case;
+    use super::*;
+
+    #[test]
+    fn cases_become_testcases_and_text_is_escaped() {
+        let report = Report {
+            provider: "p<1>".into(),
+            version: "0.1".into(),
+            cases: vec![
+                Case { name: "describe", passed: true, detail: "name and version set".into() },
+                Case { name: "stop-unknown", passed: false, detail: "returned \"not-found\" & <more>\u{1}".into() },
+            ],
+            millis: 1234,
+        };
+        let xml = report.junit();
+        assert!(xml.contains("<testsuites tests=\"2\" failures=\"1\" time=\"1.234\">"), "{xml}");
+        assert!(xml.contains("name=\"broker provider test: p&lt;1&gt; 0.1\""), "{xml}");
+        assert!(xml.contains(
+            "name=\"stop-unknown\"><failure message=\"returned &quot;not-found&quot; &amp; &lt;more&gt;\u{FFFD}\""
+        ));
+        assert!(xml.contains("name=\"describe\"><system-out>name and version set</system-out>"));
+        assert_eq!(xml.matches("<testcase ").count(), 2);
+        assert!(xml.ends_with("</testsuites>\n"));
+    }
+}
