@@ -171,6 +171,10 @@ impl Registry {
             }
         }
 
+        // `remove` does not wait for a swap; a provider removed meanwhile stays removed.
+        if self.store.provider(name)?.is_none_or(|now| now.added != record.added) {
+            return Err(refuse("the provider was removed or re-added during the swap".into()));
+        }
         let swapped = ProviderRecord {
             component_sha256: sha256.clone(),
             version: info.version.clone(),
