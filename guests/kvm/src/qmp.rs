@@ -22,6 +22,7 @@ impl Qmp {
         let connection = loop {
             match local_socket::connect(path) {
                 Ok(connection) => break connection,
+                // Not there yet, or bound and not yet listening: qemu is still starting.
                 Err(BrokerError::NotFound(_)) if Instant::now() < until => {
                     if !matches!(child.status(), ChildStatus::Running) {
                         return Err(BrokerError::Provider(format!(

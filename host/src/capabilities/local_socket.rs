@@ -39,6 +39,9 @@ pub enum SocketError {
     Missing(String),
     #[error("{0:?} is not a socket")]
     NotASocket(String),
+    /// The socket exists but nobody listens yet (bound, not listening) or any more.
+    #[error("nobody is listening on {0:?}")]
+    NotListening(String),
     #[error("cannot connect to {path:?}: {reason}")]
     Connect { path: String, reason: String },
     #[error("too many open connections (at most {MAX_CONNECTIONS})")]
@@ -60,7 +63,7 @@ impl From<SocketError> for BrokerError {
             SocketError::NotGranted | SocketError::OutsideDataDir(_) | SocketError::Escapes(_) => {
                 BrokerError::AccessDenied(message)
             }
-            SocketError::Missing(_) => BrokerError::NotFound(message),
+            SocketError::Missing(_) | SocketError::NotListening(_) => BrokerError::NotFound(message),
             SocketError::NotASocket(_) | SocketError::TooMany => BrokerError::InvalidParams(message),
             SocketError::Timeout(_) => BrokerError::Timeout(message),
             SocketError::Connect { .. } | SocketError::LineTooLong | SocketError::NotUtf8 | SocketError::Io(_) => {
@@ -138,9 +141,10 @@ async fn connect_beneath(data_dir: &Path, relative: &Path, guest_path: &str) -> 
     }
     // Connecting through the handle's magic link reaches exactly the inode checked above.
     let by_handle = format!("/proc/self/fd/{}", socket.as_raw_fd());
-    let stream = UnixStream::connect(&by_handle)
-        .await
-        .map_err(|e| SocketError::Connect { path: guest_path.to_owned(), reason: e.to_string() })?;
+    let stream = UnixStream::connect(&by_handle).await.map_err(|e| match e.kind() {
+        std::io::ErrorKind::ConnectionRefused => SocketError::NotListening(guest_path.to_owned()),
+        _ => SocketError::Connect { path: guest_path.to_owned(), reason: e.to_string() },
+    })?;
     drop(socket);
     Ok(stream)
 }
@@ -307,6 +311,8 @@ mod tests {
         std::fs::create_dir(dir.path().join("sub")).unwrap();
         std::os::unix::fs::symlink(elsewhere.path(), dir.path().join("sub/up")).unwrap();
         std::fs::write(dir.path().join("file"), b"x").unwrap();
+        // Bound and then closed: the file stays, nobody listens (as between a server's bind and listen).
+        drop(std::os::unix::net::UnixListener::bind(dir.path().join("dead.sock")).unwrap());
 
         let mut ungranted = LocalSocketCtx::new("kvm".into(), None);
         assert_eq!(ungranted.connect("/data/evil.sock").await.err(), Some(SocketError::NotGranted));
@@ -321,6 +327,7 @@ mod tests {
             ("/data/sub/up/host.sock", SocketError::Escapes("/data/sub/up/host.sock".into())),
             ("/data/nothing.sock", SocketError::Missing("/data/nothing.sock".into())),
             ("/data/file", SocketError::NotASocket("/data/file".into())),
+            ("/data/dead.sock", SocketError::NotListening("/data/dead.sock".into())),
         ] {
             assert_eq!(ctx.connect(path).await.err(), Some(expected), "{path}");
         }
