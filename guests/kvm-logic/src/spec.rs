@@ -117,8 +117,20 @@ pub fn prefix(config: &Config) -> String {
 /// A tap name (at most 15 characters): `kt`, 4 hex digits of the namespace,
 /// the VM's sequence number, `n`, the NIC index. Two hosts' taps differ by namespace.
 pub fn tap_name(config: &Config, seq: u64, nic: usize) -> String {
-    let hash = config.namespace.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+    let hash = fnv1a(config.namespace.bytes());
     format!("kt{:04x}{}n{nic}", hash & 0xffff, seq % 100_000)
+}
+
+/// A stable locally administered MAC (qemu's `52:54:00` prefix) for a NIC the
+/// network info left without one.
+pub fn generated_mac(name: &str, nic: usize) -> String {
+    let h = fnv1a(name.bytes().chain([nic as u8]));
+    format!("52:54:00:{:02x}:{:02x}:{:02x}", (h >> 16) as u8, (h >> 8) as u8, h as u8)
+}
+
+/// 32-bit FNV-1a: short, stable names and MACs from longer text.
+fn fnv1a(bytes: impl Iterator<Item = u8>) -> u32 {
+    bytes.fold(0x811c_9dc5, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
 }
 
 /// One NIC: a tap on a host bridge, with the MAC the network info gave.
@@ -221,6 +233,9 @@ mod tests {
         let other = Config { namespace: "ns2".into(), ..c.clone() };
         assert_ne!(tap_name(&c, 1, 0), tap_name(&other, 1, 0));
         assert_eq!(tap_mac("52:54:00:12:34:56"), "fe:54:00:12:34:56");
+        assert_eq!(generated_mac("juju-ns1-vm7", 0), generated_mac("juju-ns1-vm7", 0));
+        assert_ne!(generated_mac("juju-ns1-vm7", 0), generated_mac("juju-ns1-vm7", 1));
+        assert!(generated_mac("juju-ns1-vm7", 0).starts_with("52:54:00:"));
     }
 
     #[test]

@@ -30,26 +30,6 @@ fn config(ctx: &CallContext) -> Result<Config, BrokerError> {
     Config::parse(&ctx.provider_config()).map_err(from_logic)
 }
 
-fn error_text(err: &BrokerError) -> String {
-    match err {
-        BrokerError::InvalidParams(m)
-        | BrokerError::NotFound(m)
-        | BrokerError::NotSupported(m)
-        | BrokerError::ZoneIndependent(m)
-        | BrokerError::ZoneUnavailable(m)
-        | BrokerError::AccessDenied(m)
-        | BrokerError::Aborted(m)
-        | BrokerError::Timeout(m)
-        | BrokerError::Provider(m) => m.clone(),
-    }
-}
-
-/// A stable locally administered MAC for a NIC the network info left without one.
-fn generated_mac(name: &str, nic: usize) -> String {
-    let h = name.bytes().chain([nic as u8]).fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
-    format!("52:54:00:{:02x}:{:02x}:{:02x}", (h >> 16) as u8, (h >> 8) as u8, h as u8)
-}
-
 fn nics(config: &Config, name: &str, seq: u64, network: &[InterfaceInfo]) -> Result<Vec<Nic>, BrokerError> {
     network
         .iter()
@@ -60,7 +40,7 @@ fn nics(config: &Config, name: &str, seq: u64, network: &[InterfaceInfo]) -> Res
                     "network interface {i} names no parent bridge for its tap"
                 )));
             }
-            let mac = if info.mac_address.is_empty() { generated_mac(name, i) } else { info.mac_address.clone() };
+            let mac = if info.mac_address.is_empty() { spec::generated_mac(name, i) } else { info.mac_address.clone() };
             Ok(Nic { tap: spec::tap_name(config, seq, i), bridge: info.parent_interface_name.clone(), mac })
         })
         .collect()
@@ -148,7 +128,7 @@ impl Guest for Kvm {
                 if let Err(cleanup) = vm::teardown(&plan.name, plan.seq, &plan.nics, 0) {
                     host_log::log(host_log::Level::Warn, &format!("cleaning up {}: {cleanup:?}", plan.name));
                 }
-                let cause = error_text(&err);
+                let cause = vm::describe(&err);
                 let _ = ctx.set_status(InstanceStatus::ProvisioningError, &cause, &[]);
                 return Err(err);
             }
@@ -196,12 +176,12 @@ impl Guest for Kvm {
     fn all_instances(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
         let prefix = spec::prefix(&config(ctx)?);
         let mut out = Vec::new();
-        for (key, _) in broker_guest::kv::scan(spec::RECORD_PREFIX)? {
+        for (key, bytes) in broker_guest::kv::scan(spec::RECORD_PREFIX)? {
             let name = &key[spec::RECORD_PREFIX.len()..];
             if !name.starts_with(&prefix) {
                 continue;
             }
-            let Some(record) = vm::load(name)? else { continue };
+            let record = vm::decode(name, &bytes)?;
             let (status, message) = vm::observe(&record);
             out.push(instance(name, status, message, Vec::new()));
         }

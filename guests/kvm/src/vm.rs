@@ -79,12 +79,11 @@ pub fn save(record: &VmRecord) -> Result<(), BrokerError> {
 }
 
 pub fn load(name: &str) -> Result<Option<VmRecord>, BrokerError> {
-    match host_kv::get(&spec::record_key(name))? {
-        Some(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| provider(format!("VM record {name} is unreadable: {e}"))),
-        None => Ok(None),
-    }
+    host_kv::get(&spec::record_key(name))?.map(|bytes| decode(name, &bytes)).transpose()
+}
+
+pub fn decode(name: &str, bytes: &[u8]) -> Result<VmRecord, BrokerError> {
+    serde_json::from_slice(bytes).map_err(|e| provider(format!("VM record {name} is unreadable: {e}")))
 }
 
 /// Make the disk, the seed and the taps, start qemu, and wait until QMP says
@@ -123,10 +122,18 @@ pub fn create(plan: &Plan, on_starting: impl FnOnce() -> Result<(), BrokerError>
     Ok(virt_type.to_owned())
 }
 
-fn describe(err: &BrokerError) -> String {
+/// The message inside a contract error, without its kind.
+pub fn describe(err: &BrokerError) -> String {
     match err {
-        BrokerError::Provider(m) | BrokerError::NotFound(m) | BrokerError::Timeout(m) => m.clone(),
-        other => format!("{other:?}"),
+        BrokerError::InvalidParams(m)
+        | BrokerError::NotFound(m)
+        | BrokerError::NotSupported(m)
+        | BrokerError::ZoneIndependent(m)
+        | BrokerError::ZoneUnavailable(m)
+        | BrokerError::AccessDenied(m)
+        | BrokerError::Aborted(m)
+        | BrokerError::Timeout(m)
+        | BrokerError::Provider(m) => m.clone(),
     }
 }
 
