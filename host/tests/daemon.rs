@@ -88,10 +88,7 @@ fn dechunk(mut rest: &str) -> String {
 
 /// The bundled fake's manifest, with `line` added to its [config].
 fn fake_manifest(dir: &Path, line: &str) -> String {
-    let text = std::fs::read_to_string(guest_artifacts::manifest("fake")).unwrap().replace(
-        "component = \"../target/wasm32-wasip2/release/fake.wasm\"",
-        &format!("component = \"{}\"", guest_artifacts::wasm("fake").display()),
-    );
+    let text = guest_artifacts::manifest_text("fake");
     let path = dir.join("fake.toml");
     std::fs::write(&path, format!("{text}{line}\n")).unwrap();
     path.display().to_string()

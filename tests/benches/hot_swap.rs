@@ -15,7 +15,7 @@
 use broker_host::broker::Broker;
 use broker_host::broker::service::empty_params;
 use broker_host::capabilities::context::CallHooks;
-use broker_tests::{bundled_manifest, wasm};
+use broker_tests::{bundled_manifest_text, wasm};
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,10 +24,7 @@ use std::time::{Duration, Instant};
 const CLIENTS: usize = 4;
 
 fn open(dir: &std::path::Path, runtime: &tokio::runtime::Runtime) -> Arc<Broker> {
-    let text = std::fs::read_to_string(bundled_manifest("fake")).unwrap().replace(
-        "component = \"../target/wasm32-wasip2/release/fake.wasm\"",
-        &format!("component = \"{}\"", wasm("fake").display()),
-    );
+    let text = bundled_manifest_text("fake");
     let manifest = dir.join("fake.toml");
     std::fs::write(&manifest, text).unwrap();
     let broker = Arc::new(Broker::open(&dir.join("host")).unwrap());

@@ -18,8 +18,8 @@ use broker_host::broker::Broker;
 use broker_host::broker::constraints;
 use broker_host::broker::service::params_with;
 use broker_host::capabilities::context::CallHooks;
+use broker_tests::{VmPayload, qmp_commands, vm_payload};
 use criterion::{Criterion, criterion_group, criterion_main};
-use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -27,17 +27,8 @@ use std::time::{Duration, Instant};
 
 const MARKER: &str = "BROKER-VM-UP";
 
-fn payload_dir() -> PathBuf {
-    let dir = std::env::var_os("BROKER_VM_PAYLOAD")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/vm-payload"));
-    assert!(dir.join("accel").exists(), "no VM payload in {}: run scripts/vm-payload.sh", dir.display());
-    dir.canonicalize().unwrap()
-}
-
-fn manifest(dir: &Path, payload: &Path) -> PathBuf {
-    let accel = std::fs::read_to_string(payload.join("accel")).unwrap();
-    let p = payload.display();
+fn manifest(dir: &Path, payload: &VmPayload) -> PathBuf {
+    let p = payload.dir.display();
     let text = format!(
         "name = \"kvm\"\ncomponent = \"{}\"\n[limits]\nmemory-mib = 64\n[limits.deadlines]\ndefault = \"60s\"\n\
          [grants]\nkv = true\nlog = true\nlocal-sockets = true\n\
@@ -45,7 +36,7 @@ fn manifest(dir: &Path, payload: &Path) -> PathBuf {
          [config]\nnamespace = \"bench\"\nkernel = \"{p}/vmlinuz\"\ninitrd = \"{p}/initrd.gz\"\n\
          append = \"console=ttyS0 quiet panic=-1\"\naccel = \"{}\"\nstop-grace-ms = 0\n",
         broker_tests::wasm("kvm").display(),
-        accel.trim()
+        payload.accel
     );
     let path = dir.join("kvm.toml");
     std::fs::write(&path, text).unwrap();
@@ -71,21 +62,13 @@ fn qemu_until_qmp_running(program: &str, args: &[String], qmp: &Path) -> std::pr
             Err(e) => panic!("no QMP socket at {}: {e}", qmp.display()),
         }
     };
-    let mut reader = BufReader::new(stream.try_clone().unwrap());
-    let mut writer = stream;
-    let mut line = String::new();
-    reader.read_line(&mut line).unwrap(); // greeting
-    for command in ["qmp_capabilities", "query-status"] {
-        writeln!(writer, "{{\"execute\":\"{command}\"}}").unwrap();
-        line.clear();
-        reader.read_line(&mut line).unwrap();
-    }
+    let line = qmp_commands(stream, &["query-status"]);
     assert!(line.contains("\"running\""), "{line}");
     qemu
 }
 
 fn bench(c: &mut Criterion) {
-    let payload = payload_dir();
+    let payload = vm_payload();
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("host");
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();

@@ -9,7 +9,7 @@ use broker_host::runtime::{HostCapabilities, Runtime};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use guest_artifacts::{manifest as bundled_manifest, wasm};
+pub use guest_artifacts::{manifest as bundled_manifest, manifest_text as bundled_manifest_text, wasm};
 
 pub mod netns;
 
@@ -69,4 +69,47 @@ pub fn fake_manifest_extra(isolation: &str) -> String {
 /// One runtime for a test binary: the engine and its epoch thread are shared.
 pub fn runtime() -> Arc<Runtime> {
     Runtime::new(None).expect("engine")
+}
+
+/// The bootable payload the KVM tests and benchmark boot (scripts/vm-payload.sh).
+pub struct VmPayload {
+    /// Holds `vmlinuz`, `initrd.gz` and `accel`.
+    pub dir: PathBuf,
+    /// `kvm` if a VM really boots under KVM on this machine, else `tcg`.
+    pub accel: String,
+}
+
+/// `$BROKER_VM_PAYLOAD`, or `target/vm-payload` of this workspace.
+pub fn vm_payload() -> VmPayload {
+    let dir = std::env::var_os("BROKER_VM_PAYLOAD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/vm-payload"));
+    let accel = std::fs::read_to_string(dir.join("accel")).unwrap_or_else(|_| {
+        panic!("no VM payload in {}: run scripts/vm-payload.sh (scripts/test.sh does)", dir.display())
+    });
+    let dir = dir.canonicalize().unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    VmPayload { dir, accel: accel.trim().to_owned() }
+}
+
+/// Speak QMP to a qemu monitor on `stream`: read the greeting, leave
+/// negotiation, run `commands` in order; each must answer `return` (events in
+/// between, e.g. STOP, are skipped). Returns the last answer line.
+pub fn qmp_commands(stream: std::os::unix::net::UnixStream, commands: &[&str]) -> String {
+    use std::io::{BufRead, BufReader, Write};
+    let mut reader = BufReader::new(stream.try_clone().expect("clone the QMP stream"));
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("QMP greeting");
+    for command in std::iter::once(&"qmp_capabilities").chain(commands) {
+        writeln!(writer, "{{\"execute\":\"{command}\"}}").expect("write to QMP");
+        loop {
+            line.clear();
+            reader.read_line(&mut line).expect("read from QMP");
+            if !line.contains("\"event\"") {
+                break;
+            }
+        }
+        assert!(line.contains("\"return\""), "QMP {command}: {line}");
+    }
+    line
 }

@@ -12,7 +12,7 @@ use broker_host::capabilities::context::{CallEvent, CallHooks};
 use broker_host::capabilities::network_bridge::netlink::Netlink;
 use broker_host::capabilities::process::proc_stat;
 use broker_tests::netns::{in_netns, make_nic};
-use broker_tests::wasm;
+use broker_tests::{VmPayload, qmp_commands, vm_payload, wasm};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -20,24 +20,9 @@ use std::time::{Duration, Instant};
 /// How long a VM may take to print its marker (TCG on a busy machine is slow).
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
-struct Payload {
-    dir: PathBuf,
-    accel: String,
-}
-
-fn payload() -> Payload {
-    let dir = std::env::var_os("BROKER_VM_PAYLOAD")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/vm-payload"));
-    let accel = std::fs::read_to_string(dir.join("accel")).unwrap_or_else(|_| {
-        panic!("no VM payload in {}: run scripts/vm-payload.sh (scripts/test.sh does)", dir.display())
-    });
-    Payload { dir: dir.canonicalize().unwrap(), accel: accel.trim().to_owned() }
-}
-
 /// The KVM provider's manifest, its grants exactly what it needs: the payload
 /// and `dir/images` (base images) are the host paths its programs may read.
-fn kvm_manifest(dir: &Path, payload: &Payload, namespace: &str, grant_process: bool) -> PathBuf {
+fn kvm_manifest(dir: &Path, payload: &VmPayload, namespace: &str, grant_process: bool) -> PathBuf {
     let p = payload.dir.display();
     let process = if grant_process { r#"process = ["qemu-system-x86_64", "qemu-img", "genisoimage"]"# } else { "" };
     let text = format!(
@@ -155,7 +140,7 @@ impl Drop for KillQemusUnder {
 
 #[test]
 fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() {
-    let payload = payload();
+    let payload = vm_payload();
     in_netns(move || async move {
         make_nic("ethk", [0x00, 0x16, 0x3e, 0x10, 0x20, 0x30], "10.60.0.2/24").await;
         let dir = tempfile::tempdir().unwrap();
@@ -266,28 +251,12 @@ fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() 
 
 /// Send QMP commands straight to a VM's monitor (while the provider is not connected).
 fn qmp(socket: &Path, commands: &[&str]) {
-    use std::io::{BufRead, BufReader, Write};
-    let stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
-    let mut reader = BufReader::new(stream.try_clone().unwrap());
-    let mut writer = stream;
-    let mut line = String::new();
-    reader.read_line(&mut line).unwrap();
-    for command in std::iter::once(&"qmp_capabilities").chain(commands) {
-        writeln!(writer, "{{\"execute\":\"{command}\"}}").unwrap();
-        loop {
-            line.clear();
-            reader.read_line(&mut line).unwrap();
-            if !line.contains("\"event\"") {
-                break; // events (STOP, RESUME) may come before the answer
-            }
-        }
-        assert!(line.contains("return"), "{command}: {line}");
-    }
+    qmp_commands(std::os::unix::net::UnixStream::connect(socket).unwrap(), commands);
 }
 
 #[test]
 fn state_comes_from_qmp_and_maintain_recreates_a_missing_tap() {
-    let payload = payload();
+    let payload = vm_payload();
     in_netns(move || async move {
         make_nic("ethm", [0x00, 0x16, 0x3e, 0x10, 0x20, 0x40], "10.61.0.2/24").await;
         let dir = tempfile::tempdir().unwrap();
@@ -352,7 +321,7 @@ fn assert_nothing_left(broker: &Broker, data: &Path) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unmeetable_constraints_and_failed_boots_leave_nothing_behind() {
-    let payload = payload();
+    let payload = vm_payload();
     let dir = tempfile::tempdir().unwrap();
     let _reaper = KillQemusUnder(dir.path().to_owned());
     let data = dir.path();
@@ -388,7 +357,7 @@ async fn unmeetable_constraints_and_failed_boots_leave_nothing_behind() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_its_process_grant_the_provider_gets_access_denied() {
-    let payload = payload();
+    let payload = vm_payload();
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path();
     let broker = Broker::open(data).unwrap();

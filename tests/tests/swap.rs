@@ -7,7 +7,7 @@ use broker_host::broker::service::empty_params;
 use broker_host::broker::{Broker, WasmProvider};
 use broker_host::capabilities::context::CallHooks;
 use broker_host::providers::registry::RegistryError;
-use broker_tests::{bundled_manifest, wasm};
+use broker_tests::{bundled_manifest_text, wasm};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,11 +15,7 @@ use std::time::Duration;
 
 /// The bundled fake's manifest with `config_line` added to (or, for `prefix`, replaced in) its [config].
 fn fake_manifest(dir: &Path, config_line: &str) -> std::path::PathBuf {
-    let text = std::fs::read_to_string(bundled_manifest("fake")).unwrap();
-    let text = text.replace(
-        "component = \"../target/wasm32-wasip2/release/fake.wasm\"",
-        &format!("component = \"{}\"", wasm("fake").display()),
-    );
+    let text = bundled_manifest_text("fake");
     let text = if config_line.starts_with("prefix") {
         text.replace("prefix = \"fake\"", config_line)
     } else {

@@ -16,3 +16,11 @@ pub fn wasm(crate_name: &str) -> PathBuf {
 pub fn manifest(guest_dir: &str) -> PathBuf {
     PathBuf::from(env!("GUESTS_DIR")).join(guest_dir).join("provider.toml")
 }
+
+/// A bundled manifest's text with its `component` made absolute, so the
+/// manifest can be written (and changed) anywhere.
+pub fn manifest_text(guest_dir: &str) -> String {
+    let path = manifest(guest_dir);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    text.replace("\"../target/wasm32-wasip2/release/", &format!("\"{}/", wasm_dir().display()))
+}
