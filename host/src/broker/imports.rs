@@ -55,9 +55,10 @@ pub fn check(engine: &Engine, component: &Component, grants: &Grants) -> Result<
     Ok(())
 }
 
-/// The WASI packages `wasmtime_wasi::p2::add_to_linker_async` provides.
+/// The WASI packages the runtime links: `wasmtime_wasi::p2` and `wasi:http`
+/// (whose requests are denied unless `[grants.http]` names the authority).
 const LINKED_WASI_PACKAGES: &[&str] =
-    &["wasi:cli", "wasi:clocks", "wasi:filesystem", "wasi:io", "wasi:random", "wasi:sockets"];
+    &["wasi:cli", "wasi:clocks", "wasi:filesystem", "wasi:io", "wasi:random", "wasi:sockets", "wasi:http"];
 
 fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
     let unsupported = |hint: &str| ContractError::Unsupported { import: import.to_owned(), hint: hint.to_owned() };
@@ -116,7 +117,8 @@ mod tests {
         assert!(check_import("broker:provider/kv@0.1.0", &kv).is_ok());
         let newer = check_import("broker:provider/kv@0.2.0", &kv).unwrap_err().to_string();
         assert!(newer.contains("broker:provider/kv@0.2.0") && newer.contains("0.1.0"), "{newer}");
-        assert!(check_import("wasi:http/outgoing-handler@0.2.0", &none).is_err());
+        assert!(check_import("wasi:http/outgoing-handler@0.2.0", &none).is_ok(), "linked; denied per request");
+        assert!(check_import("wasi:keyvalue/store@0.2.0", &none).is_err());
         assert!(check_import("evil:net/raw-sockets@1.0.0", &none).is_err());
         assert!(check_import("broker:provider/process@0.1.0", &kv).is_ok(), "linked; denied per call");
         assert!(check_import("broker:provider/network-bridge@0.1.0", &kv).is_ok());

@@ -351,5 +351,6 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         process,
         bridge: grants.bridge.clone(),
         local_sockets: grants.local_sockets,
+        http: Arc::new(grants.http.clone()),
     })
 }

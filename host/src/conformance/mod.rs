@@ -5,7 +5,7 @@
 //!
 //! This first part covers the lifecycle scenarios; simulated process,
 //! bridge and HTTP worlds (and scripts/recording for them) come later, so a
-//! provider's `process` and `bridge` grants are not honoured here yet.
+//! provider's `process`, `bridge` and `http` grants are not honoured here yet.
 
 mod junit;
 use crate::bindings::{BrokerError, Instance};
@@ -74,10 +74,11 @@ pub async fn run(manifest: &Manifest) -> Result<Report, ConformanceError> {
     let lock = MachineLock::new(scratch.path(), "machine-lock", "broker-provider-test")
         .map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
     let mut manifest = manifest.clone();
-    // Not simulated yet: never let the kit run real programs or touch real devices.
+    // Not simulated yet: never let the kit run real programs, touch real devices or reach real APIs.
     manifest.grants.process.clear();
     manifest.grants.paths.clear();
     manifest.grants.bridge = None;
+    manifest.grants.http = Default::default();
     let caps = HostCapabilities {
         kv: Arc::new(MemoryKv::default()),
         machine_lock: Some(lock),

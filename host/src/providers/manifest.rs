@@ -20,6 +20,8 @@
 //! process = ["qemu-img"]         # programs it may run
 //! paths = ["/var/lib/images"]    # host paths their arguments may name
 //! local-sockets = true           # unix sockets inside its own data dir (QMP)
+//! [grants.http]                  # wasi:http authorities the host routes
+//! lxd = "unix:/var/lib/incus/unix.socket"
 //! [grants.bridge]                # devices and bridges (`*` suffix = prefix)
 //! devices = ["eth0", "vm-*"]
 //! bridges = ["br-*"]
@@ -181,6 +183,9 @@ pub struct Grants {
     /// Connecting to unix sockets inside its own data dir (a VM's QMP monitor).
     #[serde(default)]
     pub local_sockets: bool,
+    /// Authorities reachable through `wasi:http`, each mapped to a unix socket or TCP address.
+    #[serde(default)]
+    pub http: crate::capabilities::http_egress::HttpGrant,
     /// Devices and bridges the provider may bridge, attach to and list.
     pub bridge: Option<crate::capabilities::network_bridge::wit::BridgeGrant>,
 }

@@ -84,6 +84,7 @@ impl Runtime {
         capabilities::process::add_to_linker(&mut linker, HostState::process_view)?;
         capabilities::network_bridge::wit::add_to_linker(&mut linker, |s| &mut s.bridge)?;
         capabilities::local_socket::add_to_linker(&mut linker, HostState::local_socket_view)?;
+        capabilities::http_egress::add_to_linker(&mut linker)?;
         if capabilities.kv {
             capabilities::kv::add_to_linker(&mut linker, |s| &mut s.kv)?;
         }

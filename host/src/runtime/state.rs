@@ -2,6 +2,7 @@
 
 use super::GuestLimiter;
 use crate::capabilities::context::ContextView;
+use crate::capabilities::http_egress::{EgressHooks, HttpGrant};
 use crate::capabilities::kv::{KvBackend, KvCtx};
 use crate::capabilities::local_socket::{LocalSocketCtx, LocalSocketView};
 use crate::capabilities::log::LogCtx;
@@ -13,6 +14,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpView};
 
 pub struct HostState {
     pub provider: Arc<str>,
@@ -24,6 +26,8 @@ pub struct HostState {
     pub process: ProcessCtx,
     pub bridge: BridgeCtx,
     pub local_socket: LocalSocketCtx,
+    pub http: WasiHttpCtx,
+    pub egress: EgressHooks,
     pub limiter: GuestLimiter,
 }
 
@@ -50,6 +54,8 @@ pub struct ProviderCapabilities {
     pub bridge: Option<BridgeGrant>,
     /// Whether `local-sockets` is granted.
     pub local_sockets: bool,
+    /// The `[grants.http]` authorities (empty: every request is denied).
+    pub http: Arc<HttpGrant>,
 }
 
 impl HostState {
@@ -69,6 +75,8 @@ impl HostState {
             ),
             bridge: BridgeCtx::new(caps.bridge.clone()),
             local_socket: LocalSocketCtx::new(provider.clone(), caps.local_sockets.then(|| caps.data_dir.clone())),
+            http: WasiHttpCtx::new(),
+            egress: EgressHooks::new(provider.clone(), caps.http.clone()),
             limiter: GuestLimiter::new(memory_bytes),
             provider,
         }
@@ -99,5 +107,11 @@ impl HostState {
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl WasiHttpView for HostState {
+    fn http(&mut self) -> WasiHttpCtxView<'_> {
+        WasiHttpCtxView { ctx: &mut self.http, table: &mut self.table, hooks: &mut self.egress }
     }
 }
