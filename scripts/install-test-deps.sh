@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # System packages the real-system tests use, from Debian (this runs as root on
 # bookworm). qemu comes from bookworm-backports, like the machine's qemu-utils:
-# installing bookworm's older qemu-system-x86 would take qemu-img away. The
+# installing bookworm's older qemu-system-x86 would take qemu-img away. Incus
+# (the LXD tests' daemon) exists only in bookworm-backports. The
 # suite is added to the machine's existing Debian source entry; no mirror
 # address is written here.
 set -euo pipefail
@@ -11,6 +12,8 @@ missing=()
 for pair in "${wanted[@]}"; do
     command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
 done
+[ -x /usr/libexec/incus/incusd ] && command -v incus >/dev/null || missing+=(incus)
+command -v unshare >/dev/null && command -v ip >/dev/null || missing+=(util-linux iproute2)
 # busybox-static specifically: the initramfs needs the static binary.
 [ -x /bin/busybox ] && ldd /bin/busybox 2>&1 | grep -q "not a dynamic" || missing+=(busybox-static)
 if [ ${#missing[@]} -eq 0 ]; then
@@ -28,5 +31,5 @@ if ! grep -q '^Suites:.*bookworm-backports' "$sources" 2>/dev/null; then
 fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends -t bookworm-backports qemu-system-x86 qemu-utils
-apt-get install -y -qq --no-install-recommends busybox-static genisoimage cpio
+apt-get install -y -qq --no-install-recommends -t bookworm-backports qemu-system-x86 qemu-utils incus
+apt-get install -y -qq --no-install-recommends busybox-static genisoimage cpio util-linux iproute2

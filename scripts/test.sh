@@ -6,9 +6,12 @@ cd "$(dirname "$0")/.."
 
 rustup target add wasm32-wasip2
 rustup component add rustfmt clippy
-# qemu, genisoimage, busybox-static (Debian; needs root), then the VM payload the KVM tests boot.
+# qemu, incus, genisoimage, busybox-static (Debian; needs root), then the VM
+# payload the KVM tests boot and the container image the LXD tests import.
+# The tests start their own incusd (scripts/incus-netns.sh) and stop it by pid.
 bash scripts/install-test-deps.sh
 bash scripts/vm-payload.sh target/vm-payload
+bash scripts/incus-image.sh target/incus-image
 
 cargo fmt --all --check
 (cd guests && cargo fmt --all --check)
@@ -20,6 +23,8 @@ cargo clippy --release --workspace --all-targets -- -D warnings
 # The providers' logic, natively (guests/.cargo/config.toml only applies inside guests/).
 cargo test --release --manifest-path guests/fake-logic/Cargo.toml
 cargo test --release --manifest-path guests/kvm-logic/Cargo.toml
+cargo test --release --manifest-path guests/lxd-logic/Cargo.toml
+cargo test --release --manifest-path guests/netplan/Cargo.toml
 
 cargo test --release --workspace
 # Each benchmark once, as a test: they must keep working.

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 pub use guest_artifacts::{manifest as bundled_manifest, manifest_text as bundled_manifest_text, wasm};
 
+pub mod incus;
 pub mod netns;
 
 /// Write `provider.toml` for a built guest into `dir`; `extra` is appended
@@ -112,4 +113,20 @@ pub fn qmp_commands(stream: std::os::unix::net::UnixStream, commands: &[&str]) -
         assert!(line.contains("\"return\""), "QMP {command}: {line}");
     }
     line
+}
+
+/// The status updates one call reported, in order.
+pub type StatusLog = Arc<std::sync::Mutex<Vec<(broker_host::bindings::InstanceStatus, String)>>>;
+
+/// Call hooks that record every status update (status, info).
+pub fn recording_hooks() -> (broker_host::capabilities::context::CallHooks, StatusLog) {
+    use broker_host::capabilities::context::{CallEvent, CallHooks};
+    let seen = StatusLog::default();
+    let sink = seen.clone();
+    let hooks = CallHooks::with_events(move |event| {
+        if let CallEvent::Status { status, info, .. } = event {
+            sink.lock().expect("status log").push((status, info));
+        }
+    });
+    (hooks, seen)
 }

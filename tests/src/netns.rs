@@ -35,3 +35,19 @@ pub async fn make_nic(name: &str, mac: [u8; 6], address: &str) {
     let (ip, prefix) = address.split_once('/').unwrap();
     handle.address().add(index, ip.parse().unwrap(), prefix.parse().unwrap()).execute().await.unwrap();
 }
+
+/// Run `test` on a thread inside an existing network namespace (`/proc/<pid>/ns/net`), with its own runtime.
+pub fn in_netns_of<F, Fut>(namespace: std::path::PathBuf, test: F)
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    std::thread::spawn(move || {
+        let file = std::fs::File::open(&namespace).unwrap();
+        nix::sched::setns(&file, CloneFlags::CLONE_NEWNET).expect("setns(CLONE_NEWNET) into the daemon's namespace");
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(test());
+    })
+    .join()
+    .expect("the namespaced test panicked");
+}

@@ -8,13 +8,13 @@
 use broker_host::bindings::InstanceStatus;
 use broker_host::broker::service::{interface_on, params_with};
 use broker_host::broker::{Broker, BrokerServiceError, constraints};
-use broker_host::capabilities::context::{CallEvent, CallHooks};
+use broker_host::capabilities::context::CallHooks;
 use broker_host::capabilities::network_bridge::netlink::Netlink;
 use broker_host::capabilities::process::proc_stat;
 use broker_tests::netns::{in_netns, make_nic};
-use broker_tests::{VmPayload, qmp_commands, vm_payload, wasm};
+use broker_tests::{VmPayload, qmp_commands, recording_hooks, vm_payload, wasm};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+
 use std::time::{Duration, Instant};
 
 /// How long a VM may take to print its marker (TCG on a busy machine is slow).
@@ -73,19 +73,6 @@ fn image_with(extra: &[(&str, &str)]) -> broker_host::bindings::ImageMetadata {
         storage: None,
         extra: extra.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
     }
-}
-
-type StatusLog = Arc<Mutex<Vec<(InstanceStatus, String)>>>;
-
-fn recording_hooks() -> (CallHooks, StatusLog) {
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let sink = seen.clone();
-    let hooks = CallHooks::with_events(move |event| {
-        if let CallEvent::Status { status, info, .. } = event {
-            sink.lock().unwrap().push((status, info));
-        }
-    });
-    (hooks, seen)
 }
 
 fn vm_dir(data_dir: &Path, id: &str) -> PathBuf {

@@ -2,7 +2,8 @@
 
 use crate::config::{Accel, Config};
 use crate::spec::{Boot, Nic, Size, VmPaths};
-use serde_json::{Map, Value, json};
+pub use netplan::Interface;
+use serde_json::json;
 
 fn strings(items: &[&str]) -> Vec<String> {
     items.iter().map(|s| (*s).to_owned()).collect()
@@ -24,43 +25,9 @@ pub struct Seed {
     pub files: Vec<(&'static str, Vec<u8>)>,
 }
 
-/// One interface of the network info, as the seed needs it.
-#[derive(Debug, Clone, Default)]
-pub struct SeedInterface {
-    pub name: String,
-    pub mac: String,
-    pub dhcp: bool,
-    /// `10.0.0.5/24`
-    pub addresses: Vec<String>,
-    pub gateway: Option<String>,
-    pub dns: Vec<String>,
-    pub mtu: u32,
-}
-
-pub fn seed(name: &str, user_data: Option<&[u8]>, interfaces: &[SeedInterface]) -> Seed {
+pub fn seed(name: &str, user_data: Option<&[u8]>, interfaces: &[Interface]) -> Seed {
     let meta = json!({ "instance-id": name, "local-hostname": name });
-    let mut ethernets = Map::new();
-    for (i, nic) in interfaces.iter().enumerate() {
-        let id = if nic.name.is_empty() { format!("eth{i}") } else { nic.name.clone() };
-        let mut entry = json!({ "match": { "macaddress": nic.mac }, "set-name": id });
-        if nic.dhcp {
-            entry["dhcp4"] = Value::Bool(true);
-        }
-        if !nic.addresses.is_empty() {
-            entry["addresses"] = json!(nic.addresses);
-        }
-        if let Some(gateway) = &nic.gateway {
-            entry["routes"] = json!([{ "to": "default", "via": gateway }]);
-        }
-        if !nic.dns.is_empty() {
-            entry["nameservers"] = json!({ "addresses": nic.dns });
-        }
-        if nic.mtu != 0 {
-            entry["mtu"] = json!(nic.mtu);
-        }
-        ethernets.insert(id, entry);
-    }
-    let network = json!({ "version": 2, "ethernets": ethernets });
+    let network = netplan::network_config(interfaces);
     let user = user_data.map(<[u8]>::to_vec).unwrap_or_else(|| b"#cloud-config\n{}\n".to_vec());
     Seed {
         files: vec![
@@ -112,6 +79,7 @@ pub fn qemu_args(config: &Config, name: &str, boot: &Boot, size: &Size, paths: &
 mod tests {
     use super::*;
     use crate::spec::paths;
+    use serde_json::Value;
 
     #[test]
     fn qemu_gets_what_was_decided() {
@@ -140,13 +108,13 @@ mod tests {
 
     #[test]
     fn seed_carries_identity_user_data_and_network() {
-        let nic = SeedInterface {
+        let nic = Interface {
             name: "eth0".into(),
             mac: "52:54:00:00:00:01".into(),
             addresses: vec!["10.1.0.5/24".into()],
             gateway: Some("10.1.0.1".into()),
             mtu: 1400,
-            ..SeedInterface::default()
+            ..Interface::default()
         };
         let seed = seed("juju-t-0", Some(b"#cloud-config\nhostname: x\n"), &[nic]);
         let file = |n: &str| seed.files.iter().find(|(f, _)| *f == n).map(|(_, c)| c.clone()).unwrap();

@@ -8,11 +8,10 @@ mod vm;
 
 use broker_guest::network_bridge;
 use broker_guest::types::{
-    Address, AddressConfigType, BrokerError, HardwareCharacteristics, Instance, InstanceStatus, InterfaceInfo,
-    ProviderInfo, StartInstanceParams, StartInstanceResult,
+    Address, BrokerError, HardwareCharacteristics, Instance, InstanceStatus, InterfaceInfo, ProviderInfo,
+    StartInstanceParams, StartInstanceResult,
 };
 use broker_guest::{CallContext, Guest, host_kv, host_log};
-use kvm_logic::qemu::SeedInterface;
 use kvm_logic::spec::{self, Nic, Wanted};
 use kvm_logic::{Config, KvmError};
 
@@ -42,29 +41,6 @@ fn nics(config: &Config, name: &str, seq: u64, network: &[InterfaceInfo]) -> Res
             }
             let mac = if info.mac_address.is_empty() { spec::generated_mac(name, i) } else { info.mac_address.clone() };
             Ok(Nic { tap: spec::tap_name(config, seq, i), bridge: info.parent_interface_name.clone(), mac })
-        })
-        .collect()
-}
-
-fn seed_interfaces(network: &[InterfaceInfo], nics: &[Nic]) -> Vec<SeedInterface> {
-    network
-        .iter()
-        .zip(nics)
-        .map(|(info, nic)| SeedInterface {
-            name: info.interface_name.clone(),
-            mac: nic.mac.clone(),
-            dhcp: info.config_type == AddressConfigType::Dhcp,
-            addresses: info
-                .addresses
-                .iter()
-                .map(|a| match a.cidr.as_deref().and_then(|c| c.split_once('/')) {
-                    Some((_, prefix)) => format!("{}/{prefix}", a.value),
-                    None => a.value.clone(),
-                })
-                .collect(),
-            gateway: info.gateway_address.clone(),
-            dns: info.dns_servers.clone(),
-            mtu: info.mtu,
         })
         .collect()
 }
@@ -109,7 +85,10 @@ impl Guest for Kvm {
         let nics = nics(&config, &name, seq, &params.network_info)?;
         let plan = vm::Plan {
             config: &config,
-            seed_interfaces: seed_interfaces(&params.network_info, &nics),
+            seed_interfaces: broker_guest::netplan_interfaces(
+                &params.network_info,
+                &nics.iter().map(|nic| nic.mac.clone()).collect::<Vec<_>>(),
+            ),
             name,
             seq,
             size,
@@ -128,7 +107,7 @@ impl Guest for Kvm {
                 if let Err(cleanup) = vm::teardown(&plan.name, plan.seq, &plan.nics, 0) {
                     host_log::log(host_log::Level::Warn, &format!("cleaning up {}: {cleanup:?}", plan.name));
                 }
-                let cause = vm::describe(&err);
+                let cause = err.message().to_owned();
                 let _ = ctx.set_status(InstanceStatus::ProvisioningError, &cause, &[]);
                 return Err(err);
             }

@@ -4,7 +4,7 @@ use crate::qmp::Qmp;
 use broker_guest::process::{self, Child, ChildStatus};
 use broker_guest::types::{BrokerError, InstanceStatus};
 use broker_guest::{host_kv, network_bridge};
-use kvm_logic::qemu::{self, SeedInterface};
+use kvm_logic::qemu;
 use kvm_logic::spec::{self, Boot, Nic, Size, VmPaths, VmRecord};
 use kvm_logic::{Config, qmp};
 use std::time::Duration;
@@ -51,7 +51,7 @@ pub struct Plan<'a> {
     pub size: Size,
     pub boot: Boot,
     pub nics: Vec<Nic>,
-    pub seed_interfaces: Vec<SeedInterface>,
+    pub seed_interfaces: Vec<netplan::Interface>,
     pub user_data: Option<Vec<u8>>,
 }
 
@@ -112,7 +112,7 @@ pub fn create(plan: &Plan, on_starting: impl FnOnce() -> Result<(), BrokerError>
     let args = qemu::qemu_args(config, &plan.name, &plan.boot, &plan.size, &paths, &plan.nics);
     let child = process::spawn(&plan.name, &config.qemu, &args, &[])?;
     let mut monitor = Qmp::connect(&paths.qmp, &child, QMP_WAIT)
-        .map_err(|e| provider(format!("{}; qemu said: {}", describe(&e), log_tail(&plan.name))))?;
+        .map_err(|e| provider(format!("{}; qemu said: {}", e.message(), log_tail(&plan.name))))?;
     let virt_type = qmp::virt_type(&monitor.execute("query-kvm", None)?);
     let state = qmp::run_state(&monitor.execute("query-status", None)?);
     if state != "running" {
@@ -120,21 +120,6 @@ pub fn create(plan: &Plan, on_starting: impl FnOnce() -> Result<(), BrokerError>
     }
     save(&plan.record(virt_type))?;
     Ok(virt_type.to_owned())
-}
-
-/// The message inside a contract error, without its kind.
-pub fn describe(err: &BrokerError) -> String {
-    match err {
-        BrokerError::InvalidParams(m)
-        | BrokerError::NotFound(m)
-        | BrokerError::NotSupported(m)
-        | BrokerError::ZoneIndependent(m)
-        | BrokerError::ZoneUnavailable(m)
-        | BrokerError::AccessDenied(m)
-        | BrokerError::Aborted(m)
-        | BrokerError::Timeout(m)
-        | BrokerError::Provider(m) => m.clone(),
-    }
 }
 
 /// Stop qemu (ACPI powerdown, then `quit`, then SIGKILL) and remove every
@@ -200,7 +185,7 @@ pub fn observe(record: &VmRecord) -> (InstanceStatus, String) {
     let child = match process::adopt(&record.name) {
         Ok(Some(child)) => child,
         Ok(None) => return (InstanceStatus::Unknown, "qemu process is gone".into()),
-        Err(err) => return (InstanceStatus::Unknown, describe(&err)),
+        Err(err) => return (InstanceStatus::Unknown, err.message().to_owned()),
     };
     match child.status() {
         ChildStatus::Running => {}
@@ -218,6 +203,6 @@ pub fn observe(record: &VmRecord) -> (InstanceStatus, String) {
         Ok(s) if s == "paused" || s == "suspended" => (InstanceStatus::Stopped, "paused".into()),
         Ok(s) if s == "shutdown" => (InstanceStatus::Stopped, "shutoff".into()),
         Ok(other) => (InstanceStatus::Unknown, format!("qemu reports {other}")),
-        Err(err) => (InstanceStatus::Unknown, format!("QMP: {}", describe(&err))),
+        Err(err) => (InstanceStatus::Unknown, format!("QMP: {}", err.message())),
     }
 }

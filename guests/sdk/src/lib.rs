@@ -38,3 +38,62 @@ impl From<host_kv::KvError> for types::BrokerError {
         types::BrokerError::Provider(detail)
     }
 }
+
+/// The network info as cloud-init's network-config needs it, with the MAC
+/// each interface actually gets (`macs[i]`, or its own when `macs` is short).
+pub fn netplan_interfaces(network: &[types::InterfaceInfo], macs: &[String]) -> Vec<netplan::Interface> {
+    network
+        .iter()
+        .enumerate()
+        .map(|(i, info)| netplan::Interface {
+            name: info.interface_name.clone(),
+            mac: macs.get(i).cloned().unwrap_or_else(|| info.mac_address.clone()),
+            dhcp: info.config_type == types::AddressConfigType::Dhcp,
+            addresses: info
+                .addresses
+                .iter()
+                .map(|a| match a.cidr.as_deref().and_then(|c| c.split_once('/')) {
+                    Some((_, prefix)) => format!("{}/{prefix}", a.value),
+                    None => a.value.clone(),
+                })
+                .collect(),
+            gateway: info.gateway_address.clone(),
+            dns: info.dns_servers.clone(),
+            mtu: info.mtu,
+        })
+        .collect()
+}
+
+impl types::BrokerError {
+    /// The message inside the error, without its kind.
+    pub fn message(&self) -> &str {
+        use types::BrokerError as E;
+        match self {
+            E::InvalidParams(m)
+            | E::NotFound(m)
+            | E::NotSupported(m)
+            | E::ZoneIndependent(m)
+            | E::ZoneUnavailable(m)
+            | E::AccessDenied(m)
+            | E::Aborted(m)
+            | E::Timeout(m)
+            | E::Provider(m) => m,
+        }
+    }
+
+    /// The same kind of error with its message rewritten (e.g. Juju's "Creating container: …").
+    pub fn map_message(self, f: impl FnOnce(String) -> String) -> Self {
+        use types::BrokerError as E;
+        match self {
+            E::InvalidParams(m) => E::InvalidParams(f(m)),
+            E::NotFound(m) => E::NotFound(f(m)),
+            E::NotSupported(m) => E::NotSupported(f(m)),
+            E::ZoneIndependent(m) => E::ZoneIndependent(f(m)),
+            E::ZoneUnavailable(m) => E::ZoneUnavailable(f(m)),
+            E::AccessDenied(m) => E::AccessDenied(f(m)),
+            E::Aborted(m) => E::Aborted(f(m)),
+            E::Timeout(m) => E::Timeout(f(m)),
+            E::Provider(m) => E::Provider(f(m)),
+        }
+    }
+}

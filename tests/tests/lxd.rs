@@ -1,0 +1,178 @@
+//! The LXD provider against a real Incus daemon: the real host (`Broker`),
+//! the real component, `wasi:http` routed by the host to the daemon's unix
+//! socket. Each test starts its own incusd in namespaces of its own
+//! (broker_tests::incus) and stops it by pid at the end.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use broker_host::bindings::InstanceStatus;
+use broker_host::broker::service::{interface_on, params_with};
+use broker_host::broker::{Broker, constraints};
+use broker_host::capabilities::context::CallHooks;
+use broker_tests::incus::IncusDaemon;
+use broker_tests::netns::in_netns_of;
+use broker_tests::{bundled_manifest_text, recording_hooks};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const BUNDLED_GRANT: &str = "lxd = \"unix:/var/lib/incus/unix.socket\"";
+
+/// The bundled manifest, its grant pointing at this daemon's socket (or no
+/// `[grants.http]` at all), under `name` and `namespace`.
+fn lxd_manifest(dir: &Path, daemon: &IncusDaemon, name: &str, namespace: &str, grant: bool) -> PathBuf {
+    let bundled = bundled_manifest_text("lxd");
+    assert!(bundled.contains(BUNDLED_GRANT) && bundled.contains("namespace = \"host0\""));
+    let grant = if grant { format!("lxd = \"unix:{}\"", daemon.socket().display()) } else { String::new() };
+    let text = bundled
+        .replace("name = \"lxd\"", &format!("name = \"{name}\""))
+        .replace(BUNDLED_GRANT, &grant)
+        .replace("namespace = \"host0\"", &format!("namespace = \"{namespace}\""));
+    let text = if grant.is_empty() { text.replace("[grants.http]", "") } else { text };
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn image_alias(alias: &str) -> broker_host::bindings::ImageMetadata {
+    broker_host::bindings::ImageMetadata {
+        id: alias.into(),
+        arch: "amd64".into(),
+        base: String::new(),
+        region: String::new(),
+        endpoint: String::new(),
+        stream: String::new(),
+        virt_type: Some("lxd".into()),
+        storage: None,
+        extra: vec![("alias".into(), alias.into())],
+    }
+}
+
+/// The memory limit the kernel enforces on a container, from its cgroup on the host.
+fn memory_limit_bytes(daemon: &IncusDaemon, name: &str) -> u64 {
+    let pid = daemon.api(&format!("/1.0/instances/{name}/state")).unwrap()["pid"].as_u64().unwrap();
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let memory = cgroups.lines().find_map(|l| l.split_once(":memory:").map(|(_, path)| path.to_owned()));
+    let file = match memory {
+        Some(path) => format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"),
+        None => {
+            let path = cgroups.lines().find_map(|l| l.strip_prefix("0::")).unwrap().to_owned();
+            format!("/sys/fs/cgroup{path}/memory.max")
+        }
+    };
+    std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{file}: {e}")).trim().parse().unwrap()
+}
+
+fn exec(daemon: &IncusDaemon, name: &str, command: &[&str]) -> String {
+    let mut args = vec!["exec", name, "--", "/bin/busybox"];
+    args.extend_from_slice(command);
+    daemon.incus_ok(&args).trim().to_owned()
+}
+
+#[test]
+fn three_containers_run_with_their_limits_a_nic_on_the_bridge_and_stop_cleanly() {
+    let daemon = IncusDaemon::start("br-lxdtest");
+    let daemon_pid = daemon.pid();
+    let daemon = Arc::new(daemon);
+    let d = daemon.clone();
+    in_netns_of(daemon.netns(), move || async move {
+        let daemon = d;
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path();
+        let broker = Broker::open(data).unwrap();
+        broker.registry().add(&lxd_manifest(data, &daemon, "lxd", "t1", true)).await.unwrap();
+
+        let asked = [("cores=1 mem=128M", Some(1), 128), ("cores=2 mem=256M", Some(2), 256), ("mem=192M", None, 192)];
+        let mut ids = Vec::new();
+        for (i, (text, ..)) in asked.iter().enumerate() {
+            let mut params = params_with(constraints::parse(text).unwrap());
+            if i == 1 {
+                params.network_info = vec![interface_on("br-lxdtest", "00:16:3e:12:34:56")];
+            }
+            let (hooks, seen) = recording_hooks();
+            let record = broker.start_instance("lxd", &params, &hooks).await.unwrap();
+            let seen = seen.lock().unwrap().clone();
+            let infos: Vec<&str> = seen.iter().map(|(_, info)| info.as_str()).collect();
+            assert_eq!(
+                infos,
+                ["Creating container spec", "acquiring LXD image", "Creating container", "Container started"]
+            );
+            assert_eq!(seen.last().unwrap().0, InstanceStatus::Running);
+            assert!(record.id.starts_with("juju-t1-"), "{}", record.id);
+            ids.push(record.id);
+        }
+
+        for (id, (_, cores, mem)) in ids.iter().zip(asked) {
+            let instance = daemon.api(&format!("/1.0/instances/{id}")).unwrap();
+            assert_eq!(instance["status"], "Running", "{id}");
+            assert_eq!(instance["expanded_config"]["limits.memory"], format!("{mem}MiB").as_str());
+            assert_eq!(instance["expanded_config"]["boot.autostart"], "true");
+            // The kernel enforces what LXD was told.
+            assert_eq!(memory_limit_bytes(&daemon, id), mem << 20, "{id}");
+            match cores {
+                Some(n) => {
+                    assert_eq!(instance["expanded_config"]["limits.cpu"], n.to_string().as_str());
+                    assert_eq!(exec(&daemon, id, &["nproc"]), n.to_string(), "{id}");
+                }
+                None => assert!(instance["expanded_config"].get("limits.cpu").is_none()),
+            }
+            // busybox is alive in there: its init is pid 1, and it runs what it is asked.
+            assert_eq!(exec(&daemon, id, &["cat", "/proc/1/comm"]), "init", "{id}");
+            assert_eq!(exec(&daemon, id, &["hostname"]), id.as_str());
+        }
+        // The NIC on the test bridge has the MAC asked for, inside and in LXD's config.
+        assert_eq!(exec(&daemon, &ids[1], &["cat", "/sys/class/net/eth0/address"]), "00:16:3e:12:34:56");
+        let nic = &daemon.api(&format!("/1.0/instances/{}", ids[1])).unwrap()["expanded_devices"]["eth0"];
+        assert_eq!((nic["nictype"].as_str(), nic["parent"].as_str()), (Some("bridged"), Some("br-lxdtest")));
+        let network_config =
+            daemon.api(&format!("/1.0/instances/{}", ids[1])).unwrap()["config"]["user.network-config"]
+                .as_str()
+                .map(str::to_owned)
+                .unwrap();
+        let network_config: serde_json::Value = serde_json::from_str(&network_config).unwrap();
+        assert_eq!(network_config["ethernets"]["eth0"]["match"]["macaddress"], "00:16:3e:12:34:56");
+
+        // all-instances shows exactly them, running, with the hardware LXD reports.
+        let listed = broker.list_instances(Some("lxd")).await.unwrap();
+        assert_eq!(listed.iter().map(|r| r.id.clone()).collect::<Vec<_>>(), ids);
+        for (record, (_, cores, mem)) in listed.iter().zip(asked) {
+            assert_eq!(record.status, "running", "{record:?}");
+            assert_eq!((record.hardware.mem, record.hardware.cpu_cores), (Some(mem), cores));
+            assert_eq!(record.hardware.arch.as_deref(), Some("amd64"));
+            assert_eq!(record.hardware.virt_type.as_deref(), Some("container"));
+        }
+
+        // Stop one: gone from the daemon; stopping it again, or ids that are not ours, is fine.
+        broker.stop_instances("lxd", std::slice::from_ref(&ids[0])).await.unwrap();
+        assert!(daemon.api(&format!("/1.0/instances/{}", ids[0])).is_none(), "{} still exists", ids[0]);
+        assert_eq!(broker.list_instances(Some("lxd")).await.unwrap().len(), 2);
+        broker.stop_instances("lxd", std::slice::from_ref(&ids[0])).await.unwrap();
+        broker.stop_instances("lxd", &["juju-t1-nonesuch".to_owned(), "someone-elses".to_owned()]).await.unwrap();
+
+        // An unknown image alias: a clear error, and nothing left in the daemon.
+        let before = daemon.instance_names().unwrap();
+        let mut params = params_with(constraints::parse("mem=128M").unwrap());
+        params.image_metadata = vec![image_alias("nope")];
+        let (hooks, seen) = recording_hooks();
+        let err = broker.start_instance("lxd", &params, &hooks).await.unwrap_err().to_string();
+        assert!(err.contains("image alias \"nope\" not found"), "{err}");
+        let (status, info) = seen.lock().unwrap().last().unwrap().clone();
+        assert_eq!(status, InstanceStatus::ProvisioningError);
+        assert!(info.starts_with("Creating container: image alias \"nope\""), "{info}");
+        assert_eq!(daemon.instance_names().unwrap(), before);
+
+        // The same component without its socket grant: access-denied, nothing made.
+        broker.registry().add(&lxd_manifest(data, &daemon, "lxd-ungranted", "t2", false)).await.unwrap();
+        let err =
+            broker.start_instance("lxd-ungranted", &params_with(constraints::empty()), &CallHooks::default()).await;
+        let err = format!("{:?}", err.unwrap_err());
+        assert!(err.contains("AccessDenied") && err.contains("[grants.http]"), "{err}");
+        assert_eq!(daemon.instance_names().unwrap(), before);
+
+        broker.stop_instances("lxd", &ids[1..]).await.unwrap();
+        assert!(broker.list_instances(Some("lxd")).await.unwrap().is_empty());
+        assert!(daemon.instance_names().unwrap().is_empty());
+    });
+    // Teardown stops the daemon this test started, by its pid.
+    drop(Arc::into_inner(daemon).expect("the test thread released the daemon"));
+    assert!(!Path::new(&format!("/proc/{daemon_pid}")).exists(), "incusd {daemon_pid} still runs");
+}
