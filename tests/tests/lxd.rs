@@ -176,3 +176,93 @@ fn three_containers_run_with_their_limits_a_nic_on_the_bridge_and_stop_cleanly()
     drop(Arc::into_inner(daemon).expect("the test thread released the daemon"));
     assert!(!Path::new(&format!("/proc/{daemon_pid}")).exists(), "incusd {daemon_pid} still runs");
 }
+
+/// Params for Juju machine `machine`, with cloud-init user data.
+fn machine_params(machine: &str, constraints_text: &str) -> broker_host::bindings::StartInstanceParams {
+    let mut params = params_with(constraints::parse(constraints_text).unwrap());
+    params.instance_config = Some(broker_host::bindings::InstanceConfig {
+        machine_id: machine.into(),
+        machine_nonce: format!("machine-{machine}:nonce"),
+        controller_uuid: "deadbeef-0000-4000-8000-000000000001".into(),
+        container_type: Some("lxd".into()),
+        hostname: None,
+        base: None,
+        image_stream: None,
+        user_data: Some(b"#cloud-config\nhostname: test\n".to_vec()),
+        authorized_keys: vec![],
+        tags: vec![],
+        profiles: vec![],
+        proxy_settings: None,
+        apt_proxy_settings: None,
+        apt_mirror: None,
+        cloud_init_properties: vec![],
+        enable_os_refresh_update: false,
+        enable_os_upgrade: false,
+    });
+    params
+}
+
+#[test]
+fn maintain_checks_nics_a_foreign_container_is_never_taken_over_and_a_failed_start_leaves_nothing() {
+    let daemon = Arc::new(IncusDaemon::start("br-lxdmaint"));
+    let d = daemon.clone();
+    in_netns_of(daemon.netns(), move || async move {
+        let daemon = d;
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path();
+        let broker = Broker::open(data).unwrap();
+        broker.registry().add(&lxd_manifest(data, &daemon, "lxd", "t3", true)).await.unwrap();
+
+        // Juju's name for machine 7, its user data in LXD's config; maintain finds its NIC.
+        let mut params = machine_params("7", "cores=1");
+        params.network_info = vec![interface_on("br-lxdmaint", "00:16:3e:00:07:01")];
+        let record = broker.start_instance("lxd", &params, &CallHooks::default()).await.unwrap();
+        assert_eq!(record.id, "juju-t3-7");
+        let config = &daemon.api("/1.0/instances/juju-t3-7").unwrap()["config"];
+        assert_eq!(config["user.user-data"], "#cloud-config\nhostname: test\n");
+        broker.maintain_instance("lxd", "juju-t3-7").await.unwrap();
+        daemon.incus_ok(&["config", "device", "remove", "juju-t3-7", "eth0"]);
+        let err = broker.maintain_instance("lxd", "juju-t3-7").await.unwrap_err().to_string();
+        assert!(err.contains("NIC eth0 is missing"), "{err}");
+
+        // Someone else's container under the name machine 8 would get: refused, and left alone.
+        daemon.incus_ok(&["init", "busybox", "juju-t3-8", "--config", "limits.cpu=2"]);
+        let (hooks, seen) = recording_hooks();
+        let err = broker.start_instance("lxd", &machine_params("8", "cores=1"), &hooks).await.unwrap_err().to_string();
+        assert!(err.contains("juju-t3-8 already exists with a different spec") && err.contains("limits.cpu"), "{err}");
+        assert_eq!(seen.lock().unwrap().last().unwrap().0, InstanceStatus::ProvisioningError);
+        let foreign = daemon.api("/1.0/instances/juju-t3-8").expect("the foreign container is still there");
+        assert_eq!(foreign["config"]["limits.cpu"], "2");
+
+        // Created but cannot start (a charm profile with a NIC on a bridge that does not exist):
+        // the container is deleted again and the error says why.
+        daemon.incus_ok(&["profile", "create", "broken"]);
+        daemon.incus_ok(&[
+            "profile",
+            "device",
+            "add",
+            "broken",
+            "eth9",
+            "nic",
+            "nictype=bridged",
+            "parent=br-nonesuch",
+        ]);
+        let mut params = machine_params("9", "mem=128M");
+        params.charm_lxd_profiles = vec!["broken".into()];
+        let (hooks, seen) = recording_hooks();
+        let err = broker.start_instance("lxd", &params, &hooks).await.unwrap_err().to_string();
+        assert!(err.contains("Creating container: starting juju-t3-9"), "{err}");
+        let infos: Vec<String> = seen.lock().unwrap().iter().map(|(_, info)| info.clone()).collect();
+        assert_eq!(&infos[..3], ["Creating container spec", "acquiring LXD image", "Creating container"]);
+        assert!(daemon.api("/1.0/instances/juju-t3-9").is_none(), "the container that failed to start remains");
+
+        // A restarted host (new store handle, new component instance) lists what is in its
+        // namespace, as Juju's LXD broker does: what it made, and the squatter on machine 8's name.
+        drop(broker);
+        let broker = Broker::open(data).unwrap();
+        let listed: Vec<String> = broker.list_instances(Some("lxd")).await.unwrap().into_iter().map(|r| r.id).collect();
+        assert_eq!(listed, ["juju-t3-7", "juju-t3-8"]);
+        broker.stop_instances("lxd", &["juju-t3-7".to_owned()]).await.unwrap();
+        assert_eq!(daemon.instance_names().unwrap(), ["juju-t3-8"]);
+    });
+}

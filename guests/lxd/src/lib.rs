@@ -106,25 +106,26 @@ fn remove(lxd: &Lxd, name: &str) -> Result<(), BrokerError> {
     Err(BrokerError::Provider(format!("cannot delete container {name} after 3 tries: {last}")))
 }
 
-/// Create (or accept an identical existing) container and start it.
+/// Create (or accept an identical existing) container and start it. An
+/// existing container with another spec is never touched: it may not be ours.
 fn create_and_start(lxd: &Lxd, spec: &spec::ContainerSpec) -> Result<(), BrokerError> {
     let name = &spec.name;
-    match lxd.act(Method::Post, "/1.0/instances", Some(&spec.create_body()))? {
-        Ok(()) => {}
-        Err((code, message)) if code == 409 || message.contains("already exists") => {
-            let existing = lxd.instance(name)?.ok_or_else(|| BrokerError::Provider(message.clone()))?;
-            let differences = spec.differences(&existing);
-            if !differences.is_empty() {
-                return Err(BrokerError::InvalidParams(format!(
-                    "container {name} already exists with a different spec: {}",
-                    differences.join("; ")
-                )));
-            }
-        }
-        Err((_, message)) => {
-            // A failed create can leave a half-made instance behind.
-            let _ = remove(lxd, name);
-            return Err(BrokerError::Provider(message));
+    let existing = match lxd.instance(name)? {
+        Some(instance) => Some(instance),
+        None => match lxd.act(Method::Post, "/1.0/instances", Some(&spec.create_body()))? {
+            Ok(()) => None,
+            // Made by someone else between the look and the create? (Incus says
+            // so only as a database constraint in the failed operation.)
+            Err((_, message)) => Some(lxd.instance(name)?.ok_or(BrokerError::Provider(message))?),
+        },
+    };
+    if let Some(existing) = existing {
+        let differences = spec.differences(&existing);
+        if !differences.is_empty() {
+            return Err(BrokerError::InvalidParams(format!(
+                "container {name} already exists with a different spec: {}",
+                differences.join("; ")
+            )));
         }
     }
     let running = lxd.instance(name)?.is_some_and(|i| api::instance_state(&i).0 == State::Running);
