@@ -133,3 +133,21 @@ impl Drop for IncusDaemon {
         let _ = self.child.wait();
     }
 }
+
+const BUNDLED_GRANT: &str = "lxd = \"unix:/var/lib/incus/unix.socket\"";
+
+/// The bundled LXD manifest with its grant pointing at `socket` (or no
+/// `[grants.http]` at all), under `name` and `namespace`.
+pub fn lxd_manifest_text(socket: &Path, name: &str, namespace: &str, grant: bool) -> String {
+    let bundled = crate::bundled_manifest_text("lxd");
+    assert!(
+        bundled.contains(BUNDLED_GRANT) && bundled.contains("namespace = \"host0\""),
+        "bundled lxd manifest changed"
+    );
+    let grant = if grant { format!("lxd = \"unix:{}\"", socket.display()) } else { String::new() };
+    let text = bundled
+        .replace("name = \"lxd\"", &format!("name = \"{name}\""))
+        .replace(BUNDLED_GRANT, &grant)
+        .replace("namespace = \"host0\"", &format!("namespace = \"{namespace}\""));
+    if grant.is_empty() { text.replace("[grants.http]", "") } else { text }
+}

@@ -9,27 +9,16 @@ use broker_host::bindings::InstanceStatus;
 use broker_host::broker::service::{interface_on, params_with};
 use broker_host::broker::{Broker, constraints};
 use broker_host::capabilities::context::CallHooks;
-use broker_tests::incus::IncusDaemon;
+use broker_tests::incus::{IncusDaemon, lxd_manifest_text};
 use broker_tests::netns::in_netns_of;
-use broker_tests::{bundled_manifest_text, recording_hooks};
+use broker_tests::recording_hooks;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-const BUNDLED_GRANT: &str = "lxd = \"unix:/var/lib/incus/unix.socket\"";
-
-/// The bundled manifest, its grant pointing at this daemon's socket (or no
-/// `[grants.http]` at all), under `name` and `namespace`.
+/// The bundled manifest for this daemon, written into `dir`.
 fn lxd_manifest(dir: &Path, daemon: &IncusDaemon, name: &str, namespace: &str, grant: bool) -> PathBuf {
-    let bundled = bundled_manifest_text("lxd");
-    assert!(bundled.contains(BUNDLED_GRANT) && bundled.contains("namespace = \"host0\""));
-    let grant = if grant { format!("lxd = \"unix:{}\"", daemon.socket().display()) } else { String::new() };
-    let text = bundled
-        .replace("name = \"lxd\"", &format!("name = \"{name}\""))
-        .replace(BUNDLED_GRANT, &grant)
-        .replace("namespace = \"host0\"", &format!("namespace = \"{namespace}\""));
-    let text = if grant.is_empty() { text.replace("[grants.http]", "") } else { text };
     let path = dir.join(format!("{name}.toml"));
-    std::fs::write(&path, text).unwrap();
+    std::fs::write(&path, lxd_manifest_text(&daemon.socket(), name, namespace, grant)).unwrap();
     path
 }
 
