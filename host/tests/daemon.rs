@@ -131,6 +131,12 @@ fn the_api_serves_providers_instances_swaps_events_and_metrics() {
     let (status, refused) =
         daemon.json("POST", "/v1/providers/fake/swap", Some(r#"{"component":"/nonexistent/x.wasm"}"#));
     assert_eq!(status, 422, "{refused}");
+    let garbage = dir.path().join("garbage.wasm");
+    std::fs::write(&garbage, b"\0asm garbage").unwrap();
+    let body = format!("{{\"component\":\"{}\"}}", garbage.display());
+    let (status, refused) = daemon.json("POST", "/v1/providers/fake/swap", Some(&body));
+    assert_eq!(status, 409, "a refused candidate: {refused}");
+    assert!(refused["error"].as_str().unwrap().contains("0.2.0 keeps serving"), "{refused}");
 
     let (status, _) = daemon.json("DELETE", &format!("/v1/instances/{id}"), None);
     assert_eq!(status, 200);
@@ -138,10 +144,17 @@ fn the_api_serves_providers_instances_swaps_events_and_metrics() {
 
     let (_, events) = daemon.json("GET", "/v1/events", None);
     let kinds: Vec<&str> = events.as_array().unwrap().iter().map(|e| e["kind"].as_str().unwrap()).collect();
-    assert_eq!(kinds, ["added", "swapped"]);
+    assert_eq!(kinds, ["added", "swapped", "swap-refused"]);
     let (status, metrics) = daemon.request("GET", "/metrics", None);
     assert_eq!(status, 200);
-    assert!(metrics.contains("broker_swaps_total 1"), "{metrics}");
+    assert!(metrics.contains("broker_swaps_total 1\n"), "{metrics}");
+    assert!(metrics.contains("broker_swap_refusals_total 1\n"), "{metrics}");
+    // The machine lock, as `broker lock --json` reports it.
+    let (status, lock) = daemon.json("GET", "/v1/lock?history=5", None);
+    assert_eq!(status, 200, "{lock}");
+    assert_eq!((lock["name"].as_str(), lock["holder"].is_null()), (Some("machine-lock"), true), "{lock}");
+    assert_eq!(lock["waiting"], serde_json::json!([]));
+    assert_eq!(daemon.request("GET", "/v1/lock?history=lots", None).0, 400);
     assert!(metrics.contains("broker_provider_calls_total{provider=\"fake\""), "{metrics}");
 }
 

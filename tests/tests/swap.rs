@@ -120,6 +120,11 @@ async fn swapping_under_load_loses_no_call_and_no_instance() {
     assert!(anchors.iter().all(|a| listed.contains(a)));
     let swapped = broker.store().events(0, 1000).unwrap().iter().filter(|e| e.kind == "swapped").count();
     assert_eq!(swapped as u64, swaps);
+    assert_eq!(broker.registry().swap_counts().swapped.load(Ordering::Relaxed), swaps);
+    // Each swap pruned the copy it replaced: only the serving component is kept.
+    let kept: Vec<_> = std::fs::read_dir(broker.store().data_dir().join("components")).unwrap().flatten().collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(kept[0].path(), serving(&broker).await.manifest().component);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -103,6 +103,11 @@ impl Broker {
         &self.store
     }
 
+    /// The machine lock the host and its providers share.
+    pub fn lock(&self) -> &MachineLock {
+        &self.machine_lock
+    }
+
     #[tracing::instrument(skip_all, fields(provider = %provider, instance_id = tracing::field::Empty))]
     pub async fn start_instance(
         &self,

@@ -100,6 +100,7 @@ pub fn router(broker: Shared) -> Router {
         .route("/v1/instances/{id}", axum::routing::delete(stop_instance))
         .route("/v1/instances/{id}/maintain", post(maintain_instance))
         .route("/v1/events", get(events))
+        .route("/v1/lock", get(lock_report))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(broker)
 }
@@ -256,6 +257,18 @@ async fn events(State(broker): State<Shared>, Query(query): Query<EventsQuery>) 
     Ok(Json(broker.store().events(query.after, query.limit.min(10_000))?).into_response())
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LockQuery {
+    #[serde(default = "default_limit")]
+    history: usize,
+}
+
+/// The machine lock: holder, waiters (of every process) and recent history, as `broker lock --json`.
+async fn lock_report(State(broker): State<Shared>, Query(query): Query<LockQuery>) -> Response {
+    Json(broker.lock().report(query.history.min(1000))).into_response()
+}
+
 /// Prometheus text format: per loaded provider version, its calls,
 /// instantiations and discarded instances; and the swaps so far.
 async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
@@ -279,8 +292,12 @@ async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
             stats.instantiations.load(Ordering::Relaxed)
         ));
     }
-    let swaps = broker.store().events(0, usize::MAX)?.iter().filter(|e| e.kind == "swapped").count();
+    let swaps = broker.registry().swap_counts();
+    text.push_str("# HELP broker_swaps_total Providers swapped since the daemon started.\n");
     text.push_str("# TYPE broker_swaps_total counter\n");
-    text.push_str(&format!("broker_swaps_total {swaps}\n"));
+    text.push_str(&format!("broker_swaps_total {}\n", swaps.swapped.load(Ordering::Relaxed)));
+    text.push_str("# HELP broker_swap_refusals_total Swap candidates refused since the daemon started.\n");
+    text.push_str("# TYPE broker_swap_refusals_total counter\n");
+    text.push_str(&format!("broker_swap_refusals_total {}\n", swaps.refused.load(Ordering::Relaxed)));
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }

@@ -8,6 +8,7 @@ use crate::store::{Event, ProviderRecord, Store, StoreError, records::now_rfc333
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 #[derive(Debug, thiserror::Error)]
@@ -54,11 +55,26 @@ pub struct Registry {
     loaded: RwLock<HashMap<String, Arc<WasmProvider>>>,
     /// One swap at a time, so two candidates cannot race for the slot.
     swapping: tokio::sync::Mutex<()>,
+    swap_counts: SwapCounts,
+}
+
+/// Swaps since this process started, for `/metrics` (the event log has them all).
+#[derive(Debug, Default)]
+pub struct SwapCounts {
+    pub swapped: AtomicU64,
+    pub refused: AtomicU64,
 }
 
 impl Registry {
     pub fn new(runtime: Arc<Runtime>, store: Arc<Store>, capabilities: HostCapabilities) -> Self {
-        Registry { runtime, store, capabilities, loaded: RwLock::new(HashMap::new()), swapping: Default::default() }
+        Registry {
+            runtime,
+            store,
+            capabilities,
+            loaded: RwLock::new(HashMap::new()),
+            swapping: Default::default(),
+            swap_counts: SwapCounts::default(),
+        }
     }
 
     /// Load and check a provider, run its `validate-config`, then register it.
@@ -150,6 +166,7 @@ impl Registry {
             if let Err(e) = self.store.append_event(&event) {
                 tracing::warn!(provider = name, error = %e, "cannot record a refused swap");
             }
+            self.swap_counts.refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(provider = name, new_sha256 = %sha256, reason = %reason, "swap refused");
             RegistryError::SwapRefused { name: name.to_owned(), serving: record.version.clone(), reason }
         };
@@ -197,6 +214,16 @@ impl Registry {
         event.old_version = Some(report.old_version.clone());
         event.new_version = Some(report.new_version.clone());
         self.store.append_event(&event)?;
+        self.swap_counts.swapped.fetch_add(1, Ordering::Relaxed);
+        // The replaced copy in components/ is no longer what loads; calls still on
+        // the old version run from memory, not from the file.
+        let old = &serving.manifest().component;
+        if *old != kept
+            && old.parent() == kept.parent()
+            && let Err(e) = std::fs::remove_file(old)
+        {
+            tracing::warn!(provider = name, path = %old.display(), error = %e, "cannot prune a replaced component");
+        }
         tracing::info!(provider = name, old_sha256 = %report.old_sha256, new_sha256 = %report.new_sha256, "provider swapped");
         Ok(report)
     }
@@ -255,6 +282,10 @@ impl Registry {
     }
 
     /// The versions loaded now, one per provider (the ones new calls get).
+    pub fn swap_counts(&self) -> &SwapCounts {
+        &self.swap_counts
+    }
+
     pub fn loaded(&self) -> Vec<Arc<WasmProvider>> {
         let loaded = self.loaded.read().unwrap_or_else(|p| p.into_inner());
         let mut providers: Vec<_> = loaded.values().cloned().collect();
