@@ -18,10 +18,15 @@ struct Daemon {
 
 impl Daemon {
     fn start(data_dir: &Path) -> Daemon {
+        Daemon::start_with(data_dir, &[])
+    }
+
+    fn start_with(data_dir: &Path, serve_args: &[&str]) -> Daemon {
         let child = Command::new(env!("CARGO_BIN_EXE_broker"))
             .arg("--data-dir")
             .arg(data_dir)
             .arg("serve")
+            .args(serve_args)
             .env_remove("RUST_LOG")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -53,13 +58,23 @@ impl Drop for Daemon {
     }
 }
 
-/// One request; returns the status and the (de-chunked) body.
+/// One request on the unix socket; returns the status and the (de-chunked) body.
 fn request(socket: &Path, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String) {
-    let mut stream = UnixStream::connect(socket).unwrap();
+    exchange(UnixStream::connect(socket).unwrap(), method, path, body, "")
+}
+
+/// One request on `stream`, with `headers` (each ending in CRLF) added.
+fn exchange(
+    mut stream: impl Read + Write,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    headers: &str,
+) -> (u16, String) {
     let body = body.unwrap_or_default();
     write!(
             stream,
-            "{method} {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            "{method} {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n{headers}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             body.len()
         )
         .unwrap();
@@ -205,4 +220,53 @@ fn sigterm_lets_a_start_in_flight_finish_then_exits() {
     // The instance it finished is recorded: a new daemon lists it.
     let again = Daemon::start(dir.path());
     assert_eq!(again.json("GET", "/v1/instances", None).1.as_array().unwrap().len(), 1);
+}
+
+#[test]
+fn tcp_needs_loopback_a_private_token_file_and_the_token_on_every_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret-token-for-the-test\n").unwrap();
+    let broker = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_broker")).arg("--data-dir").arg(dir.path()).args(args).output().unwrap()
+    };
+    let token = token_file.display().to_string();
+
+    // Refused before serving: a token file others can read, a non-loopback address, --listen alone.
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = broker(&["serve", "--listen", "127.0.0.1:1", "--token-file", &token]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("readable by group or others"), "{out:?}");
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let out = broker(&["serve", "--listen", "0.0.0.0:1", "--token-file", &token]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("loopback"), "{out:?}");
+    let out = broker(&["serve", "--listen", "127.0.0.1:1"]);
+    assert_eq!(out.status.code(), Some(2), "--listen needs --token-file: {out:?}");
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let daemon = Daemon::start_with(dir.path(), &["--listen", &addr, "--token-file", &token]);
+    let tcp = |path: &str, headers: &str| {
+        let started = Instant::now();
+        let stream = loop {
+            match std::net::TcpStream::connect(&addr) {
+                Ok(stream) => break stream,
+                Err(e) if started.elapsed() > Duration::from_secs(10) => panic!("no TCP listener on {addr}: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        exchange(stream, "GET", path, None, headers)
+    };
+    assert_eq!(tcp("/healthz", ""), (200, "ok\n".to_owned()), "health needs no token");
+    let (status, body) = tcp("/v1/providers", "");
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("missing Authorization"), "{body}");
+    let (status, body) = tcp("/v1/providers", "Authorization: Bearer s3cret-token-for-the-tesT\r\n");
+    assert_eq!((status, body.contains("wrong bearer token")), (401, true), "{body}");
+    assert_eq!(tcp("/metrics", "Authorization: Basic czNjcmV0\r\n").0, 401);
+    let (status, body) = tcp("/v1/providers", "Authorization: Bearer s3cret-token-for-the-test\r\n");
+    assert_eq!((status, body.as_str()), (200, "[]"));
+    // The unix socket still serves, as before.
+    assert_eq!(daemon.request("GET", "/v1/providers", None), (200, "[]".to_owned()));
 }

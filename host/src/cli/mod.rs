@@ -46,11 +46,18 @@ pub enum Command {
     /// Run as a daemon: the HTTP/JSON API on a unix socket (DATA_DIR/broker.sock,
     /// mode 0600) until SIGTERM or Ctrl-C, then finish the requests in flight.
     /// Routes: /healthz, /metrics, /v1/providers[/NAME[/swap]], /v1/instances[/ID[/maintain]]
-    /// (starting streams NDJSON status lines), /v1/events.
+    /// (starting streams NDJSON status lines), /v1/events, /v1/lock.
     Serve {
         /// Listen here instead of DATA_DIR/broker.sock.
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Also serve on this loopback TCP address (e.g. 127.0.0.1:7070); every
+        /// request but /healthz must then carry `Authorization: Bearer <token>`.
+        #[arg(long, requires = "token_file", value_name = "ADDR")]
+        listen: Option<std::net::SocketAddr>,
+        /// The bearer token for --listen: a file only its owner can read, at least 16 characters.
+        #[arg(long, requires = "listen", value_name = "FILE")]
+        token_file: Option<PathBuf>,
     },
     /// The event log: providers added, swapped (both versions' hashes), refused, removed.
     Events {
@@ -197,9 +204,17 @@ pub async fn run(cli: Cli) -> Result<u8> {
         Command::Provider(command) => provider(&broker, command, &mut stdout).await?,
         Command::Instance(command) => instance(&broker, command, &mut stdout).await?,
         Command::Lock(_) => unreachable!("handled above"),
-        Command::Serve { socket } => {
+        Command::Serve { socket, listen, token_file } => {
             let socket = socket.unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
-            crate::daemon::serve(std::sync::Arc::new(broker), &socket, shutdown_signal()).await?;
+            let tcp = match (listen, token_file) {
+                (Some(addr), Some(file)) => {
+                    crate::daemon::check_loopback(addr).map_err(|e| UsageError(e.to_string()))?;
+                    let token = crate::daemon::BearerToken::load(&file).map_err(|e| UsageError(e.to_string()))?;
+                    Some(crate::daemon::TcpListen { addr, token })
+                }
+                _ => None,
+            };
+            crate::daemon::serve(std::sync::Arc::new(broker), &socket, tcp, shutdown_signal()).await?;
         }
         Command::Events { after, limit, json } => {
             let events = broker.store().events(after, limit)?;

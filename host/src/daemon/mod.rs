@@ -6,8 +6,10 @@
 //! what makes hot swap mean something.
 
 mod api;
+mod auth;
 
 pub use api::router;
+pub use auth::{AuthError, BearerToken, check_loopback};
 
 use crate::broker::Broker;
 use anyhow::{Context, Result};
@@ -23,11 +25,19 @@ pub fn default_socket(data_dir: &Path) -> PathBuf {
     data_dir.join("broker.sock")
 }
 
-/// Serve the API on `socket` until `shutdown` resolves; then stop accepting
-/// and let the requests in flight finish.
+/// Where the API listens besides its unix socket.
+pub struct TcpListen {
+    pub addr: std::net::SocketAddr,
+    pub token: BearerToken,
+}
+
+/// Serve the API on `socket` (and on loopback TCP behind a bearer token, if
+/// asked) until `shutdown` resolves; then stop accepting and let the requests
+/// in flight finish.
 pub async fn serve(
     broker: Arc<Broker>,
     socket: &Path,
+    tcp: Option<TcpListen>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     if socket.exists() {
@@ -41,8 +51,32 @@ pub async fn serve(
         tokio::net::UnixListener::bind(socket).with_context(|| format!("cannot listen on {}", socket.display()))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("cannot restrict {}", socket.display()))?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    });
+    let until_stopped = |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = stopped.wait_for(|stop| *stop).await;
+    };
+    let over_tcp = match tcp {
+        None => None,
+        Some(TcpListen { addr, token }) => {
+            check_loopback(addr)?;
+            let listener =
+                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+            let app = router(broker.clone()).layer(axum::middleware::from_fn_with_state(token, auth::require_bearer));
+            tracing::info!(addr = %addr, "broker daemon serving on TCP (bearer token required)");
+            Some(tokio::spawn(
+                axum::serve(listener, app).with_graceful_shutdown(until_stopped(stopped.clone())).into_future(),
+            ))
+        }
+    };
     tracing::info!(socket = %socket.display(), "broker daemon serving");
-    let served = axum::serve(listener, router(broker)).with_graceful_shutdown(shutdown).await;
+    let served = axum::serve(listener, router(broker)).with_graceful_shutdown(until_stopped(stopped)).await;
     let _ = std::fs::remove_file(socket);
+    if let Some(over_tcp) = over_tcp {
+        over_tcp.await.context("the TCP API server panicked")?.context("the TCP API server failed")?;
+    }
     served.context("the API server failed")
 }
