@@ -93,6 +93,7 @@ pub fn router(broker: Shared) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
         .route("/v1/providers", get(list_providers).post(add_provider))
         .route("/v1/providers/{name}", get(show_provider).delete(remove_provider))
         .route("/v1/providers/{name}/swap", post(swap_provider))
@@ -255,6 +256,14 @@ fn default_limit() -> usize {
 
 async fn events(State(broker): State<Shared>, Query(query): Query<EventsQuery>) -> ApiResult<Response> {
     Ok(Json(broker.store().events(query.after, query.limit.min(10_000))?).into_response())
+}
+
+/// The API described in OpenAPI 3.0 (kept beside this file; a test sends a
+/// request to every path and method it names).
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
 }
 
 #[derive(Deserialize)]
