@@ -43,6 +43,7 @@ pub fn host_capabilities(dir: &Path, kv: Arc<dyn KvBackend>) -> HostCapabilities
         providers_dir: dir.join("providers"),
         child_records: Arc::new(MemoryChildRecords::default()),
         live_children: Arc::default(),
+        egress_world: Default::default(),
     }
 }
 

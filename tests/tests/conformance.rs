@@ -1,5 +1,6 @@
 //! The conformance kit on real components: the bundled fake passes in both
-//! isolation modes; the hostile guest fails exactly the scenarios it breaks.
+//! isolation modes, the bundled LXD provider passes on its own script (no
+//! daemon anywhere), and the hostile guest fails exactly the scenarios it breaks.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
@@ -31,6 +32,29 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
     }
     let bundled = Manifest::load(&bundled_manifest("fake")).unwrap();
     assert!(conformance::run(&bundled).await.unwrap().passed());
+}
+
+#[tokio::test]
+async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_without_one() {
+    use broker_host::conformance::{HttpWorld, KitOptions};
+    let bundled = Manifest::load(&bundled_manifest("lxd")).unwrap();
+    assert!(conformance::script_path(&bundled.path).exists(), "guests/lxd ships provider.script.json");
+    let mut options = KitOptions::beside(&bundled).unwrap();
+    options.strict = true;
+    let report = conformance::run_with(&bundled, options).await.unwrap();
+    assert!(report.passed(), "{}", report.text());
+    assert!(report.cases.len() >= 12, "{}", report.text());
+
+    // The same manifest where no script lies beside it: the first request is unscripted.
+    let dir = tempfile::tempdir().unwrap();
+    let elsewhere = dir.path().join("lxd.toml");
+    std::fs::write(&elsewhere, broker_tests::bundled_manifest_text("lxd")).unwrap();
+    let manifest = Manifest::load(&elsewhere).unwrap();
+    let options = KitOptions { http: HttpWorld::Script(Default::default()), strict: true };
+    let report = conformance::run_with(&manifest, options).await.unwrap();
+    let start = report.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
+    assert!(!start.passed);
+    assert!(start.detail.contains("unscripted http request GET lxd/1.0/images/aliases/busybox"), "{}", start.detail);
 }
 
 #[tokio::test]

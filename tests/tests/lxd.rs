@@ -255,3 +255,52 @@ fn maintain_checks_nics_a_foreign_container_is_never_taken_over_and_a_failed_sta
         assert_eq!(daemon.instance_names().unwrap(), ["juju-t3-8"]);
     });
 }
+
+#[test]
+fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
+    use broker_host::capabilities::http_egress::{Script, Tape};
+    use broker_host::conformance::{self, HttpWorld, KitOptions};
+    use broker_host::providers::Manifest;
+
+    let daemon = IncusDaemon::start("br-lxdkit");
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = Manifest::load(&lxd_manifest(dir.path(), &daemon, "lxd", "kit", true)).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+
+    // Against the real daemon, every exchange on tape.
+    let tape = Arc::new(Tape::default());
+    let recorded = runtime.block_on(conformance::run_with(
+        &manifest,
+        KitOptions { http: HttpWorld::Record(tape.clone()), strict: false },
+    ));
+    let recorded = recorded.unwrap();
+    assert!(recorded.passed(), "{}", recorded.text());
+    assert!(tape.exchanges().len() >= 10, "{} exchanges", tape.exchanges().len());
+    assert!(daemon.instance_names().unwrap().is_empty(), "the kit stops what it starts");
+    let script = tape.to_script_json();
+    let daemon_pid = daemon.pid();
+    drop(daemon);
+    assert!(!Path::new(&format!("/proc/{daemon_pid}")).exists());
+
+    // The daemon is gone; the script alone gives the same result, strictly.
+    let replay = Arc::new(Script::parse(&script).unwrap());
+    let options = KitOptions { http: HttpWorld::Script(replay.clone()), strict: true };
+    let replayed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
+    let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
+    assert_eq!(outcome(&replayed), outcome(&recorded), "{}", replayed.text());
+    assert_eq!(replay.remaining(), 0, "every scripted answer was asked for");
+
+    // A script missing its last answers: the strict kit fails those cases and names the calls.
+    let mut short: serde_json::Value = serde_json::from_str(&script).unwrap();
+    let http = short["http"].as_array_mut().unwrap();
+    http.truncate(http.len() - 3);
+    let options =
+        KitOptions { http: HttpWorld::Script(Arc::new(Script::parse(&short.to_string()).unwrap())), strict: true };
+    let failed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
+    assert!(!failed.passed());
+    let reasons: Vec<&str> = failed.cases.iter().filter(|c| !c.passed).map(|c| c.detail.as_str()).collect();
+    assert!(
+        reasons.iter().any(|d| d.contains("host calls not in the script") && d.contains("the script is exhausted")),
+        "{reasons:?}"
+    );
+}

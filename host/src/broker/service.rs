@@ -91,6 +91,7 @@ impl Broker {
             providers_dir: store.data_dir().join("providers"),
             child_records: store.child_records(),
             live_children: Arc::default(),
+            egress_world: Default::default(),
         };
         Broker { registry: Registry::new(runtime, store.clone(), capabilities), store, machine_lock, host }
     }

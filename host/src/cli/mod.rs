@@ -119,6 +119,16 @@ pub enum ProviderCommand {
         manifest: Option<PathBuf>,
         #[arg(long, value_enum, default_value_t = ReportFormat::Text)]
         format: ReportFormat,
+        /// Scripted HTTP answers (default: `<manifest stem>.script.json` beside the manifest).
+        #[arg(long, value_name = "FILE", conflicts_with = "record")]
+        script: Option<PathBuf>,
+        /// Run against the real endpoints the manifest grants and write what they
+        /// answered to FILE: a real run becomes a replayable script.
+        #[arg(long, value_name = "FILE")]
+        record: Option<PathBuf>,
+        /// A host call the script does not answer fails the case it happened in.
+        #[arg(long)]
+        strict: bool,
     },
 }
 
@@ -195,8 +205,11 @@ pub async fn run(cli: Cli) -> Result<u8> {
     if let Command::Lock(args) = cli.command {
         return lock::run(&cli.data_dir, args, &mut stdout).await;
     }
-    if let Command::Provider(ProviderCommand::Test { component, manifest, format }) = cli.command {
-        return provider_test(&component, manifest.as_deref(), format, &mut stdout).await;
+    if let Command::Provider(ProviderCommand::Test { component, manifest, format, script, record, strict }) =
+        cli.command
+    {
+        let worlds = TestWorlds { script, record, strict };
+        return provider_test(&component, manifest.as_deref(), format, worlds, &mut stdout).await;
     }
     let broker = Broker::open(&cli.data_dir)
         .with_context(|| format!("cannot open the broker state in {}", cli.data_dir.display()))?;
@@ -363,12 +376,21 @@ pub fn describe_event(event: &CallEvent) -> String {
     }
 }
 
+/// `broker provider test`'s choice of simulated (or recorded) worlds.
+struct TestWorlds {
+    script: Option<PathBuf>,
+    record: Option<PathBuf>,
+    strict: bool,
+}
+
 async fn provider_test(
     component: &std::path::Path,
     manifest: Option<&std::path::Path>,
     format: ReportFormat,
+    worlds: TestWorlds,
     out: &mut impl Write,
 ) -> Result<u8> {
+    use crate::conformance::{HttpWorld, KitOptions};
     use crate::providers::Manifest;
     let mut loaded = match manifest {
         Some(path) => Manifest::load(path).with_context(|| format!("cannot read manifest {}", path.display()))?,
@@ -382,9 +404,23 @@ async fn provider_test(
         }
     };
     loaded.component = component.to_owned();
-    let report = crate::conformance::run(&loaded)
+    let tape = worlds.record.as_ref().map(|_| std::sync::Arc::new(crate::capabilities::http_egress::Tape::default()));
+    let mut options = match (&worlds.script, &tape) {
+        (_, Some(tape)) => KitOptions { http: HttpWorld::Record(tape.clone()), strict: false },
+        (Some(path), None) => {
+            let script = crate::conformance::load_script(path).map_err(|e| UsageError(e.to_string()))?;
+            KitOptions { http: HttpWorld::Script(std::sync::Arc::new(script)), strict: false }
+        }
+        (None, None) => KitOptions::beside(&loaded).map_err(|e| UsageError(e.to_string()))?,
+    };
+    options.strict = worlds.strict;
+    let report = crate::conformance::run_with(&loaded, options)
         .await
         .with_context(|| format!("cannot load {} into the sandbox", component.display()))?;
+    if let (Some(path), Some(tape)) = (&worlds.record, &tape) {
+        std::fs::write(path, tape.to_script_json())
+            .with_context(|| format!("cannot write the recorded script {}", path.display()))?;
+    }
     match format {
         ReportFormat::Text => write!(out, "{}", report.text())?,
         ReportFormat::Json => writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?,

@@ -3,15 +3,19 @@
 //! in-memory kv, a private machine lock and data dir), without any real
 //! infrastructure and without trusting the component.
 //!
-//! This first part covers the lifecycle scenarios; simulated process,
-//! bridge and HTTP worlds (and scripts/recording for them) come later, so a
-//! provider's `process`, `bridge` and `http` grants are not honoured here yet.
+//! HTTP is simulated by a script (`<manifest>.script.json` beside the
+//! manifest, or `--script`): the manifest's `[grants.http]` still decides what
+//! may be asked, the script answers, in order, and nothing leaves the host.
+//! `--record` runs against the real granted endpoints instead and writes such
+//! a script. Simulated process and bridge worlds come later, so `process` and
+//! `bridge` grants are not honoured here yet.
 
 mod junit;
 use crate::bindings::{BrokerError, Instance};
 use crate::broker::service::{empty_params, params_with};
 use crate::broker::{CallError, WasmProvider, constraints, describe_broker_error};
 use crate::capabilities::context::CallHooks;
+use crate::capabilities::http_egress::{EgressWorld, Script, Tape};
 use crate::capabilities::kv::MemoryKv;
 use crate::capabilities::machine_lock::MachineLock;
 use crate::capabilities::process::MemoryChildRecords;
@@ -61,10 +65,52 @@ pub enum ConformanceError {
     Load(#[from] crate::broker::wasm::LoadError),
     #[error("cannot set up the sandbox: {0}")]
     Sandbox(String),
+    #[error("script {path}: {reason}")]
+    Script { path: String, reason: String },
+}
+
+/// What answers a provider's HTTP requests during a run.
+pub enum HttpWorld {
+    /// Scripted answers; nothing leaves the host.
+    Script(Arc<Script>),
+    /// The real granted endpoints, every exchange written to the tape.
+    Record(Arc<Tape>),
+}
+
+pub struct KitOptions {
+    pub http: HttpWorld,
+    /// A host call the script did not answer fails the case it happened in.
+    pub strict: bool,
+}
+
+impl KitOptions {
+    /// The script shipped beside the manifest (`lxd.toml` → `lxd.script.json`),
+    /// or an empty one (every HTTP request is then unscripted).
+    pub fn beside(manifest: &Manifest) -> Result<KitOptions, ConformanceError> {
+        let path = script_path(&manifest.path);
+        let script = if path.exists() { load_script(&path)? } else { Script::default() };
+        Ok(KitOptions { http: HttpWorld::Script(Arc::new(script)), strict: false })
+    }
+}
+
+/// Where a manifest's script lives: beside it, `<stem>.script.json`.
+pub fn script_path(manifest: &std::path::Path) -> std::path::PathBuf {
+    manifest.with_extension("script.json")
+}
+
+pub fn load_script(path: &std::path::Path) -> Result<Script, ConformanceError> {
+    let error = |reason: String| ConformanceError::Script { path: path.display().to_string(), reason };
+    let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
+    Script::parse(&text).map_err(error)
+}
+
+/// Run every scenario with the script beside the manifest.
+pub async fn run(manifest: &Manifest) -> Result<Report, ConformanceError> {
+    run_with(manifest, KitOptions::beside(manifest)?).await
 }
 
 /// Load the manifest's component into a throwaway sandbox and run every scenario.
-pub async fn run(manifest: &Manifest) -> Result<Report, ConformanceError> {
+pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report, ConformanceError> {
     let started = Instant::now();
     let scratch = tempfile::Builder::new()
         .prefix("broker-provider-test-")
@@ -74,21 +120,25 @@ pub async fn run(manifest: &Manifest) -> Result<Report, ConformanceError> {
     let lock = MachineLock::new(scratch.path(), "machine-lock", "broker-provider-test")
         .map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
     let mut manifest = manifest.clone();
-    // Not simulated yet: never let the kit run real programs, touch real devices or reach real APIs.
+    // Not simulated yet: never let the kit run real programs or touch real devices.
     manifest.grants.process.clear();
     manifest.grants.paths.clear();
     manifest.grants.bridge = None;
-    manifest.grants.http = Default::default();
+    let (egress_world, script) = match options.http {
+        HttpWorld::Script(script) => (EgressWorld::Replay(script.clone()), Some(script)),
+        HttpWorld::Record(tape) => (EgressWorld::Record(tape), None),
+    };
     let caps = HostCapabilities {
         kv: Arc::new(MemoryKv::default()),
         machine_lock: Some(lock),
         providers_dir: scratch.path().join("providers"),
         child_records: Arc::new(MemoryChildRecords::default()),
         live_children: Arc::default(),
+        egress_world,
     };
     let config = manifest.config_json.clone();
     let provider = WasmProvider::load(runtime, manifest, caps)?;
-    let mut kit = Kit { provider, cases: Vec::new() };
+    let mut kit = Kit { provider, cases: Vec::new(), script, strict: options.strict };
     let (name, version, features) = kit.describe().await;
     kit.validate_config(&config).await;
     kit.lifecycle().await;
@@ -101,6 +151,9 @@ pub async fn run(manifest: &Manifest) -> Result<Report, ConformanceError> {
 struct Kit {
     provider: WasmProvider,
     cases: Vec<Case>,
+    /// The simulated HTTP world, whose unanswered requests each case reports.
+    script: Option<Arc<Script>>,
+    strict: bool,
 }
 
 fn explain(err: &CallError) -> String {
@@ -116,10 +169,15 @@ fn ids(instances: &[Instance]) -> Vec<String> {
 
 impl Kit {
     fn record(&mut self, name: &'static str, result: Result<String, String>) {
-        let (passed, detail) = match result {
+        let (mut passed, mut detail) = match result {
             Ok(detail) => (true, detail),
             Err(detail) => (false, detail),
         };
+        let unexpected = self.script.as_ref().map(|s| s.take_unexpected()).unwrap_or_default();
+        if !unexpected.is_empty() {
+            detail.push_str(&format!("; host calls not in the script: {}", unexpected.join("; ")));
+            passed &= !self.strict;
+        }
         self.cases.push(Case { name, passed, detail });
     }
 

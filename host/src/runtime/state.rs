@@ -2,7 +2,7 @@
 
 use super::GuestLimiter;
 use crate::capabilities::context::ContextView;
-use crate::capabilities::http_egress::{EgressHooks, HttpGrant};
+use crate::capabilities::http_egress::{EgressHooks, EgressWorld, HttpGrant};
 use crate::capabilities::kv::{KvBackend, KvCtx};
 use crate::capabilities::local_socket::{LocalSocketCtx, LocalSocketView};
 use crate::capabilities::log::LogCtx;
@@ -41,6 +41,8 @@ pub struct HostCapabilities {
     pub providers_dir: PathBuf,
     pub child_records: Arc<dyn ChildRecords>,
     pub live_children: Arc<LiveChildren>,
+    /// Where granted `wasi:http` requests go: the real targets, or a recording or script.
+    pub egress_world: EgressWorld,
 }
 
 /// What one provider's stores get: the host capabilities narrowed to its grants.
@@ -76,7 +78,7 @@ impl HostState {
             bridge: BridgeCtx::new(caps.bridge.clone()),
             local_socket: LocalSocketCtx::new(provider.clone(), caps.local_sockets.then(|| caps.data_dir.clone())),
             http: WasiHttpCtx::new(),
-            egress: EgressHooks::new(provider.clone(), caps.http.clone()),
+            egress: EgressHooks::new(provider.clone(), caps.http.clone(), host.egress_world.clone()),
             limiter: GuestLimiter::new(memory_bytes),
             provider,
         }

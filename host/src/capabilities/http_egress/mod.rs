@@ -24,6 +24,9 @@ use wasmtime::component::Linker;
 use wasmtime_wasi_http::io::TokioIo;
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpHooks, WasiHttpView};
 
+pub mod script;
+pub use script::{Exchange, Script, Tape};
+
 /// How long to wait for a connection and for the first response byte when the
 /// guest does not say; the call's own deadline bounds everything anyway.
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -142,6 +145,10 @@ pub enum EgressError {
     Connect { authority: String, target: String, source: std::io::Error },
     #[error("connecting to {target} for authority `{authority}` timed out")]
     ConnectTimeout { authority: String, target: String },
+    #[error("{0}")]
+    Unscripted(String),
+    #[error("reading the request body: {0}")]
+    Body(String),
 }
 
 impl EgressError {
@@ -156,20 +163,36 @@ impl EgressError {
                 _ => HttpError::ConnectionRefused,
             },
             EgressError::ConnectTimeout { .. } => HttpError::ConnectionTimeout,
+            EgressError::Unscripted(message) => HttpError::InternalError(Some(message.clone())),
+            EgressError::Body(_) => HttpError::HttpRequestBodySize(None),
         }
     }
 }
 
-/// The `wasi:http` hooks of one provider's stores: its grant, nothing else.
+/// Where granted requests go. The grant is checked the same in every world;
+/// only what answers differs.
+#[derive(Clone, Default)]
+pub enum EgressWorld {
+    /// The granted targets.
+    #[default]
+    Real,
+    /// The granted targets, every exchange written to a tape (a real run becomes a script).
+    Record(Arc<Tape>),
+    /// A script answers, in order; nothing leaves the host (the conformance kit).
+    Replay(Arc<Script>),
+}
+
+/// The `wasi:http` hooks of one provider's stores: its grant, its world, nothing else.
 #[derive(Clone)]
 pub struct EgressHooks {
     provider: Arc<str>,
     grant: Arc<HttpGrant>,
+    world: EgressWorld,
 }
 
 impl EgressHooks {
-    pub fn new(provider: Arc<str>, grant: Arc<HttpGrant>) -> Self {
-        EgressHooks { provider, grant }
+    pub fn new(provider: Arc<str>, grant: Arc<HttpGrant>, world: EgressWorld) -> Self {
+        EgressHooks { provider, grant, world }
     }
 }
 
@@ -198,10 +221,15 @@ impl WasiHttpHooks for EgressHooks {
             authority = request.uri().authority().map(|a| a.as_str()).unwrap_or_default(),
             path = request.uri().path(),
         );
-        let (provider, grant) = (self.provider.clone(), self.grant.clone());
+        let (provider, grant, world) = (self.provider.clone(), self.grant.clone(), self.world.clone());
         Box::new(
             async move {
-                match send(&grant, request, options).await {
+                let sent = match &world {
+                    EgressWorld::Real => send(&grant, request, options).await,
+                    EgressWorld::Record(tape) => script::record(tape, &grant, request, options).await,
+                    EgressWorld::Replay(script) => script::replay(script, &grant, request).await,
+                };
+                match sent {
                     Ok(sent) => sent,
                     Err(err) => {
                         tracing::warn!(provider = &*provider, error = %err, "http egress refused or failed");
@@ -224,12 +252,11 @@ async fn connect(target: &EgressTarget) -> std::io::Result<Box<dyn Stream>> {
     })
 }
 
-/// Send one request to the target its authority is granted, over a fresh connection.
-pub async fn send(
-    grant: &HttpGrant,
-    mut request: http::Request<WasiBody>,
-    options: Option<RequestOptions>,
-) -> Result<SendResult, EgressError> {
+/// The request's authority and its granted target, or why it may not go out.
+fn granted<'g>(
+    grant: &'g HttpGrant,
+    request: &http::Request<WasiBody>,
+) -> Result<(String, &'g EgressTarget), EgressError> {
     let authority = request.uri().authority().map(|a| a.as_str().to_owned()).ok_or(EgressError::NoAuthority)?;
     let target = grant.target(&authority).ok_or_else(|| EgressError::NotGranted { authority: authority.clone() })?;
     if let Some(scheme) = request.uri().scheme()
@@ -237,6 +264,16 @@ pub async fn send(
     {
         return Err(EgressError::Scheme { scheme: scheme.to_string() });
     }
+    Ok((authority, target))
+}
+
+/// Send one request to the target its authority is granted, over a fresh connection.
+pub async fn send(
+    grant: &HttpGrant,
+    mut request: http::Request<WasiBody>,
+    options: Option<RequestOptions>,
+) -> Result<SendResult, EgressError> {
+    let (authority, target) = granted(grant, &request)?;
     let options = options.unwrap_or_default();
     let connect_timeout = options.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
     let first_byte_timeout = options.first_byte_timeout.unwrap_or(DEFAULT_FIRST_BYTE_TIMEOUT);

@@ -1,0 +1,230 @@
+//! Scripted HTTP worlds, for testing providers without their real endpoints:
+//! a [`Tape`] records what a real run exchanged; a [`Script`] answers a run
+//! from such a recording, in order, and notes each request it has no answer
+//! for. Bodies are kept as text (the APIs providers speak are JSON or XML).
+
+use super::{EgressError, SendResult, granted, send};
+use crate::capabilities::http_egress::HttpGrant;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use wasmtime_wasi_http::{RequestOptions, WasiBody};
+
+/// One request and the answer it got.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct Exchange {
+    pub authority: String,
+    pub method: String,
+    /// Path and query, as sent.
+    pub path: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub request_body: String,
+    pub status: u16,
+    #[serde(default)]
+    pub response_body: String,
+}
+
+impl Exchange {
+    fn call(&self) -> String {
+        format!("{} {}{}", self.method, self.authority, self.path)
+    }
+}
+
+/// A script file: the scripted answers per capability (HTTP so far).
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptFile {
+    #[serde(default)]
+    pub http: Vec<Exchange>,
+}
+
+/// What a recorded run exchanged, in order.
+#[derive(Debug, Default)]
+pub struct Tape {
+    exchanges: Mutex<Vec<Exchange>>,
+}
+
+impl Tape {
+    pub fn exchanges(&self) -> Vec<Exchange> {
+        self.exchanges.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The tape as a script file.
+    pub fn to_script_json(&self) -> String {
+        let file = ScriptFile { http: self.exchanges() };
+        serde_json::to_string_pretty(&file).unwrap_or_default() + "\n"
+    }
+}
+
+/// Scripted answers, consumed in order.
+#[derive(Debug, Default)]
+pub struct Script {
+    pending: Mutex<VecDeque<Exchange>>,
+    unexpected: Mutex<Vec<String>>,
+}
+
+impl Script {
+    pub fn new(exchanges: Vec<Exchange>) -> Script {
+        Script { pending: Mutex::new(exchanges.into()), unexpected: Mutex::default() }
+    }
+
+    pub fn parse(text: &str) -> Result<Script, String> {
+        let file: ScriptFile = serde_json::from_str(text).map_err(|e| format!("invalid script: {e}"))?;
+        Ok(Script::new(file.http))
+    }
+
+    /// Requests the script had no answer for since the last call.
+    pub fn take_unexpected(&self) -> Vec<String> {
+        std::mem::take(&mut *self.unexpected.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Scripted answers nobody asked for (yet).
+    pub fn remaining(&self) -> usize {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// The next answer, if the request is the next one scripted.
+    fn answer(&self, authority: &str, method: &str, path: &str) -> Result<Exchange, EgressError> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let matches = pending.front().is_some_and(|e| e.authority == authority && e.method == method && e.path == path);
+        if matches && let Some(next) = pending.pop_front() {
+            return Ok(next);
+        }
+        let expected = match pending.front() {
+            Some(next) => format!("the script's next is {}", next.call()),
+            None => "the script is exhausted".to_owned(),
+        };
+        let message = format!("unscripted http request {method} {authority}{path} ({expected})");
+        self.unexpected.lock().unwrap_or_else(|p| p.into_inner()).push(message.clone());
+        Err(EgressError::Unscripted(message))
+    }
+}
+
+fn full(bytes: Bytes) -> WasiBody {
+    Full::new(bytes).map_err(|never| match never {}).boxed_unsync()
+}
+
+fn path_of(request: &http::Request<WasiBody>) -> String {
+    request.uri().path_and_query().map_or("/", |p| p.as_str()).to_owned()
+}
+
+async fn body_text(body: WasiBody) -> Result<Bytes, EgressError> {
+    Ok(body.collect().await.map_err(|e| EgressError::Body(e.to_string()))?.to_bytes())
+}
+
+fn answered(response: http::Response<WasiBody>) -> SendResult {
+    Ok((response, Box::new(async { Ok(()) })))
+}
+
+/// Send for real, and write the exchange to the tape.
+pub(super) async fn record(
+    tape: &Tape,
+    grant: &HttpGrant,
+    request: http::Request<WasiBody>,
+    options: Option<RequestOptions>,
+) -> Result<SendResult, EgressError> {
+    let (authority, _) = granted(grant, &request)?;
+    let (method, path) = (request.method().to_string(), path_of(&request));
+    let (parts, body) = request.into_parts();
+    let request_body = body_text(body).await?;
+    let sent = send(grant, http::Request::from_parts(parts, full(request_body.clone())), options).await?;
+    let (response, io) = match sent {
+        Ok(sent) => sent,
+        Err(code) => return Ok(Err(code)),
+    };
+    let (parts, body) = response.into_parts();
+    let response_body = match body.collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(code) => return Ok(Err(code)),
+    };
+    let _ = Box::into_pin(io).await;
+    tape.exchanges.lock().unwrap_or_else(|p| p.into_inner()).push(Exchange {
+        authority,
+        method,
+        path,
+        request_body: String::from_utf8_lossy(&request_body).into_owned(),
+        status: parts.status.as_u16(),
+        response_body: String::from_utf8_lossy(&response_body).into_owned(),
+    });
+    Ok(answered(http::Response::from_parts(parts, full(response_body))))
+}
+
+/// Answer from the script; nothing leaves the host.
+pub(super) async fn replay(
+    script: &Script,
+    grant: &HttpGrant,
+    request: http::Request<WasiBody>,
+) -> Result<SendResult, EgressError> {
+    let (authority, _) = granted(grant, &request)?;
+    let (method, path) = (request.method().to_string(), path_of(&request));
+    // Read the body even so: the guest writes it after sending and would wait forever.
+    body_text(request.into_body()).await?;
+    let next = script.answer(&authority, &method, &path)?;
+    let response = http::Response::builder()
+        .status(next.status)
+        .header("content-type", "application/json")
+        .body(full(Bytes::from(next.response_body)))
+        .map_err(|e| EgressError::Unscripted(format!("scripted answer to {method} {authority}{path}: {e}")))?;
+    Ok(answered(response))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::capabilities::http_egress::EgressTarget;
+    use http_body_util::Empty;
+
+    fn get(uri: &str) -> http::Request<WasiBody> {
+        let body = Empty::new().map_err(|never| match never {}).boxed_unsync();
+        http::Request::builder().method("GET").uri(uri).header("host", "lxd").body(body).unwrap()
+    }
+
+    async fn text(sent: Result<SendResult, EgressError>) -> (u16, String) {
+        let (response, _) = sent.unwrap().unwrap();
+        let status = response.status().as_u16();
+        (status, String::from_utf8(response.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_recorded_run_replays_and_anything_else_is_unscripted() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("api.socket");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        let server = tokio::spawn(async move {
+            for reply in ["{\"n\":1}", "{\"n\":2}"] {
+                let (mut stream, _) = listener.accept().await.unwrap();
+                let mut buf = [0u8; 1024];
+                let _ = tokio::io::AsyncReadExt::read(&mut stream, &mut buf).await.unwrap();
+                let head =
+                    format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{reply}", reply.len());
+                tokio::io::AsyncWriteExt::write_all(&mut stream, head.as_bytes()).await.unwrap();
+            }
+        });
+        let grant = HttpGrant::new([("lxd".to_owned(), EgressTarget::Unix(socket))]).unwrap();
+        let tape = Tape::default();
+        assert_eq!(text(record(&tape, &grant, get("http://lxd/1.0"), None).await).await, (200, "{\"n\":1}".into()));
+        assert_eq!(
+            text(record(&tape, &grant, get("http://lxd/1.0/x?p=1"), None).await).await,
+            (200, "{\"n\":2}".into())
+        );
+        server.await.unwrap();
+
+        // The daemon is gone; the script answers the same run alone.
+        let script = Script::parse(&tape.to_script_json()).unwrap();
+        assert_eq!(script.remaining(), 2);
+        assert_eq!(text(replay(&script, &grant, get("http://lxd/1.0")).await).await, (200, "{\"n\":1}".into()));
+        let wrong = replay(&script, &grant, get("http://lxd/1.0/y")).await;
+        assert!(matches!(&wrong, Err(EgressError::Unscripted(m)) if m.contains("next is GET lxd/1.0/x?p=1")));
+        assert_eq!(text(replay(&script, &grant, get("http://lxd/1.0/x?p=1")).await).await, (200, "{\"n\":2}".into()));
+        assert!(
+            matches!(replay(&script, &grant, get("http://lxd/1.0")).await, Err(EgressError::Unscripted(m)) if m.contains("exhausted"))
+        );
+        assert_eq!(script.take_unexpected().len(), 2);
+        assert!(script.take_unexpected().is_empty());
+        // The grant still decides: a script cannot open an authority the manifest does not grant.
+        assert!(matches!(replay(&script, &grant, get("http://docker/x")).await, Err(EgressError::NotGranted { .. })));
+    }
+}
