@@ -164,6 +164,18 @@ fn the_api_serves_providers_instances_swaps_events_and_metrics() {
     assert_eq!(status, 200);
     assert!(metrics.contains("broker_swaps_total 1\n"), "{metrics}");
     assert!(metrics.contains("broker_swap_refusals_total 1\n"), "{metrics}");
+    // Outcomes and a latency histogram per loaded version and method: the one stop ran on 0.2.0.
+    let stop_ok = metrics
+        .lines()
+        .find(|l| l.starts_with("broker_calls_total{") && l.contains("method=\"stop-instances\",outcome=\"ok\""))
+        .unwrap_or_else(|| panic!("{metrics}"));
+    assert!(stop_ok.ends_with(" 1"), "{stop_ok}");
+    let histogram_count = metrics
+        .lines()
+        .find(|l| l.starts_with("broker_call_duration_seconds_count{") && l.contains("method=\"stop-instances\""))
+        .unwrap_or_else(|| panic!("{metrics}"));
+    assert!(histogram_count.ends_with(" 1"), "{histogram_count}");
+    assert!(metrics.contains("le=\"+Inf\"} 1\n"), "{metrics}");
     // The machine lock, as `broker lock --json` reports it.
     let (status, lock) = daemon.json("GET", "/v1/lock?history=5", None);
     assert_eq!(status, 200, "{lock}");

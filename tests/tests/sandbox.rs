@@ -3,9 +3,11 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
+use broker_host::broker::method_stats::Outcome;
 use broker_host::broker::{CallError, WasmProvider};
 use broker_host::capabilities::context::CallHooks;
 use broker_host::capabilities::kv::{KvBackend, MemoryKv};
+use broker_host::providers::Method;
 use broker_host::runtime::Runtime;
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
 use std::sync::Arc;
@@ -86,6 +88,8 @@ async fn trap_gives_typed_error_and_the_instance_is_never_reused() {
     assert!(err.to_string().contains("all-instances trapped"), "{err}");
     assert_eq!(h.provider.pooled_instances(), 0, "the trapped instance went back to no pool");
     assert_eq!(h.served().await, 1, "the next call runs on a fresh instance");
+    let all = h.provider.stats().methods.get(Method::AllInstances);
+    assert_eq!((all.outcome(Outcome::Ok), all.outcome(Outcome::Trap), all.count()), (2, 1, 3), "counted for /metrics");
 }
 
 #[tokio::test]
@@ -102,6 +106,7 @@ async fn loop_past_deadline_is_stopped() {
         other => panic!("expected a deadline error, got {other}"),
     }
     assert_eq!(h.served().await, 1, "the looping instance was discarded");
+    assert_eq!(h.provider.stats().methods.get(Method::AllInstances).outcome(Outcome::Deadline), 1);
 }
 
 #[tokio::test]
@@ -111,6 +116,7 @@ async fn memory_hog_hits_its_limit() {
     let err = h.provider.all_instances(&CallHooks::default()).await.unwrap_err();
     assert!(matches!(&err, CallError::Limit { limit, .. } if limit.contains("memory limit of 16 MiB")), "{err}");
     assert_eq!(h.served().await, 1, "the instance that hit the limit was discarded");
+    assert_eq!(h.provider.stats().methods.get(Method::AllInstances).outcome(Outcome::Limit), 1);
 }
 
 /// A looping guest yields its worker at every epoch tick: other providers keep

@@ -6,6 +6,7 @@ pub mod constraints;
 mod errors;
 pub mod host_preparer;
 pub mod imports;
+pub mod method_stats;
 pub mod service;
 pub mod wasm;
 

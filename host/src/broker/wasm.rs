@@ -50,6 +50,8 @@ pub struct ProviderStats {
     pub calls: AtomicU64,
     pub instantiations: AtomicU64,
     pub discarded: AtomicU64,
+    /// Outcomes and latency per method.
+    pub methods: super::method_stats::MethodTable,
 }
 
 type CallFuture<'a, R> = Pin<Box<dyn Future<Output = wasmtime::Result<Result<R, BrokerError>>> + Send + 'a>>;
@@ -198,55 +200,61 @@ impl WasmProvider {
         F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
     {
         let span = tracing::debug_span!("provider_call", provider = &*self.name, method = method.name());
-        async move {
-            self.stats.calls.fetch_add(1, Ordering::Relaxed);
-            // One budget for the method: instantiating a fresh instance spends from it.
-            let deadline = self.manifest.limits.deadlines.for_method(method);
-            let until = Instant::now() + deadline;
-            let mut warm = self.checkout(method, deadline).await?;
-            // Yield to the executor every epoch tick, so a busy guest never holds a
-            // worker thread; the deadline itself is the timeout around the call.
-            warm.store.epoch_deadline_async_yield_and_update(1);
-            warm.store.data_mut().machine_lock.begin_call(hooks.abort.clone());
-            let context = CallContext { hooks: hooks.clone(), provider_config: self.config_json.clone() };
-            let handle = warm.store.data_mut().table.push(context).map_err(|e| CallError::Instantiate {
-                provider: self.name.to_string(),
-                method,
-                reason: format!("call context: {e}"),
-            })?;
-            let borrowed = Resource::<CallContext>::new_borrow(handle.rep());
-            let started = Instant::now();
-            let outcome = {
-                let Warm { store, exports, .. } = &mut warm;
-                tokio::time::timeout_at(until.into(), invoke(store, exports, borrowed)).await
-            };
-            let _ = warm.store.data_mut().table.delete(handle);
-            warm.store.data_mut().end_call();
-            warm.calls += 1;
-            tracing::debug!(elapsed_us = started.elapsed().as_micros() as u64, "call finished");
-            match outcome {
-                Ok(Ok(Ok(value))) => {
-                    self.checkin(warm);
-                    Ok(value)
-                }
-                Ok(Ok(Err(error))) => {
-                    self.checkin(warm);
-                    Err(CallError::Guest { provider: self.name.to_string(), method, error })
-                }
-                Ok(Err(trap)) => {
-                    let error = self.classify_trap(method, &warm, &trap);
-                    self.discard(warm, &error);
-                    Err(error)
-                }
-                Err(_elapsed) => {
-                    let error = CallError::Deadline { provider: self.name.to_string(), method, deadline };
-                    self.discard(warm, &error);
-                    Err(error)
-                }
+        let began = Instant::now();
+        let result = self.run_call(method, hooks, invoke).instrument(span).await;
+        self.stats.methods.get(method).observe(super::method_stats::Outcome::of(&result), began.elapsed());
+        result
+    }
+
+    async fn run_call<R, F>(&self, method: Method, hooks: &CallHooks, invoke: F) -> Result<R, CallError>
+    where
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+    {
+        self.stats.calls.fetch_add(1, Ordering::Relaxed);
+        // One budget for the method: instantiating a fresh instance spends from it.
+        let deadline = self.manifest.limits.deadlines.for_method(method);
+        let until = Instant::now() + deadline;
+        let mut warm = self.checkout(method, deadline).await?;
+        // Yield to the executor every epoch tick, so a busy guest never holds a
+        // worker thread; the deadline itself is the timeout around the call.
+        warm.store.epoch_deadline_async_yield_and_update(1);
+        warm.store.data_mut().machine_lock.begin_call(hooks.abort.clone());
+        let context = CallContext { hooks: hooks.clone(), provider_config: self.config_json.clone() };
+        let handle = warm.store.data_mut().table.push(context).map_err(|e| CallError::Instantiate {
+            provider: self.name.to_string(),
+            method,
+            reason: format!("call context: {e}"),
+        })?;
+        let borrowed = Resource::<CallContext>::new_borrow(handle.rep());
+        let started = Instant::now();
+        let outcome = {
+            let Warm { store, exports, .. } = &mut warm;
+            tokio::time::timeout_at(until.into(), invoke(store, exports, borrowed)).await
+        };
+        let _ = warm.store.data_mut().table.delete(handle);
+        warm.store.data_mut().end_call();
+        warm.calls += 1;
+        tracing::debug!(elapsed_us = started.elapsed().as_micros() as u64, "call finished");
+        match outcome {
+            Ok(Ok(Ok(value))) => {
+                self.checkin(warm);
+                Ok(value)
+            }
+            Ok(Ok(Err(error))) => {
+                self.checkin(warm);
+                Err(CallError::Guest { provider: self.name.to_string(), method, error })
+            }
+            Ok(Err(trap)) => {
+                let error = self.classify_trap(method, &warm, &trap);
+                self.discard(warm, &error);
+                Err(error)
+            }
+            Err(_elapsed) => {
+                let error = CallError::Deadline { provider: self.name.to_string(), method, deadline };
+                self.discard(warm, &error);
+                Err(error)
             }
         }
-        .instrument(span)
-        .await
     }
 
     fn classify_trap(&self, method: Method, warm: &Warm, trap: &wasmtime::Error) -> CallError {

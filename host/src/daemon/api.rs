@@ -258,6 +258,45 @@ async fn events(State(broker): State<Shared>, Query(query): Query<EventsQuery>) 
     Ok(Json(broker.store().events(query.after, query.limit.min(10_000))?).into_response())
 }
 
+/// Per loaded version and method: outcomes (ok, error, trap, deadline, limit,
+/// instantiate) and a latency histogram. Methods never called are left out.
+fn per_method(text: &mut String, loaded: &[Arc<crate::broker::WasmProvider>]) {
+    use crate::broker::method_stats::{MethodStats, Outcome};
+    fn called(provider: &crate::broker::WasmProvider) -> Vec<(String, &MethodStats)> {
+        let labels = format!("provider=\"{}\",sha256=\"{}\"", provider.name(), &provider.sha256()[..12]);
+        provider
+            .stats()
+            .methods
+            .iter()
+            .filter(|(_, stats)| stats.count() > 0)
+            .map(|(method, stats)| (format!("{labels},method=\"{}\"", method.name()), stats))
+            .collect()
+    }
+    text.push_str("# HELP broker_calls_total Calls finished, by outcome.\n");
+    text.push_str("# TYPE broker_calls_total counter\n");
+    for provider in loaded {
+        for (labels, stats) in called(provider) {
+            for outcome in Outcome::ALL {
+                let n = stats.outcome(outcome);
+                text.push_str(&format!("broker_calls_total{{{labels},outcome=\"{}\"}} {n}\n", outcome.name()));
+            }
+        }
+    }
+    text.push_str("# HELP broker_call_duration_seconds Call latency, instantiation included.\n");
+    text.push_str("# TYPE broker_call_duration_seconds histogram\n");
+    for provider in loaded {
+        for (labels, stats) in called(provider) {
+            for (bound, count) in stats.cumulative() {
+                text.push_str(&format!("broker_call_duration_seconds_bucket{{{labels},le=\"{bound}\"}} {count}\n"));
+            }
+            let count = stats.count();
+            text.push_str(&format!("broker_call_duration_seconds_bucket{{{labels},le=\"+Inf\"}} {count}\n"));
+            text.push_str(&format!("broker_call_duration_seconds_sum{{{labels}}} {}\n", stats.sum_seconds()));
+            text.push_str(&format!("broker_call_duration_seconds_count{{{labels}}} {count}\n"));
+        }
+    }
+}
+
 /// The API described in OpenAPI 3.0 (kept beside this file; a test sends a
 /// request to every path and method it names).
 pub const OPENAPI: &str = include_str!("openapi.json");
@@ -301,6 +340,7 @@ async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
             stats.instantiations.load(Ordering::Relaxed)
         ));
     }
+    per_method(&mut text, &loaded);
     let swaps = broker.registry().swap_counts();
     text.push_str("# HELP broker_swaps_total Providers swapped since the daemon started.\n");
     text.push_str("# TYPE broker_swaps_total counter\n");

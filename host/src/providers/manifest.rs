@@ -131,6 +131,15 @@ pub enum Method {
 }
 
 impl Method {
+    pub const ALL: [Method; 6] = [
+        Method::Describe,
+        Method::ValidateConfig,
+        Method::StartInstance,
+        Method::StopInstances,
+        Method::AllInstances,
+        Method::MaintainInstance,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Method::Describe => "describe",

@@ -3,5 +3,5 @@
 pub mod manifest;
 pub mod registry;
 
-pub use manifest::{Grants, Isolation, Limits, Manifest, ManifestError};
+pub use manifest::{Grants, Isolation, Limits, Manifest, ManifestError, Method};
 pub use registry::{Registry, RegistryError};
