@@ -306,3 +306,46 @@ fn openapi_names_every_route_the_daemon_serves() {
     // And the daemon serves nothing the spec does not name.
     assert_eq!(daemon.request("GET", "/v1/nonesuch", None).0, 404);
 }
+
+#[test]
+fn on_start_the_daemon_maintains_its_instances_and_reports_what_differs() {
+    let dir = tempfile::tempdir().unwrap();
+    let started = {
+        let daemon = Daemon::start(dir.path());
+        let manifest = fake_manifest(dir.path(), "");
+        assert_eq!(daemon.json("POST", "/v1/providers", Some(&format!("{{\"manifest\":\"{manifest}\"}}"))).0, 201);
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            let (status, stream) = daemon.request("POST", "/v1/instances", Some(br#"{"provider":"fake"}"#));
+            assert_eq!(status, 200);
+            let last: Value = serde_json::from_str(stream.lines().last().unwrap()).unwrap();
+            ids.push(last["instance"]["id"].as_str().unwrap().to_owned());
+        }
+        ids
+    };
+    // While the daemon is down: the host forgets one instance, the provider another.
+    {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let broker = broker_host::broker::Broker::open(dir.path()).unwrap();
+        broker.store().remove_instances("fake", std::slice::from_ref(&started[0])).unwrap();
+        let fake = runtime.block_on(broker.registry().get("fake")).unwrap();
+        let hooks = broker_host::capabilities::context::CallHooks::default();
+        runtime.block_on(fake.stop_instances(&hooks, std::slice::from_ref(&started[1]))).unwrap();
+    }
+    let daemon = Daemon::start(dir.path());
+    let waited = Instant::now();
+    let reconciled = loop {
+        let (_, events) = daemon.json("GET", "/v1/events", None);
+        if let Some(event) = events.as_array().unwrap().iter().find(|e| e["kind"] == "reconciled") {
+            break event.clone();
+        }
+        assert!(waited.elapsed() < Duration::from_secs(30), "no reconcile event: {events}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let detail = reconciled["detail"].as_str().unwrap();
+    assert!(detail.starts_with("maintained 1"), "{detail}");
+    assert!(detail.contains(&format!("maintain failed: {} (", started[1])), "{detail}");
+    assert!(detail.contains(&format!("unknown to the host: {}", started[0])), "{detail}");
+    assert!(detail.contains(&format!("vanished: {}", started[1])), "{detail}");
+    assert_eq!(reconciled["provider"], "fake");
+}

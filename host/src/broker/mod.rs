@@ -7,6 +7,7 @@ mod errors;
 pub mod host_preparer;
 pub mod imports;
 pub mod method_stats;
+pub mod reconcile;
 pub mod service;
 pub mod wasm;
 

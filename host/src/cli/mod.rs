@@ -46,7 +46,9 @@ pub enum Command {
     /// Run as a daemon: the HTTP/JSON API on a unix socket (DATA_DIR/broker.sock,
     /// mode 0600) until SIGTERM or Ctrl-C, then finish the requests in flight.
     /// Routes: /healthz, /metrics, /v1/providers[/NAME[/swap]], /v1/instances[/ID[/maintain]]
-    /// (starting streams NDJSON status lines), /v1/events, /v1/lock.
+    /// (starting streams NDJSON status lines), /v1/events, /v1/lock, /openapi.json.
+    /// On start it reconciles: maintain-instance for each recorded instance, and
+    /// each provider's instances compared with the records (an event per provider).
     Serve {
         /// Listen here instead of DATA_DIR/broker.sock.
         #[arg(long)]
@@ -227,7 +229,12 @@ pub async fn run(cli: Cli) -> Result<u8> {
                 }
                 _ => None,
             };
-            crate::daemon::serve(std::sync::Arc::new(broker), &socket, tcp, shutdown_signal()).await?;
+            let broker = std::sync::Arc::new(broker);
+            // Juju's agent maintains its instances when it starts; here that runs
+            // beside the API, and each provider's result is an event.
+            let reconciling = broker.clone();
+            tokio::spawn(async move { reconciling.reconcile().await });
+            crate::daemon::serve(broker, &socket, tcp, shutdown_signal()).await?;
         }
         Command::Events { after, limit, json } => {
             let events = broker.store().events(after, limit)?;

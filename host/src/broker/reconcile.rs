@@ -1,0 +1,94 @@
+//! Start-up reconcile, as Juju's agent does when it starts: each recorded
+//! instance gets `maintain-instance`, and what each provider reports is
+//! compared with the host's records. What differs is reported (an event per
+//! provider and a log line), never silently changed.
+
+use super::service::Broker;
+use crate::capabilities::context::CallHooks;
+use crate::store::Event;
+
+/// What a reconcile found for one provider.
+#[derive(Debug, Default, Clone, PartialEq, serde::Serialize)]
+pub struct Reconciled {
+    pub provider: String,
+    pub maintained: Vec<String>,
+    /// Instance id and why `maintain-instance` failed.
+    pub maintain_failed: Vec<(String, String)>,
+    /// Reported by the provider, never recorded by the host.
+    pub unknown_to_host: Vec<String>,
+    /// Recorded by the host, no longer reported by the provider.
+    pub vanished: Vec<String>,
+    /// The provider could not be asked at all.
+    pub error: Option<String>,
+}
+
+impl Reconciled {
+    pub fn summary(&self) -> String {
+        if let Some(error) = &self.error {
+            return format!("cannot reconcile: {error}");
+        }
+        let mut parts = vec![format!("maintained {}", self.maintained.len())];
+        if !self.maintain_failed.is_empty() {
+            let failed: Vec<String> = self.maintain_failed.iter().map(|(id, why)| format!("{id} ({why})")).collect();
+            parts.push(format!("maintain failed: {}", failed.join(", ")));
+        }
+        if !self.unknown_to_host.is_empty() {
+            parts.push(format!("unknown to the host: {}", self.unknown_to_host.join(", ")));
+        }
+        if !self.vanished.is_empty() {
+            parts.push(format!("vanished: {}", self.vanished.join(", ")));
+        }
+        parts.join("; ")
+    }
+}
+
+impl Broker {
+    /// Reconcile every registered provider; each result is also an event.
+    pub async fn reconcile(&self) -> Vec<Reconciled> {
+        let names: Vec<String> = match self.registry().list() {
+            Ok(records) => records.into_iter().map(|p| p.name).collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list providers to reconcile");
+                return Vec::new();
+            }
+        };
+        let mut out = Vec::new();
+        for name in names {
+            let found = self.reconcile_one(&name).await;
+            let mut event = Event::new("reconciled", &name);
+            event.detail = found.summary();
+            if let Err(e) = self.store().append_event(&event) {
+                tracing::warn!(provider = %name, error = %e, "cannot record a reconcile");
+            }
+            tracing::info!(provider = %name, result = %event.detail, "reconciled");
+            out.push(found);
+        }
+        out
+    }
+
+    async fn reconcile_one(&self, name: &str) -> Reconciled {
+        let mut found = Reconciled { provider: name.to_owned(), ..Reconciled::default() };
+        let records = match self.store().instances(Some(name)) {
+            Ok(records) => records,
+            Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
+        };
+        for record in &records {
+            match self.maintain_instance(name, &record.id).await {
+                Ok(()) => found.maintained.push(record.id.clone()),
+                Err(e) => found.maintain_failed.push((record.id.clone(), e.to_string())),
+            }
+        }
+        let live = match self.registry().get(name).await {
+            Ok(wasm) => wasm.all_instances(&CallHooks::default()).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let live = match live {
+            Ok(live) => live,
+            Err(e) => return Reconciled { error: Some(e), ..found },
+        };
+        found.unknown_to_host =
+            live.iter().filter(|i| !records.iter().any(|r| r.id == i.id)).map(|i| i.id.clone()).collect();
+        found.vanished = records.iter().filter(|r| !live.iter().any(|i| i.id == r.id)).map(|r| r.id.clone()).collect();
+        found
+    }
+}
