@@ -79,14 +79,15 @@ fn vm_dir(data_dir: &Path, id: &str) -> PathBuf {
     data_dir.join("providers/kvm/vm").join(id)
 }
 
-/// Wait for the marker on the VM's serial console; returns the marker line.
+/// Wait for the marker on the VM's serial console; returns the marker line,
+/// once it is whole (the serial port writes it a few bytes at a time).
 fn await_boot(data_dir: &Path, id: &str) -> String {
     let console = vm_dir(data_dir, id).join("console.log");
     let started = Instant::now();
     loop {
         let text = std::fs::read_to_string(&console).unwrap_or_default();
-        if let Some(line) = text.lines().find(|l| l.starts_with("BROKER-VM-UP")) {
-            return line.to_owned();
+        if let Some(line) = text.split_inclusive('\n').find(|l| l.starts_with("BROKER-VM-UP") && l.ends_with('\n')) {
+            return line.trim_end().to_owned();
         }
         assert!(started.elapsed() < BOOT_TIMEOUT, "{id} did not boot; console:\n{text}");
         std::thread::sleep(Duration::from_millis(100));
