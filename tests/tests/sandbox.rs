@@ -230,3 +230,29 @@ async fn machine_lock_needs_its_grant_and_cannot_leak() {
     let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
     assert!(matches!(err.broker_error(), Some(BrokerError::Timeout(m)) if m == "timeout acquiring mutex"), "{err}");
 }
+
+#[tokio::test]
+async fn repeated_crashes_put_a_provider_half_open_until_all_instances_answers_again() {
+    let h = hostile_with("pooled", "breaker-failures = 2\nbreaker-window = \"60s\"", "300ms");
+    h.mode("trap");
+    for _ in 0..2 {
+        let err = h.provider.all_instances(&CallHooks::default()).await.unwrap_err();
+        assert!(matches!(err, CallError::Trap { .. }), "{err}");
+    }
+    assert_eq!(h.provider.breaker_state(), (true, 1), "two traps in the window trip it");
+
+    // Half-open: the next call first re-observes; all-instances still traps, so it is refused.
+    let err = h.provider.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(matches!(&err, CallError::Unavailable { .. }), "{err}");
+    assert!(err.to_string().contains("re-observe failed") && err.to_string().contains("trapped"), "{err}");
+    assert!(h.provider.breaker_state().0);
+
+    // The provider is healthy again: the re-observe passes and the call is served.
+    h.mode("count");
+    assert!(h.provider.all_instances(&CallHooks::default()).await.is_ok());
+    assert_eq!(h.provider.breaker_state(), (false, 1));
+    let all = h.provider.stats().methods.get(Method::AllInstances);
+    assert_eq!(all.outcome(Outcome::Unavailable), 1, "the refusal is counted under the method asked");
+    // Two traps, the failed re-observe (a third), the passing re-observe and the served call.
+    assert_eq!((all.outcome(Outcome::Trap), all.outcome(Outcome::Ok)), (3, 2));
+}

@@ -17,6 +17,9 @@ pub enum CallError {
     Limit { provider: String, method: Method, limit: String },
     #[error("provider {provider}: {method}: cannot instantiate the component: {reason}")]
     Instantiate { provider: String, method: Method, reason: String },
+    /// Half-open after repeated crashes, and its `all-instances` re-observe failed.
+    #[error("provider {provider}: {method} refused: the provider is half-open ({reason})")]
+    Unavailable { provider: String, method: Method, reason: String },
 }
 
 impl CallError {

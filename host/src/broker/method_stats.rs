@@ -22,11 +22,20 @@ pub enum Outcome {
     Limit,
     /// No instance to run it on.
     Instantiate,
+    /// Refused by the crash policy (half-open).
+    Unavailable,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 6] =
-        [Outcome::Ok, Outcome::Error, Outcome::Trap, Outcome::Deadline, Outcome::Limit, Outcome::Instantiate];
+    pub const ALL: [Outcome; 7] = [
+        Outcome::Ok,
+        Outcome::Error,
+        Outcome::Trap,
+        Outcome::Deadline,
+        Outcome::Limit,
+        Outcome::Instantiate,
+        Outcome::Unavailable,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -36,6 +45,7 @@ impl Outcome {
             Outcome::Deadline => "deadline",
             Outcome::Limit => "limit",
             Outcome::Instantiate => "instantiate",
+            Outcome::Unavailable => "unavailable",
         }
     }
 
@@ -47,6 +57,7 @@ impl Outcome {
             Err(CallError::Deadline { .. }) => Outcome::Deadline,
             Err(CallError::Limit { .. }) => Outcome::Limit,
             Err(CallError::Instantiate { .. }) => Outcome::Instantiate,
+            Err(CallError::Unavailable { .. }) => Outcome::Unavailable,
         }
     }
 }
@@ -54,7 +65,7 @@ impl Outcome {
 /// One method's counters.
 #[derive(Debug, Default)]
 pub struct MethodStats {
-    outcomes: [AtomicU64; 6],
+    outcomes: [AtomicU64; 7],
     /// Non-cumulative counts per bucket; the last slot is beyond the last bound.
     buckets: [AtomicU64; 13],
     sum_micros: AtomicU64,

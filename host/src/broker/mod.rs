@@ -2,6 +2,7 @@
 //! errors, Juju's constraint syntax, and the service that ties providers to
 //! the host's records.
 
+pub mod breaker;
 pub mod constraints;
 mod errors;
 pub mod host_preparer;

@@ -3,6 +3,7 @@
 
 use super::errors::CallError;
 use super::imports;
+use super::method_stats::Outcome;
 use crate::bindings::{
     BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
 };
@@ -67,6 +68,7 @@ pub struct WasmProvider {
     config_json: Arc<str>,
     pool: Mutex<Vec<Warm>>,
     stats: ProviderStats,
+    breaker: super::breaker::Breaker,
 }
 
 impl WasmProvider {
@@ -90,6 +92,7 @@ impl WasmProvider {
         let pre = ProviderPre::new(instance_pre)
             .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
         let capabilities = narrow(capabilities, &manifest)?;
+        let breaker = super::breaker::Breaker::new(manifest.limits.breaker_failures, manifest.limits.breaker_window);
         Ok(WasmProvider {
             name: provider.into(),
             config_json: manifest.config_json.clone().into(),
@@ -100,6 +103,7 @@ impl WasmProvider {
             capabilities,
             pool: Mutex::new(Vec::new()),
             stats: ProviderStats::default(),
+            breaker,
         })
     }
 
@@ -201,9 +205,50 @@ impl WasmProvider {
     {
         let span = tracing::debug_span!("provider_call", provider = &*self.name, method = method.name());
         let began = Instant::now();
+        if self.breaker.is_half_open()
+            && let Err(refused) = self.reobserve(method).await
+        {
+            self.observe(method, Outcome::Unavailable, began);
+            return Err(refused);
+        }
         let result = self.run_call(method, hooks, invoke).instrument(span).await;
-        self.stats.methods.get(method).observe(super::method_stats::Outcome::of(&result), began.elapsed());
+        self.observe(method, Outcome::of(&result), began);
         result
+    }
+
+    fn observe(&self, method: Method, outcome: Outcome, began: Instant) {
+        self.stats.methods.get(method).observe(outcome, began.elapsed());
+        if self.breaker.record(outcome, Instant::now()) {
+            tracing::warn!(provider = &*self.name, policy = %self.breaker.describe(), "provider half-open");
+        }
+    }
+
+    /// A half-open provider serves again only after an `all-instances` that answers.
+    async fn reobserve(&self, method: Method) -> Result<(), CallError> {
+        let began = Instant::now();
+        let probe = self
+            .run_call(Method::AllInstances, &CallHooks::default(), |store, exports, ctx| {
+                Box::pin(async move { exports.broker_provider_instance_broker().call_all_instances(store, ctx).await })
+            })
+            .await;
+        self.stats.methods.get(Method::AllInstances).observe(Outcome::of(&probe), began.elapsed());
+        match probe {
+            Ok(_) => {
+                self.breaker.close();
+                tracing::info!(provider = &*self.name, "all-instances re-observe passed; serving again");
+                Ok(())
+            }
+            Err(e) => Err(CallError::Unavailable {
+                provider: self.name.to_string(),
+                method,
+                reason: format!("{}; the all-instances re-observe failed: {e}", self.breaker.describe()),
+            }),
+        }
+    }
+
+    /// Whether the crash policy holds this version half-open, and how often it tripped.
+    pub fn breaker_state(&self) -> (bool, u64) {
+        (self.breaker.is_half_open(), self.breaker.trips())
     }
 
     async fn run_call<R, F>(&self, method: Method, hooks: &CallHooks, invoke: F) -> Result<R, CallError>

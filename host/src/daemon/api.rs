@@ -4,7 +4,7 @@
 use super::MAX_BODY_BYTES;
 use crate::bindings::BrokerError;
 use crate::broker::service::params_with;
-use crate::broker::{Broker, BrokerServiceError, constraints};
+use crate::broker::{Broker, BrokerServiceError, CallError, constraints};
 use crate::capabilities::context::{CallEvent, CallHooks};
 use crate::providers::registry::RegistryError;
 use crate::store::records::status_name;
@@ -69,6 +69,7 @@ impl From<BrokerServiceError> for ApiError {
             BrokerServiceError::Registry(e) => registry_status(e),
             BrokerServiceError::UnknownInstance(_) => StatusCode::NOT_FOUND,
             BrokerServiceError::AmbiguousInstance { .. } => StatusCode::CONFLICT,
+            BrokerServiceError::Call(CallError::Unavailable { .. }) => StatusCode::SERVICE_UNAVAILABLE,
             BrokerServiceError::Call(call) => match call.broker_error() {
                 Some(BrokerError::InvalidParams(_)) => StatusCode::BAD_REQUEST,
                 Some(BrokerError::NotFound(_)) => StatusCode::NOT_FOUND,
@@ -128,8 +129,14 @@ async fn add_provider(
 
 async fn show_provider(State(broker): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
     let (record, manifest) = broker.registry().show(&name)?;
-    Ok(Json(json!({ "provider": record, "component": manifest.component, "isolation": manifest.isolation }))
-        .into_response())
+    let (half_open, trips) = broker.registry().get(&name).await?.breaker_state();
+    Ok(Json(json!({
+        "provider": record,
+        "component": manifest.component,
+        "isolation": manifest.isolation,
+        "breaker": { "half-open": half_open, "trips": trips },
+    }))
+    .into_response())
 }
 
 async fn remove_provider(State(broker): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
@@ -339,6 +346,14 @@ async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
             "broker_provider_instantiations_total{{{labels}}} {}\n",
             stats.instantiations.load(Ordering::Relaxed)
         ));
+    }
+    text.push_str("# HELP broker_provider_half_open 1 while the crash policy holds the version half-open.\n");
+    text.push_str("# TYPE broker_provider_half_open gauge\n");
+    for provider in &loaded {
+        let labels = format!("provider=\"{}\",sha256=\"{}\"", provider.name(), &provider.sha256()[..12]);
+        let (half_open, trips) = provider.breaker_state();
+        text.push_str(&format!("broker_provider_half_open{{{labels}}} {}\n", u8::from(half_open)));
+        text.push_str(&format!("broker_provider_breaker_trips_total{{{labels}}} {trips}\n"));
     }
     per_method(&mut text, &loaded);
     let swaps = broker.registry().swap_counts();

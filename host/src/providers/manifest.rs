@@ -10,6 +10,8 @@
 //! pool-size = 4                  # warm instances kept (pooled)
 //! max-calls = 10000              # an instance is retired after this many calls
 //! max-age = "1h"                 # … or this age
+//! breaker-failures = 5           # traps/deadlines/limits within breaker-window that put it
+//! breaker-window = "60s"         # half-open (0 = off); an all-instances re-observe reopens it
 //! [limits.deadlines]
 //! default = "30s"
 //! start-instance = "10m"
@@ -68,6 +70,19 @@ pub struct Limits {
     pub max_age: Duration,
     #[serde(default)]
     pub deadlines: Deadlines,
+    /// Crash policy: this many traps, deadline overruns or limits within
+    /// `breaker-window` put the provider half-open (0 turns it off).
+    #[serde(default = "default_breaker_failures")]
+    pub breaker_failures: usize,
+    #[serde(default = "default_breaker_window", deserialize_with = "duration")]
+    pub breaker_window: Duration,
+}
+
+fn default_breaker_failures() -> usize {
+    5
+}
+fn default_breaker_window() -> Duration {
+    Duration::from_secs(60)
 }
 
 fn default_memory_mib() -> u64 {
@@ -91,6 +106,8 @@ impl Default for Limits {
             max_calls: default_max_calls(),
             max_age: default_max_age(),
             deadlines: Deadlines::default(),
+            breaker_failures: default_breaker_failures(),
+            breaker_window: default_breaker_window(),
         }
     }
 }

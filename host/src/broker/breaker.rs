@@ -1,0 +1,98 @@
+//! Crash policy: a provider version that traps, overruns its deadline or hits
+//! a limit `failures` times within `window` goes half-open. Before it serves
+//! again it must pass an `all-instances` re-observe; until then its calls are
+//! refused as unavailable, without running guest code that is failing.
+
+use super::method_stats::Outcome;
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+#[derive(Debug)]
+pub struct Breaker {
+    failures: usize,
+    window: Duration,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    recent: VecDeque<Instant>,
+    half_open: bool,
+    trips: u64,
+}
+
+impl Breaker {
+    /// `failures == 0` turns the breaker off.
+    pub fn new(failures: usize, window: Duration) -> Breaker {
+        Breaker { failures, window, state: Mutex::default() }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Count a call's outcome; true if this failure tripped the breaker.
+    pub fn record(&self, outcome: Outcome, now: Instant) -> bool {
+        if self.failures == 0 || !matches!(outcome, Outcome::Trap | Outcome::Deadline | Outcome::Limit) {
+            return false;
+        }
+        let mut state = self.state();
+        state.recent.push_back(now);
+        while state.recent.front().is_some_and(|t| now.duration_since(*t) > self.window) {
+            state.recent.pop_front();
+        }
+        if state.recent.len() >= self.failures && !state.half_open {
+            state.half_open = true;
+            state.trips += 1;
+            return true;
+        }
+        false
+    }
+
+    pub fn is_half_open(&self) -> bool {
+        self.state().half_open
+    }
+
+    /// The re-observe passed: serve again, with a clean slate.
+    pub fn close(&self) {
+        let mut state = self.state();
+        state.half_open = false;
+        state.recent.clear();
+    }
+
+    /// How often it went half-open.
+    pub fn trips(&self) -> u64 {
+        self.state().trips
+    }
+
+    pub fn describe(&self) -> String {
+        format!("{} traps, deadline overruns or limits within {:?}", self.failures, self.window)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trips_on_failures_within_the_window_only() {
+        let breaker = Breaker::new(3, Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert!(!breaker.record(Outcome::Trap, t0));
+        assert!(!breaker.record(Outcome::Error, t0), "a typed error is an answer, not a crash");
+        assert!(!breaker.record(Outcome::Deadline, t0 + Duration::from_secs(1)));
+        // The first failure has left the window by now.
+        assert!(!breaker.record(Outcome::Limit, t0 + Duration::from_secs(11)));
+        assert!(!breaker.is_half_open());
+        // At 11 s: the failures at 1 s and 11 s are within the window, and this third one trips it.
+        assert!(breaker.record(Outcome::Trap, t0 + Duration::from_secs(11)));
+        assert!(breaker.is_half_open());
+        assert!(!breaker.record(Outcome::Trap, t0 + Duration::from_secs(12)), "trips once");
+        breaker.close();
+        assert!(!breaker.is_half_open());
+        assert_eq!(breaker.trips(), 1);
+        let off = Breaker::new(0, Duration::from_secs(10));
+        assert!((0..10).all(|_| !off.record(Outcome::Trap, t0)));
+    }
+}
