@@ -79,14 +79,7 @@ pub struct ProviderView {
 impl ProviderView {
     pub fn new(record: &ProviderRecord, manifest: &Manifest) -> Self {
         let limits = &manifest.limits;
-        let methods = [
-            Method::Describe,
-            Method::ValidateConfig,
-            Method::StartInstance,
-            Method::StopInstances,
-            Method::AllInstances,
-            Method::MaintainInstance,
-        ];
+        let methods = Method::ALL;
         let grants = &manifest.grants;
         ProviderView {
             name: record.name.clone(),
