@@ -45,7 +45,7 @@ async fn wait(grant: &HttpGrant, reply: &Value) {
     assert_eq!(done["metadata"]["status"], "Success", "{done}");
 }
 
-/// The provider's calls for a start, natively: alias, look, create, wait, look, start, wait, look.
+/// The provider's calls for a start, natively: alias, look, create, wait, start, wait, look.
 async fn native_start(grant: &HttpGrant, name: &str) {
     let q = "project=default";
     assert_eq!(rest(grant, "GET", &format!("/1.0/images/aliases/busybox?{q}"), None).await.0, 200);
@@ -56,7 +56,6 @@ async fn native_start(grant: &HttpGrant, name: &str) {
     });
     let (_, created) = rest(grant, "POST", &format!("/1.0/instances?{q}"), Some(spec)).await;
     wait(grant, &created).await;
-    rest(grant, "GET", &format!("/1.0/instances/{name}?{q}"), None).await;
     let start = json!({"action": "start", "timeout": 30, "force": false});
     let (_, started) = rest(grant, "PUT", &format!("/1.0/instances/{name}/state?{q}"), Some(start)).await;
     wait(grant, &started).await;

@@ -119,8 +119,8 @@ fn create_and_start(lxd: &Lxd, spec: &spec::ContainerSpec) -> Result<(), BrokerE
             Err((_, message)) => Some(lxd.instance(name)?.ok_or(BrokerError::Provider(message))?),
         },
     };
-    if let Some(existing) = existing {
-        let differences = spec.differences(&existing);
+    if let Some(existing) = &existing {
+        let differences = spec.differences(existing);
         if !differences.is_empty() {
             return Err(BrokerError::InvalidParams(format!(
                 "container {name} already exists with a different spec: {}",
@@ -128,7 +128,8 @@ fn create_and_start(lxd: &Lxd, spec: &spec::ContainerSpec) -> Result<(), BrokerE
             )));
         }
     }
-    let running = lxd.instance(name)?.is_some_and(|i| api::instance_state(&i).0 == State::Running);
+    // A container this call created is stopped; only an existing one may already run.
+    let running = existing.is_some_and(|i| api::instance_state(&i).0 == State::Running);
     if !running && let Err((_, message)) = lxd.change_state(name, "start", false)? {
         if let Err(cleanup) = remove(lxd, name) {
             host_log::log(
