@@ -1,4 +1,5 @@
 use broker_host::cli::{Cli, UsageError, run};
+use broker_host::error_text::chain_text;
 use clap::Parser;
 use std::process::ExitCode;
 use tracing_subscriber::EnvFilter;
@@ -25,11 +26,11 @@ fn main() -> ExitCode {
     match runtime.block_on(run(cli)) {
         Ok(code) => ExitCode::from(code),
         Err(e) if e.downcast_ref::<UsageError>().is_some() => {
-            eprintln!("error: {e:#}\n(see `broker --help`)");
+            eprintln!("error: {}\n(see `broker --help`)", chain_text(e.chain()));
             ExitCode::from(2)
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", chain_text(e.chain()));
             ExitCode::from(1)
         }
     }

@@ -2,19 +2,12 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
+mod common;
+
+use common::broker;
 use serde_json::Value;
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn broker(data_dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_broker"))
-        .arg("--data-dir")
-        .arg(data_dir)
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("run broker")
-}
+use std::process::Command;
 
 fn ok(data_dir: &Path, args: &[&str]) -> String {
     let out = broker(data_dir, args);
@@ -58,8 +51,8 @@ fn start_list_stop_maintain_through_the_fake_provider() {
     assert_eq!(
         shown["grants"],
         serde_json::json!({
-            "kv": true, "log": true, "machine-lock": false, "process": [], "paths": [],
-            "bridge-devices": [], "bridge-bridges": []
+            "kv": true, "log": true, "machine-lock": false, "local-sockets": false, "process": [],
+            "paths": [], "bridge-devices": [], "bridge-bridges": [], "http": []
         })
     );
     assert_eq!(shown["deadlines"][2], serde_json::json!(["start-instance", "10m"]));
@@ -80,7 +73,12 @@ fn start_list_stop_maintain_through_the_fake_provider() {
     );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let progress = String::from_utf8_lossy(&out.stderr);
-    assert!(progress.contains("[fake] allocating") && progress.contains("[fake] running"), "{progress}");
+    let statuses: Vec<String> = progress
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap_or_else(|_| panic!("not a JSON line: {l}")))
+        .map(|line| line["status"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(statuses, ["allocating", "running"], "--json: status updates as JSON lines on stderr");
     let started: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(started["id"], "fake-0");
     assert_eq!(started["provider"], "fake");

@@ -3,111 +3,13 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
+mod common;
+
+use common::{Daemon, exchange, fake_manifest, request};
 use serde_json::Value;
-use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-struct Daemon {
-    child: Child,
-    socket: PathBuf,
-}
-
-impl Daemon {
-    fn start(data_dir: &Path) -> Daemon {
-        Daemon::start_with(data_dir, &[])
-    }
-
-    fn start_with(data_dir: &Path, serve_args: &[&str]) -> Daemon {
-        let child = Command::new(env!("CARGO_BIN_EXE_broker"))
-            .arg("--data-dir")
-            .arg(data_dir)
-            .arg("serve")
-            .args(serve_args)
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let socket = data_dir.join("broker.sock");
-        let started = Instant::now();
-        while UnixStream::connect(&socket).is_err() {
-            assert!(started.elapsed() < Duration::from_secs(30), "the daemon never listened on {}", socket.display());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Daemon { child, socket }
-    }
-
-    fn request(&self, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String) {
-        request(&self.socket, method, path, body)
-    }
-
-    fn json(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
-        let (status, text) = self.request(method, path, body.map(str::as_bytes));
-        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")))
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// One request on the unix socket; returns the status and the (de-chunked) body.
-fn request(socket: &Path, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String) {
-    exchange(UnixStream::connect(socket).unwrap(), method, path, body, "")
-}
-
-/// One request on `stream`, with `headers` (each ending in CRLF) added.
-fn exchange(
-    mut stream: impl Read + Write,
-    method: &str,
-    path: &str,
-    body: Option<&[u8]>,
-    headers: &str,
-) -> (u16, String) {
-    let body = body.unwrap_or_default();
-    write!(
-            stream,
-            "{method} {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n{headers}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        )
-        .unwrap();
-    let _ = stream.write_all(body); // an oversized body may be refused before it is all read
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
-    (status, if chunked { dechunk(rest) } else { rest.to_owned() })
-}
-
-fn dechunk(mut rest: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, after)) = rest.split_once("\r\n") {
-        let size = usize::from_str_radix(size.trim(), 16).unwrap();
-        if size == 0 {
-            break;
-        }
-        out.push_str(&after[..size]);
-        rest = &after[size + 2..];
-    }
-    out
-}
-
-/// The bundled fake's manifest, with `line` added to its [config].
-fn fake_manifest(dir: &Path, line: &str) -> String {
-    let text = guest_artifacts::manifest_text("fake");
-    let path = dir.join("fake.toml");
-    std::fs::write(&path, format!("{text}{line}\n")).unwrap();
-    path.display().to_string()
-}
 
 #[test]
 fn the_api_serves_providers_instances_swaps_events_and_metrics() {

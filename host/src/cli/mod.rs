@@ -1,14 +1,15 @@
 //! The `broker` command line. Exit codes: 0 success, 1 the operation failed,
 //! 2 usage error.
 
+mod backend;
 mod lock;
 mod output;
 
-use crate::broker::service::params_with;
 use crate::broker::{Broker, constraints};
-use crate::capabilities::context::{CallEvent, CallHooks};
+use crate::capabilities::context::CallEvent;
 use crate::store::records::status_name;
 use anyhow::{Context, Result};
+use backend::Backend;
 use clap::{Args, Parser, Subcommand};
 use std::io::Write;
 use std::path::PathBuf;
@@ -26,6 +27,11 @@ pub struct Cli {
     /// Where the host keeps its state and compiled-component cache.
     #[arg(long, global = true, env = "BROKER_DATA_DIR", default_value_os_t = default_data_dir())]
     pub data_dir: PathBuf,
+    /// The daemon's socket (default DATA_DIR/broker.sock). `serve` listens on it; every
+    /// other command talks to the daemon there when one answers, and opens the state
+    /// in DATA_DIR itself when none does. The output is the same either way.
+    #[arg(long, global = true, env = "BROKER_SOCKET", value_name = "PATH")]
+    pub socket: Option<PathBuf>,
     /// More logging on stderr (-v info, -vv debug); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
@@ -50,9 +56,6 @@ pub enum Command {
     /// On start it reconciles: maintain-instance for each recorded instance, and
     /// each provider's instances compared with the records (an event per provider).
     Serve {
-        /// Listen here instead of DATA_DIR/broker.sock.
-        #[arg(long)]
-        socket: Option<PathBuf>,
         /// Also serve on this loopback TCP address (e.g. 127.0.0.1:7070); every
         /// request but /healthz must then carry `Authorization: Bearer <token>`.
         #[arg(long, requires = "token_file", value_name = "ADDR")]
@@ -136,7 +139,8 @@ pub enum ProviderCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum InstanceCommand {
-    /// Start an instance; status updates are shown as they happen.
+    /// Start an instance. Status updates are shown as they happen on stderr: one
+    /// line redrawn in a terminal, a line each otherwise, JSON lines with --json.
     Start(StartArgs),
     /// List instances as the providers report them, joined with the host's records.
     List {
@@ -173,7 +177,8 @@ pub struct StartArgs {
     /// A placement directive, e.g. zone=z1.
     #[arg(long)]
     placement: Option<String>,
-    /// Print the result as JSON on stdout (status updates still go to stderr).
+    /// Print the result as JSON on stdout, and each status update as a JSON line
+    /// on stderr (as the API streams them).
     #[arg(long)]
     json: bool,
 }
@@ -213,31 +218,18 @@ pub async fn run(cli: Cli) -> Result<u8> {
         let worlds = TestWorlds { script, record, strict };
         return provider_test(&component, manifest.as_deref(), format, worlds, &mut stdout).await;
     }
-    let broker = Broker::open(&cli.data_dir)
-        .with_context(|| format!("cannot open the broker state in {}", cli.data_dir.display()))?;
+    let socket = cli.socket.clone().unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
+    if let Command::Serve { listen, token_file } = cli.command {
+        serve(&cli.data_dir, &socket, listen, token_file).await?;
+        return Ok(0);
+    }
+    let backend = Backend::open(&cli.data_dir, &socket).await?;
     match cli.command {
-        Command::Provider(command) => provider(&broker, command, &mut stdout).await?,
-        Command::Instance(command) => instance(&broker, command, &mut stdout).await?,
-        Command::Lock(_) => unreachable!("handled above"),
-        Command::Serve { socket, listen, token_file } => {
-            let socket = socket.unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
-            let tcp = match (listen, token_file) {
-                (Some(addr), Some(file)) => {
-                    crate::daemon::check_loopback(addr).map_err(|e| UsageError(e.to_string()))?;
-                    let token = crate::daemon::BearerToken::load(&file).map_err(|e| UsageError(e.to_string()))?;
-                    Some(crate::daemon::TcpListen { addr, token })
-                }
-                _ => None,
-            };
-            let broker = std::sync::Arc::new(broker);
-            // Juju's agent maintains its instances when it starts; here that runs
-            // beside the API, and each provider's result is an event.
-            let reconciling = broker.clone();
-            tokio::spawn(async move { reconciling.reconcile().await });
-            crate::daemon::serve(broker, &socket, tcp, shutdown_signal()).await?;
-        }
+        Command::Provider(command) => provider(&backend, command, &mut stdout).await?,
+        Command::Instance(command) => instance(&backend, command, &mut stdout).await?,
+        Command::Lock(_) | Command::Serve { .. } => unreachable!("handled above"),
         Command::Events { after, limit, json } => {
-            let events = broker.store().events(after, limit)?;
+            let events = backend.events(after, limit).await?;
             if json {
                 for event in &events {
                     writeln!(stdout, "{}", serde_json::to_string(event)?)?;
@@ -248,6 +240,34 @@ pub async fn run(cli: Cli) -> Result<u8> {
         }
     }
     Ok(0)
+}
+
+async fn serve(
+    data_dir: &std::path::Path,
+    socket: &std::path::Path,
+    listen: Option<std::net::SocketAddr>,
+    token_file: Option<PathBuf>,
+) -> Result<()> {
+    // Before the state is opened: a second daemon would only be told the database is busy.
+    if crate::client::DaemonClient::probe(socket).await.is_some() {
+        anyhow::bail!("another broker daemon is serving on {}", socket.display());
+    }
+    let tcp = match (listen, token_file) {
+        (Some(addr), Some(file)) => {
+            crate::daemon::check_loopback(addr).map_err(|e| UsageError(e.to_string()))?;
+            let token = crate::daemon::BearerToken::load(&file).map_err(|e| UsageError(e.to_string()))?;
+            Some(crate::daemon::TcpListen { addr, token })
+        }
+        _ => None,
+    };
+    let broker =
+        Broker::open(data_dir).with_context(|| format!("cannot open the broker state in {}", data_dir.display()))?;
+    let broker = std::sync::Arc::new(broker);
+    // Juju's agent maintains its instances when it starts; here that runs
+    // beside the API, and each provider's result is an event.
+    let reconciling = broker.clone();
+    tokio::spawn(async move { reconciling.reconcile().await });
+    crate::daemon::serve(broker, socket, tcp, shutdown_signal()).await
 }
 
 /// Resolves on SIGTERM or SIGINT.
@@ -263,18 +283,17 @@ async fn shutdown_signal() {
     tracing::info!("shutting down: no new requests; finishing those in flight");
 }
 
-async fn provider(broker: &Broker, command: ProviderCommand, out: &mut impl Write) -> Result<()> {
+async fn provider(backend: &Backend, command: ProviderCommand, out: &mut impl Write) -> Result<()> {
     match command {
         ProviderCommand::Add { manifest } => {
-            let record = broker
-                .registry()
-                .add(&manifest)
+            let record = backend
+                .add_provider(&manifest)
                 .await
                 .with_context(|| format!("cannot add provider from {}", manifest.display()))?;
             writeln!(out, "added provider {} {} (sha256 {})", record.name, record.version, record.component_sha256)?;
         }
         ProviderCommand::List { json } => {
-            let records = broker.registry().list()?;
+            let records = backend.list_providers().await?;
             if json {
                 writeln!(out, "{}", serde_json::to_string_pretty(&records)?)?;
             } else {
@@ -282,8 +301,7 @@ async fn provider(broker: &Broker, command: ProviderCommand, out: &mut impl Writ
             }
         }
         ProviderCommand::Show { name, json } => {
-            let (record, manifest) = broker.registry().show(&name)?;
-            let view = output::ProviderView::new(&record, &manifest);
+            let view = backend.show_provider(&name).await?;
             if json {
                 writeln!(out, "{}", serde_json::to_string_pretty(&view)?)?;
             } else {
@@ -292,7 +310,7 @@ async fn provider(broker: &Broker, command: ProviderCommand, out: &mut impl Writ
         }
         ProviderCommand::Test { .. } => unreachable!("handled before the state is opened"),
         ProviderCommand::Swap { name, component, check, json } => {
-            let report = broker.registry().swap(&name, &component, check).await?;
+            let report = backend.swap(&name, &component, check).await?;
             if json {
                 writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
             } else {
@@ -308,26 +326,30 @@ async fn provider(broker: &Broker, command: ProviderCommand, out: &mut impl Writ
             }
         }
         ProviderCommand::Remove { name } => {
-            broker.registry().remove(&name).with_context(|| format!("cannot remove provider {name}"))?;
+            backend.remove_provider(&name).await.with_context(|| format!("cannot remove provider {name}"))?;
             writeln!(out, "removed provider {name}")?;
         }
     }
     Ok(())
 }
 
-async fn instance(broker: &Broker, command: InstanceCommand, out: &mut impl Write) -> Result<()> {
+async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Write) -> Result<()> {
     match command {
         InstanceCommand::Start(args) => {
-            let constraints = constraints::parse(&args.constraints)
+            // Checked here, whoever runs it: a typo is a usage error, not a failed start.
+            constraints::parse(&args.constraints)
                 .map_err(|e| UsageError(format!("invalid --constraints {:?}: {e}", args.constraints)))?;
-            let mut params = params_with(constraints);
-            params.placement = args.placement.clone();
-            let provider = args.provider.clone();
-            let hooks = CallHooks::with_events(move |event| output::progress(&provider, &event));
-            let record = broker
-                .start_instance(&args.provider, &params, &hooks)
-                .await
-                .with_context(|| format!("cannot start an instance with provider {}", args.provider))?;
+            let request = backend::StartRequest {
+                provider: &args.provider,
+                constraints: &args.constraints,
+                placement: args.placement.as_deref(),
+            };
+            let progress = std::sync::Arc::new(output::Progress::new(&args.provider, args.json));
+            let shown = progress.clone();
+            let started = backend.start_instance(&request, move |event| shown.show(&event)).await;
+            progress.finish();
+            let record =
+                started.with_context(|| format!("cannot start an instance with provider {}", args.provider))?;
             if args.json {
                 writeln!(out, "{}", serde_json::to_string_pretty(&output::InstanceView::from(&record))?)?;
             } else {
@@ -335,7 +357,7 @@ async fn instance(broker: &Broker, command: InstanceCommand, out: &mut impl Writ
             }
         }
         InstanceCommand::List { provider, json } => {
-            let records = broker.list_instances(provider.as_deref()).await.context("cannot list instances")?;
+            let records = backend.list_instances(provider.as_deref()).await.context("cannot list instances")?;
             let views: Vec<output::InstanceView> = records.iter().map(output::InstanceView::from).collect();
             if json {
                 writeln!(out, "{}", serde_json::to_string_pretty(&views)?)?;
@@ -344,30 +366,17 @@ async fn instance(broker: &Broker, command: InstanceCommand, out: &mut impl Writ
             }
         }
         InstanceCommand::Stop { ids, provider } => {
-            let mut by_provider: Vec<(String, Vec<String>)> = Vec::new();
-            for id in ids {
-                let owner = match &provider {
-                    Some(p) => p.clone(),
-                    None => broker.provider_of(&id)?,
-                };
-                match by_provider.iter_mut().find(|(p, _)| *p == owner) {
-                    Some((_, list)) => list.push(id),
-                    None => by_provider.push((owner, vec![id])),
-                }
-            }
-            for (owner, ids) in by_provider {
-                broker.stop_instances(&owner, &ids).await.with_context(|| format!("cannot stop {}", ids.join(" ")))?;
+            for (owner, ids) in backend.stop_instances(ids, provider.as_deref()).await? {
                 for id in ids {
                     writeln!(out, "stopped {id} ({owner})")?;
                 }
             }
         }
         InstanceCommand::Maintain { id, provider } => {
-            let owner = match provider {
-                Some(p) => p,
-                None => broker.provider_of(&id)?,
-            };
-            broker.maintain_instance(&owner, &id).await.with_context(|| format!("cannot maintain {id}"))?;
+            let owner = backend
+                .maintain_instance(&id, provider.as_deref())
+                .await
+                .with_context(|| format!("cannot maintain {id}"))?;
             writeln!(out, "maintained {id} ({owner})")?;
         }
     }

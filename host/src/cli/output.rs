@@ -2,8 +2,8 @@
 
 use super::describe_event;
 use crate::capabilities::context::CallEvent;
-use crate::providers::Manifest;
-use crate::providers::manifest::Method;
+use crate::daemon::wire::StartLine;
+use crate::providers::view::ProviderView;
 use crate::store::records::Hardware;
 use crate::store::{InstanceRecord, ProviderRecord};
 use serde::Serialize;
@@ -43,73 +43,6 @@ impl From<&InstanceRecord> for InstanceView {
     }
 }
 
-/// The effective grants: everything not listed here is denied.
-#[derive(Debug, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub struct GrantsView {
-    pub kv: bool,
-    pub log: bool,
-    pub machine_lock: bool,
-    pub process: Vec<String>,
-    pub paths: Vec<String>,
-    pub bridge_devices: Vec<String>,
-    pub bridge_bridges: Vec<String>,
-}
-
-/// A provider as `provider show` prints it.
-#[derive(Debug, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub struct ProviderView {
-    pub name: String,
-    pub version: String,
-    pub component: String,
-    pub component_sha256: String,
-    pub manifest: String,
-    pub isolation: crate::providers::Isolation,
-    pub memory_mib: u64,
-    pub pool_size: usize,
-    pub max_calls: u64,
-    pub max_age: String,
-    /// Method name -> deadline.
-    pub deadlines: Vec<(String, String)>,
-    pub grants: GrantsView,
-    pub config: serde_json::Value,
-}
-
-impl ProviderView {
-    pub fn new(record: &ProviderRecord, manifest: &Manifest) -> Self {
-        let limits = &manifest.limits;
-        let methods = Method::ALL;
-        let grants = &manifest.grants;
-        ProviderView {
-            name: record.name.clone(),
-            version: record.version.clone(),
-            component: manifest.component.display().to_string(),
-            component_sha256: record.component_sha256.clone(),
-            manifest: record.manifest.clone(),
-            isolation: manifest.isolation,
-            memory_mib: limits.memory_mib,
-            pool_size: limits.pool_size,
-            max_calls: limits.max_calls,
-            max_age: humantime::format_duration(limits.max_age).to_string(),
-            deadlines: methods
-                .iter()
-                .map(|m| (m.name().to_owned(), humantime::format_duration(limits.deadlines.for_method(*m)).to_string()))
-                .collect(),
-            grants: GrantsView {
-                kv: grants.kv,
-                log: grants.log,
-                machine_lock: grants.machine_lock,
-                process: grants.process.clone(),
-                paths: grants.paths.iter().map(|p| p.display().to_string()).collect(),
-                bridge_devices: grants.bridge.as_ref().map(|b| b.devices.clone()).unwrap_or_default(),
-                bridge_bridges: grants.bridge.as_ref().map(|b| b.bridges.clone()).unwrap_or_default(),
-            },
-            config: serde_json::from_str(&manifest.config_json).unwrap_or(serde_json::Value::Null),
-        }
-    }
-}
-
 pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Result<()> {
     writeln!(out, "name:       {}", v.name)?;
     writeln!(out, "version:    {}", v.version)?;
@@ -132,16 +65,75 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
     writeln!(out, "  {:<18} {}", "kv", yes_no(v.grants.kv))?;
     writeln!(out, "  {:<18} {}", "log", yes_no(v.grants.log))?;
     writeln!(out, "  {:<18} {}", "machine-lock", yes_no(v.grants.machine_lock))?;
+    writeln!(out, "  {:<18} {}", "local-sockets", yes_no(v.grants.local_sockets))?;
     writeln!(out, "  {:<18} {}", "process", list(&v.grants.process))?;
     writeln!(out, "  {:<18} {}", "paths", list(&v.grants.paths))?;
     writeln!(out, "  {:<18} {}", "bridge devices", list(&v.grants.bridge_devices))?;
     writeln!(out, "  {:<18} {}", "bridge bridges", list(&v.grants.bridge_bridges))?;
-    writeln!(out, "config:     {}", v.config)
+    writeln!(out, "  {:<18} {}", "http", list(&v.grants.http))?;
+    writeln!(out, "config:     {}", v.config)?;
+    match &v.breaker {
+        Some(b) if b.half_open => {
+            writeln!(out, "breaker:    half-open ({} trips): the next call re-observes first", b.trips)
+        }
+        Some(b) => writeln!(out, "breaker:    closed ({} trips)", b.trips),
+        None => Ok(()),
+    }
 }
 
-/// A status update as it happens, on stderr so stdout stays parseable.
-pub fn progress(provider: &str, event: &CallEvent) {
-    eprintln!("[{provider}] {}", describe_event(event));
+/// Status updates as they happen, on stderr so stdout stays parseable: in a
+/// terminal one line redrawn with the time so far, otherwise a line each, or
+/// with `--json` the API's NDJSON lines.
+pub struct Progress {
+    provider: String,
+    style: ProgressStyle,
+    started: std::time::Instant,
+    /// A redrawn line is on screen and needs its newline.
+    live: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ProgressStyle {
+    Live,
+    Lines,
+    Json,
+}
+
+impl Progress {
+    pub fn new(provider: &str, json: bool) -> Self {
+        use std::io::IsTerminal;
+        let style = match (json, std::io::stderr().is_terminal()) {
+            (true, _) => ProgressStyle::Json,
+            (false, true) => ProgressStyle::Live,
+            (false, false) => ProgressStyle::Lines,
+        };
+        Progress { provider: provider.to_owned(), style, started: std::time::Instant::now(), live: Default::default() }
+    }
+
+    pub fn show(&self, event: &CallEvent) {
+        let mut err = std::io::stderr().lock();
+        // Progress is best effort: a closed stderr must not fail the start.
+        let _ = match self.style {
+            ProgressStyle::Json => {
+                let line = serde_json::to_string(&StartLine::from(event.clone())).unwrap_or_default();
+                writeln!(err, "{line}")
+            }
+            ProgressStyle::Lines => writeln!(err, "[{}] {}", self.provider, describe_event(event)),
+            ProgressStyle::Live => {
+                self.live.store(true, std::sync::atomic::Ordering::Relaxed);
+                let elapsed = self.started.elapsed().as_secs_f64();
+                write!(err, "\r\x1b[2K[{}] {} ({elapsed:.1}s)", self.provider, describe_event(event))
+                    .and_then(|()| err.flush())
+            }
+        };
+    }
+
+    /// End a redrawn line, keeping its last state on screen.
+    pub fn finish(&self) {
+        if self.live.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            let _ = writeln!(std::io::stderr());
+        }
+    }
 }
 
 fn table(out: &mut impl Write, header: &[&str], rows: &[Vec<String>]) -> std::io::Result<()> {

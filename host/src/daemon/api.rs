@@ -2,12 +2,14 @@
 //! malformed is a 4xx with `{"error": "..."}`, never a 500.
 
 use super::MAX_BODY_BYTES;
+use super::wire::StartLine;
 use crate::bindings::BrokerError;
 use crate::broker::service::params_with;
 use crate::broker::{Broker, BrokerServiceError, CallError, constraints};
-use crate::capabilities::context::{CallEvent, CallHooks};
+use crate::capabilities::context::CallHooks;
+use crate::error_text::error_text;
 use crate::providers::registry::RegistryError;
-use crate::store::records::status_name;
+use crate::providers::view::{BreakerView, ProviderView};
 use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
@@ -59,7 +61,7 @@ fn registry_status(err: &RegistryError) -> StatusCode {
 
 impl From<RegistryError> for ApiError {
     fn from(err: RegistryError) -> Self {
-        ApiError(registry_status(&err), err.to_string())
+        ApiError(registry_status(&err), error_text(&err))
     }
 }
 
@@ -78,13 +80,13 @@ impl From<BrokerServiceError> for ApiError {
             },
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
-        ApiError(status, err.to_string())
+        ApiError(status, error_text(&err))
     }
 }
 
 impl From<crate::store::StoreError> for ApiError {
     fn from(err: crate::store::StoreError) -> Self {
-        ApiError(StatusCode::INTERNAL_SERVER_ERROR, err.to_string())
+        ApiError(StatusCode::INTERNAL_SERVER_ERROR, error_text(&err))
     }
 }
 
@@ -127,16 +129,13 @@ async fn add_provider(
     Ok((StatusCode::CREATED, Json(record)).into_response())
 }
 
+/// The provider as `broker provider show --json` prints it, with the crash policy's state.
 async fn show_provider(State(broker): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
     let (record, manifest) = broker.registry().show(&name)?;
     let (half_open, trips) = broker.registry().get(&name).await?.breaker_state();
-    Ok(Json(json!({
-        "provider": record,
-        "component": manifest.component,
-        "isolation": manifest.isolation,
-        "breaker": { "half-open": half_open, "trips": trips },
-    }))
-    .into_response())
+    let mut view = ProviderView::new(&record, &manifest);
+    view.breaker = Some(BreakerView { half_open, trips });
+    Ok(Json(view).into_response())
 }
 
 async fn remove_provider(State(broker): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
@@ -196,26 +195,20 @@ async fn start_instance(
     let mut params = params_with(constraints);
     params.placement = request.placement;
 
-    let (lines, receiver) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let (lines, receiver) = tokio::sync::mpsc::unbounded_channel::<StartLine>();
     let status_lines = lines.clone();
     let hooks = CallHooks::with_events(move |event| {
-        let line = match event {
-            CallEvent::Status { status, info, data } => {
-                json!({ "event": "status", "status": status_name(status), "info": info, "data": data })
-            }
-            CallEvent::Cleanup { info } => json!({ "event": "cleanup", "info": info }),
-        };
-        let _ = status_lines.send(line.to_string());
+        let _ = status_lines.send(StartLine::from(event));
     });
     tokio::spawn(async move {
         let last = match broker.start_instance(&request.provider, &params, &hooks).await {
-            Ok(record) => json!({ "event": "started", "instance": record }),
-            Err(err) => json!({ "event": "failed", "error": err.to_string() }),
+            Ok(record) => StartLine::Started { instance: Box::new(record) },
+            Err(err) => StartLine::Failed { error: error_text(&err) },
         };
-        let _ = lines.send(last.to_string());
+        let _ = lines.send(last);
     });
     let stream = futures_util::stream::unfold(receiver, |mut receiver| async move {
-        let line = receiver.recv().await?;
+        let line = serde_json::to_string(&receiver.recv().await?).unwrap_or_default();
         Some((Ok::<_, std::convert::Infallible>(format!("{line}\n")), receiver))
     });
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(stream)).into_response())

@@ -7,6 +7,7 @@
 
 mod api;
 mod auth;
+pub mod wire;
 
 pub use api::router;
 pub use auth::{AuthError, BearerToken, check_loopback};

@@ -2,6 +2,7 @@
 
 pub mod manifest;
 pub mod registry;
+pub mod view;
 
 pub use manifest::{Grants, Isolation, Limits, Manifest, ManifestError, Method};
 pub use registry::{Registry, RegistryError};

@@ -36,7 +36,7 @@ pub enum RegistryError {
 }
 
 /// What a swap replaced with what.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct SwapReport {
     pub provider: String,

@@ -109,6 +109,22 @@ pub fn status_name(status: InstanceStatus) -> &'static str {
     }
 }
 
+/// The status [`status_name`] calls `name`.
+pub fn status_from_name(name: &str) -> Option<InstanceStatus> {
+    const ALL: [InstanceStatus; 9] = [
+        InstanceStatus::Pending,
+        InstanceStatus::Allocating,
+        InstanceStatus::Provisioning,
+        InstanceStatus::Running,
+        InstanceStatus::ProvisioningError,
+        InstanceStatus::Stopping,
+        InstanceStatus::Stopped,
+        InstanceStatus::Error,
+        InstanceStatus::Unknown,
+    ];
+    ALL.into_iter().find(|status| status_name(*status) == name)
+}
+
 /// The host's record of an instance it started.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -152,5 +168,17 @@ mod tests {
         let json = serde_json::to_value(&hw).unwrap();
         assert_eq!(json, serde_json::json!({"arch": "amd64", "mem": 2048, "cpu-cores": 2}));
         assert_eq!(hw.juju_text(), "arch=amd64 cores=2 mem=2048M");
+    }
+
+    #[test]
+    fn every_status_name_reads_back_and_nothing_else_does() {
+        for name in ["pending", "allocating", "provisioning", "running", "provisioning-error"] {
+            assert_eq!(status_from_name(name).map(status_name), Some(name));
+        }
+        for name in ["stopping", "stopped", "error", "unknown"] {
+            assert_eq!(status_from_name(name).map(status_name), Some(name));
+        }
+        assert_eq!(status_from_name("Running"), None);
+        assert_eq!(status_from_name(""), None);
     }
 }

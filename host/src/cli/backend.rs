@@ -1,0 +1,211 @@
+//! Who answers the CLI: the daemon serving on the data dir if one is, else
+//! the broker opened in this process. Both give the same records, so the
+//! commands print the same either way.
+
+use crate::broker::service::params_with;
+use crate::broker::{Broker, constraints};
+use crate::capabilities::context::{CallEvent, CallHooks};
+use crate::client::{DaemonClient, encode_component};
+use crate::providers::registry::SwapReport;
+use crate::providers::view::ProviderView;
+use crate::store::{Event, InstanceRecord, ProviderRecord};
+use anyhow::{Context, Result};
+use http::Method;
+use serde_json::json;
+use std::path::Path;
+
+pub enum Backend {
+    Embedded(Box<Broker>),
+    Daemon(DaemonClient),
+}
+
+/// A start as the CLI asks for it.
+pub struct StartRequest<'a> {
+    pub provider: &'a str,
+    /// Juju's syntax, already parsed once by the caller to catch usage errors.
+    pub constraints: &'a str,
+    pub placement: Option<&'a str>,
+}
+
+impl Backend {
+    /// The daemon on `socket` if one answers there, else the state in `data_dir`.
+    pub async fn open(data_dir: &Path, socket: &Path) -> Result<Backend> {
+        if let Some(client) = DaemonClient::probe(socket).await {
+            tracing::debug!(socket = %socket.display(), "talking to the broker daemon");
+            return Ok(Backend::Daemon(client));
+        }
+        let broker = Broker::open(data_dir)
+            .with_context(|| format!("cannot open the broker state in {}", data_dir.display()))?;
+        Ok(Backend::Embedded(Box::new(broker)))
+    }
+
+    pub async fn add_provider(&self, manifest: &Path) -> Result<ProviderRecord> {
+        match self {
+            Backend::Embedded(broker) => Ok(broker.registry().add(manifest).await?),
+            Backend::Daemon(client) => {
+                // The daemon may run elsewhere in the tree: give it an absolute path.
+                let manifest = absolute(manifest)?;
+                Ok(client.call(Method::POST, "/v1/providers", Some(json!({ "manifest": manifest }))).await?)
+            }
+        }
+    }
+
+    pub async fn list_providers(&self) -> Result<Vec<ProviderRecord>> {
+        match self {
+            Backend::Embedded(broker) => Ok(broker.registry().list()?),
+            Backend::Daemon(client) => Ok(client.call(Method::GET, "/v1/providers", None).await?),
+        }
+    }
+
+    pub async fn show_provider(&self, name: &str) -> Result<ProviderView> {
+        match self {
+            Backend::Embedded(broker) => {
+                let (record, manifest) = broker.registry().show(name)?;
+                Ok(ProviderView::new(&record, &manifest))
+            }
+            Backend::Daemon(client) => {
+                Ok(client.call(Method::GET, &format!("/v1/providers/{}", encode_component(name)), None).await?)
+            }
+        }
+    }
+
+    pub async fn remove_provider(&self, name: &str) -> Result<()> {
+        match self {
+            Backend::Embedded(broker) => Ok(broker.registry().remove(name)?),
+            Backend::Daemon(client) => {
+                let path = format!("/v1/providers/{}", encode_component(name));
+                client.call::<serde_json::Value>(Method::DELETE, &path, None).await?;
+                Ok(())
+            }
+        }
+    }
+
+    pub async fn swap(&self, name: &str, component: &Path, check: bool) -> Result<SwapReport> {
+        match self {
+            Backend::Embedded(broker) => Ok(broker.registry().swap(name, component, check).await?),
+            Backend::Daemon(client) => {
+                let path = format!("/v1/providers/{}/swap", encode_component(name));
+                let body = json!({ "component": absolute(component)?, "check": check });
+                Ok(client.call(Method::POST, &path, Some(body)).await?)
+            }
+        }
+    }
+
+    pub async fn start_instance(
+        &self,
+        request: &StartRequest<'_>,
+        on_event: impl Fn(CallEvent) + Send + Sync + 'static,
+    ) -> Result<InstanceRecord> {
+        match self {
+            Backend::Embedded(broker) => {
+                let mut params = params_with(constraints::parse(request.constraints)?);
+                params.placement = request.placement.map(str::to_owned);
+                let hooks = CallHooks::with_events(on_event);
+                Ok(broker.start_instance(request.provider, &params, &hooks).await?)
+            }
+            Backend::Daemon(client) => {
+                let body = json!({
+                    "provider": request.provider,
+                    "constraints": request.constraints,
+                    "placement": request.placement,
+                });
+                Ok(client.start_instance(body, on_event).await?)
+            }
+        }
+    }
+
+    pub async fn list_instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>> {
+        match self {
+            Backend::Embedded(broker) => Ok(broker.list_instances(provider).await?),
+            Backend::Daemon(client) => {
+                let path = match provider {
+                    Some(p) => format!("/v1/instances?provider={}", encode_component(p)),
+                    None => "/v1/instances".to_owned(),
+                };
+                Ok(client.call(Method::GET, &path, None).await?)
+            }
+        }
+    }
+
+    /// Stop `ids` (through `provider`, or each through the one the host recorded
+    /// it for); returns each provider asked with the ids it stopped.
+    pub async fn stop_instances(&self, ids: Vec<String>, provider: Option<&str>) -> Result<Vec<(String, Vec<String>)>> {
+        let mut stopped: Vec<(String, Vec<String>)> = Vec::new();
+        let mut note = |owner: String, id: String| match stopped.iter_mut().find(|(p, _)| *p == owner) {
+            Some((_, list)) => list.push(id),
+            None => stopped.push((owner, vec![id])),
+        };
+        match self {
+            Backend::Embedded(broker) => {
+                let mut by_provider: Vec<(String, Vec<String>)> = Vec::new();
+                for id in ids {
+                    let owner = match provider {
+                        Some(p) => p.to_owned(),
+                        None => broker.provider_of(&id).with_context(|| format!("cannot stop {id}"))?,
+                    };
+                    match by_provider.iter_mut().find(|(p, _)| *p == owner) {
+                        Some((_, list)) => list.push(id),
+                        None => by_provider.push((owner, vec![id])),
+                    }
+                }
+                for (owner, ids) in by_provider {
+                    broker
+                        .stop_instances(&owner, &ids)
+                        .await
+                        .with_context(|| format!("cannot stop {}", ids.join(" ")))?;
+                    ids.into_iter().for_each(|id| note(owner.clone(), id));
+                }
+            }
+            Backend::Daemon(client) => {
+                for id in ids {
+                    let path = format!("/v1/instances/{}{}", encode_component(&id), provider_query(provider));
+                    let answer: Owner =
+                        client.call(Method::DELETE, &path, None).await.with_context(|| format!("cannot stop {id}"))?;
+                    note(answer.provider, id);
+                }
+            }
+        }
+        Ok(stopped)
+    }
+
+    /// Run `maintain-instance`; returns the provider that did.
+    pub async fn maintain_instance(&self, id: &str, provider: Option<&str>) -> Result<String> {
+        match self {
+            Backend::Embedded(broker) => {
+                let owner = match provider {
+                    Some(p) => p.to_owned(),
+                    None => broker.provider_of(id)?,
+                };
+                broker.maintain_instance(&owner, id).await?;
+                Ok(owner)
+            }
+            Backend::Daemon(client) => {
+                let path = format!("/v1/instances/{}/maintain{}", encode_component(id), provider_query(provider));
+                Ok(client.call::<Owner>(Method::POST, &path, None).await?.provider)
+            }
+        }
+    }
+
+    pub async fn events(&self, after: u64, limit: usize) -> Result<Vec<Event>> {
+        match self {
+            Backend::Embedded(broker) => Ok(broker.store().events(after, limit)?),
+            Backend::Daemon(client) => {
+                Ok(client.call(Method::GET, &format!("/v1/events?after={after}&limit={limit}"), None).await?)
+            }
+        }
+    }
+}
+
+/// The provider that answered a stop or maintain, as the daemon reports it.
+#[derive(serde::Deserialize)]
+struct Owner {
+    provider: String,
+}
+
+fn provider_query(provider: Option<&str>) -> String {
+    provider.map(|p| format!("?provider={}", encode_component(p))).unwrap_or_default()
+}
+
+fn absolute(path: &Path) -> Result<std::path::PathBuf> {
+    std::path::absolute(path).with_context(|| format!("cannot resolve {}", path.display()))
+}

@@ -1,0 +1,169 @@
+//! A client of a running `broker serve`, over its unix socket. The CLI speaks
+//! through it when a daemon owns the data dir: the state database admits one
+//! process, and a swap means something only where the calls are served.
+
+use crate::capabilities::context::CallEvent;
+use crate::daemon::wire::StartLine;
+use crate::store::InstanceRecord;
+use bytes::Bytes;
+use http::{Method, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+use serde::de::DeserializeOwned;
+use std::path::{Path, PathBuf};
+use wasmtime_wasi_http::io::TokioIo;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot reach the broker daemon on {socket}: {source}")]
+    Connect { socket: String, source: std::io::Error },
+    #[error("the broker daemon on {socket} broke off: {reason}")]
+    Http { socket: String, reason: String },
+    /// The daemon refused the request; the message is its `error`.
+    #[error("{message}")]
+    Refused { status: u16, message: String },
+    /// A streamed call ran and failed; the message is the daemon's.
+    #[error("{0}")]
+    Failed(String),
+    #[error("the broker daemon's answer to {path} does not parse: {reason}")]
+    Decode { path: String, reason: String },
+}
+
+/// Where `broker serve` listens, known to answer.
+#[derive(Debug, Clone)]
+pub struct DaemonClient {
+    socket: PathBuf,
+}
+
+impl DaemonClient {
+    /// A client if a daemon answers on `socket`; `None` if nothing listens there
+    /// (no socket, or one left by a daemon that died).
+    pub async fn probe(socket: &Path) -> Option<DaemonClient> {
+        tokio::net::UnixStream::connect(socket).await.ok()?;
+        Some(DaemonClient { socket: socket.to_owned() })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// One request; the answer's JSON body as `T`, or the daemon's refusal.
+    pub async fn call<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Result<T, ClientError> {
+        let response = self.send(method, path, body).await?;
+        let status = response.status();
+        let bytes = response.into_body().collect().await.map_err(|e| self.broke_off(e))?.to_bytes();
+        if !status.is_success() {
+            return Err(refusal(status, &bytes));
+        }
+        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode { path: path.to_owned(), reason: e.to_string() })
+    }
+
+    /// `POST /v1/instances`: each status update to `on_event` as it arrives,
+    /// then the record of the started instance.
+    pub async fn start_instance(
+        &self,
+        request: serde_json::Value,
+        on_event: impl Fn(CallEvent),
+    ) -> Result<InstanceRecord, ClientError> {
+        const PATH: &str = "/v1/instances";
+        let response = self.send(Method::POST, PATH, Some(request)).await?;
+        let status = response.status();
+        let mut body = response.into_body();
+        if !status.is_success() {
+            let bytes = body.collect().await.map_err(|e| self.broke_off(e))?.to_bytes();
+            return Err(refusal(status, &bytes));
+        }
+        let mut pending: Vec<u8> = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let Ok(data) = frame.map_err(|e| self.broke_off(e))?.into_data() else { continue };
+            pending.extend_from_slice(&data);
+            while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=end).collect();
+                let decoded: StartLine = serde_json::from_slice(&line)
+                    .map_err(|e| ClientError::Decode { path: PATH.into(), reason: e.to_string() })?;
+                match decoded {
+                    StartLine::Started { instance } => return Ok(*instance),
+                    StartLine::Failed { error } => return Err(ClientError::Failed(error)),
+                    other => other.call_event().into_iter().for_each(&on_event),
+                }
+            }
+        }
+        Err(self.broke_off("the status stream ended before the start finished"))
+    }
+
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Result<http::Response<hyper::body::Incoming>, ClientError> {
+        let stream = tokio::net::UnixStream::connect(&self.socket)
+            .await
+            .map_err(|source| ClientError::Connect { socket: self.socket.display().to_string(), source })?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
+            .await
+            .map_err(|e| self.broke_off(e))?;
+        // The connection drives the socket; it ends when the response body is read.
+        tokio::spawn(connection);
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        let request = http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header(header::HOST, "broker")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| self.broke_off(e))?;
+        sender.send_request(request).await.map_err(|e| self.broke_off(e))
+    }
+
+    fn broke_off(&self, reason: impl std::fmt::Display) -> ClientError {
+        ClientError::Http { socket: self.socket.display().to_string(), reason: reason.to_string() }
+    }
+}
+
+/// The daemon's `{"error": …}`, or the status and body as they came.
+fn refusal(status: StatusCode, body: &[u8]) -> ClientError {
+    let message = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_owned))
+        .unwrap_or_else(|| format!("the daemon answered {status}: {}", String::from_utf8_lossy(body).trim()));
+    ClientError::Refused { status: status.as_u16(), message }
+}
+
+/// `text` as one path segment or query value: unreserved characters as they
+/// are, every other byte percent-encoded.
+pub fn encode_component(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn components_are_percent_encoded_where_they_must_be() {
+        assert_eq!(encode_component("fake-0"), "fake-0");
+        assert_eq!(encode_component("a/b c?d&e"), "a%2Fb%20c%3Fd%26e");
+        assert_eq!(encode_component("é"), "%C3%A9");
+    }
+
+    #[test]
+    fn a_refusal_carries_the_daemons_message_or_what_it_sent() {
+        let err = refusal(StatusCode::NOT_FOUND, br#"{"error":"unknown provider \"x\""}"#);
+        assert_eq!(err.to_string(), "unknown provider \"x\"");
+        let err = refusal(StatusCode::BAD_GATEWAY, b"upstream gone\n");
+        assert_eq!(err.to_string(), "the daemon answered 502 Bad Gateway: upstream gone");
+    }
+}

@@ -1,0 +1,92 @@
+//! A provider as `provider show` and `GET /v1/providers/NAME` report it: the
+//! registered record, the effective limits and grants, and (from a daemon)
+//! the crash policy's state.
+
+use crate::providers::manifest::Method;
+use crate::providers::{Isolation, Manifest};
+use crate::store::ProviderRecord;
+use serde::{Deserialize, Serialize};
+
+/// The effective grants: everything not listed here is denied.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct GrantsView {
+    pub kv: bool,
+    pub log: bool,
+    pub machine_lock: bool,
+    pub local_sockets: bool,
+    pub process: Vec<String>,
+    pub paths: Vec<String>,
+    pub bridge_devices: Vec<String>,
+    pub bridge_bridges: Vec<String>,
+    /// `authority -> target`, as `[grants.http]` maps them.
+    pub http: Vec<String>,
+}
+
+/// A provider as `provider show` prints it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ProviderView {
+    pub name: String,
+    pub version: String,
+    pub component: String,
+    pub component_sha256: String,
+    pub manifest: String,
+    pub isolation: Isolation,
+    pub memory_mib: u64,
+    pub pool_size: usize,
+    pub max_calls: u64,
+    pub max_age: String,
+    /// Method name -> deadline.
+    pub deadlines: Vec<(String, String)>,
+    pub grants: GrantsView,
+    pub config: serde_json::Value,
+    /// Only a daemon has one: a CLI process loads the provider afresh.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub breaker: Option<BreakerView>,
+}
+
+/// The crash policy's state for the version new calls get.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BreakerView {
+    pub half_open: bool,
+    pub trips: u64,
+}
+
+impl ProviderView {
+    pub fn new(record: &ProviderRecord, manifest: &Manifest) -> Self {
+        let limits = &manifest.limits;
+        let methods = Method::ALL;
+        let grants = &manifest.grants;
+        ProviderView {
+            name: record.name.clone(),
+            version: record.version.clone(),
+            component: manifest.component.display().to_string(),
+            component_sha256: record.component_sha256.clone(),
+            manifest: record.manifest.clone(),
+            isolation: manifest.isolation,
+            memory_mib: limits.memory_mib,
+            pool_size: limits.pool_size,
+            max_calls: limits.max_calls,
+            max_age: humantime::format_duration(limits.max_age).to_string(),
+            deadlines: methods
+                .iter()
+                .map(|m| (m.name().to_owned(), humantime::format_duration(limits.deadlines.for_method(*m)).to_string()))
+                .collect(),
+            grants: GrantsView {
+                kv: grants.kv,
+                log: grants.log,
+                machine_lock: grants.machine_lock,
+                local_sockets: grants.local_sockets,
+                process: grants.process.clone(),
+                paths: grants.paths.iter().map(|p| p.display().to_string()).collect(),
+                bridge_devices: grants.bridge.as_ref().map(|b| b.devices.clone()).unwrap_or_default(),
+                bridge_bridges: grants.bridge.as_ref().map(|b| b.bridges.clone()).unwrap_or_default(),
+                http: grants.http.iter().map(|(authority, target)| format!("{authority} -> {target}")).collect(),
+            },
+            config: serde_json::from_str(&manifest.config_json).unwrap_or(serde_json::Value::Null),
+            breaker: None,
+        }
+    }
+}

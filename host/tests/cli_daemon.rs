@@ -1,0 +1,170 @@
+//! The CLI with a daemon serving on its data dir: every command goes through
+//! the daemon's API and prints what it prints without one.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod common;
+
+use common::{Daemon, broker};
+use serde_json::Value;
+use std::path::Path;
+use std::process::Command;
+
+/// What a command printed: exit code, stdout, stderr.
+fn run(data_dir: &Path, args: &[&str]) -> (i32, String, String) {
+    let out = broker(data_dir, args);
+    let text = |bytes: Vec<u8>| String::from_utf8(bytes).unwrap();
+    (out.status.code().unwrap(), text(out.stdout), text(out.stderr))
+}
+
+/// `text` as JSON without `added` and `created`: when something was added or
+/// started, the only fields that differ between two runs.
+fn without_times(text: &str) -> Value {
+    fn strip(value: &mut Value) {
+        match value {
+            Value::Object(map) => {
+                map.remove("added");
+                map.remove("created");
+                map.values_mut().for_each(strip);
+            }
+            Value::Array(items) => items.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    let mut value: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+    strip(&mut value);
+    value
+}
+
+#[test]
+fn every_command_prints_the_same_through_a_daemon_as_without_one() {
+    let embedded = tempfile::tempdir().unwrap();
+    let served = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(served.path());
+    let manifest = guest_artifacts::manifest("fake").display().to_string();
+    let next = guest_artifacts::wasm("fake_next").display().to_string();
+
+    let same = |args: &[&str]| {
+        let alone = run(embedded.path(), args);
+        let through = run(served.path(), args);
+        assert_eq!(alone, through, "broker {args:?} alone vs through the daemon");
+        alone
+    };
+    assert_eq!(same(&["provider", "add", &manifest]).0, 0);
+    assert!(same(&["provider", "list"]).1.contains("fake"));
+    let listed = |dir: &Path| without_times(&run(dir, &["provider", "list", "--json"]).1);
+    assert_eq!(listed(embedded.path()), listed(served.path()));
+    let (code, started, progress) =
+        same(&["instance", "start", "--provider", "fake", "--constraints", "mem=2G cores=2"]);
+    assert_eq!(code, 0, "{progress}");
+    assert_eq!(started, "started fake-0 (fake): arch=amd64 cores=2 mem=2048M availability-zone=zone-a\n");
+    assert_eq!(progress, "[fake] allocating: allocating instance\n[fake] running\n", "status lines as they came");
+
+    // --json: the record on stdout, the API's status lines on stderr.
+    let args = ["instance", "start", "--provider", "fake", "--placement", "zone=zone-c", "--json"];
+    let (alone, through) = (run(embedded.path(), &args), run(served.path(), &args));
+    assert_eq!((alone.0, through.0), (0, 0), "{} / {}", alone.2, through.2);
+    assert_eq!(without_times(&alone.1), without_times(&through.1));
+    assert_eq!(without_times(&through.1)["hardware"]["availability-zone"], "zone-c");
+    assert_eq!(alone.2, through.2);
+    let statuses: Vec<Value> = through.2.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(
+        statuses[0],
+        serde_json::json!({"event": "status", "status": "allocating", "info": "allocating instance", "data": []})
+    );
+
+    assert!(same(&["instance", "list"]).1.contains("zone-c"));
+    assert_eq!(same(&["instance", "maintain", "fake-0"]).1, "maintained fake-0 (fake)\n");
+    assert_eq!(same(&["instance", "stop", "fake-0", "fake-1"]).1, "stopped fake-0 (fake)\nstopped fake-1 (fake)\n");
+    assert_eq!(same(&["instance", "stop", "--provider", "fake", "fake-7"]).0, 0, "unknown ids are fine");
+    assert_eq!(same(&["instance", "list", "--json"]).1, "[]\n");
+    let swapped = same(&["provider", "swap", "fake", &next]);
+    assert!(swapped.1.starts_with("swapped provider fake: 0.1.0 ("), "{swapped:?}");
+
+    // Failures: the same message, exit 1; a usage error is caught before any call, exit 2.
+    let (code, _, error) = same(&["instance", "stop", "never-started"]);
+    assert_eq!(code, 1);
+    assert!(error.contains("never-started"), "{error}");
+    assert_eq!(same(&["provider", "show", "nonesuch"]).0, 1);
+    assert_eq!(same(&["instance", "start", "--provider", "nonesuch"]).0, 1);
+    assert_eq!(same(&["instance", "start", "--provider", "fake", "--constraints", "mem=lots"]).0, 2);
+    let (code, _, error) = same(&["provider", "swap", "fake", "/nonexistent/x.wasm"]);
+    assert_eq!(code, 1);
+    assert!(error.contains("/nonexistent/x.wasm"), "{error}");
+
+    // `show` is the same but for the crash policy's state, which only a daemon has.
+    // (A swapped-in component is kept in the data dir, which differs.)
+    let shown = |dir: &Path| run(dir, &["provider", "show", "fake"]).1.replace(&dir.display().to_string(), "DATA");
+    let (alone, through) = (shown(embedded.path()), shown(served.path()));
+    assert!(alone.contains("component:  DATA/components/fake-"), "{alone}");
+    assert_eq!(through, format!("{alone}breaker:    closed (0 trips)\n"));
+    let shown: Value = serde_json::from_str(&run(served.path(), &["provider", "show", "fake", "--json"]).1).unwrap();
+    assert_eq!(shown["breaker"], serde_json::json!({"half-open": false, "trips": 0}));
+    assert_eq!(shown["version"], "0.2.0");
+
+    // The daemon did the work: its event log is the one the CLI reads, and it is the log of this data dir.
+    let kinds = |dir: &Path| -> Vec<String> {
+        let out = run(dir, &["events", "--json"]).1;
+        out.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["kind"].as_str().unwrap().to_owned()).collect()
+    };
+    assert_eq!(kinds(served.path()), kinds(embedded.path()));
+    let (_, events) = daemon.json("GET", "/v1/events", None);
+    assert_eq!(events.as_array().unwrap().len(), kinds(served.path()).len());
+}
+
+#[test]
+fn a_daemon_that_died_leaves_a_socket_the_cli_sees_through() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = guest_artifacts::manifest("fake").display().to_string();
+    {
+        let daemon = Daemon::start(dir.path());
+        assert_eq!(run(dir.path(), &["provider", "add", &manifest]).0, 0);
+        // While it serves, the state is the daemon's: a second daemon is refused, by name.
+        let (code, _, error) = run(dir.path(), &["serve"]);
+        assert_eq!(code, 1);
+        assert!(error.contains("another broker daemon is serving on"), "{error}");
+        assert!(daemon.socket.exists());
+    } // SIGKILL: no chance to remove its socket
+    assert!(dir.path().join("broker.sock").exists());
+    let (code, listed, error) = run(dir.path(), &["provider", "list"]);
+    assert_eq!(code, 0, "{error}");
+    assert!(listed.contains("fake"), "{listed}");
+    let (code, started, error) = run(dir.path(), &["instance", "start", "--provider", "fake"]);
+    assert_eq!(code, 0, "{error}");
+    assert!(started.starts_with("started fake-0"), "{started}");
+}
+
+#[test]
+fn socket_names_a_daemon_serving_elsewhere() {
+    let data = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let socket = elsewhere.path().join("api.sock");
+    let socket_arg = socket.display().to_string();
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_broker"))
+        .args(["--data-dir", &data.path().display().to_string(), "serve", "--socket", &socket_arg])
+        .env_remove("RUST_LOG")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let waited = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(waited.elapsed() < std::time::Duration::from_secs(30), "no daemon on {socket_arg}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let manifest = guest_artifacts::manifest("fake").display().to_string();
+    // A CLI pointed at another (empty) data dir but at this socket talks to this daemon.
+    let other = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_broker"))
+        .args(["--data-dir", &other.path().display().to_string(), "provider", "add", &manifest])
+        .env("BROKER_SOCKET", &socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    daemon.kill().unwrap();
+    daemon.wait().unwrap();
+    // Registered in the daemon's data dir, not in the one the CLI was given.
+    assert!(!other.path().join("state.redb").exists());
+    let (code, listed, _) = run(data.path(), &["provider", "list"]);
+    assert_eq!(code, 0);
+    assert!(listed.contains("fake"), "{listed}");
+}

@@ -1,0 +1,122 @@
+//! What the daemon's tests share: the real binary as a daemon, and plain
+//! HTTP/1.1 on its unix socket.
+
+// Each test crate that includes this module uses a different part of it.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// `broker --data-dir DATA_DIR ARGS…`, run to its end (talking to a daemon if one serves there).
+pub fn broker(data_dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_broker"))
+        .arg("--data-dir")
+        .arg(data_dir)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env_remove("BROKER_SOCKET")
+        .output()
+        .expect("run broker")
+}
+
+pub struct Daemon {
+    pub child: Child,
+    pub socket: PathBuf,
+}
+
+impl Daemon {
+    pub fn start(data_dir: &Path) -> Daemon {
+        Daemon::start_with(data_dir, &[])
+    }
+
+    pub fn start_with(data_dir: &Path, serve_args: &[&str]) -> Daemon {
+        let child = Command::new(env!("CARGO_BIN_EXE_broker"))
+            .arg("--data-dir")
+            .arg(data_dir)
+            .arg("serve")
+            .args(serve_args)
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let socket = data_dir.join("broker.sock");
+        let started = Instant::now();
+        while UnixStream::connect(&socket).is_err() {
+            assert!(started.elapsed() < Duration::from_secs(30), "the daemon never listened on {}", socket.display());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Daemon { child, socket }
+    }
+
+    pub fn request(&self, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String) {
+        request(&self.socket, method, path, body)
+    }
+
+    pub fn json(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
+        let (status, text) = self.request(method, path, body.map(str::as_bytes));
+        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One request on the unix socket; returns the status and the (de-chunked) body.
+pub fn request(socket: &Path, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String) {
+    exchange(UnixStream::connect(socket).unwrap(), method, path, body, "")
+}
+
+/// One request on `stream`, with `headers` (each ending in CRLF) added.
+pub fn exchange(
+    mut stream: impl Read + Write,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    headers: &str,
+) -> (u16, String) {
+    let body = body.unwrap_or_default();
+    write!(
+            stream,
+            "{method} {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n{headers}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .unwrap();
+    let _ = stream.write_all(body); // an oversized body may be refused before it is all read
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    (status, if chunked { dechunk(rest) } else { rest.to_owned() })
+}
+
+fn dechunk(mut rest: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let size = usize::from_str_radix(size.trim(), 16).unwrap();
+        if size == 0 {
+            break;
+        }
+        out.push_str(&after[..size]);
+        rest = &after[size + 2..];
+    }
+    out
+}
+
+/// The bundled fake's manifest, with `line` added to its [config].
+pub fn fake_manifest(dir: &Path, line: &str) -> String {
+    let text = guest_artifacts::manifest_text("fake");
+    let path = dir.join("fake.toml");
+    std::fs::write(&path, format!("{text}{line}\n")).unwrap();
+    path.display().to_string()
+}
