@@ -251,3 +251,52 @@ fn on_start_the_daemon_maintains_its_instances_and_reports_what_differs() {
     assert!(detail.contains(&format!("vanished: {}", started[1])), "{detail}");
     assert_eq!(reconciled["provider"], "fake");
 }
+
+#[test]
+fn the_daemon_follows_its_providers_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path());
+    let wait_for = |what: &str, mut done: Box<dyn FnMut() -> bool>| {
+        let waited = Instant::now();
+        while !done() {
+            assert!(waited.elapsed() < Duration::from_secs(30), "the daemon never {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let fake = dir.path().join("providers/fake");
+    std::fs::create_dir_all(&fake).unwrap();
+    std::fs::copy(guest_artifacts::wasm("fake"), fake.join("fake.wasm")).unwrap();
+    let manifest = guest_artifacts::manifest_text("fake")
+        .replace(&format!("\"{}/fake.wasm\"", guest_artifacts::wasm_dir().display()), "\"fake.wasm\"");
+    assert!(manifest.contains("component = \"fake.wasm\""), "{manifest}");
+    std::fs::write(fake.join("provider.toml"), manifest).unwrap();
+    wait_for(
+        "added the dropped-in provider",
+        Box::new(|| daemon.json("GET", "/v1/providers", None).1[0]["name"] == "fake"),
+    );
+    let (status, _) = daemon.request("POST", "/v1/instances", Some(br#"{"provider":"fake"}"#));
+    assert_eq!(status, 200);
+
+    // A new component, copied over the old one in place: swapped in once the writes settle.
+    std::fs::copy(guest_artifacts::wasm("fake_next"), fake.join("fake.wasm")).unwrap();
+    wait_for(
+        "swapped in the new component",
+        Box::new(|| daemon.json("GET", "/v1/providers/fake", None).1["version"] == "0.2.0"),
+    );
+    assert_eq!(daemon.json("GET", "/v1/instances", None).1.as_array().unwrap().len(), 1);
+
+    // The manifest removed: refused while an instance is recorded, done once it is stopped.
+    std::fs::remove_file(fake.join("provider.toml")).unwrap();
+    let refusal = |events: &Value| events.as_array().unwrap().iter().any(|e| e["kind"] == "remove-refused");
+    wait_for(
+        "refused to remove a provider with an instance",
+        Box::new(|| refusal(&daemon.json("GET", "/v1/events", None).1)),
+    );
+    assert_eq!(daemon.json("GET", "/v1/providers", None).1.as_array().unwrap().len(), 1);
+    assert_eq!(daemon.json("DELETE", "/v1/instances/fake-0", None).0, 200);
+    wait_for("removed the provider", Box::new(|| daemon.json("GET", "/v1/providers", None).1 == serde_json::json!([])));
+    let (_, events) = daemon.json("GET", "/v1/events", None);
+    let kinds: Vec<&str> = events.as_array().unwrap().iter().map(|e| e["kind"].as_str().unwrap()).collect();
+    let kinds: Vec<&str> = kinds.into_iter().filter(|k| *k != "reconciled").collect();
+    assert_eq!(kinds, ["added", "swapped", "remove-refused", "removed"], "{events}");
+}

@@ -196,7 +196,12 @@ impl Broker {
         };
         let mut out = Vec::new();
         for name in names {
-            let wasm = self.registry.get(&name).await?;
+            let wasm = match self.registry.get(&name).await {
+                Ok(wasm) => wasm,
+                // Being removed, so it has no recorded instances; listing all is not its business.
+                Err(RegistryError::Removing(_)) if provider.is_none() => continue,
+                Err(e) => return Err(e.into()),
+            };
             let live = wasm.all_instances(&CallHooks::default()).await?;
             let mut records = self.store.instances(Some(&name))?;
             for instance in &live {

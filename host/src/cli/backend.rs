@@ -71,7 +71,7 @@ impl Backend {
 
     pub async fn remove_provider(&self, name: &str) -> Result<()> {
         match self {
-            Backend::Embedded(broker) => Ok(broker.registry().remove(name)?),
+            Backend::Embedded(broker) => Ok(broker.registry().remove(name).await?),
             Backend::Daemon(client) => {
                 let path = format!("/v1/providers/{}", encode_component(name));
                 client.call::<serde_json::Value>(Method::DELETE, &path, None).await?;

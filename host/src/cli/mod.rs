@@ -63,6 +63,12 @@ pub enum Command {
         /// The bearer token for --listen: a file only its owner can read, at least 16 characters.
         #[arg(long, requires = "listen", value_name = "FILE")]
         token_file: Option<PathBuf>,
+        /// Watch this directory (default DATA_DIR/providers): a manifest dropped in
+        /// (NAME.toml or NAME/provider.toml) is added, its component changed is swapped
+        /// in, the manifest changed is reloaded, the manifest removed unregisters the
+        /// provider once its calls in flight finish. Refusals are events.
+        #[arg(long, value_name = "DIR")]
+        providers_dir: Option<PathBuf>,
     },
     /// The event log: providers added, swapped (both versions' hashes), refused, removed.
     Events {
@@ -219,8 +225,9 @@ pub async fn run(cli: Cli) -> Result<u8> {
         return provider_test(&component, manifest.as_deref(), format, worlds, &mut stdout).await;
     }
     let socket = cli.socket.clone().unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
-    if let Command::Serve { listen, token_file } = cli.command {
-        serve(&cli.data_dir, &socket, listen, token_file).await?;
+    if let Command::Serve { listen, token_file, providers_dir } = cli.command {
+        let providers_dir = providers_dir.unwrap_or_else(|| cli.data_dir.join("providers"));
+        serve(&cli.data_dir, &socket, listen, token_file, &providers_dir).await?;
         return Ok(0);
     }
     let backend = Backend::open(&cli.data_dir, &socket).await?;
@@ -247,6 +254,7 @@ async fn serve(
     socket: &std::path::Path,
     listen: Option<std::net::SocketAddr>,
     token_file: Option<PathBuf>,
+    providers_dir: &std::path::Path,
 ) -> Result<()> {
     // Before the state is opened: a second daemon would only be told the database is busy.
     if crate::client::DaemonClient::probe(socket).await.is_some() {
@@ -262,12 +270,32 @@ async fn serve(
     };
     let broker =
         Broker::open(data_dir).with_context(|| format!("cannot open the broker state in {}", data_dir.display()))?;
+    let watched = crate::providers::watch::ProvidersDir::new(providers_dir)
+        .with_context(|| format!("cannot watch the providers directory {}", providers_dir.display()))?;
     let broker = std::sync::Arc::new(broker);
     // Juju's agent maintains its instances when it starts; here that runs
     // beside the API, and each provider's result is an event.
     let reconciling = broker.clone();
     tokio::spawn(async move { reconciling.reconcile().await });
-    crate::daemon::serve(broker, socket, tcp, shutdown_signal()).await
+
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let until_stopping = |mut stopping: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = stopping.wait_for(|stop| *stop).await;
+    };
+    let watching = broker.clone();
+    let watch_stop = until_stopping(stopping.clone());
+    let watcher = tokio::spawn(async move {
+        let (settle, poll) = (std::time::Duration::from_millis(200), std::time::Duration::from_secs(2));
+        crate::providers::watch::watch(watched, watching.registry(), settle, poll, watch_stop).await;
+    });
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop.send(true);
+    });
+    let served = crate::daemon::serve(broker, socket, tcp, until_stopping(stopping)).await;
+    // A rescan in progress (a swap, a removal draining) finishes first.
+    let _ = watcher.await;
+    served
 }
 
 /// Resolves on SIGTERM or SIGINT.

@@ -55,6 +55,7 @@ fn registry_status(err: &RegistryError) -> StatusCode {
         }
         RegistryError::ConfigRejected { .. } => StatusCode::UNPROCESSABLE_ENTITY,
         RegistryError::Call(_) => StatusCode::BAD_GATEWAY,
+        RegistryError::Removing(_) | RegistryError::DrainTimeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
         RegistryError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
@@ -139,7 +140,7 @@ async fn show_provider(State(broker): State<Shared>, Path(name): Path<String>) -
 }
 
 async fn remove_provider(State(broker): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
-    broker.registry().remove(&name)?;
+    broker.registry().remove(&name).await?;
     Ok(Json(json!({ "removed": name })).into_response())
 }
 

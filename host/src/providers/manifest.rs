@@ -176,6 +176,11 @@ impl std::fmt::Display for Method {
 }
 
 impl Deadlines {
+    /// The longest any call may take.
+    pub fn longest(&self) -> Duration {
+        Method::ALL.iter().map(|m| self.for_method(*m)).max().unwrap_or(DEFAULT_DEADLINE)
+    }
+
     pub fn for_method(&self, method: Method) -> Duration {
         let specific = match method {
             Method::Describe => self.describe,

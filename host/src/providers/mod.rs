@@ -3,6 +3,7 @@
 pub mod manifest;
 pub mod registry;
 pub mod view;
+pub mod watch;
 
 pub use manifest::{Grants, Isolation, Limits, Manifest, ManifestError, Method};
 pub use registry::{Registry, RegistryError};

@@ -33,6 +33,10 @@ pub enum RegistryError {
     Candidate { path: String, source: std::io::Error },
     #[error("swap of {name:?} refused; version {serving} keeps serving: {reason}")]
     SwapRefused { name: String, serving: String, reason: String },
+    #[error("provider {0:?} is being removed: it takes no new calls while those in flight finish")]
+    Removing(String),
+    #[error("provider {name:?} was not removed: its calls in flight did not finish within {waited:?}")]
+    DrainTimeout { name: String, waited: std::time::Duration },
 }
 
 /// What a swap replaced with what.
@@ -53,6 +57,8 @@ pub struct Registry {
     store: Arc<Store>,
     capabilities: HostCapabilities,
     loaded: RwLock<HashMap<String, Arc<WasmProvider>>>,
+    /// Providers being removed: they take no new calls while those in flight finish.
+    draining: std::sync::Mutex<std::collections::HashSet<String>>,
     /// One swap at a time, so two candidates cannot race for the slot.
     swapping: tokio::sync::Mutex<()>,
     swap_counts: SwapCounts,
@@ -72,6 +78,7 @@ impl Registry {
             store,
             capabilities,
             loaded: RwLock::new(HashMap::new()),
+            draining: Default::default(),
             swapping: Default::default(),
             swap_counts: SwapCounts::default(),
         }
@@ -83,10 +90,11 @@ impl Registry {
         let path = std::fs::canonicalize(manifest_path)
             .map_err(|source| RegistryError::Path { path: manifest_path.display().to_string(), source })?;
         let manifest = Manifest::load(&path).map_err(LoadError::from)?;
-        if let Some(existing) = self.store.provider(&manifest.name)?
+        let existing = self.store.provider(&manifest.name)?;
+        if let Some(existing) = &existing
             && existing.manifest != path.display().to_string()
         {
-            return Err(RegistryError::AlreadyRegistered { name: manifest.name, existing: existing.manifest });
+            return Err(RegistryError::AlreadyRegistered { name: manifest.name, existing: existing.manifest.clone() });
         }
         let provider = self.load(manifest).await?;
         let info = provider.describe().await?;
@@ -100,9 +108,17 @@ impl Registry {
         };
         self.store.put_provider(&record)?;
         self.write_loaded().insert(record.name.clone(), provider);
-        let mut event = Event::new("added", &record.name);
+        let mut event = Event::new(if existing.is_some() { "reloaded" } else { "added" }, &record.name);
+        event.old_sha256 = existing.as_ref().map(|e| e.component_sha256.clone());
         event.new_sha256 = Some(record.component_sha256.clone());
         event.new_version = Some(record.version.clone());
+        if let Some(existing) = existing {
+            event.old_version = Some(existing.version);
+            // A swapped-in copy is no longer what loads: the manifest's component is.
+            if let Some(kept) = existing.component {
+                let _ = std::fs::remove_file(kept);
+            }
+        }
         self.store.append_event(&event)?;
         Ok(record)
     }
@@ -124,17 +140,46 @@ impl Registry {
         Ok(Arc::new(provider))
     }
 
-    pub fn remove(&self, name: &str) -> Result<(), RegistryError> {
+    /// Unregister a provider that has no recorded instances. New calls are
+    /// refused at once; the ones in flight finish first (a start among them may
+    /// record an instance, and then the provider stays).
+    pub async fn remove(&self, name: &str) -> Result<(), RegistryError> {
         let count = self.store.instances(Some(name))?.len();
         if count > 0 {
+            return Err(RegistryError::HasInstances { name: name.to_owned(), count });
+        }
+        if self.store.provider(name)?.is_none() {
+            return Err(RegistryError::UnknownProvider(name.to_owned()));
+        }
+        let _draining = Draining::begin(&self.draining, name)?;
+        let unloaded = self.write_loaded().remove(name);
+        let in_flight = unloaded.as_ref().map_or(0, |p| Arc::strong_count(p) - 1);
+        if let Some(provider) = &unloaded {
+            let waited = provider.manifest().limits.deadlines.longest() + DRAIN_SLACK;
+            if !drained(provider, waited).await {
+                self.write_loaded().insert(name.to_owned(), provider.clone());
+                return Err(RegistryError::DrainTimeout { name: name.to_owned(), waited });
+            }
+        }
+        let count = self.store.instances(Some(name))?.len();
+        if count > 0 {
+            if let Some(provider) = unloaded {
+                self.write_loaded().insert(name.to_owned(), provider);
+            }
             return Err(RegistryError::HasInstances { name: name.to_owned(), count });
         }
         if !self.store.remove_provider(name)? {
             return Err(RegistryError::UnknownProvider(name.to_owned()));
         }
-        // Calls in flight hold their own reference and finish on it.
-        self.write_loaded().remove(name);
-        self.store.append_event(&Event::new("removed", name))?;
+        let mut event = Event::new("removed", name);
+        if let Some(provider) = &unloaded {
+            event.old_sha256 = Some(provider.sha256().to_owned());
+            if in_flight > 0 {
+                event.detail = format!("after {in_flight} call(s) in flight finished");
+            }
+        }
+        self.store.append_event(&event)?;
+        tracing::info!(provider = name, in_flight, "provider removed");
         Ok(())
     }
 
@@ -265,6 +310,9 @@ impl Registry {
 
     /// The loaded provider, loading it from its registered manifest if needed.
     pub async fn get(&self, name: &str) -> Result<Arc<WasmProvider>, RegistryError> {
+        if self.is_draining(name) {
+            return Err(RegistryError::Removing(name.to_owned()));
+        }
         if let Some(provider) = self.loaded.read().unwrap_or_else(|p| p.into_inner()).get(name) {
             return Ok(provider.clone());
         }
@@ -278,7 +326,21 @@ impl Registry {
                 "component changed since it was registered"
             );
         }
-        Ok(self.write_loaded().entry(name.to_owned()).or_insert(provider).clone())
+        let mut loaded = self.write_loaded();
+        // Checked under the lock `remove` takes to unload: either this call is
+        // refused or `remove` finds its provider and waits for it.
+        if self.is_draining(name) {
+            return Err(RegistryError::Removing(name.to_owned()));
+        }
+        Ok(loaded.entry(name.to_owned()).or_insert(provider).clone())
+    }
+
+    fn is_draining(&self, name: &str) -> bool {
+        self.draining.lock().unwrap_or_else(|p| p.into_inner()).contains(name)
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
     }
 
     /// The versions loaded now, one per provider (the ones new calls get).
@@ -296,4 +358,41 @@ impl Registry {
     fn write_loaded(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<WasmProvider>>> {
         self.loaded.write().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// How long past its longest deadline a removal waits for a provider's calls.
+const DRAIN_SLACK: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A provider's name in the draining set, for as long as this lives.
+struct Draining<'a> {
+    set: &'a std::sync::Mutex<std::collections::HashSet<String>>,
+    name: String,
+}
+
+impl<'a> Draining<'a> {
+    fn begin(set: &'a std::sync::Mutex<std::collections::HashSet<String>>, name: &str) -> Result<Self, RegistryError> {
+        if !set.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_owned()) {
+            return Err(RegistryError::Removing(name.to_owned()));
+        }
+        Ok(Draining { set, name: name.to_owned() })
+    }
+}
+
+impl Drop for Draining<'_> {
+    fn drop(&mut self) {
+        self.set.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.name);
+    }
+}
+
+/// Wait until the calls holding `provider` let go of it (each call holds its
+/// version for its whole length); false if they did not within `limit`.
+async fn drained(provider: &Arc<WasmProvider>, limit: std::time::Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while Arc::strong_count(provider) > 1 {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    true
 }

@@ -15,7 +15,8 @@ pub struct Event {
     pub seq: u64,
     /// RFC 3339, UTC.
     pub time: String,
-    /// `added`, `swapped`, `swap-refused`, `removed`, `reconciled`.
+    /// `added`, `reloaded`, `swapped`, `swap-refused`, `removed`, `remove-refused`,
+    /// `watch-refused`, `reconciled`.
     pub kind: String,
     pub provider: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -1,0 +1,178 @@
+//! The providers directory a daemon watches, rescanned by hand on a real
+//! broker: drop-in, swap, reload, pin, garbage, removal and its drain.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use broker_host::broker::Broker;
+use broker_host::broker::service::empty_params;
+use broker_host::capabilities::context::CallHooks;
+use broker_host::providers::watch::{Change, ProvidersDir};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// A provider as someone would drop it in: `DIR/fake/provider.toml` beside `fake.wasm`.
+struct DropIn {
+    dir: PathBuf,
+}
+
+impl DropIn {
+    fn new(providers: &Path) -> DropIn {
+        let dir = providers.join("fake");
+        std::fs::create_dir_all(&dir).unwrap();
+        DropIn { dir }
+    }
+
+    fn manifest(&self) -> PathBuf {
+        self.dir.join("provider.toml")
+    }
+
+    fn write_manifest(&self, extra_top: &str, extra_config: &str) {
+        let text = format!(
+            "name = \"fake\"\ncomponent = \"fake.wasm\"\n{extra_top}\n[limits]\nmemory-mib = 64\n\
+             [grants]\nkv = true\nlog = true\n[config]\nzones = [\"zone-a\"]\n{extra_config}\n"
+        );
+        replace_file(&self.manifest(), text.as_bytes());
+    }
+
+    fn write_component(&self, crate_name: &str) {
+        replace_file(&self.dir.join("fake.wasm"), &std::fs::read(guest_artifacts::wasm(crate_name)).unwrap());
+    }
+}
+
+/// Write beside, then rename into place, as a careful deployer does.
+fn replace_file(path: &Path, bytes: &[u8]) {
+    let staging = path.with_file_name(format!(".{}.tmp", path.file_name().unwrap().to_string_lossy()));
+    std::fs::write(&staging, bytes).unwrap();
+    std::fs::rename(&staging, path).unwrap();
+}
+
+async fn version(broker: &Broker) -> String {
+    broker.registry().get("fake").await.unwrap().describe().await.unwrap().version
+}
+
+fn event_kinds(broker: &Broker) -> Vec<String> {
+    broker.store().events(0, 100).unwrap().into_iter().map(|e| e.kind).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn drop_in_swap_reload_and_removal_follow_the_directory() {
+    let data = tempfile::tempdir().unwrap();
+    let broker = Broker::open(data.path()).unwrap();
+    let mut watched = ProvidersDir::new(&data.path().join("providers")).unwrap();
+    let fake = DropIn::new(watched.dir());
+    assert_eq!(watched.rescan(broker.registry()).await, []);
+
+    // The component first: a manifest without it is refused once, then added when it lands.
+    fake.write_manifest("", "");
+    let changes = watched.rescan(broker.registry()).await;
+    assert!(
+        matches!(&changes[..], [Change::Refused(name, why)] if name == "fake" && why.contains("fake.wasm")),
+        "{changes:?}"
+    );
+    assert_eq!(watched.rescan(broker.registry()).await, [], "an unchanged refusal is not repeated");
+    fake.write_component("fake");
+    assert_eq!(watched.rescan(broker.registry()).await, [Change::Added("fake".into())]);
+    assert_eq!(watched.rescan(broker.registry()).await, []);
+    let started = broker.start_instance("fake", &empty_params(), &CallHooks::default()).await.unwrap();
+
+    // A new component: swapped in, and it sees the instance the old one started.
+    fake.write_component("fake_next");
+    assert_eq!(watched.rescan(broker.registry()).await, [Change::Swapped("fake".into())]);
+    assert_eq!(version(&broker).await, "0.2.0");
+    let listed = broker.list_instances(Some("fake")).await.unwrap();
+    assert_eq!(listed.iter().map(|r| &r.id).collect::<Vec<_>>(), [&started.id]);
+
+    // A changed manifest (its config) is reloaded from the manifest.
+    fake.write_manifest("", "prefix = \"other\"");
+    assert_eq!(watched.rescan(broker.registry()).await, [Change::Reloaded("fake".into())]);
+    let next = broker.start_instance("fake", &empty_params(), &CallHooks::default()).await.unwrap();
+    assert!(next.id.starts_with("other-"), "the reloaded config is the one used: {}", next.id);
+
+    // A pin the component does not match: refused, the serving version stays.
+    fake.write_manifest(&format!("sha256 = \"{}\"", "0".repeat(64)), "prefix = \"other\"");
+    let changes = watched.rescan(broker.registry()).await;
+    assert!(
+        matches!(&changes[..], [Change::Refused(_, why)] if why.contains("does not match the manifest's sha256 pin")),
+        "{changes:?}"
+    );
+    assert_eq!(version(&broker).await, "0.2.0");
+
+    // Garbage beside it: refused by path, the rest untouched.
+    std::fs::write(watched.dir().join("broken.toml"), "name = [").unwrap();
+    let changes = watched.rescan(broker.registry()).await;
+    assert!(matches!(&changes[..], [Change::Refused(path, _)] if path.ends_with("broken.toml")), "{changes:?}");
+
+    // The manifest removed while instances are recorded: refused once, retried, done once they are stopped.
+    std::fs::remove_file(fake.manifest()).unwrap();
+    let changes = watched.rescan(broker.registry()).await;
+    assert!(matches!(&changes[..], [Change::Refused(_, why)] if why.contains("2 recorded instance(s)")), "{changes:?}");
+    assert_eq!(watched.rescan(broker.registry()).await, []);
+    broker.stop_instances("fake", &[started.id.clone(), next.id.clone()]).await.unwrap();
+    assert_eq!(watched.rescan(broker.registry()).await, [Change::Removed("fake".into())]);
+    assert!(broker.registry().list().unwrap().is_empty());
+
+    let kinds = event_kinds(&broker);
+    let expected = ["watch-refused", "added", "swapped", "reloaded", "watch-refused", "watch-refused"];
+    assert_eq!(kinds[..6], expected, "{kinds:?}");
+    assert_eq!(kinds[6..], ["remove-refused", "removed"], "{kinds:?}");
+}
+
+/// A broker whose fake (starts take 1.5 s) was added from its providers directory.
+async fn slow_fake_from_a_directory() -> (tempfile::TempDir, std::sync::Arc<Broker>, ProvidersDir, DropIn) {
+    let data = tempfile::tempdir().unwrap();
+    let broker = std::sync::Arc::new(Broker::open(data.path()).unwrap());
+    let mut watched = ProvidersDir::new(&data.path().join("providers")).unwrap();
+    let fake = DropIn::new(watched.dir());
+    fake.write_component("fake");
+    fake.write_manifest("", "start-delay-ms = 1500");
+    assert_eq!(watched.rescan(broker.registry()).await, [Change::Added("fake".into())]);
+    (data, broker, watched, fake)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_removal_waits_for_calls_in_flight_and_refuses_new_ones() {
+    let (_data, broker, mut watched, fake) = slow_fake_from_a_directory().await;
+
+    // A slow start in flight when the manifest goes.
+    let starting = broker.clone();
+    let slow =
+        tokio::spawn(async move { starting.start_instance("fake", &empty_params(), &CallHooks::default()).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    std::fs::remove_file(fake.manifest()).unwrap();
+    let removing = tokio::spawn({
+        let broker = broker.clone();
+        async move { watched.rescan(broker.registry()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Meanwhile the provider takes no new call.
+    let refused = broker.start_instance("fake", &empty_params(), &CallHooks::default()).await.unwrap_err();
+    assert!(refused.to_string().contains("is being removed"), "{refused}");
+    let record = slow.await.unwrap().expect("the start in flight completes");
+    let changes = removing.await.unwrap();
+    // It recorded an instance as it finished, so the provider stays: nothing is orphaned.
+    assert!(matches!(&changes[..], [Change::Refused(_, why)] if why.contains("1 recorded instance(s)")), "{changes:?}");
+    assert_eq!(broker.registry().list().unwrap().len(), 1);
+    let listed = broker.list_instances(Some("fake")).await.unwrap();
+    assert_eq!(listed.iter().map(|r| &r.id).collect::<Vec<_>>(), [&record.id]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn while_a_removal_drains_new_calls_are_refused_and_then_it_is_gone() {
+    let (_data, broker, mut watched, fake) = slow_fake_from_a_directory().await;
+    // A call holds its version for its whole length; hold it the same way, then let go.
+    let held = broker.registry().get("fake").await.unwrap();
+    std::fs::remove_file(fake.manifest()).unwrap();
+    let removing = tokio::spawn({
+        let broker = broker.clone();
+        async move { watched.rescan(broker.registry()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let refused = broker.list_instances(Some("fake")).await.unwrap_err().to_string();
+    assert!(refused.contains("is being removed"), "{refused}");
+    assert!(broker.list_instances(None).await.unwrap().is_empty(), "listing all skips a provider being removed");
+    assert!(!removing.is_finished(), "the removal waits while the version is in use");
+    drop(held);
+    assert_eq!(removing.await.unwrap(), [Change::Removed("fake".into())]);
+    let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == "removed").unwrap();
+    assert_eq!(removed.detail, "after 1 call(s) in flight finished");
+}
