@@ -256,3 +256,30 @@ async fn repeated_crashes_put_a_provider_half_open_until_all_instances_answers_a
     // Two traps, the failed re-observe (a third), the passing re-observe and the served call.
     assert_eq!((all.outcome(Outcome::Trap), all.outcome(Outcome::Ok)), (3, 2));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_arriving_together_on_a_half_open_provider_share_one_reobserve() {
+    let h = Arc::new(hostile_with("pooled", "breaker-failures = 2\nbreaker-window = \"60s\"\npool-size = 8", "1s"));
+    h.mode("loop");
+    for _ in 0..2 {
+        let err = h.provider.all_instances(&CallHooks::default()).await.unwrap_err();
+        assert!(matches!(err, CallError::Deadline { .. }), "{err}");
+    }
+    assert!(h.provider.breaker_state().0);
+    // Six calls at once while all-instances still spins: one re-observe runs (to its
+    // 1 s deadline); the calls that waited on it are refused with its verdict.
+    let calls: Vec<_> = (0..6)
+        .map(|_| {
+            let h = h.clone();
+            tokio::spawn(async move { h.provider.all_instances(&CallHooks::default()).await })
+        })
+        .collect();
+    for call in calls {
+        let err = call.await.unwrap().unwrap_err();
+        assert!(matches!(&err, CallError::Unavailable { .. }), "{err}");
+        assert!(err.to_string().contains("re-observe failed"), "{err}");
+    }
+    let all = h.provider.stats().methods.get(Method::AllInstances);
+    assert_eq!(all.outcome(Outcome::Unavailable), 6);
+    assert_eq!(all.outcome(Outcome::Deadline), 3, "two that tripped it and a single re-observe, not six");
+}

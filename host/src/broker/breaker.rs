@@ -1,7 +1,8 @@
 //! Crash policy: a provider version that traps, overruns its deadline or hits
 //! a limit `failures` times within `window` goes half-open. Before it serves
 //! again it must pass an `all-instances` re-observe; until then its calls are
-//! refused as unavailable, without running guest code that is failing.
+//! refused as unavailable, without running guest code that is failing. One
+//! re-observe runs at a time: the calls that waited for it share its verdict.
 
 use super::method_stats::Outcome;
 use std::collections::VecDeque;
@@ -13,6 +14,14 @@ pub struct Breaker {
     failures: usize,
     window: Duration,
     state: Mutex<State>,
+    /// Held while a re-observe runs; holds the last one that failed.
+    probe: tokio::sync::Mutex<Option<FailedProbe>>,
+}
+
+#[derive(Debug)]
+struct FailedProbe {
+    finished: Instant,
+    reason: String,
 }
 
 #[derive(Debug, Default)]
@@ -25,7 +34,7 @@ struct State {
 impl Breaker {
     /// `failures == 0` turns the breaker off.
     pub fn new(failures: usize, window: Duration) -> Breaker {
-        Breaker { failures, window, state: Mutex::default() }
+        Breaker { failures, window, state: Mutex::default(), probe: Default::default() }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -52,6 +61,37 @@ impl Breaker {
 
     pub fn is_half_open(&self) -> bool {
         self.state().half_open
+    }
+
+    /// Before a call on a half-open breaker: run `probe` (the re-observe) unless
+    /// one is running, in which case wait for it and take its verdict. `Ok` if
+    /// the breaker is closed afterwards; otherwise the failed probe's reason.
+    pub async fn reobserve<F, Fut>(&self, probe: F) -> Result<(), String>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<(), String>>,
+    {
+        let arrived = Instant::now();
+        let mut last_failed = self.probe.lock().await;
+        if !self.is_half_open() {
+            return Ok(());
+        }
+        if let Some(failed) = last_failed.as_ref()
+            && failed.finished >= arrived
+        {
+            return Err(failed.reason.clone());
+        }
+        match probe().await {
+            Ok(()) => {
+                self.close();
+                *last_failed = None;
+                Ok(())
+            }
+            Err(reason) => {
+                *last_failed = Some(FailedProbe { finished: Instant::now(), reason: reason.clone() });
+                Err(reason)
+            }
+        }
     }
 
     /// The re-observe passed: serve again, with a clean slate.
@@ -94,5 +134,33 @@ mod tests {
         assert_eq!(breaker.trips(), 1);
         let off = Breaker::new(0, Duration::from_secs(10));
         assert!((0..10).all(|_| !off.record(Outcome::Trap, t0)));
+    }
+
+    #[tokio::test]
+    async fn one_reobserve_at_a_time_and_those_who_waited_share_its_verdict() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        let breaker = std::sync::Arc::new(Breaker::new(1, Duration::from_secs(60)));
+        assert!(breaker.record(Outcome::Trap, Instant::now()));
+        let probes = std::sync::Arc::new(AtomicU32::new(0));
+        let failing = |breaker: std::sync::Arc<Breaker>, probes: std::sync::Arc<AtomicU32>| async move {
+            breaker
+                .reobserve(|| async {
+                    probes.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    Err("still trapping".to_owned())
+                })
+                .await
+        };
+        let waiting: Vec<_> = (0..5).map(|_| tokio::spawn(failing(breaker.clone(), probes.clone()))).collect();
+        for call in waiting {
+            assert_eq!(call.await.unwrap(), Err("still trapping".to_owned()));
+        }
+        assert_eq!(probes.load(Ordering::SeqCst), 1, "five calls at once, one re-observe");
+        // A call that comes after that verdict runs its own; once one passes, the rest serve.
+        assert!(failing(breaker.clone(), probes.clone()).await.is_err());
+        assert_eq!(probes.load(Ordering::SeqCst), 2);
+        assert_eq!(breaker.reobserve(|| async { Ok(()) }).await, Ok(()));
+        assert!(!breaker.is_half_open());
+        assert_eq!(breaker.reobserve(|| async { Err("not run".to_owned()) }).await, Ok(()), "closed: no probe");
     }
 }

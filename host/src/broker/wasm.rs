@@ -223,27 +223,29 @@ impl WasmProvider {
         }
     }
 
-    /// A half-open provider serves again only after an `all-instances` that answers.
+    /// A half-open provider serves again only after an `all-instances` that
+    /// answers; concurrent calls share one re-observe.
     async fn reobserve(&self, method: Method) -> Result<(), CallError> {
-        let began = Instant::now();
-        let probe = self
-            .run_call(Method::AllInstances, &CallHooks::default(), |store, exports, ctx| {
-                Box::pin(async move { exports.broker_provider_instance_broker().call_all_instances(store, ctx).await })
-            })
-            .await;
-        self.stats.methods.get(Method::AllInstances).observe(Outcome::of(&probe), began.elapsed());
-        match probe {
-            Ok(_) => {
-                self.breaker.close();
+        let probe = || async {
+            let began = Instant::now();
+            let probe = self
+                .run_call(Method::AllInstances, &CallHooks::default(), |store, exports, ctx| {
+                    Box::pin(
+                        async move { exports.broker_provider_instance_broker().call_all_instances(store, ctx).await },
+                    )
+                })
+                .await;
+            self.stats.methods.get(Method::AllInstances).observe(Outcome::of(&probe), began.elapsed());
+            if probe.is_ok() {
                 tracing::info!(provider = &*self.name, "all-instances re-observe passed; serving again");
-                Ok(())
             }
-            Err(e) => Err(CallError::Unavailable {
-                provider: self.name.to_string(),
-                method,
-                reason: format!("{}; the all-instances re-observe failed: {e}", self.breaker.describe()),
-            }),
-        }
+            probe.map(drop).map_err(|e| e.to_string())
+        };
+        self.breaker.reobserve(probe).await.map_err(|reason| CallError::Unavailable {
+            provider: self.name.to_string(),
+            method,
+            reason: format!("{}; the all-instances re-observe failed: {reason}", self.breaker.describe()),
+        })
     }
 
     /// Whether the crash policy holds this version half-open, and how often it tripped.
