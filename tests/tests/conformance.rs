@@ -76,3 +76,76 @@ async fn the_hostile_guest_fails_what_it_breaks_with_a_reason() {
     );
     assert!(report.text().contains("FAIL start-instance succeeds"));
 }
+
+/// The broken guest's manifest: the fake's config with `breaks`, short deadlines.
+fn broken_manifest(dir: &std::path::Path, guest: &str, breaks: &str) -> Manifest {
+    let extra = format!(
+        "[limits.deadlines]\ndefault = \"2s\"\nmaintain-instance = \"300ms\"\n[grants]\nkv = true\n\
+         [config]\nzones = [\"zone-a\", \"zone-b\"]\nbreaks = \"{breaks}\"\n"
+    );
+    Manifest::load(&write_manifest(dir, "broken", guest, &extra)).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let intact = conformance::run(&broken_manifest(dir.path(), "test-broken", "")).await.unwrap();
+    assert!(intact.passed(), "unbroken, it is the fake:\n{}", intact.text());
+    assert_eq!(intact.cases.len(), 17, "{}", intact.text());
+
+    // (breaks, the guest, the cases that must fail, words each failure must carry)
+    let cases: &[(&str, &str, &[&str], &str)] = &[
+        ("", "test-broken-describe", &["describe is well formed"], "empty field"),
+        ("accepts-config", "test-broken", &["validate-config accepts its config"], "refuses every config"),
+        ("rejects-garbage", "test-broken", &["validate-config rejects garbage"; 2], "accepted garbage config"),
+        ("start", "test-broken", &["start-instance succeeds"], "cannot start an instance with a cores constraint"),
+        ("status", "test-broken", &["status updates of a start are progress"], "reported error"),
+        ("hardware", "test-broken", &["hardware satisfies the constraints"], "cpu-cores Some(1) for cores=2"),
+        ("listed", "test-broken", &["started instance is listed"], "missing from"),
+        ("maintain", "test-broken", &["maintain-instance on a known instance"], "not found"),
+        ("stop", "test-broken", &["stopped instance is gone"], "still listed after stop"),
+        ("double-stop", "test-broken", &["double stop is ok"], "second stop of fake-0 returned not found"),
+        (
+            "unknown-stop",
+            "test-broken",
+            &["stop of an unknown id is ok"],
+            "stop-instances of an unknown id returned not found",
+        ),
+        ("zones", "test-broken", &["distribution group is spread over zones"], "the first was in"),
+        ("typed-errors", "test-broken", &["an unknown zone is a typed error"], "not a typed error"),
+        (
+            "ungranted",
+            "test-broken",
+            &["no call touches an ungranted capability"],
+            "called machine-lock without a grant, 2 time(s)",
+        ),
+        // A deadline overrun is also the failure of the call it happened in.
+        (
+            "deadline",
+            "test-broken",
+            &["maintain-instance on a known instance", "every call returns within its deadline"],
+            "deadline",
+        ),
+    ];
+    for (breaks, guest, expected, words) in cases {
+        let report = conformance::run(&broken_manifest(dir.path(), guest, breaks)).await.unwrap();
+        let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed).collect();
+        let names: Vec<&str> = failed.iter().map(|c| c.name).collect();
+        assert_eq!(names, *expected, "breaks = {breaks:?} ({guest}):\n{}", report.text());
+        for case in failed {
+            assert!(case.detail.contains(words), "breaks = {breaks:?}: {:?} lacks {words:?}", case.detail);
+        }
+    }
+}
+
+#[tokio::test]
+async fn importing_what_the_manifest_does_not_grant_is_a_finding_not_a_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    // The fake imports kv; this manifest grants nothing.
+    let manifest = Manifest::load(&write_manifest(dir.path(), "fake", "fake", "")).unwrap();
+    let report = conformance::run(&manifest).await.unwrap();
+    assert!(!report.passed());
+    let [case] = report.cases.as_slice() else { panic!("{}", report.text()) };
+    assert_eq!(case.name, "no call touches an ungranted capability");
+    assert!(case.detail.contains("broker:provider/kv") && case.detail.contains("kv = true"), "{}", case.detail);
+}

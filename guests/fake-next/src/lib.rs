@@ -2,5 +2,9 @@
 //! `describe` and start results say 0.2.0), so hot-swap tests can tell which
 //! build answered a call.
 
-#[path = "../../fake/src/lib.rs"]
-mod fake;
+#[path = "../../fake/src/provider.rs"]
+mod provider;
+
+use provider::Fake;
+
+broker_guest::export_provider!(Fake);

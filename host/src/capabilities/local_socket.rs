@@ -86,11 +86,13 @@ pub struct LocalSocketCtx {
     /// `None` unless `local-sockets` is granted.
     data_dir: Option<PathBuf>,
     open: usize,
+    /// Where refusals are noted (set by the store that owns this).
+    pub denials: crate::capabilities::denials::Denials,
 }
 
 impl LocalSocketCtx {
     pub fn new(provider: Arc<str>, data_dir: Option<PathBuf>) -> Self {
-        LocalSocketCtx { provider, data_dir, open: 0 }
+        LocalSocketCtx { provider, data_dir, open: 0, denials: Default::default() }
     }
 
     pub async fn connect(&mut self, guest_path: &str) -> Result<HeldConnection, SocketError> {
@@ -210,7 +212,7 @@ impl wit::Host for LocalSocketView<'_> {
             Ok(connection) => Ok(Ok(self.table.push(connection)?)),
             Err(err) => {
                 tracing::debug!(provider = %self.ctx.provider, path, error = %err, "local socket refused");
-                Ok(Err(err.into()))
+                Ok(Err(self.ctx.denials.refuse("local-socket", err.into())))
             }
         }
     }

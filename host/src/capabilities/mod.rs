@@ -3,6 +3,7 @@
 //! where it has one, and its `add_to_linker`.
 
 pub mod context;
+pub mod denials;
 pub mod http_egress;
 pub mod kv;
 pub mod local_socket;

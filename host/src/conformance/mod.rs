@@ -9,17 +9,30 @@
 //! `--record` runs against the real granted endpoints instead and writes such
 //! a script. Simulated process and bridge worlds come later, so `process` and
 //! `bridge` grants are not honoured here yet.
+//!
+//! The scenarios, each a named case: describe is well formed; validate-config
+//! accepts its config and rejects garbage as invalid-params; start succeeds,
+//! its status updates are progress, its hardware satisfies the constraints, the
+//! instance is listed, maintained, stopped and gone; double stop and stop of an
+//! unknown id are fine; with zones, a distribution group is spread and an
+//! unknown zone is a typed error; every call returns within its deadline; no
+//! call touches a capability the manifest does not grant.
 
 mod junit;
 use crate::bindings::{BrokerError, Instance};
+use crate::broker::imports::ContractError;
+use crate::broker::method_stats::Outcome;
 use crate::broker::service::{empty_params, params_with};
 use crate::broker::{CallError, WasmProvider, constraints, describe_broker_error};
+use crate::capabilities::context::CallEvent;
 use crate::capabilities::context::CallHooks;
+use crate::capabilities::denials::Denials;
 use crate::capabilities::http_egress::{EgressWorld, Script, Tape};
 use crate::capabilities::kv::MemoryKv;
 use crate::capabilities::machine_lock::MachineLock;
 use crate::capabilities::process::MemoryChildRecords;
 use crate::providers::Manifest;
+use crate::providers::Method;
 use crate::runtime::{HostCapabilities, Runtime};
 use serde::Serialize;
 use std::sync::Arc;
@@ -128,6 +141,7 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
         HttpWorld::Script(script) => (EgressWorld::Replay(script.clone()), Some(script)),
         HttpWorld::Record(tape) => (EgressWorld::Record(tape), None),
     };
+    let (denials, denied) = Denials::collecting();
     let caps = HostCapabilities {
         kv: Arc::new(MemoryKv::default()),
         machine_lock: Some(lock),
@@ -135,18 +149,34 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
         child_records: Arc::new(MemoryChildRecords::default()),
         live_children: Arc::default(),
         egress_world,
+        denials,
     };
     let config = manifest.config_json.clone();
-    let provider = WasmProvider::load(runtime, manifest, caps)?;
-    let mut kit = Kit { provider, cases: Vec::new(), script, strict: options.strict };
+    let name = manifest.name.clone();
+    let provider = match WasmProvider::load(runtime, manifest, caps) {
+        Ok(provider) => provider,
+        // Importing what the manifest does not grant is a finding about the component, not a kit failure.
+        Err(crate::broker::wasm::LoadError::Contract { source: source @ ContractError::NotGranted { .. }, .. }) => {
+            let case = Case { name: UNGRANTED, passed: false, detail: source.to_string() };
+            return Ok(Report { provider: name, version: String::new(), cases: vec![case], millis: 0 });
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let mut kit = Kit { provider, cases: Vec::new(), script, strict: options.strict, denied };
     let (name, version, features) = kit.describe().await;
     kit.validate_config(&config).await;
     kit.lifecycle().await;
     if features.iter().any(|f| f == "zones") {
         kit.distribution_group().await;
+        kit.unknown_zone().await;
     }
+    kit.deadlines();
+    kit.grants();
     Ok(Report { provider: name, version, cases: kit.cases, millis: started.elapsed().as_millis() })
 }
+
+/// The case every host-call denial fails.
+const UNGRANTED: &str = "no call touches an ungranted capability";
 
 struct Kit {
     provider: WasmProvider,
@@ -154,13 +184,8 @@ struct Kit {
     /// The simulated HTTP world, whose unanswered requests each case reports.
     script: Option<Arc<Script>>,
     strict: bool,
-}
-
-fn explain(err: &CallError) -> String {
-    match err {
-        CallError::Guest { error, .. } => describe_broker_error(error),
-        other => other.to_string(),
-    }
+    /// Host calls refused so far for want of a grant (whether or not the provider passed the refusal on).
+    denied: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 fn ids(instances: &[Instance]) -> Vec<String> {
@@ -168,6 +193,14 @@ fn ids(instances: &[Instance]) -> Vec<String> {
 }
 
 impl Kit {
+    /// A call's error as a case reports it.
+    fn explain(&self, err: &CallError) -> String {
+        match err {
+            CallError::Guest { error, .. } => describe_broker_error(error),
+            other => other.to_string(),
+        }
+    }
+
     fn record(&mut self, name: &'static str, result: Result<String, String>) {
         let (mut passed, mut detail) = match result {
             Ok(detail) => (true, detail),
@@ -193,7 +226,7 @@ impl Kit {
                 (info.name, info.version, info.features)
             }
             Err(e) => {
-                self.record("describe is well formed", Err(explain(&e)));
+                self.record("describe is well formed", Err(self.explain(&e)));
                 (self.provider.name().to_owned(), String::new(), Vec::new())
             }
         }
@@ -203,12 +236,12 @@ impl Kit {
         let accepted = self.provider.validate_config(config).await;
         self.record(
             "validate-config accepts its config",
-            accepted.map(|_| format!("accepted {config}")).map_err(|e| explain(&e)),
+            accepted.map(|_| format!("accepted {config}")).map_err(|e| self.explain(&e)),
         );
         for garbage in ["not json at all", r#"{"definitely-not-a-setting": [1, 2, 3]}"#] {
             let result = match self.provider.validate_config(garbage).await {
                 Err(CallError::Guest { error: BrokerError::InvalidParams(_), .. }) => Ok(format!("rejected {garbage}")),
-                Err(e) => Err(format!("rejected {garbage} but not as invalid-params: {}", explain(&e))),
+                Err(e) => Err(format!("rejected {garbage} but not as invalid-params: {}", self.explain(&e))),
                 Ok(()) => Err(format!("accepted garbage config {garbage}")),
             };
             self.record("validate-config rejects garbage", result);
@@ -216,21 +249,26 @@ impl Kit {
     }
 
     async fn all(&self) -> Result<Vec<Instance>, String> {
-        self.provider.all_instances(&CallHooks::default()).await.map_err(|e| explain(&e))
+        self.provider.all_instances(&CallHooks::default()).await.map_err(|e| self.explain(&e))
     }
 
     async fn lifecycle(&mut self) {
         let asked = "arch=amd64 cores=2 mem=1024";
         let params = params_with(constraints::parse(asked).unwrap_or_else(|_| constraints::empty()));
-        let started = match self.provider.start_instance(&CallHooks::default(), &params).await {
+        let events: Arc<std::sync::Mutex<Vec<CallEvent>>> = Arc::default();
+        let seen = events.clone();
+        let hooks = CallHooks::with_events(move |event| seen.lock().unwrap_or_else(|p| p.into_inner()).push(event));
+        let started = match self.provider.start_instance(&hooks, &params).await {
             Ok(result) => result,
             Err(e) => {
-                self.record("start-instance succeeds", Err(explain(&e)));
+                self.record("start-instance succeeds", Err(self.explain(&e)));
                 return;
             }
         };
         let id = started.instance.id.clone();
         self.record("start-instance succeeds", Ok(format!("started {id}")));
+        let events = std::mem::take(&mut *events.lock().unwrap_or_else(|p| p.into_inner()));
+        self.record("status updates of a start are progress", progress_only(&events));
 
         let hardware = started.hardware.clone();
         let consistent = match &hardware {
@@ -263,11 +301,11 @@ impl Kit {
         let maintained = self.provider.maintain_instance(&CallHooks::default(), &id, &params).await;
         self.record(
             "maintain-instance on a known instance",
-            maintained.map(|_| format!("maintained {id}")).map_err(|e| explain(&e)),
+            maintained.map(|_| format!("maintained {id}")).map_err(|e| self.explain(&e)),
         );
 
         let stopped = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
-        self.record("stop-instances succeeds", stopped.map(|_| format!("stopped {id}")).map_err(|e| explain(&e)));
+        self.record("stop-instances succeeds", stopped.map(|_| format!("stopped {id}")).map_err(|e| self.explain(&e)));
         let gone = self.all().await.and_then(|all| {
             if ids(&all).contains(&id) {
                 Err(format!("{id} still listed after stop"))
@@ -282,7 +320,7 @@ impl Kit {
             "double stop is ok",
             again
                 .map(|_| "stopped twice".to_owned())
-                .map_err(|e| format!("second stop of {id} returned {}", explain(&e))),
+                .map_err(|e| format!("second stop of {id} returned {}", self.explain(&e))),
         );
         let unknown = "broker-provider-test-never-existed".to_owned();
         let result = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&unknown)).await;
@@ -290,7 +328,7 @@ impl Kit {
             "stop of an unknown id is ok",
             result
                 .map(|_| "ignored".to_owned())
-                .map_err(|e| format!("stop-instances of an unknown id returned {}", explain(&e))),
+                .map_err(|e| format!("stop-instances of an unknown id returned {}", self.explain(&e))),
         );
     }
 
@@ -300,12 +338,12 @@ impl Kit {
             |r: &crate::bindings::StartInstanceResult| r.hardware.as_ref().and_then(|h| h.availability_zone.clone());
         let first = match self.provider.start_instance(&CallHooks::default(), &empty_params()).await {
             Ok(r) => r,
-            Err(e) => return self.record("distribution group is spread over zones", Err(explain(&e))),
+            Err(e) => return self.record("distribution group is spread over zones", Err(self.explain(&e))),
         };
         let group = vec![first.instance.id.clone()];
         let hooks = CallHooks { distribution_group: Some(Arc::new(move || Ok(group.clone()))), ..Default::default() };
         let result = match self.provider.start_instance(&hooks, &empty_params()).await {
-            Err(e) => Err(explain(&e)),
+            Err(e) => Err(self.explain(&e)),
             Ok(second) => match (zone_of(&first), zone_of(&second)) {
                 (Some(a), Some(b)) if a != b => Ok(format!("{a} then {b}")),
                 (a, b) => Err(format!("second group member went to {b:?}, the first was in {a:?}")),
@@ -313,4 +351,85 @@ impl Kit {
         };
         self.record("distribution group is spread over zones", result);
     }
+
+    /// A placement in a zone the provider does not have is refused with a typed error.
+    async fn unknown_zone(&mut self) {
+        const CASE: &str = "an unknown zone is a typed error";
+        let mut params = empty_params();
+        params.placement = Some("zone=broker-provider-test-no-such-zone".into());
+        let result = match self.provider.start_instance(&CallHooks::default(), &params).await {
+            Err(CallError::Guest { error: BrokerError::Provider(message), .. }) => Err(format!(
+                "an unknown zone came back as a provider string ({message:?}), not a typed error \
+                 (invalid-params, not-found, zone-unavailable, …)"
+            )),
+            Err(e @ CallError::Guest { .. }) => Ok(self.explain(&e)),
+            Err(e) => Err(self.explain(&e)),
+            Ok(started) => {
+                let id = started.instance.id;
+                let _ = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
+                Err(format!("started {id} in an unknown zone"))
+            }
+        };
+        self.record(CASE, result);
+    }
+
+    /// Every call of the run returned before its deadline (the host kills one that does not).
+    fn deadlines(&mut self) {
+        let deadlines = &self.provider.manifest().limits.deadlines;
+        let mut calls = 0;
+        let mut overruns = Vec::new();
+        for method in Method::ALL {
+            let stats = self.provider.stats().methods.get(method);
+            calls += stats.count();
+            let n = stats.outcome(Outcome::Deadline);
+            if n > 0 {
+                let budget = humantime::format_duration(deadlines.for_method(method));
+                overruns.push(format!("{} exceeded its deadline {budget} ({n} call(s))", method.name()));
+            }
+        }
+        let result = if overruns.is_empty() {
+            Ok(format!("{calls} calls, none over its deadline"))
+        } else {
+            Err(overruns.join("; "))
+        };
+        self.record("every call returns within its deadline", result);
+    }
+
+    /// No host call of the run was refused for want of a grant.
+    fn grants(&mut self) {
+        let denied = std::mem::take(&mut *self.denied.lock().unwrap_or_else(|p| p.into_inner()));
+        // The same refusal repeated is one finding with a count.
+        let mut findings: Vec<(String, usize)> = Vec::new();
+        for refusal in denied {
+            match findings.iter_mut().find(|(seen, _)| *seen == refusal) {
+                Some((_, count)) => *count += 1,
+                None => findings.push((refusal, 1)),
+            }
+        }
+        let said: Vec<String> = findings
+            .into_iter()
+            .map(|(refusal, count)| {
+                let (interface, why) = refusal.split_once(": ").unwrap_or(("a capability", &refusal));
+                format!("called {interface} without a grant, {count} time(s): {why}")
+            })
+            .collect();
+        let result = if said.is_empty() { Ok("no capability refused".to_owned()) } else { Err(said.join("; ")) };
+        self.record(UNGRANTED, result);
+    }
+}
+
+/// A successful start reports only progress: pending, allocating, provisioning, running.
+fn progress_only(events: &[CallEvent]) -> Result<String, String> {
+    use crate::bindings::InstanceStatus as S;
+    let mut seen = Vec::new();
+    for event in events {
+        if let CallEvent::Status { status, info, .. } = event {
+            let name = crate::store::records::status_name(*status);
+            if !matches!(status, S::Pending | S::Allocating | S::Provisioning | S::Running) {
+                return Err(format!("a start that succeeded reported {name} ({info:?}) on the way"));
+            }
+            seen.push(name);
+        }
+    }
+    Ok(if seen.is_empty() { "no status updates".to_owned() } else { seen.join(" → ") })
 }

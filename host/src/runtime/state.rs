@@ -43,6 +43,8 @@ pub struct HostCapabilities {
     pub live_children: Arc<LiveChildren>,
     /// Where granted `wasi:http` requests go: the real targets, or a recording or script.
     pub egress_world: EgressWorld,
+    /// Where refused host calls are noted besides the log (the conformance kit collects them).
+    pub denials: crate::capabilities::denials::Denials,
 }
 
 /// What one provider's stores get: the host capabilities narrowed to its grants.
@@ -63,7 +65,7 @@ pub struct ProviderCapabilities {
 impl HostState {
     pub fn new(provider: Arc<str>, caps: &ProviderCapabilities, memory_bytes: usize) -> Self {
         let host = &caps.host;
-        HostState {
+        let mut state = HostState {
             table: ResourceTable::new(),
             wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir),
             kv: KvCtx::new(provider.clone(), host.kv.clone()),
@@ -81,7 +83,14 @@ impl HostState {
             egress: EgressHooks::new(provider.clone(), caps.http.clone(), host.egress_world.clone()),
             limiter: GuestLimiter::new(memory_bytes),
             provider,
-        }
+        };
+        let denials = host.denials.for_provider(state.provider.clone());
+        state.machine_lock.denials = denials.clone();
+        state.process.denials = denials.clone();
+        state.bridge.denials = denials.clone();
+        state.local_socket.denials = denials.clone();
+        state.egress.denials = denials;
+        state
     }
 
     pub fn context_view(&mut self) -> ContextView<'_> {

@@ -188,11 +188,13 @@ pub struct EgressHooks {
     provider: Arc<str>,
     grant: Arc<HttpGrant>,
     world: EgressWorld,
+    /// Where refusals are noted (set by the store that owns this).
+    pub denials: crate::capabilities::denials::Denials,
 }
 
 impl EgressHooks {
     pub fn new(provider: Arc<str>, grant: Arc<HttpGrant>, world: EgressWorld) -> Self {
-        EgressHooks { provider, grant, world }
+        EgressHooks { provider, grant, world, denials: Default::default() }
     }
 }
 
@@ -222,6 +224,7 @@ impl WasiHttpHooks for EgressHooks {
             path = request.uri().path(),
         );
         let (provider, grant, world) = (self.provider.clone(), self.grant.clone(), self.world.clone());
+        let denials = self.denials.clone();
         Box::new(
             async move {
                 let sent = match &world {
@@ -232,6 +235,9 @@ impl WasiHttpHooks for EgressHooks {
                 match sent {
                     Ok(sent) => sent,
                     Err(err) => {
+                        if let EgressError::NotGranted { .. } = &err {
+                            denials.note("wasi:http", &err.to_string());
+                        }
                         tracing::warn!(provider = &*provider, error = %err, "http egress refused or failed");
                         Err(err.code())
                     }

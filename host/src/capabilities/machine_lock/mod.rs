@@ -23,12 +23,14 @@ pub struct MachineLockCtx {
     lock: Option<MachineLock>,
     abort: Arc<AtomicBool>,
     handed_out: Vec<u32>,
+    /// Where refusals are noted (set by the store that owns this).
+    pub denials: crate::capabilities::denials::Denials,
 }
 
 impl MachineLockCtx {
     /// `lock` is `None` when the manifest does not grant `machine-lock`.
     pub fn new(lock: Option<MachineLock>) -> Self {
-        MachineLockCtx { lock, abort: Arc::default(), handed_out: Vec::new() }
+        MachineLockCtx { lock, abort: Arc::default(), handed_out: Vec::new(), denials: Default::default() }
     }
 
     /// The abort flag of the call about to run.
@@ -74,9 +76,10 @@ impl wit::Host for MachineLockView<'_> {
         timeout_ms: u64,
     ) -> wasmtime::Result<Result<Resource<HeldLock>, BrokerError>> {
         let Some(lock) = self.ctx.lock.clone() else {
-            return Ok(Err(BrokerError::AccessDenied(
+            let refusal = BrokerError::AccessDenied(
                 "machine-lock is not granted: add `machine-lock = true` under [grants]".into(),
-            )));
+            );
+            return Ok(Err(self.ctx.denials.refuse("machine-lock", refusal)));
         };
         let spec = Spec {
             worker,

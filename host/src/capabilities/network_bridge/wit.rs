@@ -50,11 +50,13 @@ impl BridgeGrant {
 pub struct BridgeCtx {
     /// `None` without a `[grants.bridge]`.
     grant: Option<BridgeGrant>,
+    /// Where refusals are noted (set by the store that owns this).
+    pub denials: crate::capabilities::denials::Denials,
 }
 
 impl BridgeCtx {
     pub fn new(grant: Option<BridgeGrant>) -> Self {
-        BridgeCtx { grant }
+        BridgeCtx { grant, denials: Default::default() }
     }
 
     fn grant(&self) -> Result<&BridgeGrant, BrokerError> {
@@ -105,7 +107,7 @@ impl wit::Host for BridgeCtx {
     async fn devices(&mut self) -> WitResult<Vec<wit::Device>> {
         let grant = match self.grant() {
             Ok(grant) => grant.clone(),
-            Err(e) => return Ok(Err(e)),
+            Err(e) => return Ok(Err(self.denials.refuse("network-bridge", e))),
         };
         let all = with_netlink(async |nl| nl.devices().await).await;
         Ok(all.map(|devices| {
@@ -126,7 +128,7 @@ impl wit::Host for BridgeCtx {
             changes.iter().try_for_each(|c| grant.device(&c.device).and_then(|_| grant.bridge(&c.bridge)))
         });
         if let Err(e) = checked {
-            return Ok(Err(e));
+            return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
         Ok(with_netlink(async |nl| {
             for c in &changes {
@@ -140,7 +142,7 @@ impl wit::Host for BridgeCtx {
 
     async fn unbridge(&mut self, device: String, bridge: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
-            return Ok(Err(e));
+            return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
         Ok(with_netlink(async |nl| nl.unbridge(&device, &bridge).await).await)
     }
@@ -149,28 +151,28 @@ impl wit::Host for BridgeCtx {
         let checked =
             self.grant().and_then(|g| g.device(&name).and_then(|_| g.device(&peer)).and_then(|_| g.bridge(&bridge)));
         if let Err(e) = checked {
-            return Ok(Err(e));
+            return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
         Ok(with_netlink(async |nl| nl.create_veth(&name, &peer, &bridge).await).await)
     }
 
     async fn create_tap(&mut self, name: String, bridge: String, mac: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&name).and_then(|_| g.bridge(&bridge))) {
-            return Ok(Err(e));
+            return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
         Ok(with_netlink(async |nl| nl.create_tap(&name, &bridge, &mac).await).await)
     }
 
     async fn attach(&mut self, device: String, bridge: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
-            return Ok(Err(e));
+            return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
         Ok(with_netlink(async |nl| nl.attach(&device, &bridge).await).await)
     }
 
     async fn delete_link(&mut self, name: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&name)) {
-            return Ok(Err(e));
+            return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
         Ok(with_netlink(async |nl| match nl.device(&name).await? {
             Some(device) if device.kind == "veth" || device.kind == "tun" => nl.delete(&name).await,

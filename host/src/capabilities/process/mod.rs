@@ -34,6 +34,8 @@ pub struct ProcessCtx {
     policy: Option<Arc<ProcessPolicy>>,
     records: Arc<dyn ChildRecords>,
     live: Arc<LiveChildren>,
+    /// Where refusals are noted (set by the store that owns this).
+    pub denials: crate::capabilities::denials::Denials,
 }
 
 impl ProcessCtx {
@@ -43,7 +45,7 @@ impl ProcessCtx {
         records: Arc<dyn ChildRecords>,
         live: Arc<LiveChildren>,
     ) -> Self {
-        ProcessCtx { provider: provider.to_owned(), policy, records, live }
+        ProcessCtx { provider: provider.to_owned(), policy, records, live, denials: Default::default() }
     }
 
     fn policy(&self) -> Result<&ProcessPolicy, BrokerError> {
@@ -288,7 +290,8 @@ impl wit::Host for ProcessView<'_> {
         stdin: Vec<u8>,
         timeout_ms: u64,
     ) -> wasmtime::Result<Result<Output, BrokerError>> {
-        Ok(self.ctx.run(&program, &args, &env, stdin, timeout_ms).await)
+        let ran = self.ctx.run(&program, &args, &env, stdin, timeout_ms).await;
+        Ok(ran.map_err(|e| self.ctx.denials.refuse("process", e)))
     }
 
     async fn spawn(
@@ -300,7 +303,7 @@ impl wit::Host for ProcessView<'_> {
     ) -> wasmtime::Result<Result<Resource<HeldChild>, BrokerError>> {
         match self.ctx.spawn(&name, &program, &args, &env) {
             Ok(record) => Ok(Ok(self.hold(record)?)),
-            Err(e) => Ok(Err(e)),
+            Err(e) => Ok(Err(self.ctx.denials.refuse("process", e))),
         }
     }
 
@@ -308,7 +311,7 @@ impl wit::Host for ProcessView<'_> {
         match self.ctx.adopt(&name) {
             Ok(Some(record)) => Ok(Ok(Some(self.hold(record)?))),
             Ok(None) => Ok(Ok(None)),
-            Err(e) => Ok(Err(e)),
+            Err(e) => Ok(Err(self.ctx.denials.refuse("process", e))),
         }
     }
 
