@@ -1,14 +1,16 @@
 //! The one `bindgen!` for the host side of `broker:provider@0.1.0`.
 //!
 //! Imports are async (so a capability may wait) and trappable (outer
-//! `Result` = trap, inner = what the guest sees). The generated data types
+//! `Result` = trap, inner = what the guest sees), and traced: each call is a
+//! TRACE span with its arguments and result, which the conformance kit
+//! collects (and which costs a level check when nothing listens). The generated data types
 //! double as the host's domain types: they carry serde so they can be
 //! stored, compared and served over the API.
 
 wasmtime::component::bindgen!({
     path: "../wit",
     world: "provider",
-    imports: { default: async | trappable },
+    imports: { default: async | trappable | tracing },
     exports: { default: async },
     with: {
         "broker:provider/context.call-context": crate::capabilities::context::CallContext,

@@ -135,6 +135,13 @@ async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why() {
         for case in failed {
             assert!(case.detail.contains(words), "breaks = {breaks:?}: {:?} lacks {words:?}", case.detail);
         }
+        if *breaks == "double-stop" {
+            // Under the failure, what the provider asked of the host during that case.
+            let case = report.cases.iter().find(|c| c.name == "double stop is ok").unwrap();
+            let looked = r#"kv.get(key="broken/stopped/fake-0")"#;
+            assert!(case.trace.iter().any(|call| call.starts_with(looked)), "{:?}", case.trace);
+            assert!(report.text().contains(&format!("\n       {looked}")), "{}", report.text());
+        }
     }
 }
 

@@ -39,8 +39,12 @@ impl Report {
                     "    <testcase classname=\"{class}\" name=\"{name}\"><system-out>{detail}</system-out></testcase>\n"
                 ));
             } else {
+                // The failure's body: the reason, then the host calls of the case.
+                let body: Vec<String> =
+                    std::iter::once(detail.clone()).chain(case.trace.iter().map(|c| escape(c))).collect();
+                let body = body.join("\n");
                 xml.push_str(&format!(
-                    "    <testcase classname=\"{class}\" name=\"{name}\"><failure message=\"{detail}\">{detail}</failure></testcase>\n"
+                    "    <testcase classname=\"{class}\" name=\"{name}\"><failure message=\"{detail}\">{body}</failure></testcase>\n"
                 ));
             }
         }
@@ -60,8 +64,13 @@ mod tests {
             provider: "p<1>".into(),
             version: "0.1".into(),
             cases: vec![
-                Case { name: "describe", passed: true, detail: "name and version set".into() },
-                Case { name: "stop-unknown", passed: false, detail: "returned \"not-found\" & <more>\u{1}".into() },
+                Case { name: "describe", passed: true, detail: "name and version set".into(), trace: Vec::new() },
+                Case {
+                    name: "stop-unknown",
+                    passed: false,
+                    detail: "returned \"not-found\" & <more>\u{1}".into(),
+                    trace: vec!["kv.get(key=\"a\") -> Ok(None)".into()],
+                },
             ],
             millis: 1234,
         };
@@ -71,6 +80,7 @@ mod tests {
         assert!(xml.contains(
             "name=\"stop-unknown\"><failure message=\"returned &quot;not-found&quot; &amp; &lt;more&gt;\u{FFFD}\""
         ));
+        assert!(xml.contains("\nkv.get(key=&quot;a&quot;) -&gt; Ok(None)</failure>"), "the host calls follow: {xml}");
         assert!(xml.contains("name=\"describe\"><system-out>name and version set</system-out>"));
         assert_eq!(xml.matches("<testcase ").count(), 2);
         assert!(xml.ends_with("</testsuites>\n"));

@@ -16,9 +16,12 @@
 //! instance is listed, maintained, stopped and gone; double stop and stop of an
 //! unknown id are fine; with zones, a distribution group is spread and an
 //! unknown zone is a typed error; every call returns within its deadline; no
-//! call touches a capability the manifest does not grant.
+//! call touches a capability the manifest does not grant. Each case carries the
+//! host calls made during it (`trace`), shown under a failure.
 
 mod junit;
+mod trace;
+
 use crate::bindings::{BrokerError, Instance};
 use crate::broker::imports::ContractError;
 use crate::broker::method_stats::Outcome;
@@ -37,6 +40,7 @@ use crate::runtime::{HostCapabilities, Runtime};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
+pub use trace::HostCallLog;
 
 /// One scenario's outcome.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -45,6 +49,9 @@ pub struct Case {
     pub passed: bool,
     /// Why it failed, or what was checked.
     pub detail: String,
+    /// The host calls the provider made during the case, in order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub trace: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -65,6 +72,16 @@ impl Report {
         for case in &self.cases {
             let mark = if case.passed { "ok  " } else { "FAIL" };
             out.push_str(&format!("{mark} {:<40} {}\n", case.name, case.detail));
+            if !case.passed {
+                // What the provider asked of the host on its way to the failure, the last of it.
+                let skipped = case.trace.len().saturating_sub(TRACE_SHOWN);
+                if skipped > 0 {
+                    out.push_str(&format!("       … {skipped} earlier host calls\n"));
+                }
+                for call in &case.trace[skipped..] {
+                    out.push_str(&format!("       {call}\n"));
+                }
+            }
         }
         let failed = self.cases.iter().filter(|c| !c.passed).count();
         out.push_str(&format!("{} passed, {} failed ({} ms)\n", self.cases.len() - failed, failed, self.millis));
@@ -157,23 +174,33 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
         Ok(provider) => provider,
         // Importing what the manifest does not grant is a finding about the component, not a kit failure.
         Err(crate::broker::wasm::LoadError::Contract { source: source @ ContractError::NotGranted { .. }, .. }) => {
-            let case = Case { name: UNGRANTED, passed: false, detail: source.to_string() };
+            let case = Case { name: UNGRANTED, passed: false, detail: source.to_string(), trace: Vec::new() };
             return Ok(Report { provider: name, version: String::new(), cases: vec![case], millis: 0 });
         }
         Err(e) => return Err(e.into()),
     };
-    let mut kit = Kit { provider, cases: Vec::new(), script, strict: options.strict, denied };
-    let (name, version, features) = kit.describe().await;
-    kit.validate_config(&config).await;
-    kit.lifecycle().await;
-    if features.iter().any(|f| f == "zones") {
-        kit.distribution_group().await;
-        kit.unknown_zone().await;
-    }
-    kit.deadlines();
-    kit.grants();
+    let calls = HostCallLog::default();
+    let dispatch = calls.dispatch();
+    let mut kit = Kit { provider, cases: Vec::new(), script, strict: options.strict, denied, calls };
+    let scenarios = async {
+        let (name, version, features) = kit.describe().await;
+        kit.validate_config(&config).await;
+        kit.lifecycle().await;
+        if features.iter().any(|f| f == "zones") {
+            kit.distribution_group().await;
+            kit.unknown_zone().await;
+        }
+        kit.deadlines();
+        kit.grants();
+        (name, version)
+    };
+    // Under the kit's own dispatcher: the host calls made while it is polled are the provider's.
+    let (name, version) = tracing::instrument::WithSubscriber::with_subscriber(scenarios, dispatch).await;
     Ok(Report { provider: name, version, cases: kit.cases, millis: started.elapsed().as_millis() })
 }
+
+/// How many host calls the text report shows under a failed case.
+const TRACE_SHOWN: usize = 12;
 
 /// The case every host-call denial fails.
 const UNGRANTED: &str = "no call touches an ungranted capability";
@@ -186,6 +213,8 @@ struct Kit {
     strict: bool,
     /// Host calls refused so far for want of a grant (whether or not the provider passed the refusal on).
     denied: Arc<std::sync::Mutex<Vec<String>>>,
+    /// Every host call so far; each case takes those made since the one before.
+    calls: HostCallLog,
 }
 
 fn ids(instances: &[Instance]) -> Vec<String> {
@@ -211,7 +240,8 @@ impl Kit {
             detail.push_str(&format!("; host calls not in the script: {}", unexpected.join("; ")));
             passed &= !self.strict;
         }
-        self.cases.push(Case { name, passed, detail });
+        let trace = self.calls.take();
+        self.cases.push(Case { name, passed, detail, trace });
     }
 
     async fn describe(&mut self) -> (String, String, Vec<String>) {
