@@ -78,6 +78,13 @@ fn the_api_serves_providers_instances_swaps_events_and_metrics() {
         .unwrap_or_else(|| panic!("{metrics}"));
     assert!(histogram_count.ends_with(" 1"), "{histogram_count}");
     assert!(metrics.contains("le=\"+Inf\"} 1\n"), "{metrics}");
+    // The version swapped out keeps its series for a while: its start is still counted.
+    let old = &swapped["old-sha256"].as_str().unwrap()[..12];
+    let old_start = format!(
+        "broker_calls_total{{provider=\"fake\",sha256=\"{old}\",method=\"start-instance\",outcome=\"ok\"}} 1\n"
+    );
+    assert!(metrics.contains(&old_start), "{old_start} in {metrics}");
+    assert!(!metrics.contains(&format!("broker_provider_half_open{{provider=\"fake\",sha256=\"{old}\"}}")));
     // The machine lock, as `broker lock --json` reports it.
     let (status, lock) = daemon.json("GET", "/v1/lock?history=5", None);
     assert_eq!(status, 200, "{lock}");

@@ -67,7 +67,7 @@ pub struct WasmProvider {
     capabilities: ProviderCapabilities,
     config_json: Arc<str>,
     pool: Mutex<Vec<Warm>>,
-    stats: ProviderStats,
+    stats: Arc<ProviderStats>,
     breaker: super::breaker::Breaker,
 }
 
@@ -102,7 +102,7 @@ impl WasmProvider {
             pre,
             capabilities,
             pool: Mutex::new(Vec::new()),
-            stats: ProviderStats::default(),
+            stats: Arc::default(),
             breaker,
         })
     }
@@ -127,6 +127,11 @@ impl WasmProvider {
 
     pub fn stats(&self) -> &ProviderStats {
         &self.stats
+    }
+
+    /// The counters, to read after this version is gone (calls still on it keep counting).
+    pub fn shared_stats(&self) -> Arc<ProviderStats> {
+        self.stats.clone()
     }
 
     /// Warm instances waiting in the pool.

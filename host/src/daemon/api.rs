@@ -5,6 +5,7 @@ use super::MAX_BODY_BYTES;
 use super::wire::StartLine;
 use crate::bindings::BrokerError;
 use crate::broker::service::params_with;
+use crate::broker::wasm::ProviderStats;
 use crate::broker::{Broker, BrokerServiceError, CallError, constraints};
 use crate::capabilities::context::CallHooks;
 use crate::error_text::error_text;
@@ -259,24 +260,54 @@ async fn events(State(broker): State<Shared>, Query(query): Query<EventsQuery>) 
     Ok(Json(broker.store().events(query.after, query.limit.min(10_000))?).into_response())
 }
 
-/// Per loaded version and method: outcomes (ok, error, trap, deadline, limit,
-/// instantiate) and a latency histogram. Methods never called are left out.
-fn per_method(text: &mut String, loaded: &[Arc<crate::broker::WasmProvider>]) {
+/// One version's counters as `/metrics` labels them: the versions serving, and
+/// those retired lately (their calls in flight still count; a scrape after a
+/// swap sees the last of them). Only a serving version has a breaker.
+struct Source {
+    labels: String,
+    stats: Arc<ProviderStats>,
+    breaker: Option<(bool, u64)>,
+}
+
+fn sources(broker: &Broker) -> Vec<Source> {
+    let label = |name: &str, sha256: &str| format!("provider=\"{name}\",sha256=\"{}\"", &sha256[..12]);
+    let mut sources: Vec<Source> = broker
+        .registry()
+        .loaded()
+        .iter()
+        .map(|p| Source {
+            labels: label(p.name(), p.sha256()),
+            stats: p.shared_stats(),
+            breaker: Some(p.breaker_state()),
+        })
+        .collect();
+    // Newest first: a version swapped out twice, or out and back in, is one series.
+    for retired in broker.registry().retired().into_iter().rev() {
+        let labels = label(&retired.name, &retired.sha256);
+        if !sources.iter().any(|s| s.labels == labels) {
+            sources.push(Source { labels, stats: retired.stats, breaker: None });
+        }
+    }
+    sources
+}
+
+/// Per version and method: outcomes (ok, error, trap, deadline, limit,
+/// instantiate, unavailable) and a latency histogram. Methods never called are left out.
+fn per_method(text: &mut String, sources: &[Source]) {
     use crate::broker::method_stats::{MethodStats, Outcome};
-    fn called(provider: &crate::broker::WasmProvider) -> Vec<(String, &MethodStats)> {
-        let labels = format!("provider=\"{}\",sha256=\"{}\"", provider.name(), &provider.sha256()[..12]);
-        provider
-            .stats()
+    fn called(source: &Source) -> Vec<(String, &MethodStats)> {
+        source
+            .stats
             .methods
             .iter()
             .filter(|(_, stats)| stats.count() > 0)
-            .map(|(method, stats)| (format!("{labels},method=\"{}\"", method.name()), stats))
+            .map(|(method, stats)| (format!("{},method=\"{}\"", source.labels, method.name()), stats))
             .collect()
     }
     text.push_str("# HELP broker_calls_total Calls finished, by outcome.\n");
     text.push_str("# TYPE broker_calls_total counter\n");
-    for provider in loaded {
-        for (labels, stats) in called(provider) {
+    for source in sources {
+        for (labels, stats) in called(source) {
             for outcome in Outcome::ALL {
                 let n = stats.outcome(outcome);
                 text.push_str(&format!("broker_calls_total{{{labels},outcome=\"{}\"}} {n}\n", outcome.name()));
@@ -285,8 +316,8 @@ fn per_method(text: &mut String, loaded: &[Arc<crate::broker::WasmProvider>]) {
     }
     text.push_str("# HELP broker_call_duration_seconds Call latency, instantiation included.\n");
     text.push_str("# TYPE broker_call_duration_seconds histogram\n");
-    for provider in loaded {
-        for (labels, stats) in called(provider) {
+    for source in sources {
+        for (labels, stats) in called(source) {
             for (bound, count) in stats.cumulative() {
                 text.push_str(&format!("broker_call_duration_seconds_bucket{{{labels},le=\"{bound}\"}} {count}\n"));
             }
@@ -318,38 +349,31 @@ async fn lock_report(State(broker): State<Shared>, Query(query): Query<LockQuery
     Json(broker.lock().report(query.history.min(1000))).into_response()
 }
 
-/// Prometheus text format: per loaded provider version, its calls,
-/// instantiations and discarded instances; and the swaps so far.
+/// Prometheus text format: per provider version (serving, or retired within
+/// the last ten minutes), its calls, instantiations and breaker; and the swaps so far.
 async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
     let mut text = String::new();
-    text.push_str("# HELP broker_provider_calls_total Calls begun, per loaded provider version.\n");
+    let sources = sources(&broker);
+    text.push_str("# HELP broker_provider_calls_total Calls begun, per provider version.\n");
     text.push_str("# TYPE broker_provider_calls_total counter\n");
-    let loaded = broker.registry().loaded();
-    for provider in &loaded {
-        let labels = format!("provider=\"{}\",sha256=\"{}\"", provider.name(), &provider.sha256()[..12]);
-        text.push_str(&format!(
-            "broker_provider_calls_total{{{labels}}} {}\n",
-            provider.stats().calls.load(Ordering::Relaxed)
-        ));
+    for source in &sources {
+        let calls = source.stats.calls.load(Ordering::Relaxed);
+        text.push_str(&format!("broker_provider_calls_total{{{}}} {calls}\n", source.labels));
     }
     text.push_str("# TYPE broker_provider_instantiations_total counter\n");
-    for provider in &loaded {
-        let labels = format!("provider=\"{}\",sha256=\"{}\"", provider.name(), &provider.sha256()[..12]);
-        let stats = provider.stats();
-        text.push_str(&format!(
-            "broker_provider_instantiations_total{{{labels}}} {}\n",
-            stats.instantiations.load(Ordering::Relaxed)
-        ));
+    for source in &sources {
+        let instantiations = source.stats.instantiations.load(Ordering::Relaxed);
+        text.push_str(&format!("broker_provider_instantiations_total{{{}}} {instantiations}\n", source.labels));
     }
     text.push_str("# HELP broker_provider_half_open 1 while the crash policy holds the version half-open.\n");
     text.push_str("# TYPE broker_provider_half_open gauge\n");
-    for provider in &loaded {
-        let labels = format!("provider=\"{}\",sha256=\"{}\"", provider.name(), &provider.sha256()[..12]);
-        let (half_open, trips) = provider.breaker_state();
+    for source in &sources {
+        let Some((half_open, trips)) = source.breaker else { continue };
+        let labels = &source.labels;
         text.push_str(&format!("broker_provider_half_open{{{labels}}} {}\n", u8::from(half_open)));
         text.push_str(&format!("broker_provider_breaker_trips_total{{{labels}}} {trips}\n"));
     }
-    per_method(&mut text, &loaded);
+    per_method(&mut text, &sources);
     let swaps = broker.registry().swap_counts();
     text.push_str("# HELP broker_swaps_total Providers swapped since the daemon started.\n");
     text.push_str("# TYPE broker_swaps_total counter\n");

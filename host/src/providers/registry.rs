@@ -62,7 +62,22 @@ pub struct Registry {
     /// One swap at a time, so two candidates cannot race for the slot.
     swapping: tokio::sync::Mutex<()>,
     swap_counts: SwapCounts,
+    /// Versions replaced or removed lately, whose counters `/metrics` still shows.
+    retired: std::sync::Mutex<Vec<Retired>>,
 }
+
+/// A version no longer serving new calls: its counters, kept for a while so a
+/// scrape after a swap still sees its last increments.
+#[derive(Clone)]
+pub struct Retired {
+    pub name: String,
+    pub sha256: String,
+    pub stats: Arc<crate::broker::wasm::ProviderStats>,
+    pub since: std::time::Instant,
+}
+
+/// How long a retired version's counters stay in `/metrics`: a few scrape intervals.
+pub const RETIRED_METRICS_FOR: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Swaps since this process started, for `/metrics` (the event log has them all).
 #[derive(Debug, Default)]
@@ -81,6 +96,7 @@ impl Registry {
             draining: Default::default(),
             swapping: Default::default(),
             swap_counts: SwapCounts::default(),
+            retired: Default::default(),
         }
     }
 
@@ -107,7 +123,9 @@ impl Registry {
             component: None,
         };
         self.store.put_provider(&record)?;
-        self.write_loaded().insert(record.name.clone(), provider);
+        if let Some(replaced) = self.write_loaded().insert(record.name.clone(), provider) {
+            self.retire(&replaced);
+        }
         let mut event = Event::new(if existing.is_some() { "reloaded" } else { "added" }, &record.name);
         event.old_sha256 = existing.as_ref().map(|e| e.component_sha256.clone());
         event.new_sha256 = Some(record.component_sha256.clone());
@@ -173,6 +191,7 @@ impl Registry {
         }
         let mut event = Event::new("removed", name);
         if let Some(provider) = &unloaded {
+            self.retire(provider);
             event.old_sha256 = Some(provider.sha256().to_owned());
             if in_flight > 0 {
                 event.detail = format!("after {in_flight} call(s) in flight finished");
@@ -245,6 +264,7 @@ impl Registry {
         };
         self.store.put_provider(&swapped)?;
         self.write_loaded().insert(name.to_owned(), candidate);
+        self.retire(&serving);
         let report = SwapReport {
             provider: name.to_owned(),
             old_sha256: serving.sha256().to_owned(),
@@ -353,6 +373,24 @@ impl Registry {
         let mut providers: Vec<_> = loaded.values().cloned().collect();
         providers.sort_by(|a, b| a.name().cmp(b.name()));
         providers
+    }
+
+    /// Versions retired within [`RETIRED_METRICS_FOR`], oldest first.
+    pub fn retired(&self) -> Vec<Retired> {
+        let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+        retired.retain(|r| r.since.elapsed() < RETIRED_METRICS_FOR);
+        retired.clone()
+    }
+
+    fn retire(&self, version: &WasmProvider) {
+        let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+        retired.retain(|r| r.since.elapsed() < RETIRED_METRICS_FOR);
+        retired.push(Retired {
+            name: version.name().to_owned(),
+            sha256: version.sha256().to_owned(),
+            stats: version.shared_stats(),
+            since: std::time::Instant::now(),
+        });
     }
 
     fn write_loaded(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<WasmProvider>>> {
