@@ -130,42 +130,37 @@ impl Backend {
     /// Stop `ids` (through `provider`, or each through the one the host recorded
     /// it for); returns each provider asked with the ids it stopped.
     pub async fn stop_instances(&self, ids: Vec<String>, provider: Option<&str>) -> Result<Vec<(String, Vec<String>)>> {
-        let mut stopped: Vec<(String, Vec<String>)> = Vec::new();
-        let mut note = |owner: String, id: String| match stopped.iter_mut().find(|(p, _)| *p == owner) {
+        let mut by_provider: Vec<(String, Vec<String>)> = Vec::new();
+        let mut group = |owner: String, id: String| match by_provider.iter_mut().find(|(p, _)| *p == owner) {
             Some((_, list)) => list.push(id),
-            None => stopped.push((owner, vec![id])),
+            None => by_provider.push((owner, vec![id])),
         };
         match self {
             Backend::Embedded(broker) => {
-                let mut by_provider: Vec<(String, Vec<String>)> = Vec::new();
                 for id in ids {
                     let owner = match provider {
                         Some(p) => p.to_owned(),
                         None => broker.provider_of(&id).with_context(|| format!("cannot stop {id}"))?,
                     };
-                    match by_provider.iter_mut().find(|(p, _)| *p == owner) {
-                        Some((_, list)) => list.push(id),
-                        None => by_provider.push((owner, vec![id])),
-                    }
+                    group(owner, id);
                 }
-                for (owner, ids) in by_provider {
-                    broker
-                        .stop_instances(&owner, &ids)
-                        .await
-                        .with_context(|| format!("cannot stop {}", ids.join(" ")))?;
-                    ids.into_iter().for_each(|id| note(owner.clone(), id));
+                // One call per provider, with all its ids, as Juju's StopInstances takes them.
+                for (owner, ids) in &by_provider {
+                    let stopped = broker.stop_instances(owner, ids).await;
+                    stopped.with_context(|| format!("cannot stop {}", ids.join(" ")))?;
                 }
             }
             Backend::Daemon(client) => {
+                // The daemon finds each id's provider; its answer says which.
                 for id in ids {
                     let path = format!("/v1/instances/{}{}", encode_component(&id), provider_query(provider));
                     let answer: Owner =
                         client.call(Method::DELETE, &path, None).await.with_context(|| format!("cannot stop {id}"))?;
-                    note(answer.provider, id);
+                    group(answer.provider, id);
                 }
             }
         }
-        Ok(stopped)
+        Ok(by_provider)
     }
 
     /// Run `maintain-instance`; returns the provider that did.
