@@ -168,3 +168,29 @@ fn socket_names_a_daemon_serving_elsewhere() {
     assert_eq!(code, 0);
     assert!(listed.contains("fake"), "{listed}");
 }
+
+#[test]
+fn a_daemon_that_cannot_listen_says_so_and_exits() {
+    let data = tempfile::tempdir().unwrap();
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_broker"))
+        .args(["--data-dir", &data.path().display().to_string(), "serve", "--socket", "/nonexistent-dir/broker.sock"])
+        .env_remove("RUST_LOG")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let waited = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = daemon.try_wait().unwrap() {
+            break status;
+        }
+        if waited.elapsed() > std::time::Duration::from_secs(30) {
+            daemon.kill().unwrap();
+            panic!("the daemon kept running without its socket (the directory watcher held it up)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut error = String::new();
+    std::io::Read::read_to_string(&mut daemon.stderr.take().unwrap(), &mut error).unwrap();
+    assert_eq!(status.code(), Some(1));
+    assert!(error.contains("cannot listen on /nonexistent-dir/broker.sock"), "{error}");
+}

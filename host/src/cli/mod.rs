@@ -288,12 +288,16 @@ async fn serve(
         let (settle, poll) = (std::time::Duration::from_millis(200), std::time::Duration::from_secs(2));
         crate::providers::watch::watch(watched, watching.registry(), settle, poll, watch_stop).await;
     });
+    let stop = std::sync::Arc::new(stop);
+    let signalled = stop.clone();
     tokio::spawn(async move {
         shutdown_signal().await;
-        let _ = stop.send(true);
+        let _ = signalled.send(true);
     });
     let served = crate::daemon::serve(broker, socket, tcp, until_stopping(stopping)).await;
-    // A rescan in progress (a swap, a removal draining) finishes first.
+    // Served to the end or failed to start: either way the watcher stops too, and a
+    // rescan in progress (a swap, a removal draining) finishes first.
+    let _ = stop.send(true);
     let _ = watcher.await;
     served
 }
