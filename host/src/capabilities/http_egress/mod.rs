@@ -216,7 +216,11 @@ impl WasiHttpHooks for EgressHooks {
         options: Option<RequestOptions>,
         _response_errors: IoFuture,
     ) -> Box<dyn Future<Output = SendResult> + Send> {
+        // A root span: wasi:http runs this future in a task of its own, where it is
+        // dropped under whatever dispatcher that task has, and closing a span there
+        // would release its parent through the wrong one (the kit listens under its own).
         let span = tracing::info_span!(
+            parent: None,
             "http_egress",
             provider = &*self.provider,
             method = %request.method(),
