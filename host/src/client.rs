@@ -42,10 +42,6 @@ impl DaemonClient {
         Some(DaemonClient { socket: socket.to_owned() })
     }
 
-    pub fn socket(&self) -> &Path {
-        &self.socket
-    }
-
     /// One request; the answer's JSON body as `T`, or the daemon's refusal.
     pub async fn call<T: DeserializeOwned>(
         &self,

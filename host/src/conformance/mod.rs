@@ -217,19 +217,19 @@ struct Kit {
     calls: HostCallLog,
 }
 
+/// A call's error as a case reports it.
+fn explain(err: &CallError) -> String {
+    match err {
+        CallError::Guest { error, .. } => describe_broker_error(error),
+        other => other.to_string(),
+    }
+}
+
 fn ids(instances: &[Instance]) -> Vec<String> {
     instances.iter().map(|i| i.id.clone()).collect()
 }
 
 impl Kit {
-    /// A call's error as a case reports it.
-    fn explain(&self, err: &CallError) -> String {
-        match err {
-            CallError::Guest { error, .. } => describe_broker_error(error),
-            other => other.to_string(),
-        }
-    }
-
     fn record(&mut self, name: &'static str, result: Result<String, String>) {
         let (mut passed, mut detail) = match result {
             Ok(detail) => (true, detail),
@@ -256,7 +256,7 @@ impl Kit {
                 (info.name, info.version, info.features)
             }
             Err(e) => {
-                self.record("describe is well formed", Err(self.explain(&e)));
+                self.record("describe is well formed", Err(explain(&e)));
                 (self.provider.name().to_owned(), String::new(), Vec::new())
             }
         }
@@ -266,12 +266,12 @@ impl Kit {
         let accepted = self.provider.validate_config(config).await;
         self.record(
             "validate-config accepts its config",
-            accepted.map(|_| format!("accepted {config}")).map_err(|e| self.explain(&e)),
+            accepted.map(|_| format!("accepted {config}")).map_err(|e| explain(&e)),
         );
         for garbage in ["not json at all", r#"{"definitely-not-a-setting": [1, 2, 3]}"#] {
             let result = match self.provider.validate_config(garbage).await {
                 Err(CallError::Guest { error: BrokerError::InvalidParams(_), .. }) => Ok(format!("rejected {garbage}")),
-                Err(e) => Err(format!("rejected {garbage} but not as invalid-params: {}", self.explain(&e))),
+                Err(e) => Err(format!("rejected {garbage} but not as invalid-params: {}", explain(&e))),
                 Ok(()) => Err(format!("accepted garbage config {garbage}")),
             };
             self.record("validate-config rejects garbage", result);
@@ -279,7 +279,7 @@ impl Kit {
     }
 
     async fn all(&self) -> Result<Vec<Instance>, String> {
-        self.provider.all_instances(&CallHooks::default()).await.map_err(|e| self.explain(&e))
+        self.provider.all_instances(&CallHooks::default()).await.map_err(|e| explain(&e))
     }
 
     async fn lifecycle(&mut self) {
@@ -291,7 +291,7 @@ impl Kit {
         let started = match self.provider.start_instance(&hooks, &params).await {
             Ok(result) => result,
             Err(e) => {
-                self.record("start-instance succeeds", Err(self.explain(&e)));
+                self.record("start-instance succeeds", Err(explain(&e)));
                 return;
             }
         };
@@ -331,11 +331,11 @@ impl Kit {
         let maintained = self.provider.maintain_instance(&CallHooks::default(), &id, &params).await;
         self.record(
             "maintain-instance on a known instance",
-            maintained.map(|_| format!("maintained {id}")).map_err(|e| self.explain(&e)),
+            maintained.map(|_| format!("maintained {id}")).map_err(|e| explain(&e)),
         );
 
         let stopped = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
-        self.record("stop-instances succeeds", stopped.map(|_| format!("stopped {id}")).map_err(|e| self.explain(&e)));
+        self.record("stop-instances succeeds", stopped.map(|_| format!("stopped {id}")).map_err(|e| explain(&e)));
         let gone = self.all().await.and_then(|all| {
             if ids(&all).contains(&id) {
                 Err(format!("{id} still listed after stop"))
@@ -350,7 +350,7 @@ impl Kit {
             "double stop is ok",
             again
                 .map(|_| "stopped twice".to_owned())
-                .map_err(|e| format!("second stop of {id} returned {}", self.explain(&e))),
+                .map_err(|e| format!("second stop of {id} returned {}", explain(&e))),
         );
         let unknown = "broker-provider-test-never-existed".to_owned();
         let result = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&unknown)).await;
@@ -358,7 +358,7 @@ impl Kit {
             "stop of an unknown id is ok",
             result
                 .map(|_| "ignored".to_owned())
-                .map_err(|e| format!("stop-instances of an unknown id returned {}", self.explain(&e))),
+                .map_err(|e| format!("stop-instances of an unknown id returned {}", explain(&e))),
         );
     }
 
@@ -368,12 +368,12 @@ impl Kit {
             |r: &crate::bindings::StartInstanceResult| r.hardware.as_ref().and_then(|h| h.availability_zone.clone());
         let first = match self.provider.start_instance(&CallHooks::default(), &empty_params()).await {
             Ok(r) => r,
-            Err(e) => return self.record("distribution group is spread over zones", Err(self.explain(&e))),
+            Err(e) => return self.record("distribution group is spread over zones", Err(explain(&e))),
         };
         let group = vec![first.instance.id.clone()];
         let hooks = CallHooks { distribution_group: Some(Arc::new(move || Ok(group.clone()))), ..Default::default() };
         let result = match self.provider.start_instance(&hooks, &empty_params()).await {
-            Err(e) => Err(self.explain(&e)),
+            Err(e) => Err(explain(&e)),
             Ok(second) => match (zone_of(&first), zone_of(&second)) {
                 (Some(a), Some(b)) if a != b => Ok(format!("{a} then {b}")),
                 (a, b) => Err(format!("second group member went to {b:?}, the first was in {a:?}")),
@@ -392,8 +392,8 @@ impl Kit {
                 "an unknown zone came back as a provider string ({message:?}), not a typed error \
                  (invalid-params, not-found, zone-unavailable, …)"
             )),
-            Err(e @ CallError::Guest { .. }) => Ok(self.explain(&e)),
-            Err(e) => Err(self.explain(&e)),
+            Err(e @ CallError::Guest { .. }) => Ok(explain(&e)),
+            Err(e) => Err(explain(&e)),
             Ok(started) => {
                 let id = started.instance.id;
                 let _ = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
