@@ -41,10 +41,19 @@ fn stamp(path: &Path) -> Option<Stamp> {
     })
 }
 
+/// A manifest as the last rescan saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Seen {
+    manifest: Option<Stamp>,
+    /// Where its component is, read from it when its stamp last changed.
+    component: Option<PathBuf>,
+    component_stamp: Option<Stamp>,
+}
+
 pub struct ProvidersDir {
     dir: PathBuf,
-    /// Manifest path -> (its stamp, its component's stamp) when last looked at.
-    seen: HashMap<PathBuf, (Option<Stamp>, Option<Stamp>)>,
+    /// Manifest path -> what it and its component looked like last time.
+    seen: HashMap<PathBuf, Seen>,
     /// Provider -> the last reason its removal was refused (said once, retried each rescan).
     removal_refused: HashMap<String, String>,
 }
@@ -82,15 +91,20 @@ impl ProvidersDir {
         found.into_iter().collect()
     }
 
-    /// Bring the registry in line with the directory. Files unchanged since the
-    /// last rescan cost a `stat` each.
+    /// Bring the registry in line with the directory. A manifest unchanged since
+    /// the last rescan costs a `stat` of it and of its component.
     pub async fn rescan(&mut self, registry: &Registry) -> Vec<Change> {
         let present = self.manifests();
         let mut changes = Vec::new();
         for path in &present {
-            let manifest_stamp = stamp(path);
-            let component_stamp = Manifest::load(path).ok().and_then(|m| stamp(&m.component));
-            let now = (manifest_stamp, component_stamp);
+            let manifest = stamp(path);
+            // The manifest is parsed again only when it changed: otherwise two stats.
+            let component = match self.seen.get(path) {
+                Some(seen) if seen.manifest == manifest => seen.component.clone(),
+                _ => Manifest::load(path).ok().map(|m| m.component),
+            };
+            let component_stamp = component.as_deref().and_then(stamp);
+            let now = Seen { manifest, component, component_stamp };
             if self.seen.get(path) == Some(&now) {
                 continue;
             }
