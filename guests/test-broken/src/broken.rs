@@ -32,10 +32,6 @@ fn breaks(ctx: &CallContext) -> String {
     split(&ctx.provider_config()).map(|(breaks, _)| breaks).unwrap_or_default()
 }
 
-fn config(ctx: &CallContext) -> Result<fake_logic::Config, BrokerError> {
-    split(&ctx.provider_config()).map(|(_, config)| config)
-}
-
 impl Guest for Broken {
     fn describe() -> ProviderInfo {
         let mut info = Fake::describe();
@@ -61,8 +57,7 @@ impl Guest for Broken {
     }
 
     fn start_instance(ctx: &CallContext, params: StartInstanceParams) -> Result<StartInstanceResult, BrokerError> {
-        let breaks = breaks(ctx);
-        let config = config(ctx)?;
+        let (breaks, config) = split(&ctx.provider_config())?;
         ctx.set_status(InstanceStatus::Allocating, "allocating instance", &[])?;
         if breaks == "start" && params.constraints.cores.is_some() {
             return Err(BrokerError::Provider("this build cannot start an instance with a cores constraint".into()));
@@ -95,11 +90,10 @@ impl Guest for Broken {
 
     fn stop_instances(ctx: &CallContext, ids: Vec<String>) -> Result<(), BrokerError> {
         let breaks = breaks(ctx);
-        let known = |id: &String| host_kv::get(&format!("broken/stopped/{id}")).map(|v| v.is_some());
+        let running = fake_logic::all(&HostKv).map_err(fake::to_broker_error)?;
         for id in &ids {
-            let stopped_before = known(id)?;
-            let never_seen = !stopped_before
-                && !fake_logic::all(&HostKv).map_err(fake::to_broker_error)?.iter().any(|i| &i.id == id);
+            let stopped_before = host_kv::get(&format!("broken/stopped/{id}"))?.is_some();
+            let never_seen = !stopped_before && !running.iter().any(|i| &i.id == id);
             if (breaks == "double-stop" && stopped_before) || (breaks == "unknown-stop" && never_seen) {
                 return Err(BrokerError::NotFound(format!("no instance {id}")));
             }
