@@ -44,6 +44,8 @@ pub fn host_capabilities(dir: &Path, kv: Arc<dyn KvBackend>) -> HostCapabilities
         child_records: Arc::new(MemoryChildRecords::default()),
         live_children: Arc::default(),
         egress_world: Default::default(),
+        process_world: Default::default(),
+        network_world: Default::default(),
         denials: Default::default(),
     }
 }

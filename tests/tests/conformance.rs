@@ -36,7 +36,7 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
 
 #[tokio::test]
 async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_without_one() {
-    use broker_host::conformance::{HttpWorld, KitOptions};
+    use broker_host::conformance::{KitOptions, World};
     let bundled = Manifest::load(&bundled_manifest("lxd")).unwrap();
     assert!(conformance::script_path(&bundled.path).exists(), "guests/lxd ships provider.script.json");
     let mut options = KitOptions::beside(&bundled).unwrap();
@@ -50,11 +50,34 @@ async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_witho
     let elsewhere = dir.path().join("lxd.toml");
     std::fs::write(&elsewhere, broker_tests::bundled_manifest_text("lxd")).unwrap();
     let manifest = Manifest::load(&elsewhere).unwrap();
-    let options = KitOptions { http: HttpWorld::Script(Default::default()), strict: true };
+    let options = KitOptions { world: World::Script(Default::default()), strict: true };
     let report = conformance::run_with(&manifest, options).await.unwrap();
     let start = report.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
     assert!(!start.passed);
     assert!(start.detail.contains("unscripted http request GET lxd/1.0/images/aliases/busybox"), "{}", start.detail);
+}
+
+#[tokio::test]
+async fn the_kvm_provider_passes_strictly_on_its_script_without_running_anything() {
+    use broker_host::conformance::{KitOptions, World};
+    let bundled = Manifest::load(&bundled_manifest("kvm")).unwrap();
+    let KitOptions { world: World::Script(scripted), .. } = KitOptions::beside(&bundled).unwrap() else {
+        panic!("the bundled kvm provider ships a script");
+    };
+    assert!(scripted.remaining() >= 3, "qemu-img, genisoimage and one qemu child are scripted");
+    let options = KitOptions { world: World::Script(scripted.clone()), strict: true };
+    let report = conformance::run_with(&bundled, options).await.unwrap();
+    assert!(report.passed(), "{}", report.text());
+    assert_eq!(report.cases.len(), 15, "{}", report.text());
+    // Each run and the child were answered by the script, strictly: none reached the host.
+    assert_eq!(scripted.remaining(), 0, "every scripted run and child was used");
+    let start = report.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
+    let calls = start.trace.join("\n");
+    for expected in
+        ["process.run(program=\"qemu-img\"", "process.spawn(name=\"juju-host0-vm1\"", "local-socket.connect("]
+    {
+        assert!(calls.contains(expected), "{expected} in\n{calls}");
+    }
 }
 
 #[tokio::test]

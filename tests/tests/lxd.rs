@@ -258,8 +258,7 @@ fn maintain_checks_nics_a_foreign_container_is_never_taken_over_and_a_failed_sta
 
 #[test]
 fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
-    use broker_host::capabilities::http_egress::{Script, Tape};
-    use broker_host::conformance::{self, HttpWorld, KitOptions};
+    use broker_host::conformance::{self, KitOptions, Recording, Scripted, World};
     use broker_host::providers::Manifest;
 
     let daemon = IncusDaemon::start("br-lxdkit");
@@ -268,23 +267,24 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
 
     // Against the real daemon, every exchange on tape.
-    let tape = Arc::new(Tape::default());
+    let recording = Arc::new(Recording::default());
     let recorded = runtime.block_on(conformance::run_with(
         &manifest,
-        KitOptions { http: HttpWorld::Record(tape.clone()), strict: false },
+        KitOptions { world: World::Record(recording.clone()), strict: false },
     ));
     let recorded = recorded.unwrap();
     assert!(recorded.passed(), "{}", recorded.text());
-    assert!(tape.exchanges().len() >= 10, "{} exchanges", tape.exchanges().len());
+    let exchanges = recording.http.exchanges().len();
+    assert!(exchanges >= 10, "{exchanges} exchanges");
     assert!(daemon.instance_names().unwrap().is_empty(), "the kit stops what it starts");
-    let script = tape.to_script_json();
+    let script = recording.to_script_json();
     let daemon_pid = daemon.pid();
     drop(daemon);
     assert!(!Path::new(&format!("/proc/{daemon_pid}")).exists());
 
     // The daemon is gone; the script alone gives the same result, strictly.
-    let replay = Arc::new(Script::parse(&script).unwrap());
-    let options = KitOptions { http: HttpWorld::Script(replay.clone()), strict: true };
+    let replay = Arc::new(Scripted::parse(&script).unwrap());
+    let options = KitOptions { world: World::Script(replay.clone()), strict: true };
     let replayed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
     let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
     assert_eq!(outcome(&replayed), outcome(&recorded), "{}", replayed.text());
@@ -295,7 +295,7 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
     let http = short["http"].as_array_mut().unwrap();
     http.truncate(http.len() - 3);
     let options =
-        KitOptions { http: HttpWorld::Script(Arc::new(Script::parse(&short.to_string()).unwrap())), strict: true };
+        KitOptions { world: World::Script(Arc::new(Scripted::parse(&short.to_string()).unwrap())), strict: true };
     let failed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
     assert!(!failed.passed());
     let reasons: Vec<&str> = failed.cases.iter().filter(|c| !c.passed).map(|c| c.detail.as_str()).collect();

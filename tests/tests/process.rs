@@ -30,7 +30,7 @@ impl ProcessHost {
         let paths: Vec<PathBuf> = paths.iter().map(PathBuf::from).collect();
         let policy = Arc::new(ProcessPolicy::resolve(&programs, &paths, data_dir).unwrap());
         ProcessHost {
-            ctx: ProcessCtx::new("p", Some(policy), records, Arc::new(LiveChildren::default())),
+            ctx: ProcessCtx::new("p", Some(policy), records, Arc::new(LiveChildren::default()), Default::default()),
             table: ResourceTable::new(),
         }
     }
@@ -86,7 +86,8 @@ async fn granted_programs_run_verbatim_and_others_are_denied() {
     host.view().run("touch".into(), strings(&["/data/made-by-touch"]), vec![], vec![], 5000).await.unwrap().unwrap();
     assert!(dir.path().join("made-by-touch").exists());
 
-    let mut ungranted = ProcessCtx::new("p", None, Arc::new(MemoryChildRecords::default()), Arc::default());
+    let mut ungranted =
+        ProcessCtx::new("p", None, Arc::new(MemoryChildRecords::default()), Arc::default(), Default::default());
     let mut table = ResourceTable::new();
     let mut view = ProcessView { ctx: &mut ungranted, table: &mut table };
     let none = view.run("sh".into(), vec![], vec![], vec![], 1000).await.unwrap();

@@ -92,6 +92,8 @@ impl Broker {
             child_records: store.child_records(),
             live_children: Arc::default(),
             egress_world: Default::default(),
+            process_world: Default::default(),
+            network_world: Default::default(),
             denials: Default::default(),
         };
         Broker { registry: Registry::new(runtime, store.clone(), capabilities), store, machine_lock, host }

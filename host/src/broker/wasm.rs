@@ -8,7 +8,7 @@ use crate::bindings::{
     BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
 };
 use crate::capabilities::context::{CallContext, CallHooks};
-use crate::capabilities::process::{PolicyError, ProcessPolicy};
+use crate::capabilities::process::{PolicyError, ProcessPolicy, ProcessWorld};
 use crate::providers::manifest::{Isolation, Manifest, ManifestError, Method};
 use crate::runtime::{HostCapabilities, HostState, LinkedCapabilities, ProviderCapabilities, Runtime, RuntimeError};
 use std::future::Future;
@@ -400,8 +400,13 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
     let process = if grants.process.is_empty() {
         None
     } else {
-        let policy = ProcessPolicy::resolve(&grants.process, &grants.paths, &data_dir)
-            .map_err(|source| LoadError::Grant { provider, source })?;
+        let policy = match host.process_world {
+            ProcessWorld::Simulated(_) => ProcessPolicy::unresolved(&grants.process, &grants.paths, &data_dir),
+            ProcessWorld::Host | ProcessWorld::Record(_) => {
+                ProcessPolicy::resolve(&grants.process, &grants.paths, &data_dir)
+            }
+        }
+        .map_err(|source| LoadError::Grant { provider, source })?;
         Some(Arc::new(policy))
     };
     let host = HostCapabilities { machine_lock: host.machine_lock.filter(|_| grants.machine_lock), ..host };

@@ -7,9 +7,15 @@
 //! cannot lead to the host's sockets (e.g. Docker's or Incus's), a rename
 //! between check and connect changes nothing, and the 108-byte limit of
 //! socket paths does not apply to deep data dirs.
+//!
+//! In the conformance kit the sockets are those of simulated children
+//! ([`crate::capabilities::process::simulated`]), after the same checks.
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::local_socket as wit;
+use crate::capabilities::process::simulated::SimConnection;
+use crate::capabilities::process::tape::ConnectionId;
+use crate::capabilities::process::{ProcessTape, ProcessWorld};
 use nix::errno::Errno;
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 use nix::sys::stat::{Mode, SFlag, fstat};
@@ -75,6 +81,18 @@ impl From<SocketError> for BrokerError {
 
 /// The host object behind a guest's `connection` handle.
 pub struct HeldConnection {
+    link: Link,
+    /// In a recorded run, where what passes is written down.
+    tape: Option<(Arc<ProcessTape>, ConnectionId)>,
+}
+
+enum Link {
+    Stream(StreamConnection),
+    Simulated(SimConnection),
+}
+
+/// A real connection to a unix socket.
+struct StreamConnection {
     stream: UnixStream,
     /// Bytes read past the last line handed out; kept across timeouts.
     pending: Vec<u8>,
@@ -85,14 +103,16 @@ pub struct LocalSocketCtx {
     provider: Arc<str>,
     /// `None` unless `local-sockets` is granted.
     data_dir: Option<PathBuf>,
+    /// Whose sockets these are: real children's, or simulated ones'.
+    world: ProcessWorld,
     open: usize,
     /// Where refusals are noted (set by the store that owns this).
     pub denials: crate::capabilities::denials::Denials,
 }
 
 impl LocalSocketCtx {
-    pub fn new(provider: Arc<str>, data_dir: Option<PathBuf>) -> Self {
-        LocalSocketCtx { provider, data_dir, open: 0, denials: Default::default() }
+    pub fn new(provider: Arc<str>, data_dir: Option<PathBuf>, world: ProcessWorld) -> Self {
+        LocalSocketCtx { provider, data_dir, world, open: 0, denials: Default::default() }
     }
 
     pub async fn connect(&mut self, guest_path: &str) -> Result<HeldConnection, SocketError> {
@@ -101,10 +121,22 @@ impl LocalSocketCtx {
             return Err(SocketError::TooMany);
         }
         let relative = inside_data_dir(guest_path)?;
-        let stream = connect_beneath(data_dir, relative, guest_path).await?;
+        let (link, tape) = match &self.world {
+            ProcessWorld::Simulated(sim) => (Link::Simulated(sim.connect(&self.provider, guest_path)?), None),
+            ProcessWorld::Host | ProcessWorld::Record(_) => {
+                let stream = connect_beneath(data_dir, relative, guest_path).await?;
+                let tape = match &self.world {
+                    ProcessWorld::Record(tape) => {
+                        tape.connected(&self.provider, guest_path).map(|id| (tape.clone(), id))
+                    }
+                    _ => None,
+                };
+                (Link::Stream(StreamConnection { stream, pending: Vec::new(), closed: false }), tape)
+            }
+        };
         self.open += 1;
         tracing::debug!(provider = %self.provider, path = guest_path, "local socket connected");
-        Ok(HeldConnection { stream, pending: Vec::new(), closed: false })
+        Ok(HeldConnection { link, tape })
     }
 
     fn closed_one(&mut self) {
@@ -153,12 +185,37 @@ async fn connect_beneath(data_dir: &Path, relative: &Path, guest_path: &str) -> 
 
 impl HeldConnection {
     pub async fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
+        match &mut self.link {
+            Link::Stream(stream) => stream.send(data).await?,
+            Link::Simulated(sim) => sim.send(data)?,
+        }
+        if let Some((tape, id)) = &self.tape {
+            tape.sent(*id, data);
+        }
+        Ok(())
+    }
+
+    /// The next line, or `None` at the end of the stream.
+    pub async fn receive_line(&mut self, timeout: Duration) -> Result<Option<String>, SocketError> {
+        let line = match &mut self.link {
+            Link::Stream(stream) => stream.receive_line(timeout).await?,
+            Link::Simulated(sim) => sim.receive_line(timeout.as_millis() as u64)?,
+        };
+        if let (Some((tape, id)), Some(line)) = (&self.tape, &line) {
+            tape.received(*id, line);
+        }
+        Ok(line)
+    }
+}
+
+impl StreamConnection {
+    async fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
         self.stream.write_all(data).await.map_err(|e| SocketError::Io(e.to_string()))
     }
 
     /// The next line, or `None` at the end of the stream. A timeout keeps what
     /// was read so far for the next call.
-    pub async fn receive_line(&mut self, timeout: Duration) -> Result<Option<String>, SocketError> {
+    async fn receive_line(&mut self, timeout: Duration) -> Result<Option<String>, SocketError> {
         let read = async {
             let mut buf = [0u8; 8192];
             loop {
@@ -257,7 +314,7 @@ mod tests {
     use tokio::net::UnixListener;
 
     fn granted(dir: &Path) -> LocalSocketCtx {
-        LocalSocketCtx::new("kvm".into(), Some(dir.to_owned()))
+        LocalSocketCtx::new("kvm".into(), Some(dir.to_owned()), ProcessWorld::Host)
     }
 
     /// A line-echo server on `path` that greets first, as QMP does.
@@ -316,7 +373,7 @@ mod tests {
         // Bound and then closed: the file stays, nobody listens (as between a server's bind and listen).
         drop(std::os::unix::net::UnixListener::bind(dir.path().join("dead.sock")).unwrap());
 
-        let mut ungranted = LocalSocketCtx::new("kvm".into(), None);
+        let mut ungranted = LocalSocketCtx::new("kvm".into(), None, ProcessWorld::Host);
         assert_eq!(ungranted.connect("/data/evil.sock").await.err(), Some(SocketError::NotGranted));
 
         let mut ctx = granted(dir.path());

@@ -130,11 +130,14 @@ pub enum ProviderCommand {
         manifest: Option<PathBuf>,
         #[arg(long, value_enum, default_value_t = ReportFormat::Text)]
         format: ReportFormat,
-        /// Scripted HTTP answers (default: `<manifest stem>.script.json` beside the manifest).
+        /// The simulated world's script: HTTP answers, program runs and their
+        /// output, children and what they answer on their sockets, host network
+        /// devices (default: `<manifest stem>.script.json` beside the manifest).
         #[arg(long, value_name = "FILE", conflicts_with = "record")]
         script: Option<PathBuf>,
-        /// Run against the real endpoints the manifest grants and write what they
-        /// answered to FILE: a real run becomes a replayable script.
+        /// Run against the real capabilities the manifest grants (endpoints,
+        /// programs, children, devices) and write what they answered to FILE:
+        /// a real run becomes a replayable script.
         #[arg(long, value_name = "FILE")]
         record: Option<PathBuf>,
         /// A host call the script does not answer fails the case it happened in.
@@ -438,7 +441,7 @@ async fn provider_test(
     worlds: TestWorlds,
     out: &mut impl Write,
 ) -> Result<u8> {
-    use crate::conformance::{HttpWorld, KitOptions};
+    use crate::conformance::{KitOptions, Recording, World};
     use crate::providers::Manifest;
     let mut loaded = match manifest {
         Some(path) => Manifest::load(path).with_context(|| format!("cannot read manifest {}", path.display()))?,
@@ -452,12 +455,12 @@ async fn provider_test(
         }
     };
     loaded.component = component.to_owned();
-    let tape = worlds.record.as_ref().map(|_| std::sync::Arc::new(crate::capabilities::http_egress::Tape::default()));
-    let mut options = match (&worlds.script, &tape) {
-        (_, Some(tape)) => KitOptions { http: HttpWorld::Record(tape.clone()), strict: false },
+    let recording = worlds.record.as_ref().map(|_| std::sync::Arc::new(Recording::default()));
+    let mut options = match (&worlds.script, &recording) {
+        (_, Some(recording)) => KitOptions { world: World::Record(recording.clone()), strict: false },
         (Some(path), None) => {
             let script = crate::conformance::load_script(path).map_err(|e| UsageError(e.to_string()))?;
-            KitOptions { http: HttpWorld::Script(std::sync::Arc::new(script)), strict: false }
+            KitOptions { world: World::Script(std::sync::Arc::new(script)), strict: false }
         }
         (None, None) => KitOptions::beside(&loaded).map_err(|e| UsageError(e.to_string()))?,
     };
@@ -465,8 +468,8 @@ async fn provider_test(
     let report = crate::conformance::run_with(&loaded, options)
         .await
         .with_context(|| format!("cannot load {} into the sandbox", component.display()))?;
-    if let (Some(path), Some(tape)) = (&worlds.record, &tape) {
-        std::fs::write(path, tape.to_script_json())
+    if let (Some(path), Some(recording)) = (&worlds.record, &recording) {
+        std::fs::write(path, recording.to_script_json())
             .with_context(|| format!("cannot write the recorded script {}", path.display()))?;
     }
     match format {

@@ -3,12 +3,13 @@
 //! in-memory kv, a private machine lock and data dir), without any real
 //! infrastructure and without trusting the component.
 //!
-//! HTTP is simulated by a script (`<manifest>.script.json` beside the
-//! manifest, or `--script`): the manifest's `[grants.http]` still decides what
-//! may be asked, the script answers, in order, and nothing leaves the host.
-//! `--record` runs against the real granted endpoints instead and writes such
-//! a script. Simulated process and bridge worlds come later, so `process` and
-//! `bridge` grants are not honoured here yet.
+//! Every capability the manifest grants is simulated from a script
+//! (`<manifest>.script.json` beside the manifest, or `--script`; see [`world`]):
+//! HTTP exchanges, programs run and their output, spawned children and what
+//! they answer on their sockets, the host's network devices. The grants still
+//! decide what may be asked; the script answers; nothing real is touched.
+//! `--record` runs against the real granted capabilities instead and writes
+//! such a script, so a real run becomes a replayable fixture.
 //!
 //! The scenarios, each a named case: describe is well formed; validate-config
 //! accepts its config and rejects garbage as invalid-params; start succeeds,
@@ -21,6 +22,7 @@
 
 mod junit;
 mod trace;
+pub mod world;
 
 use crate::bindings::{BrokerError, Instance};
 use crate::broker::imports::ContractError;
@@ -30,10 +32,11 @@ use crate::broker::{CallError, WasmProvider, constraints, describe_broker_error}
 use crate::capabilities::context::CallEvent;
 use crate::capabilities::context::CallHooks;
 use crate::capabilities::denials::Denials;
-use crate::capabilities::http_egress::{EgressWorld, Script, Tape};
+use crate::capabilities::http_egress::EgressWorld;
 use crate::capabilities::kv::MemoryKv;
 use crate::capabilities::machine_lock::MachineLock;
-use crate::capabilities::process::MemoryChildRecords;
+use crate::capabilities::network_bridge::backend::NetworkWorld;
+use crate::capabilities::process::{LiveChildren, MemoryChildRecords, ProcessWorld};
 use crate::providers::Manifest;
 use crate::providers::Method;
 use crate::runtime::{HostCapabilities, Runtime};
@@ -41,6 +44,7 @@ use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
 pub use trace::HostCallLog;
+pub use world::{Recording, Scripted, World};
 
 /// One scenario's outcome.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -99,27 +103,19 @@ pub enum ConformanceError {
     Script { path: String, reason: String },
 }
 
-/// What answers a provider's HTTP requests during a run.
-pub enum HttpWorld {
-    /// Scripted answers; nothing leaves the host.
-    Script(Arc<Script>),
-    /// The real granted endpoints, every exchange written to the tape.
-    Record(Arc<Tape>),
-}
-
 pub struct KitOptions {
-    pub http: HttpWorld,
+    pub world: World,
     /// A host call the script did not answer fails the case it happened in.
     pub strict: bool,
 }
 
 impl KitOptions {
     /// The script shipped beside the manifest (`lxd.toml` → `lxd.script.json`),
-    /// or an empty one (every HTTP request is then unscripted).
+    /// or an empty one (every host call it would answer is then unscripted).
     pub fn beside(manifest: &Manifest) -> Result<KitOptions, ConformanceError> {
         let path = script_path(&manifest.path);
-        let script = if path.exists() { load_script(&path)? } else { Script::default() };
-        Ok(KitOptions { http: HttpWorld::Script(Arc::new(script)), strict: false })
+        let script = if path.exists() { load_script(&path)? } else { Scripted::default() };
+        Ok(KitOptions { world: World::Script(Arc::new(script)), strict: false })
     }
 }
 
@@ -128,10 +124,10 @@ pub fn script_path(manifest: &std::path::Path) -> std::path::PathBuf {
     manifest.with_extension("script.json")
 }
 
-pub fn load_script(path: &std::path::Path) -> Result<Script, ConformanceError> {
+pub fn load_script(path: &std::path::Path) -> Result<Scripted, ConformanceError> {
     let error = |reason: String| ConformanceError::Script { path: path.display().to_string(), reason };
     let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
-    Script::parse(&text).map_err(error)
+    Scripted::parse(&text).map_err(error)
 }
 
 /// Run every scenario with the script beside the manifest.
@@ -149,23 +145,31 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     let runtime = Runtime::new(None).map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
     let lock = MachineLock::new(scratch.path(), "machine-lock", "broker-provider-test")
         .map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
-    let mut manifest = manifest.clone();
-    // Not simulated yet: never let the kit run real programs or touch real devices.
-    manifest.grants.process.clear();
-    manifest.grants.paths.clear();
-    manifest.grants.bridge = None;
-    let (egress_world, script) = match options.http {
-        HttpWorld::Script(script) => (EgressWorld::Replay(script.clone()), Some(script)),
-        HttpWorld::Record(tape) => (EgressWorld::Record(tape), None),
+    let manifest = manifest.clone();
+    let (egress_world, process_world, network_world, scripted) = match options.world {
+        World::Script(scripted) => (
+            EgressWorld::Replay(scripted.http.clone()),
+            ProcessWorld::Simulated(scripted.processes.clone()),
+            NetworkWorld::Simulated(scripted.network.clone()),
+            Some(scripted),
+        ),
+        World::Record(recording) => {
+            recording.note_devices(&manifest).await.map_err(ConformanceError::Sandbox)?;
+            let processes = ProcessWorld::Record(recording.processes.clone());
+            (EgressWorld::Record(recording.http.clone()), processes, NetworkWorld::Host, None)
+        }
     };
+    let live_children = Arc::new(LiveChildren::default());
     let (denials, denied) = Denials::collecting();
     let caps = HostCapabilities {
         kv: Arc::new(MemoryKv::default()),
         machine_lock: Some(lock),
         providers_dir: scratch.path().join("providers"),
         child_records: Arc::new(MemoryChildRecords::default()),
-        live_children: Arc::default(),
+        live_children: live_children.clone(),
         egress_world,
+        process_world,
+        network_world,
         denials,
     };
     let config = manifest.config_json.clone();
@@ -181,7 +185,7 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     };
     let calls = HostCallLog::default();
     let dispatch = calls.dispatch();
-    let mut kit = Kit { provider, cases: Vec::new(), script, strict: options.strict, denied, calls };
+    let mut kit = Kit { provider, cases: Vec::new(), scripted, strict: options.strict, denied, calls };
     let scenarios = async {
         let (name, version, features) = kit.describe().await;
         kit.validate_config(&config).await;
@@ -196,6 +200,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     };
     // Under the kit's own dispatcher: the host calls made while it is polled are the provider's.
     let (name, version) = tracing::instrument::WithSubscriber::with_subscriber(scenarios, dispatch).await;
+    // A recorded run spawns real programs: none may outlive it, whatever the provider left.
+    live_children.kill_all();
     Ok(Report { provider: name, version, cases: kit.cases, millis: started.elapsed().as_millis() })
 }
 
@@ -208,8 +214,8 @@ const UNGRANTED: &str = "no call touches an ungranted capability";
 struct Kit {
     provider: WasmProvider,
     cases: Vec<Case>,
-    /// The simulated HTTP world, whose unanswered requests each case reports.
-    script: Option<Arc<Script>>,
+    /// The simulated world, whose unanswered host calls each case reports.
+    scripted: Option<Arc<Scripted>>,
     strict: bool,
     /// Host calls refused so far for want of a grant (whether or not the provider passed the refusal on).
     denied: Arc<std::sync::Mutex<Vec<String>>>,
@@ -235,10 +241,15 @@ impl Kit {
             Ok(detail) => (true, detail),
             Err(detail) => (false, detail),
         };
-        let unexpected = self.script.as_ref().map(|s| s.take_unexpected()).unwrap_or_default();
+        let unexpected = self.scripted.as_ref().map(|s| s.take_unexpected()).unwrap_or_default();
         if !unexpected.is_empty() {
-            detail.push_str(&format!("; host calls not in the script: {}", unexpected.join("; ")));
             passed &= !self.strict;
+            // A failure that already quotes the unscripted call need not say it twice.
+            let unsaid: Vec<&str> =
+                unexpected.iter().map(String::as_str).filter(|call| !detail.contains(call)).collect();
+            if !unsaid.is_empty() {
+                detail.push_str(&format!("; host calls not in the script: {}", unsaid.join("; ")));
+            }
         }
         let trace = self.calls.take();
         self.cases.push(Case { name, passed, detail, trace });

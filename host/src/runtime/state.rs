@@ -7,8 +7,9 @@ use crate::capabilities::kv::{KvBackend, KvCtx};
 use crate::capabilities::local_socket::{LocalSocketCtx, LocalSocketView};
 use crate::capabilities::log::LogCtx;
 use crate::capabilities::machine_lock::{MachineLock, MachineLockCtx, MachineLockView};
+use crate::capabilities::network_bridge::backend::NetworkWorld;
 use crate::capabilities::network_bridge::wit::{BridgeCtx, BridgeGrant};
-use crate::capabilities::process::{ChildRecords, LiveChildren, ProcessCtx, ProcessPolicy, ProcessView};
+use crate::capabilities::process::{ChildRecords, LiveChildren, ProcessCtx, ProcessPolicy, ProcessView, ProcessWorld};
 use crate::capabilities::wasi;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -43,6 +44,10 @@ pub struct HostCapabilities {
     pub live_children: Arc<LiveChildren>,
     /// Where granted `wasi:http` requests go: the real targets, or a recording or script.
     pub egress_world: EgressWorld,
+    /// What process and local-socket calls reach: real programs, or a recording or simulation.
+    pub process_world: ProcessWorld,
+    /// What network-bridge calls reach: the host's kernel, or a simulated network.
+    pub network_world: NetworkWorld,
     /// Where refused host calls are noted besides the log (the conformance kit collects them).
     pub denials: crate::capabilities::denials::Denials,
 }
@@ -76,9 +81,14 @@ impl HostState {
                 caps.process.clone(),
                 host.child_records.clone(),
                 host.live_children.clone(),
+                host.process_world.clone(),
             ),
-            bridge: BridgeCtx::new(caps.bridge.clone()),
-            local_socket: LocalSocketCtx::new(provider.clone(), caps.local_sockets.then(|| caps.data_dir.clone())),
+            bridge: BridgeCtx::new(caps.bridge.clone(), host.network_world.clone()),
+            local_socket: LocalSocketCtx::new(
+                provider.clone(),
+                caps.local_sockets.then(|| caps.data_dir.clone()),
+                host.process_world.clone(),
+            ),
             http: WasiHttpCtx::new(),
             egress: EgressHooks::new(provider.clone(), caps.http.clone(), host.egress_world.clone()),
             limiter: GuestLimiter::new(memory_bytes),

@@ -2,6 +2,7 @@
 //! a [`Tape`] records what a real run exchanged; a [`Script`] answers a run
 //! from such a recording, in order, and notes each request it has no answer
 //! for. Bodies are kept as text (the APIs providers speak are JSON or XML).
+//! The script file around them is the conformance kit's (`conformance::world`).
 
 use super::{EgressError, SendResult, granted, send};
 use crate::capabilities::http_egress::HttpGrant;
@@ -33,14 +34,6 @@ impl Exchange {
     }
 }
 
-/// A script file: the scripted answers per capability (HTTP so far).
-#[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ScriptFile {
-    #[serde(default)]
-    pub http: Vec<Exchange>,
-}
-
 /// What a recorded run exchanged, in order.
 #[derive(Debug, Default)]
 pub struct Tape {
@@ -50,12 +43,6 @@ pub struct Tape {
 impl Tape {
     pub fn exchanges(&self) -> Vec<Exchange> {
         self.exchanges.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    /// The tape as a script file.
-    pub fn to_script_json(&self) -> String {
-        let file = ScriptFile { http: self.exchanges() };
-        serde_json::to_string_pretty(&file).unwrap_or_default() + "\n"
     }
 }
 
@@ -69,11 +56,6 @@ pub struct Script {
 impl Script {
     pub fn new(exchanges: Vec<Exchange>) -> Script {
         Script { pending: Mutex::new(exchanges.into()), unexpected: Mutex::default() }
-    }
-
-    pub fn parse(text: &str) -> Result<Script, String> {
-        let file: ScriptFile = serde_json::from_str(text).map_err(|e| format!("invalid script: {e}"))?;
-        Ok(Script::new(file.http))
     }
 
     /// Requests the script had no answer for since the last call.
@@ -213,7 +195,7 @@ mod tests {
         server.await.unwrap();
 
         // The daemon is gone; the script answers the same run alone.
-        let script = Script::parse(&tape.to_script_json()).unwrap();
+        let script = Script::new(tape.exchanges());
         assert_eq!(script.remaining(), 2);
         assert_eq!(text(replay(&script, &grant, get("http://lxd/1.0")).await).await, (200, "{\"n\":1}".into()));
         let wrong = replay(&script, &grant, get("http://lxd/1.0/y")).await;

@@ -1,10 +1,13 @@
 //! Host bridging, as Juju's bridger does it: a host device is moved under a new
 //! Linux bridge that takes over its addresses and keeps its MAC, so instances
 //! attached to the bridge sit on the device's network. Real work goes through
-//! netlink ([`netlink::Netlink`]); [`names`] has Juju's bridge names.
+//! netlink ([`netlink::Netlink`]), or in the conformance kit to a simulated
+//! network ([`simulated::SimNetwork`]); [`names`] has Juju's bridge names.
 
+pub mod backend;
 pub mod names;
 pub mod netlink;
+pub mod simulated;
 pub mod tap;
 pub mod wit;
 
@@ -37,15 +40,19 @@ impl std::fmt::Display for DeviceAddress {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Device {
     pub name: String,
+    /// The kernel's; a script may leave it out.
+    #[serde(default)]
     pub index: u32,
     /// `aa:bb:cc:dd:ee:ff`; empty for devices without one (lo has zeros).
     pub mac: String,
     pub mtu: u32,
     /// `bridge`, `veth`, `dummy`, `tun`, … ; empty for physical devices.
+    #[serde(default)]
     pub kind: String,
     /// The bridge (or bond) this device is enslaved to.
     pub controller: Option<String>,
     pub up: bool,
+    #[serde(default)]
     pub addresses: Vec<DeviceAddress>,
 }
 

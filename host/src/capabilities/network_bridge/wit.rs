@@ -1,7 +1,7 @@
 //! `broker:provider/network-bridge` for guests: the netlink bridger, limited
 //! to the devices and bridges the manifest grants.
 
-use super::netlink::Netlink;
+use super::backend::{Network, NetworkWorld};
 use super::{BridgeError, Device, DeviceToBridge, names};
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::network_bridge::{self as wit};
@@ -26,6 +26,11 @@ fn matches(patterns: &[String], name: &str) -> bool {
 }
 
 impl BridgeGrant {
+    /// Whether the grant lets a provider see `name` (a device or a bridge).
+    pub fn covers(&self, name: &str) -> bool {
+        matches(&self.devices, name) || matches(&self.bridges, name)
+    }
+
     fn device(&self, name: &str) -> Result<(), BrokerError> {
         if matches(&self.devices, name) {
             Ok(())
@@ -50,13 +55,14 @@ impl BridgeGrant {
 pub struct BridgeCtx {
     /// `None` without a `[grants.bridge]`.
     grant: Option<BridgeGrant>,
+    world: NetworkWorld,
     /// Where refusals are noted (set by the store that owns this).
     pub denials: crate::capabilities::denials::Denials,
 }
 
 impl BridgeCtx {
-    pub fn new(grant: Option<BridgeGrant>) -> Self {
-        BridgeCtx { grant, denials: Default::default() }
+    pub fn new(grant: Option<BridgeGrant>, world: NetworkWorld) -> Self {
+        BridgeCtx { grant, world, denials: Default::default() }
     }
 
     fn grant(&self) -> Result<&BridgeGrant, BrokerError> {
@@ -97,10 +103,13 @@ fn to_wit(device: Device) -> wit::Device {
 
 type WitResult<T> = wasmtime::Result<Result<T, BrokerError>>;
 
-/// Run `op` on a fresh netlink connection (in the host's network namespace).
-async fn with_netlink<T>(op: impl AsyncFnOnce(&Netlink) -> Result<T, BridgeError>) -> Result<T, BrokerError> {
-    let netlink = Netlink::connect().map_err(to_broker_error)?;
-    op(&netlink).await.map_err(to_broker_error)
+/// Run `op` on the network of the ctx's world.
+async fn with_network<T>(
+    world: &NetworkWorld,
+    op: impl AsyncFnOnce(&Network) -> Result<T, BridgeError>,
+) -> Result<T, BrokerError> {
+    let network = world.open().map_err(to_broker_error)?;
+    op(&network).await.map_err(to_broker_error)
 }
 
 impl wit::Host for BridgeCtx {
@@ -109,14 +118,8 @@ impl wit::Host for BridgeCtx {
             Ok(grant) => grant.clone(),
             Err(e) => return Ok(Err(self.denials.refuse("network-bridge", e))),
         };
-        let all = with_netlink(async |nl| nl.devices().await).await;
-        Ok(all.map(|devices| {
-            devices
-                .into_iter()
-                .filter(|d| matches(&grant.devices, &d.name) || matches(&grant.bridges, &d.name))
-                .map(to_wit)
-                .collect()
-        }))
+        let all = with_network(&self.world, async |net| net.devices().await).await;
+        Ok(all.map(|devices| devices.into_iter().filter(|d| grant.covers(&d.name)).map(to_wit).collect()))
     }
 
     async fn bridge_name(&mut self, device: String) -> wasmtime::Result<String> {
@@ -130,9 +133,9 @@ impl wit::Host for BridgeCtx {
         if let Err(e) = checked {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        Ok(with_netlink(async |nl| {
+        Ok(with_network(&self.world, async |net| {
             for c in &changes {
-                nl.bridge(&DeviceToBridge { device: c.device.clone(), bridge: c.bridge.clone(), mac: c.mac.clone() })
+                net.bridge(&DeviceToBridge { device: c.device.clone(), bridge: c.bridge.clone(), mac: c.mac.clone() })
                     .await?;
             }
             Ok(())
@@ -144,7 +147,7 @@ impl wit::Host for BridgeCtx {
         if let Err(e) = self.grant().and_then(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        Ok(with_netlink(async |nl| nl.unbridge(&device, &bridge).await).await)
+        Ok(with_network(&self.world, async |net| net.unbridge(&device, &bridge).await).await)
     }
 
     async fn create_veth(&mut self, name: String, peer: String, bridge: String) -> WitResult<()> {
@@ -153,29 +156,29 @@ impl wit::Host for BridgeCtx {
         if let Err(e) = checked {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        Ok(with_netlink(async |nl| nl.create_veth(&name, &peer, &bridge).await).await)
+        Ok(with_network(&self.world, async |net| net.create_veth(&name, &peer, &bridge).await).await)
     }
 
     async fn create_tap(&mut self, name: String, bridge: String, mac: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&name).and_then(|_| g.bridge(&bridge))) {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        Ok(with_netlink(async |nl| nl.create_tap(&name, &bridge, &mac).await).await)
+        Ok(with_network(&self.world, async |net| net.create_tap(&name, &bridge, &mac).await).await)
     }
 
     async fn attach(&mut self, device: String, bridge: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        Ok(with_netlink(async |nl| nl.attach(&device, &bridge).await).await)
+        Ok(with_network(&self.world, async |net| net.attach(&device, &bridge).await).await)
     }
 
     async fn delete_link(&mut self, name: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&name)) {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        Ok(with_netlink(async |nl| match nl.device(&name).await? {
-            Some(device) if device.kind == "veth" || device.kind == "tun" => nl.delete(&name).await,
+        Ok(with_network(&self.world, async |net| match net.device(&name).await? {
+            Some(device) if device.kind == "veth" || device.kind == "tun" => net.delete(&name).await,
             Some(_) => Err(BridgeError::NotABridge(format!("{name} is not a veth or tap; nothing else is deleted"))),
             None => Err(BridgeError::NoDevice(name.clone())),
         })
@@ -208,10 +211,11 @@ mod tests {
 
     #[tokio::test]
     async fn without_the_grant_everything_is_access_denied_before_netlink() {
-        let mut ctx = BridgeCtx::new(None);
+        let mut ctx = BridgeCtx::new(None, NetworkWorld::Host);
         let denied = ctx.devices().await.unwrap();
         assert!(matches!(denied, Err(BrokerError::AccessDenied(m)) if m.contains("[grants.bridge]")));
-        let mut partial = BridgeCtx::new(Some(BridgeGrant { devices: vec!["eth0".into()], bridges: vec![] }));
+        let mut partial =
+            BridgeCtx::new(Some(BridgeGrant { devices: vec!["eth0".into()], bridges: vec![] }), NetworkWorld::Host);
         let change = wit::DeviceToBridge { device: "eth0".into(), bridge: "br-eth0".into(), mac: String::new() };
         let denied = partial.bridge(vec![change]).await.unwrap();
         assert!(matches!(denied, Err(BrokerError::AccessDenied(m)) if m.contains("bridge \"br-eth0\"")));

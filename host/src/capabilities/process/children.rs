@@ -105,6 +105,20 @@ impl LiveChildren {
         }
     }
 
+    /// Kill every child still running (with its process group) and reap it.
+    pub fn kill_all(&self) {
+        for ((provider, name), child) in self.lock().iter_mut() {
+            if let Ok(None) = child.try_wait() {
+                tracing::warn!(provider, child = name, pid = child.id(), "killing a child left running");
+                let _ = nix::sys::signal::killpg(
+                    nix::unistd::Pid::from_raw(child.id() as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+                let _ = child.wait();
+            }
+        }
+    }
+
     pub fn remove(&self, provider: &str, name: &str) {
         self.lock().remove(&(provider.to_owned(), name.to_owned()));
     }

@@ -1,11 +1,17 @@
 //! `broker:provider/process`: granted programs only, no shell, capped output,
 //! process-group kills, and long-running children that survive the host.
+//! In the conformance kit the same checks lead to a simulated process table
+//! ([`simulated`]) or to the real one with every call written down ([`tape`]).
 
 mod children;
 mod policy;
+pub mod simulated;
+pub mod tape;
 
 pub use children::{ChildRecord, ChildRecords, LiveChildren, Liveness, MemoryChildRecords, RecordsError, proc_stat};
 pub use policy::{GUEST_DATA_DIR, PolicyError, ProcessPolicy};
+pub use simulated::SimProcesses;
+pub use tape::ProcessTape;
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::process::{self as wit, ChildStatus, Output};
@@ -23,6 +29,18 @@ pub const MAX_OUTPUT_BYTES: usize = 1 << 20;
 /// How often `wait` looks at a child that is not ours to wait on.
 const WAIT_POLL: Duration = Duration::from_millis(10);
 
+/// What a provider's granted process calls reach.
+#[derive(Clone, Default)]
+pub enum ProcessWorld {
+    /// Real programs and children.
+    #[default]
+    Host,
+    /// Real programs and children, every call written to the tape.
+    Record(Arc<ProcessTape>),
+    /// Scripted programs and simulated children; nothing is run.
+    Simulated(Arc<SimProcesses>),
+}
+
 /// The host object behind a guest's `child` handle.
 pub struct HeldChild {
     record: ChildRecord,
@@ -34,6 +52,7 @@ pub struct ProcessCtx {
     policy: Option<Arc<ProcessPolicy>>,
     records: Arc<dyn ChildRecords>,
     live: Arc<LiveChildren>,
+    world: ProcessWorld,
     /// Where refusals are noted (set by the store that owns this).
     pub denials: crate::capabilities::denials::Denials,
 }
@@ -44,8 +63,9 @@ impl ProcessCtx {
         policy: Option<Arc<ProcessPolicy>>,
         records: Arc<dyn ChildRecords>,
         live: Arc<LiveChildren>,
+        world: ProcessWorld,
     ) -> Self {
-        ProcessCtx { provider: provider.to_owned(), policy, records, live, denials: Default::default() }
+        ProcessCtx { provider: provider.to_owned(), policy, records, live, world, denials: Default::default() }
     }
 
     fn policy(&self) -> Result<&ProcessPolicy, BrokerError> {
@@ -118,16 +138,35 @@ impl ProcessCtx {
     async fn run(
         &self,
         program: &str,
-        args: &[String],
+        guest_args: &[String],
         env: &[(String, String)],
         stdin: Vec<u8>,
         timeout_ms: u64,
     ) -> Result<Output, BrokerError> {
         let policy = self.policy()?;
         let path = policy.program(program).map_err(denied)?;
-        let args = translate_all(policy, args)?;
+        let args = translate_all(policy, guest_args)?;
         let env = translate_env(policy, env)?;
-        let mut command = tokio::process::Command::new(&path);
+        if let ProcessWorld::Simulated(sim) = &self.world {
+            return sim.run(program, guest_args);
+        }
+        let output = self.run_on_host(policy, &path, args, env, stdin, timeout_ms).await;
+        if let (ProcessWorld::Record(tape), Ok(output)) = (&self.world, &output) {
+            tape.ran(program, guest_args, output);
+        }
+        output
+    }
+
+    async fn run_on_host(
+        &self,
+        policy: &ProcessPolicy,
+        path: &std::path::Path,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        stdin: Vec<u8>,
+        timeout_ms: u64,
+    ) -> Result<Output, BrokerError> {
+        let mut command = tokio::process::Command::new(path);
         command
             .args(&args)
             .env_clear()
@@ -201,14 +240,18 @@ impl ProcessCtx {
                 "child name {name:?} must be 1-64 letters, digits, '-', '_' or '.'"
             )));
         }
+        let path = policy.program(program).map_err(denied)?;
+        let guest_args = args;
+        let args = translate_all(policy, guest_args)?;
+        let env = translate_env(policy, env)?;
+        if let ProcessWorld::Simulated(sim) = &self.world {
+            return sim.spawn(&self.provider, name, program, guest_args);
+        }
         if let Some(existing) = self.records.get(&self.provider, name).map_err(|e| BrokerError::Provider(e.0))?
             && self.live.liveness(&existing) == Liveness::Running
         {
             return Err(BrokerError::InvalidParams(format!("a child named {name:?} is still running")));
         }
-        let path = policy.program(program).map_err(denied)?;
-        let args = translate_all(policy, args)?;
-        let env = translate_env(policy, env)?;
         let logs = policy.data_dir().join("logs");
         let log_path = logs.join(format!("{name}.log"));
         let log = std::fs::create_dir_all(&logs)
@@ -242,21 +285,69 @@ impl ProcessCtx {
         self.live.insert(&self.provider, name, child);
         self.records.put(&record).map_err(|e| BrokerError::Provider(e.0))?;
         tracing::info!(provider = %self.provider, child = name, pid, "spawned child");
+        if let ProcessWorld::Record(tape) = &self.world {
+            tape.spawned(&record, program, guest_args);
+        }
         Ok(record)
     }
 
     fn adopt(&self, name: &str) -> Result<Option<ChildRecord>, BrokerError> {
         self.policy()?;
+        if let ProcessWorld::Simulated(sim) = &self.world {
+            return Ok(sim.adopt(&self.provider, name));
+        }
         let Some(record) = self.records.get(&self.provider, name).map_err(|e| BrokerError::Provider(e.0))? else {
             return Ok(None);
         };
-        if self.live.liveness(&record) == Liveness::Gone {
+        if self.liveness(&record) == Liveness::Gone {
             // Gone for good (or its pid was recycled): forget it.
             self.records.remove(&self.provider, name).map_err(|e| BrokerError::Provider(e.0))?;
             self.live.remove(&self.provider, name);
             return Ok(None);
         }
         Ok(Some(record))
+    }
+
+    /// How the child is doing, in this ctx's world.
+    fn liveness(&self, record: &ChildRecord) -> Liveness {
+        let liveness = match &self.world {
+            ProcessWorld::Simulated(sim) => return sim.liveness(record),
+            ProcessWorld::Host | ProcessWorld::Record(_) => self.live.liveness(record),
+        };
+        if let ProcessWorld::Record(tape) = &self.world {
+            tape.observed(record, liveness);
+        }
+        liveness
+    }
+
+    fn signal(&self, record: &ChildRecord, signal: Signal) -> Result<(), BrokerError> {
+        // Only the very process we started: pid and start time must both match.
+        if self.liveness(record) != Liveness::Running {
+            return Err(BrokerError::NotFound(format!("child {:?} is not running", record.name)));
+        }
+        match &self.world {
+            ProcessWorld::Simulated(sim) => return sim.signal(record, signal as i32),
+            ProcessWorld::Record(tape) => tape.signalled(record),
+            ProcessWorld::Host => {}
+        }
+        killpg(Pid::from_raw(record.pid as i32), signal)
+            .map_err(|e| BrokerError::Provider(format!("signal {signal} to child {:?}: {e}", record.name)))
+    }
+
+    fn forget(&self, record: &ChildRecord) {
+        if let ProcessWorld::Simulated(sim) = &self.world {
+            return sim.forget(record);
+        }
+        let _ = self.records.remove(&record.provider, &record.name);
+        self.live.remove(&record.provider, &record.name);
+    }
+
+    fn children(&self) -> Result<Vec<String>, RecordsError> {
+        if let ProcessWorld::Simulated(sim) = &self.world {
+            return Ok(sim.children(&self.provider));
+        }
+        self.live.reap();
+        Ok(self.records.list(&self.provider)?.into_iter().map(|r| r.name).collect())
     }
 }
 
@@ -319,9 +410,8 @@ impl wit::Host for ProcessView<'_> {
         if self.ctx.policy.is_none() {
             return Ok(Vec::new());
         }
-        self.ctx.live.reap();
-        match self.ctx.records.list(&self.ctx.provider) {
-            Ok(records) => Ok(records.into_iter().map(|r| r.name).collect()),
+        match self.ctx.children() {
+            Ok(names) => Ok(names),
             Err(e) => {
                 tracing::warn!(provider = %self.ctx.provider, error = %e, "cannot list child records");
                 Ok(Vec::new())
@@ -341,7 +431,7 @@ impl wit::HostChild for ProcessView<'_> {
 
     async fn status(&mut self, handle: Resource<HeldChild>) -> wasmtime::Result<ChildStatus> {
         let record = self.record(&handle)?;
-        Ok(status_of(self.ctx.live.liveness(&record)))
+        Ok(status_of(self.ctx.liveness(&record)))
     }
 
     async fn signal(&mut self, handle: Resource<HeldChild>, signal: i32) -> wasmtime::Result<Result<(), BrokerError>> {
@@ -349,20 +439,17 @@ impl wit::HostChild for ProcessView<'_> {
         let Ok(signal) = Signal::try_from(signal) else {
             return Ok(Err(BrokerError::InvalidParams(format!("{signal} is not a signal"))));
         };
-        // Only the very process we started: pid and start time must both match.
-        if self.ctx.live.liveness(&record) != Liveness::Running {
-            return Ok(Err(BrokerError::NotFound(format!("child {:?} is not running", record.name))));
-        }
-        Ok(killpg(Pid::from_raw(record.pid as i32), signal)
-            .map_err(|e| BrokerError::Provider(format!("signal {signal} to child {:?}: {e}", record.name))))
+        Ok(self.ctx.signal(&record, signal))
     }
 
     async fn wait(&mut self, handle: Resource<HeldChild>, timeout_ms: u64) -> wasmtime::Result<ChildStatus> {
         let record = self.record(&handle)?;
         let until = Instant::now() + Duration::from_millis(timeout_ms);
         loop {
-            let liveness = self.ctx.live.liveness(&record);
-            if liveness != Liveness::Running || Instant::now() >= until {
+            let liveness = self.ctx.liveness(&record);
+            // A simulated child changes only when the provider acts: waiting on it cannot help.
+            let simulated = matches!(self.ctx.world, ProcessWorld::Simulated(_));
+            if liveness != Liveness::Running || Instant::now() >= until || simulated {
                 return Ok(status_of(liveness));
             }
             tokio::time::sleep(WAIT_POLL).await;
@@ -371,8 +458,7 @@ impl wit::HostChild for ProcessView<'_> {
 
     async fn forget(&mut self, handle: Resource<HeldChild>) -> wasmtime::Result<()> {
         let record = self.record(&handle)?;
-        let _ = self.ctx.records.remove(&record.provider, &record.name);
-        self.ctx.live.remove(&record.provider, &record.name);
+        self.ctx.forget(&record);
         Ok(())
     }
 

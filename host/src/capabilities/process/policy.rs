@@ -65,12 +65,27 @@ impl ProcessPolicy {
             };
             resolved.insert(program.clone(), path);
         }
+        ProcessPolicy::with_programs(resolved, paths, data_dir)
+    }
+
+    /// The same grants for a simulated process table (the conformance kit):
+    /// granted programs are not looked up, as they need not exist on this host.
+    pub fn unresolved(programs: &[String], paths: &[PathBuf], data_dir: &Path) -> Result<ProcessPolicy, PolicyError> {
+        let programs = programs.iter().map(|p| (p.clone(), PathBuf::from(p))).collect();
+        ProcessPolicy::with_programs(programs, paths, data_dir)
+    }
+
+    fn with_programs(
+        programs: HashMap<String, PathBuf>,
+        paths: &[PathBuf],
+        data_dir: &Path,
+    ) -> Result<ProcessPolicy, PolicyError> {
         for path in paths {
             if !is_clean_absolute(path) {
                 return Err(PolicyError::BadGrantedPath(path.display().to_string()));
             }
         }
-        Ok(ProcessPolicy { programs: resolved, paths: paths.to_vec(), data_dir: data_dir.to_owned() })
+        Ok(ProcessPolicy { programs, paths: paths.to_vec(), data_dir: data_dir.to_owned() })
     }
 
     /// The absolute path of a granted program, asked for by its granted name or path.

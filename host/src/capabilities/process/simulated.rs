@@ -1,0 +1,316 @@
+//! A simulated process table for the conformance kit: programs a provider
+//! runs answer from a script (in order, like a recording), spawned children
+//! have a lifecycle (running until signalled, or until a scripted line ends
+//! them), and a child serves the unix sockets its arguments name, answering
+//! each line it is sent from its script. Nothing real is run.
+//!
+//! The grant is checked before any of this is reached, exactly as on a real host.
+
+use super::children::{ChildRecord, Liveness};
+use crate::bindings::BrokerError;
+use crate::bindings::broker::provider::process::Output;
+use crate::capabilities::local_socket::SocketError;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Pids of simulated children start here, beyond any real pid (`pid_max` ≤ 2^22).
+const FIRST_SIMULATED_PID: u32 = 1 << 23;
+
+/// One run of a program and what it did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct ScriptedRun {
+    /// As the provider asked for it (its granted name).
+    pub program: String,
+    /// As the provider wrote them (`/data/...`, not the host's paths).
+    pub args: Vec<String>,
+    #[serde(default = "exited_zero")]
+    pub exit_code: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub stdout: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub stderr: String,
+}
+
+fn exited_zero() -> Option<i32> {
+    Some(0)
+}
+
+impl ScriptedRun {
+    pub fn call(&self) -> String {
+        call_text(&self.program, &self.args)
+    }
+}
+
+fn call_text(program: &str, args: &[String]) -> String {
+    std::iter::once(program).chain(args.iter().map(String::as_str)).collect::<Vec<_>>().join(" ")
+}
+
+/// A spawned child (a VM's qemu): what it says on its sockets.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct ScriptedChild {
+    pub program: String,
+    /// Lines written first on every connection (QMP's greeting).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub greeting: Vec<String>,
+    /// Its answers, by the line they answer: the n-th time a line is sent it
+    /// gets the n-th answer scripted for that line (the last one repeats).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub answers: Vec<Answer>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct Answer {
+    pub line: String,
+    #[serde(default)]
+    pub reply: Vec<String>,
+    /// The child exits with this code after replying (QMP `quit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit: Option<i32>,
+}
+
+struct SimChild {
+    record: ChildRecord,
+    script: ScriptedChild,
+    /// Its arguments as the provider wrote them: the sockets it serves are named there.
+    guest_args: Vec<String>,
+    state: Liveness,
+    /// How often each line was sent to it.
+    asked: HashMap<String, usize>,
+}
+
+#[derive(Default)]
+struct Table {
+    runs: VecDeque<ScriptedRun>,
+    spawns: VecDeque<ScriptedChild>,
+    children: BTreeMap<(String, String), SimChild>,
+    spawned: u32,
+}
+
+/// The simulated programs and children of one kit run.
+#[derive(Default)]
+pub struct SimProcesses {
+    table: Mutex<Table>,
+    unexpected: Mutex<Vec<String>>,
+}
+
+impl SimProcesses {
+    /// Runs are answered in order; each spawn takes the next scripted child of its program.
+    pub fn new(runs: Vec<ScriptedRun>, children: Vec<ScriptedChild>) -> SimProcesses {
+        let table = Table { runs: runs.into(), spawns: children.into(), ..Table::default() };
+        SimProcesses { table: Mutex::new(table), unexpected: Mutex::default() }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn note_unexpected(&self, message: &str) {
+        self.unexpected.lock().unwrap_or_else(|p| p.into_inner()).push(message.to_owned());
+    }
+
+    fn unscripted(&self, message: String) -> BrokerError {
+        self.note_unexpected(&message);
+        BrokerError::Provider(message)
+    }
+
+    /// Host calls the script had no answer for since the last call.
+    pub fn take_unexpected(&self) -> Vec<String> {
+        std::mem::take(&mut *self.unexpected.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Scripted runs and children nobody asked for (yet).
+    pub fn remaining(&self) -> usize {
+        let table = self.lock();
+        table.runs.len() + table.spawns.len()
+    }
+
+    pub fn run(&self, program: &str, args: &[String]) -> Result<Output, BrokerError> {
+        let mut table = self.lock();
+        let next = table.runs.front().is_some_and(|r| r.program == program && r.args == args);
+        if next && let Some(run) = table.runs.pop_front() {
+            return Ok(Output {
+                exit_code: run.exit_code,
+                signal: run.signal,
+                stdout: run.stdout.into_bytes(),
+                stderr: run.stderr.into_bytes(),
+                truncated: false,
+                timed_out: false,
+            });
+        }
+        let expected = match table.runs.front() {
+            Some(next) => format!("the script's next run is {}", next.call()),
+            None => "the script has no more runs".to_owned(),
+        };
+        drop(table);
+        Err(self.unscripted(format!("unscripted run {} ({expected})", call_text(program, args))))
+    }
+
+    pub fn spawn(
+        &self,
+        provider: &str,
+        name: &str,
+        program: &str,
+        args: &[String],
+    ) -> Result<ChildRecord, BrokerError> {
+        let mut table = self.lock();
+        let key = (provider.to_owned(), name.to_owned());
+        if table.children.get(&key).is_some_and(|c| c.state == Liveness::Running) {
+            return Err(BrokerError::InvalidParams(format!("a child named {name:?} is still running")));
+        }
+        let Some(at) = table.spawns.iter().position(|c| c.program == program) else {
+            drop(table);
+            let call = call_text(program, args);
+            return Err(self.unscripted(format!("unscripted spawn {call} (no scripted child of {program} is left)")));
+        };
+        let script = table.spawns.remove(at).expect("found above");
+        table.spawned += 1;
+        let record = ChildRecord {
+            provider: provider.to_owned(),
+            name: name.to_owned(),
+            pid: FIRST_SIMULATED_PID + table.spawned,
+            start_time: 0,
+            program: program.to_owned(),
+            args: args.to_vec(),
+            log: format!("/data/logs/{name}.log"),
+        };
+        let child = SimChild {
+            record: record.clone(),
+            script,
+            guest_args: args.to_vec(),
+            state: Liveness::Running,
+            asked: HashMap::new(),
+        };
+        table.children.insert(key, child);
+        Ok(record)
+    }
+
+    /// The child spawned under `name`, until it is forgotten.
+    pub fn adopt(&self, provider: &str, name: &str) -> Option<ChildRecord> {
+        let table = self.lock();
+        table.children.get(&(provider.to_owned(), name.to_owned())).map(|c| c.record.clone())
+    }
+
+    pub fn children(&self, provider: &str) -> Vec<String> {
+        self.lock().children.keys().filter(|(p, _)| p == provider).map(|(_, name)| name.clone()).collect()
+    }
+
+    pub fn liveness(&self, record: &ChildRecord) -> Liveness {
+        let table = self.lock();
+        table.children.get(&(record.provider.clone(), record.name.clone())).map_or(Liveness::Gone, |c| c.state)
+    }
+
+    /// Any signal ends a simulated child: it is killed by it.
+    pub fn signal(&self, record: &ChildRecord, signal: i32) -> Result<(), BrokerError> {
+        let mut table = self.lock();
+        match table.children.get_mut(&(record.provider.clone(), record.name.clone())) {
+            Some(child) if child.state == Liveness::Running => {
+                child.state = Liveness::Signalled(signal);
+                Ok(())
+            }
+            _ => Err(BrokerError::NotFound(format!("child {:?} is not running", record.name))),
+        }
+    }
+
+    pub fn forget(&self, record: &ChildRecord) {
+        self.lock().children.remove(&(record.provider.clone(), record.name.clone()));
+    }
+
+    /// Connect to a socket a running child of `provider` serves: one whose
+    /// arguments name `guest_path`.
+    pub fn connect(self: &Arc<Self>, provider: &str, guest_path: &str) -> Result<SimConnection, SocketError> {
+        let table = self.lock();
+        let mut serving = table
+            .children
+            .iter()
+            .filter(|((p, _), c)| p == provider && c.guest_args.iter().any(|a| names_path(a, guest_path)));
+        let Some((key, child)) = serving.find(|(_, c)| c.state == Liveness::Running) else {
+            return Err(SocketError::Missing(guest_path.to_owned()));
+        };
+        Ok(SimConnection {
+            world: self.clone(),
+            child: key.clone(),
+            outbox: child.script.greeting.iter().cloned().collect(),
+            partial: String::new(),
+            closed: false,
+        })
+    }
+}
+
+/// Whether an argument names `path`: as itself, or as a value in it
+/// (`unix:/data/x.qmp,server=on`, `path=/data/x.qmp`).
+pub(super) fn names_path(arg: &str, path: &str) -> bool {
+    arg.split([',', '=']).any(|part| part == path || part.strip_prefix("unix:") == Some(path))
+}
+
+/// A connection to a simulated child's socket.
+pub struct SimConnection {
+    world: Arc<SimProcesses>,
+    child: (String, String),
+    /// Lines the child has written that the provider has not read yet.
+    outbox: VecDeque<String>,
+    /// A line being sent, not yet ended by a newline.
+    partial: String,
+    closed: bool,
+}
+
+impl SimConnection {
+    pub fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
+        if self.closed {
+            return Err(SocketError::Io("Broken pipe (os error 32)".into()));
+        }
+        self.partial.push_str(&String::from_utf8_lossy(data));
+        while let Some(end) = self.partial.find('\n') {
+            let line: String = self.partial.drain(..=end).collect();
+            self.answer(line.trim_end_matches(['\n', '\r']));
+            if self.closed {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn answer(&mut self, line: &str) {
+        let mut table = self.world.lock();
+        let Some(child) = table.children.get_mut(&self.child).filter(|c| c.state == Liveness::Running) else {
+            self.closed = true;
+            return;
+        };
+        let asked = child.asked.entry(line.to_owned()).or_default();
+        let scripted: Vec<&Answer> = child.script.answers.iter().filter(|a| a.line == line).collect();
+        let Some(answer) = scripted.get((*asked).min(scripted.len().saturating_sub(1))).copied().cloned() else {
+            let message = format!("unscripted line to {} child {:?}: {line}", child.script.program, child.record.name);
+            drop(table);
+            // The child hangs up on what it does not understand, so the provider fails at once.
+            self.closed = true;
+            self.world.note_unexpected(&message);
+            return;
+        };
+        *asked += 1;
+        self.outbox.extend(answer.reply);
+        if let Some(code) = answer.exit {
+            child.state = Liveness::Exited(code);
+        }
+    }
+
+    /// The next line; `None` once the child hung up or ended. Nothing more can
+    /// arrive while the provider waits, so an empty outbox times out at once.
+    pub fn receive_line(&mut self, timeout_ms: u64) -> Result<Option<String>, SocketError> {
+        if let Some(line) = self.outbox.pop_front() {
+            return Ok(Some(line));
+        }
+        let running = self.world.liveness_of(&self.child) == Liveness::Running;
+        if self.closed || !running { Ok(None) } else { Err(SocketError::Timeout(timeout_ms)) }
+    }
+}
+
+impl SimProcesses {
+    fn liveness_of(&self, key: &(String, String)) -> Liveness {
+        self.lock().children.get(key).map_or(Liveness::Gone, |c| c.state)
+    }
+}

@@ -1,0 +1,109 @@
+//! The worlds a kit run can happen in: a scripted one, where every capability
+//! the manifest grants is simulated and answers from a script file, or the
+//! real one, recorded into such a file.
+//!
+//! A script file (`<manifest stem>.script.json`) has a section per capability,
+//! each optional:
+//! - `http`: request/answer exchanges, answered in order;
+//! - `runs`: programs run to completion, with their output, answered in order;
+//! - `children`: long-running programs, one per spawn, in order: what they
+//!   greet a connection with and answer to each line sent on their sockets;
+//! - `devices`: the host network devices (and bridges) the provider finds.
+
+use crate::capabilities::http_egress::{Exchange, Script, Tape};
+use crate::capabilities::network_bridge::Device;
+use crate::capabilities::network_bridge::backend::NetworkWorld;
+use crate::capabilities::network_bridge::simulated::SimNetwork;
+use crate::capabilities::process::simulated::{ScriptedChild, ScriptedRun};
+use crate::capabilities::process::{ProcessTape, SimProcesses};
+use crate::providers::Manifest;
+use serde::{Deserialize, Serialize};
+use std::sync::{Arc, Mutex};
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptFile {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub http: Vec<Exchange>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub runs: Vec<ScriptedRun>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<ScriptedChild>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<Device>,
+}
+
+/// A simulated world built from a script file.
+#[derive(Default)]
+pub struct Scripted {
+    pub http: Arc<Script>,
+    pub processes: Arc<SimProcesses>,
+    pub network: Arc<SimNetwork>,
+}
+
+impl Scripted {
+    pub fn new(file: ScriptFile) -> Scripted {
+        Scripted {
+            http: Arc::new(Script::new(file.http)),
+            processes: Arc::new(SimProcesses::new(file.runs, file.children)),
+            network: Arc::new(SimNetwork::new(file.devices)),
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Scripted, String> {
+        let file: ScriptFile = serde_json::from_str(text).map_err(|e| format!("invalid script: {e}"))?;
+        Ok(Scripted::new(file))
+    }
+
+    /// Host calls the script had no answer for since the last call.
+    pub fn take_unexpected(&self) -> Vec<String> {
+        let mut unexpected = self.http.take_unexpected();
+        unexpected.extend(self.processes.take_unexpected());
+        unexpected
+    }
+
+    /// Scripted answers nobody asked for (yet): HTTP exchanges, runs and children.
+    pub fn remaining(&self) -> usize {
+        self.http.remaining() + self.processes.remaining()
+    }
+}
+
+/// What a run against the real capabilities did, to be written as a script.
+#[derive(Default)]
+pub struct Recording {
+    pub http: Arc<Tape>,
+    pub processes: Arc<ProcessTape>,
+    /// The granted devices as the run found them.
+    devices: Mutex<Vec<Device>>,
+}
+
+impl Recording {
+    /// Note the host devices the manifest's bridge grant lets the provider
+    /// see, as they are before the run (the simulated network starts there).
+    pub async fn note_devices(&self, manifest: &Manifest) -> Result<(), String> {
+        let Some(grant) = &manifest.grants.bridge else { return Ok(()) };
+        let network = NetworkWorld::Host.open().map_err(|e| e.to_string())?;
+        let found = network.devices().await.map_err(|e| e.to_string())?;
+        *self.devices.lock().unwrap_or_else(|p| p.into_inner()) =
+            found.into_iter().filter(|d| grant.covers(&d.name)).collect();
+        Ok(())
+    }
+
+    pub fn script(&self) -> ScriptFile {
+        let (runs, children) = self.processes.script();
+        let devices = self.devices.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        ScriptFile { http: self.http.exchanges(), runs, children, devices }
+    }
+
+    pub fn to_script_json(&self) -> String {
+        serde_json::to_string_pretty(&self.script()).unwrap_or_default() + "\n"
+    }
+}
+
+/// Where a kit run's host calls go.
+pub enum World {
+    /// Scripted answers; nothing real is touched.
+    Script(Arc<Scripted>),
+    /// The real granted capabilities, every call written down.
+    Record(Arc<Recording>),
+}
