@@ -7,6 +7,7 @@
 use broker_host::broker::Broker;
 use broker_host::broker::service::{empty_params, interface_on};
 use broker_host::capabilities::context::CallHooks;
+use broker_host::capabilities::network_bridge::backend::Network;
 use broker_host::capabilities::network_bridge::names::bridge_name;
 use broker_host::capabilities::network_bridge::netlink::Netlink;
 use broker_host::capabilities::network_bridge::{BridgeError, Device, DeviceToBridge};
@@ -192,5 +193,89 @@ fn a_guest_bridges_only_granted_devices() {
         let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
         assert!(matches!(err.broker_error(), Some(BrokerError::AccessDenied(m)) if m.contains("eth4")), "{err}");
         assert!(nl.device("br-eth4").await.unwrap().is_none(), "nothing was done for the ungranted device");
+    });
+}
+
+/// What the simulated network must agree with the kernel on, for the devices
+/// a sequence touches: kind, bridge, state, addresses (not link-local), and
+/// the MAC where the caller chose it (a bridge's, a tap's given one).
+async fn view(network: &Network, names: &[&str]) -> Vec<String> {
+    let devices = network.devices().await.unwrap();
+    names
+        .iter()
+        .filter_map(|name| devices.iter().find(|d| d.name == *name))
+        .map(|d| {
+            let mac = if d.kind == "bridge" || d.name.starts_with("kt") { d.mac.as_str() } else { "-" };
+            let controller = d.controller.as_deref().unwrap_or("-");
+            format!("{} {} {controller} up={} {mac} {:?}", d.name, d.kind, d.up, addresses(d))
+        })
+        .collect()
+}
+
+/// One bridging call, to make on the kernel and on the simulation alike.
+enum Op {
+    Bridge(&'static str, &'static str),
+    Tap(&'static str, &'static str, &'static str),
+    Veth(&'static str, &'static str, &'static str),
+    Attach(&'static str, &'static str),
+    Delete(&'static str),
+    Unbridge(&'static str, &'static str),
+}
+
+impl Op {
+    /// The outcome; an error as its text, but a netlink error only as such
+    /// (the kernel's words are not the simulation's).
+    async fn apply(&self, network: &Network) -> Result<(), String> {
+        let done = match *self {
+            Op::Bridge(device, bridge) => {
+                let change = DeviceToBridge { device: device.into(), bridge: bridge.into(), mac: String::new() };
+                network.bridge(&change).await
+            }
+            Op::Tap(name, bridge, mac) => network.create_tap(name, bridge, mac).await,
+            Op::Veth(name, peer, bridge) => network.create_veth(name, peer, bridge).await,
+            Op::Attach(device, bridge) => network.attach(device, bridge).await,
+            Op::Delete(name) => network.delete(name).await,
+            Op::Unbridge(device, bridge) => network.unbridge(device, bridge).await,
+        };
+        done.map_err(|e| match e {
+            BridgeError::Netlink(_) => "netlink error".to_owned(),
+            other => other.to_string(),
+        })
+    }
+}
+
+#[test]
+fn the_simulated_network_behaves_as_the_kernel_does() {
+    use broker_host::capabilities::network_bridge::backend::NetworkWorld;
+    use broker_host::capabilities::network_bridge::simulated::SimNetwork;
+    in_netns(|| async {
+        make_nic("eth0", [0x00, 0x16, 0x3e, 0x44, 0x55, 0x66], "10.20.0.2/24").await;
+        let real = NetworkWorld::Host.open().unwrap();
+        // The simulation starts from the host as a recording would find it.
+        let found: Vec<Device> = real.devices().await.unwrap().into_iter().filter(|d| d.name != "lo").collect();
+        let simulated = NetworkWorld::Simulated(std::sync::Arc::new(SimNetwork::new(found))).open().unwrap();
+        let names = ["eth0", "eth0p", "br-eth0", "kt1", "vh1", "vh1p"];
+        let steps = [
+            ("bridge eth0", Op::Bridge("eth0", "br-eth0")),
+            ("bridge eth0 again", Op::Bridge("eth0", "br-eth0")),
+            ("bridge eth0 elsewhere", Op::Bridge("eth0", "br-x")),
+            ("bridge into a veth", Op::Bridge("eth0p", "eth0")),
+            ("tap", Op::Tap("kt1", "br-eth0", "52:54:00:12:34:56")),
+            ("tap on a missing bridge", Op::Tap("kt2", "br-none", "")),
+            ("veth", Op::Veth("vh1", "vh1p", "br-eth0")),
+            ("veth that exists", Op::Veth("vh1", "vh2p", "br-eth0")),
+            ("attach", Op::Attach("eth0p", "br-eth0")),
+            ("attach to a non-bridge", Op::Attach("vh1p", "eth0")),
+            ("delete a veth", Op::Delete("vh1")),
+            ("delete the tap", Op::Delete("kt1")),
+            ("delete nothing", Op::Delete("nothing")),
+            ("unbridge", Op::Unbridge("eth0", "br-eth0")),
+        ];
+        for (what, op) in steps {
+            let on_host = op.apply(&real).await;
+            let in_simulation = op.apply(&simulated).await;
+            assert_eq!(in_simulation, on_host, "{what}: the outcome");
+            assert_eq!(view(&simulated, &names).await, view(&real, &names).await, "{what}: the devices after");
+        }
     });
 }

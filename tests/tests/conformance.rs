@@ -78,6 +78,32 @@ async fn the_kvm_provider_passes_strictly_on_its_script_without_running_anything
     {
         assert!(calls.contains(expected), "{expected} in\n{calls}");
     }
+
+    // The script with something taken out: the strict kit fails the start and names the call.
+    let text = std::fs::read_to_string(conformance::script_path(&bundled.path)).unwrap();
+    type Edit = fn(&mut serde_json::Value);
+    let edits: [(Edit, &str); 3] = [
+        (|s| s["runs"].as_array_mut().unwrap().truncate(1), "unscripted run genisoimage -quiet -output"),
+        (|s| s["children"] = serde_json::json!([]), "unscripted spawn qemu-system-x86_64"),
+        (
+            |s| {
+                s["children"][0]["answers"]
+                    .as_array_mut()
+                    .unwrap()
+                    .retain(|a| !a["line"].to_string().contains("query-kvm"))
+            },
+            "unscripted line to qemu-system-x86_64 child \"juju-host0-vm1\": {\"execute\":\"query-kvm\"}",
+        ),
+    ];
+    for (edit, named) in edits {
+        let mut script: serde_json::Value = serde_json::from_str(&text).unwrap();
+        edit(&mut script);
+        let scripted = conformance::Scripted::parse(&script.to_string()).unwrap();
+        let options = KitOptions { world: World::Script(std::sync::Arc::new(scripted)), strict: true };
+        let report = conformance::run_with(&bundled, options).await.unwrap();
+        let start = report.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
+        assert!(!start.passed && start.detail.contains(named), "{named} in {}", start.detail);
+    }
 }
 
 #[tokio::test]
@@ -141,6 +167,12 @@ async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why() {
             "test-broken",
             &["no call touches an ungranted capability"],
             "called machine-lock without a grant, 2 time(s)",
+        ),
+        (
+            "ungranted-process",
+            "test-broken",
+            &["no call touches an ungranted capability"],
+            "called process without a grant, 2 time(s): process is not granted",
         ),
         // A deadline overrun is also the failure of the call it happened in.
         (

@@ -359,3 +359,57 @@ async fn without_its_process_grant_the_provider_gets_access_denied() {
     // The host is fine: the provider still answers.
     assert!(broker.list_instances(Some("kvm")).await.unwrap().is_empty());
 }
+
+/// Whether any qemu runs with `needle` on its command line.
+fn qemu_running_with(needle: &str) -> bool {
+    std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        cmdline.starts_with("/usr/bin/qemu-system") && cmdline.contains(needle)
+    })
+}
+
+#[test]
+fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
+    use broker_host::capabilities::network_bridge::DeviceToBridge;
+    use broker_host::conformance::{self, KitOptions, Recording, Scripted, World};
+    use broker_host::providers::Manifest;
+    use std::sync::Arc;
+
+    let payload = vm_payload();
+    in_netns(move || async move {
+        // A bridge the grant (`br-*`) lets the provider see: the recording notes it.
+        make_nic("ethk", [0x00, 0x16, 0x3e, 0x10, 0x20, 0x31], "10.61.0.2/24").await;
+        let change = DeviceToBridge { device: "ethk".into(), bridge: "br-ethk".into(), mac: String::new() };
+        Netlink::connect().unwrap().bridge(&change).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let manifest = Manifest::load(&kvm_manifest(dir.path(), &payload, "kit", true)).unwrap();
+
+        // Real qemu-img, genisoimage and qemu, every call and QMP line on tape.
+        let recording = Arc::new(Recording::default());
+        let options = KitOptions { world: World::Record(recording.clone()), strict: false };
+        let recorded = conformance::run_with(&manifest, options).await.unwrap();
+        assert!(recorded.passed(), "{}", recorded.text());
+        let script = recording.script();
+        let programs: Vec<&str> = script.runs.iter().map(|r| r.program.as_str()).collect();
+        assert_eq!(programs, ["qemu-img", "genisoimage"]);
+        assert_eq!(script.children.len(), 1, "one VM");
+        let qemu = &script.children[0];
+        assert!(qemu.greeting[0].contains("\"QMP\""), "{:?}", qemu.greeting);
+        let quit = qemu.answers.iter().find(|a| a.line.contains("\"quit\"")).unwrap();
+        assert_eq!(quit.exit, Some(0), "qemu ended after quit");
+        let devices: Vec<&str> = script.devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(devices, ["br-ethk"], "only what the grant covers");
+        let start = recorded.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
+        assert_eq!(start.detail, "started juju-kit-vm1");
+        assert!(!qemu_running_with("juju-kit-vm1"), "the kit stopped its VM");
+
+        // The same run on the script alone: the same outcomes, strictly, and no qemu.
+        let replay = Arc::new(Scripted::parse(&recording.to_script_json()).unwrap());
+        let options = KitOptions { world: World::Script(replay.clone()), strict: true };
+        let replayed = conformance::run_with(&manifest, options).await.unwrap();
+        let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
+        assert_eq!(outcome(&replayed), outcome(&recorded), "{}", replayed.text());
+        assert_eq!(replay.remaining(), 0, "every run and the child were asked for");
+    });
+}

@@ -9,7 +9,7 @@ use crate::fake::{self, Fake, HostKv};
 use broker_guest::types::{
     BrokerError, Instance, InstanceStatus, ProviderInfo, StartInstanceParams, StartInstanceResult,
 };
-use broker_guest::{CallContext, Guest, host_kv, machine_lock};
+use broker_guest::{CallContext, Guest, host_kv, machine_lock, process};
 
 pub struct Broken;
 
@@ -113,6 +113,9 @@ impl Guest for Broken {
         if breaks == "ungranted" {
             // Not granted: the host refuses, and this build carries on as if nothing happened.
             let _ = machine_lock::acquire("broken", "reaching for what it was not granted", 10);
+        }
+        if breaks == "ungranted-process" {
+            let _ = process::run("sh", &["-c".into(), "id".into()], &[], &[], 0);
         }
         if breaks == "listed" {
             return Ok(Vec::new());

@@ -314,3 +314,138 @@ impl SimProcesses {
         self.lock().children.get(key).map_or(Liveness::Gone, |c| c.state)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::capabilities::process::ProcessTape;
+
+    fn strings(items: &[&str]) -> Vec<String> {
+        items.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    fn qemu_child() -> ScriptedChild {
+        let answer = |line: &str, reply: &str, exit| Answer { line: line.into(), reply: vec![reply.into()], exit };
+        ScriptedChild {
+            program: "qemu".into(),
+            greeting: vec!["{\"QMP\":{}}".into()],
+            answers: vec![
+                answer("status", "running", None),
+                answer("status", "paused", None),
+                answer("quit", "bye", Some(0)),
+            ],
+        }
+    }
+
+    #[test]
+    fn runs_are_answered_in_order_and_anything_else_is_unscripted() {
+        let first = ScriptedRun {
+            program: "qemu-img".into(),
+            args: strings(&["create", "/data/a"]),
+            exit_code: Some(1),
+            signal: None,
+            stdout: "out".into(),
+            stderr: "no space".into(),
+        };
+        let sim = SimProcesses::new(vec![first.clone()], Vec::new());
+        let wrong = sim.run("qemu-img", &strings(&["create", "/data/b"])).unwrap_err();
+        assert!(
+            matches!(&wrong, BrokerError::Provider(m) if m.contains("unscripted run qemu-img create /data/b (the script's next run is qemu-img create /data/a)")),
+            "{wrong:?}"
+        );
+        let output = sim.run("qemu-img", &first.args).unwrap();
+        assert_eq!((output.exit_code, output.stdout, output.stderr), (Some(1), b"out".to_vec(), b"no space".to_vec()));
+        assert!(sim.run("qemu-img", &first.args).is_err(), "each run is answered once");
+        assert_eq!(sim.take_unexpected().len(), 2);
+        assert!(sim.take_unexpected().is_empty());
+        assert_eq!(sim.remaining(), 0);
+    }
+
+    #[test]
+    fn a_child_lives_serves_its_socket_and_ends_by_a_line_or_a_signal() {
+        let sim = Arc::new(SimProcesses::new(Vec::new(), vec![qemu_child(), qemu_child()]));
+        let args = strings(&["-qmp", "unix:/data/run/1.qmp,server=on,wait=off"]);
+        let record = sim.spawn("kvm", "vm1", "qemu", &args).unwrap();
+        assert!(record.pid >= FIRST_SIMULATED_PID);
+        assert!(sim.spawn("kvm", "vm1", "qemu", &args).is_err(), "the name is taken while it runs");
+        assert_eq!(sim.children("kvm"), ["vm1"]);
+        assert!(sim.children("other").is_empty());
+        assert!(matches!(sim.connect("kvm", "/data/run/2.qmp"), Err(SocketError::Missing(_))));
+        assert!(matches!(sim.connect("other", "/data/run/1.qmp"), Err(SocketError::Missing(_))));
+
+        let mut connection = sim.connect("kvm", "/data/run/1.qmp").unwrap();
+        assert_eq!(connection.receive_line(5).unwrap().as_deref(), Some("{\"QMP\":{}}"));
+        assert_eq!(connection.receive_line(5), Err(SocketError::Timeout(5)), "nothing more until asked");
+        // Two lines in one write, the second in two pieces.
+        connection.send(b"status\nsta").unwrap();
+        connection.send(b"tus\r\n").unwrap();
+        assert_eq!(connection.receive_line(5).unwrap().as_deref(), Some("running"));
+        assert_eq!(connection.receive_line(5).unwrap().as_deref(), Some("paused"));
+        connection.send(b"status\n").unwrap();
+        assert_eq!(connection.receive_line(5).unwrap().as_deref(), Some("paused"), "the last answer repeats");
+        connection.send(b"quit\n").unwrap();
+        assert_eq!(connection.receive_line(5).unwrap().as_deref(), Some("bye"));
+        assert_eq!(connection.receive_line(5).unwrap(), None, "it ended after its answer");
+        assert_eq!(sim.liveness(&record), Liveness::Exited(0));
+        assert!(matches!(sim.connect("kvm", "/data/run/1.qmp"), Err(SocketError::Missing(_))));
+        assert!(sim.signal(&record, 15).is_err(), "an ended child takes no signal");
+        assert_eq!(sim.adopt("kvm", "vm1"), Some(record.clone()), "ended but not forgotten");
+        sim.forget(&record);
+        assert_eq!(sim.adopt("kvm", "vm1"), None);
+
+        // The second scripted child: killed, and what it does not understand hangs up.
+        let record = sim.spawn("kvm", "vm1", "qemu", &args).unwrap();
+        let mut connection = sim.connect("kvm", "/data/run/1.qmp").unwrap();
+        connection.receive_line(5).unwrap();
+        connection.send(b"reboot\n").unwrap();
+        assert_eq!(connection.receive_line(5).unwrap(), None);
+        assert!(connection.send(b"status\n").is_err(), "hung up");
+        assert_eq!(sim.take_unexpected(), ["unscripted line to qemu child \"vm1\": reboot"]);
+        sim.signal(&record, 9).unwrap();
+        assert_eq!(sim.liveness(&record), Liveness::Signalled(9));
+        let third = sim.spawn("kvm", "vm2", "qemu", &args).unwrap_err();
+        assert!(matches!(third, BrokerError::Provider(m) if m.contains("no scripted child of qemu is left")));
+    }
+
+    #[test]
+    fn a_recorded_conversation_replays_as_it_happened() {
+        let tape = ProcessTape::default();
+        let args = strings(&["-qmp", "unix:/data/q.sock,server=on"]);
+        let record = ChildRecord {
+            provider: "kvm".into(),
+            name: "vm1".into(),
+            pid: 42,
+            start_time: 1,
+            program: "/usr/bin/qemu".into(),
+            args: args.clone(),
+            log: String::new(),
+        };
+        tape.spawned(&record, "qemu", &args);
+        assert!(tape.connected("kvm", "/data/other.sock").is_none(), "no recorded child serves it");
+        let first = tape.connected("kvm", "/data/q.sock").unwrap();
+        tape.received(first, "hello");
+        tape.sent(first, b"status\n");
+        tape.received(first, "running");
+        let second = tape.connected("kvm", "/data/q.sock").unwrap();
+        tape.received(second, "hello");
+        tape.sent(second, b"quit\n");
+        tape.received(second, "bye");
+        tape.observed(&record, Liveness::Running);
+        tape.observed(&record, Liveness::Exited(0));
+
+        let (runs, children) = tape.script();
+        assert!(runs.is_empty());
+        let sim = Arc::new(SimProcesses::new(runs, children));
+        sim.spawn("kvm", "vm1", "qemu", &args).unwrap();
+        let mut again = sim.connect("kvm", "/data/q.sock").unwrap();
+        let mut heard = Vec::new();
+        for line in ["status\n", "quit\n"] {
+            heard.push(again.receive_line(5).unwrap().unwrap());
+            again.send(line.as_bytes()).unwrap();
+        }
+        heard.push(again.receive_line(5).unwrap().unwrap());
+        assert_eq!(heard, ["hello", "running", "bye"], "the greeting was recorded once");
+        assert_eq!(again.receive_line(5).unwrap(), None, "quit ended it, as it did the real one");
+        assert!(sim.take_unexpected().is_empty());
+    }
+}
