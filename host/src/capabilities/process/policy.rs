@@ -170,6 +170,20 @@ mod tests {
     }
 
     #[test]
+    fn a_simulated_policy_grants_by_name_and_confines_paths_the_same() {
+        let images = PathBuf::from("/var/lib/images");
+        let p = ProcessPolicy::unresolved(&["no-such-program-here".into()], &[images], Path::new("/d")).unwrap();
+        assert_eq!(p.program("no-such-program-here").unwrap(), Path::new("no-such-program-here"));
+        assert_eq!(p.program("sh"), Err(PolicyError::ProgramDenied("sh".into())));
+        assert!(p.translate("/var/lib/images/base.img").is_ok());
+        assert_eq!(p.translate("/etc/shadow"), Err(PolicyError::PathDenied("/etc/shadow".into())));
+        assert!(matches!(
+            ProcessPolicy::unresolved(&[], &[PathBuf::from("relative")], Path::new("/d")),
+            Err(PolicyError::BadGrantedPath(_))
+        ));
+    }
+
+    #[test]
     fn argument_paths_are_confined_and_data_paths_translated() {
         let p = policy();
         assert_eq!(p.translate("-nographic").unwrap(), "-nographic");

@@ -61,6 +61,10 @@ pub struct ScriptedChild {
     /// gets the n-th answer scripted for that line (the last one repeats).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub answers: Vec<Answer>,
+    /// It ends by itself with this code before it answers anything (a qemu
+    /// that cannot start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit: Option<i32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -179,13 +183,9 @@ impl SimProcesses {
             args: args.to_vec(),
             log: format!("/data/logs/{name}.log"),
         };
-        let child = SimChild {
-            record: record.clone(),
-            script,
-            guest_args: args.to_vec(),
-            state: Liveness::Running,
-            asked: HashMap::new(),
-        };
+        let state = script.exit.map_or(Liveness::Running, Liveness::Exited);
+        let child =
+            SimChild { record: record.clone(), script, guest_args: args.to_vec(), state, asked: HashMap::new() };
         table.children.insert(key, child);
         Ok(record)
     }
@@ -334,6 +334,7 @@ mod tests {
                 answer("status", "paused", None),
                 answer("quit", "bye", Some(0)),
             ],
+            exit: None,
         }
     }
 
@@ -447,5 +448,26 @@ mod tests {
         assert_eq!(heard, ["hello", "running", "bye"], "the greeting was recorded once");
         assert_eq!(again.receive_line(5).unwrap(), None, "quit ended it, as it did the real one");
         assert!(sim.take_unexpected().is_empty());
+    }
+
+    #[test]
+    fn a_child_that_ended_before_a_word_replays_so() {
+        let tape = ProcessTape::default();
+        let args = strings(&["-qmp", "unix:/data/q.sock,server=on"]);
+        let record = ChildRecord {
+            provider: "kvm".into(),
+            name: "vm1".into(),
+            pid: 42,
+            start_time: 1,
+            program: "/usr/bin/qemu".into(),
+            args: args.clone(),
+            log: String::new(),
+        };
+        tape.spawned(&record, "qemu", &args);
+        tape.observed(&record, Liveness::Exited(1));
+        let sim = Arc::new(SimProcesses::new(Vec::new(), tape.script().1));
+        let replayed = sim.spawn("kvm", "vm1", "qemu", &args).unwrap();
+        assert_eq!(sim.liveness(&replayed), Liveness::Exited(1));
+        assert!(matches!(sim.connect("kvm", "/data/q.sock"), Err(SocketError::Missing(_))), "it serves nothing");
     }
 }

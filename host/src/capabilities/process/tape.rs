@@ -2,7 +2,8 @@
 //! can be replayed by [`super::simulated::SimProcesses`]: every run with its
 //! output; every spawn as a scripted child; what each child greeted with and
 //! answered to each line; and, when the provider sees a child end, that the
-//! last line it was sent ended it (a QMP `quit`) unless the provider killed it.
+//! last line it was sent ended it (a QMP `quit`) unless the provider killed it,
+//! or, if it was sent none, that it ended by itself.
 
 use super::children::{ChildRecord, Liveness};
 use super::simulated::{Answer, ScriptedChild, ScriptedRun};
@@ -120,10 +121,12 @@ impl ProcessTape {
             return;
         }
         recorded.settled.push(key.clone());
-        if let Some(&(entry, _)) = recorded.live.get(&key)
-            && let Some(last) = recorded.children[entry].answers.last_mut()
-        {
-            last.exit = Some(code);
+        if let Some(&(entry, _)) = recorded.live.get(&key) {
+            let child = &mut recorded.children[entry];
+            match child.answers.last_mut() {
+                Some(last) => last.exit = Some(code),
+                None => child.exit = Some(code),
+            }
         }
     }
 
