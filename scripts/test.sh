@@ -38,3 +38,4 @@ cargo bench -p broker-tests --bench all_instances -- --test
 cargo bench -p broker-tests --bench vm_start -- --test
 cargo bench -p broker-tests --bench hot_swap -- --test
 cargo bench -p broker-tests --bench lxd_start -- --test
+cargo bench -p broker-tests --bench conformance -- --test

@@ -32,6 +32,20 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
     }
     let bundled = Manifest::load(&bundled_manifest("fake")).unwrap();
     assert!(conformance::run(&bundled).await.unwrap().passed());
+
+    // Recorded, the fake writes down nothing (its kv is the kit's own), and the
+    // empty script replays to the same result, strictly.
+    use broker_host::conformance::{KitOptions, Recording, Scripted, World};
+    let recording = std::sync::Arc::new(Recording::default());
+    let options = KitOptions { world: World::Record(recording.clone()), strict: false };
+    let recorded = conformance::run_with(&bundled, options).await.unwrap();
+    let script = recording.to_script_json();
+    assert_eq!(script.trim(), "{}");
+    let world = World::Script(std::sync::Arc::new(Scripted::parse(&script).unwrap()));
+    let replayed = conformance::run_with(&bundled, KitOptions { world, strict: true }).await.unwrap();
+    let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
+    assert_eq!(outcome(&replayed), outcome(&recorded));
+    assert!(replayed.passed(), "{}", replayed.text());
 }
 
 #[tokio::test]
