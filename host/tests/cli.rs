@@ -207,17 +207,20 @@ fn provider_test_exits_zero_only_when_every_scenario_passes() {
     assert_eq!(xml.matches("<failure ").count(), failed);
     assert!(!data.join("state.redb").exists(), "a conformance run touches no host state");
 
-    // The LXD provider on its shipped script: HTTP requests run in wasi:http's own tasks,
-    // under the binary's log subscriber, while the kit traces the run under its own.
-    let lxd = guest_artifacts::manifest("lxd").display().to_string();
-    let lxd_wasm = guest_artifacts::wasm("lxd").display().to_string();
-    for verbose in [None, Some("-vv")] {
-        let mut args = vec!["provider", "test", &lxd_wasm, "--manifest", &lxd, "--strict"];
-        args.extend(verbose);
-        let run = broker(data, &args);
-        let report = String::from_utf8_lossy(&run.stdout);
-        assert_eq!(run.status.code(), Some(0), "{verbose:?}: {report}{}", String::from_utf8_lossy(&run.stderr));
-        assert!(report.contains(" passed, 0 failed"), "{report}");
+    // The LXD and KVM providers on their shipped scripts: HTTP requests run in wasi:http's
+    // own tasks, under the binary's log subscriber, while the kit traces the run under its own.
+    for provider in ["lxd", "kvm"] {
+        let manifest = guest_artifacts::manifest(provider).display().to_string();
+        let wasm = guest_artifacts::wasm(provider).display().to_string();
+        for verbose in [None, Some("-vv")] {
+            let mut args = vec!["provider", "test", &wasm, "--manifest", &manifest, "--strict"];
+            args.extend(verbose);
+            let run = broker(data, &args);
+            let report = String::from_utf8_lossy(&run.stdout);
+            let stderr = String::from_utf8_lossy(&run.stderr);
+            assert_eq!(run.status.code(), Some(0), "{provider} {verbose:?}: {report}{stderr}");
+            assert!(report.contains("15 passed, 0 failed"), "{report}");
+        }
     }
 }
 

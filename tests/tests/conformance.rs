@@ -26,6 +26,7 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
             "double stop is ok",
             "maintain-instance on a known instance",
             "distribution group is spread over zones",
+            "a placement in a zone is honoured",
         ] {
             assert!(names.contains(&expected), "{expected} was run");
         }
@@ -154,7 +155,7 @@ async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why() {
     let dir = tempfile::tempdir().unwrap();
     let intact = conformance::run(&broken_manifest(dir.path(), "test-broken", "")).await.unwrap();
     assert!(intact.passed(), "unbroken, it is the fake:\n{}", intact.text());
-    assert_eq!(intact.cases.len(), 17, "{}", intact.text());
+    assert_eq!(intact.cases.len(), 18, "{}", intact.text());
 
     // (breaks, the guest, the cases that must fail, words each failure must carry)
     let cases: &[(&str, &str, &[&str], &str)] = &[
@@ -176,6 +177,12 @@ async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why() {
         ),
         ("zones", "test-broken", &["distribution group is spread over zones"], "the first was in"),
         ("typed-errors", "test-broken", &["an unknown zone is a typed error"], "not a typed error"),
+        (
+            "placement",
+            "test-broken",
+            &["a placement in a zone is honoured"],
+            "placement zone=zone-b landed in Some(\"zone-a\")",
+        ),
         (
             "ungranted",
             "test-broken",

@@ -66,7 +66,13 @@ impl Guest for Broken {
             ctx.set_status(InstanceStatus::Error, "a transient error, reported anyway", &[])?;
         }
         let group = if breaks == "zones" { Vec::new() } else { ctx.distribution_group()? };
-        let started = fake_logic::start(&HostKv, &config, fake::request(&params, group)).map_err(|e| {
+        let mut request = fake::request(&params, group);
+        // Ignores a placement in a zone it has (one it does not have is still refused).
+        let zone = params.placement.as_deref().and_then(|p| p.strip_prefix("zone="));
+        if breaks == "placement" && zone.is_some_and(|zone| config.zones.iter().any(|z| z == zone)) {
+            request.placement = None;
+        }
+        let started = fake_logic::start(&HostKv, &config, request).map_err(|e| {
             match (breaks.as_str(), fake::to_broker_error(e)) {
                 ("typed-errors", error) => BrokerError::Provider(format!("{error:?}")),
                 (_, error) => error,

@@ -15,10 +15,11 @@
 //! accepts its config and rejects garbage as invalid-params; start succeeds,
 //! its status updates are progress, its hardware satisfies the constraints, the
 //! instance is listed, maintained, stopped and gone; double stop and stop of an
-//! unknown id are fine; with zones, a distribution group is spread and an
-//! unknown zone is a typed error; every call returns within its deadline; no
-//! call touches a capability the manifest does not grant. Each case carries the
-//! host calls made during it (`trace`), shown under a failure.
+//! unknown id are fine; with zones, a distribution group is spread, a
+//! placement in a zone is honoured and an unknown zone is a typed error; every
+//! call returns within its deadline; no call touches a capability the manifest
+//! does not grant. Each case carries the host calls made during it (`trace`),
+//! shown under a failure.
 
 mod junit;
 mod trace;
@@ -191,7 +192,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
         kit.validate_config(&config).await;
         kit.lifecycle().await;
         if features.iter().any(|f| f == "zones") {
-            kit.distribution_group().await;
+            let zones = kit.distribution_group().await;
+            kit.placement(zones).await;
             kit.unknown_zone().await;
         }
         kit.deadlines();
@@ -229,6 +231,10 @@ fn explain(err: &CallError) -> String {
         CallError::Guest { error, .. } => describe_broker_error(error),
         other => other.to_string(),
     }
+}
+
+fn zone_of(started: &crate::bindings::StartInstanceResult) -> Option<String> {
+    started.hardware.as_ref().and_then(|h| h.availability_zone.clone())
 }
 
 fn ids(instances: &[Instance]) -> Vec<String> {
@@ -374,23 +380,67 @@ impl Kit {
     }
 
     /// A provider that claims zones spreads a distribution group over them.
-    async fn distribution_group(&mut self) {
-        let zone_of =
-            |r: &crate::bindings::StartInstanceResult| r.hardware.as_ref().and_then(|h| h.availability_zone.clone());
+    /// Returns the zones the two members went to, as far as they said.
+    async fn distribution_group(&mut self) -> Vec<String> {
+        const CASE: &str = "distribution group is spread over zones";
         let first = match self.provider.start_instance(&CallHooks::default(), &empty_params()).await {
             Ok(r) => r,
-            Err(e) => return self.record("distribution group is spread over zones", Err(explain(&e))),
+            Err(e) => {
+                self.record(CASE, Err(explain(&e)));
+                return Vec::new();
+            }
         };
         let group = vec![first.instance.id.clone()];
         let hooks = CallHooks { distribution_group: Some(Arc::new(move || Ok(group.clone()))), ..Default::default() };
-        let result = match self.provider.start_instance(&hooks, &empty_params()).await {
+        let second = self.provider.start_instance(&hooks, &empty_params()).await;
+        let mut started = vec![first.instance.id.clone()];
+        let zones: Vec<String> = match &second {
+            Ok(second) => {
+                started.push(second.instance.id.clone());
+                [zone_of(&first), zone_of(second)].into_iter().flatten().collect()
+            }
+            Err(_) => zone_of(&first).into_iter().collect(),
+        };
+        let result = match second {
             Err(e) => Err(explain(&e)),
             Ok(second) => match (zone_of(&first), zone_of(&second)) {
                 (Some(a), Some(b)) if a != b => Ok(format!("{a} then {b}")),
                 (a, b) => Err(format!("second group member went to {b:?}, the first was in {a:?}")),
             },
         };
-        self.record("distribution group is spread over zones", result);
+        self.record(CASE, result);
+        self.stop_quietly(&started).await;
+        zones
+    }
+
+    /// A placement in a zone the provider has puts the instance there: the
+    /// zone the last group member went to, which an unplaced start would not
+    /// pick next (it prefers the emptier or the earlier zones).
+    async fn placement(&mut self, zones: Vec<String>) {
+        const CASE: &str = "a placement in a zone is honoured";
+        let Some(zone) = zones.last() else {
+            return self.record(CASE, Err("no zone to place in: no start reported an availability zone".into()));
+        };
+        let mut params = empty_params();
+        params.placement = Some(format!("zone={zone}"));
+        let result = match self.provider.start_instance(&CallHooks::default(), &params).await {
+            Err(e) => Err(format!("placement zone={zone} refused: {}", explain(&e))),
+            Ok(placed) => {
+                self.stop_quietly(std::slice::from_ref(&placed.instance.id)).await;
+                match zone_of(&placed) {
+                    Some(landed) if landed == *zone => Ok(format!("placed in {zone}")),
+                    landed => Err(format!("placement zone={zone} landed in {landed:?}")),
+                }
+            }
+        };
+        self.record(CASE, result);
+    }
+
+    /// Stop what a scenario started for itself; its own outcome is not the case's.
+    async fn stop_quietly(&self, ids: &[String]) {
+        if let Err(e) = self.provider.stop_instances(&CallHooks::default(), ids).await {
+            tracing::debug!(error = %e, "stopping what a scenario started");
+        }
     }
 
     /// A placement in a zone the provider does not have is refused with a typed error.
