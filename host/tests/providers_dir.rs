@@ -161,6 +161,7 @@ async fn while_a_removal_drains_new_calls_are_refused_and_then_it_is_gone() {
     let (_data, broker, mut watched, fake) = slow_fake_from_a_directory().await;
     // A call holds its version for its whole length; hold it the same way, then let go.
     let held = broker.registry().get("fake").await.unwrap();
+    let manifest = std::fs::read(fake.manifest()).unwrap();
     std::fs::remove_file(fake.manifest()).unwrap();
     let removing = tokio::spawn({
         let broker = broker.clone();
@@ -171,6 +172,11 @@ async fn while_a_removal_drains_new_calls_are_refused_and_then_it_is_gone() {
     assert!(refused.contains("is being removed"), "{refused}");
     assert!(broker.list_instances(None).await.unwrap().is_empty(), "listing all skips a provider being removed");
     assert!(!removing.is_finished(), "the removal waits while the version is in use");
+    // Put back meanwhile, it is not added again under the removal's feet.
+    std::fs::write(fake.manifest(), &manifest).unwrap();
+    let re_added = broker.registry().add(&fake.manifest()).await.unwrap_err().to_string();
+    assert!(re_added.contains("is being removed"), "{re_added}");
+    std::fs::remove_file(fake.manifest()).unwrap();
     drop(held);
     assert_eq!(removing.await.unwrap(), [Change::Removed("fake".into())]);
     let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == "removed").unwrap();

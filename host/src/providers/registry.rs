@@ -122,8 +122,16 @@ impl Registry {
             added: now_rfc3339(),
             component: None,
         };
-        self.store.put_provider(&record)?;
-        if let Some(replaced) = self.write_loaded().insert(record.name.clone(), provider) {
+        let replaced = {
+            // Under the draining set's lock: a removal either sees this provider or refuses it.
+            let draining = self.draining.lock().unwrap_or_else(|p| p.into_inner());
+            if draining.contains(&record.name) {
+                return Err(RegistryError::Removing(record.name));
+            }
+            self.store.put_provider(&record)?;
+            self.write_loaded().insert(record.name.clone(), provider)
+        };
+        if let Some(replaced) = replaced {
             self.retire(&replaced);
         }
         let mut event = Event::new(if existing.is_some() { "reloaded" } else { "added" }, &record.name);
