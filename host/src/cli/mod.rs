@@ -469,8 +469,18 @@ async fn provider_test(
         .await
         .with_context(|| format!("cannot load {} into the sandbox", component.display()))?;
     if let (Some(path), Some(recording)) = (&worlds.record, &recording) {
-        std::fs::write(path, recording.to_script_json())
-            .with_context(|| format!("cannot write the recorded script {}", path.display()))?;
+        let script = recording.script();
+        let text = serde_json::to_string_pretty(&script)? + "\n";
+        std::fs::write(path, text).with_context(|| format!("cannot write the recorded script {}", path.display()))?;
+        // On stderr: the report alone goes to stdout, whatever its format.
+        eprintln!(
+            "recorded {} http exchange(s), {} run(s), {} child(ren), {} device(s) to {}",
+            script.http.len(),
+            script.runs.len(),
+            script.children.len(),
+            script.devices.len(),
+            path.display()
+        );
     }
     match format {
         ReportFormat::Text => write!(out, "{}", report.text())?,

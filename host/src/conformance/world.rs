@@ -96,7 +96,7 @@ impl Recording {
     }
 
     pub fn to_script_json(&self) -> String {
-        serde_json::to_string_pretty(&self.script()).unwrap_or_default() + "\n"
+        serde_json::to_string_pretty(&self.script()).expect("a script is plain data") + "\n"
     }
 }
 
