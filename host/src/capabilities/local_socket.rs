@@ -121,18 +121,16 @@ impl LocalSocketCtx {
             return Err(SocketError::TooMany);
         }
         let relative = inside_data_dir(guest_path)?;
-        let (link, tape) = match &self.world {
-            ProcessWorld::Simulated(sim) => (Link::Simulated(sim.connect(&self.provider, guest_path)?), None),
+        let link = match &self.world {
+            ProcessWorld::Simulated(sim) => Link::Simulated(sim.connect(&self.provider, guest_path)?),
             ProcessWorld::Host | ProcessWorld::Record(_) => {
                 let stream = connect_beneath(data_dir, relative, guest_path).await?;
-                let tape = match &self.world {
-                    ProcessWorld::Record(tape) => {
-                        tape.connected(&self.provider, guest_path).map(|id| (tape.clone(), id))
-                    }
-                    _ => None,
-                };
-                (Link::Stream(StreamConnection { stream, pending: Vec::new(), closed: false }), tape)
+                Link::Stream(StreamConnection { stream, pending: Vec::new(), closed: false })
             }
+        };
+        let tape = match &self.world {
+            ProcessWorld::Record(tape) => tape.connected(&self.provider, guest_path).map(|id| (tape.clone(), id)),
+            ProcessWorld::Host | ProcessWorld::Simulated(_) => None,
         };
         self.open += 1;
         tracing::debug!(provider = %self.provider, path = guest_path, "local socket connected");

@@ -408,8 +408,8 @@ impl Kit {
                 (a, b) => Err(format!("second group member went to {b:?}, the first was in {a:?}")),
             },
         };
-        self.record(CASE, result);
         self.stop_quietly(&started).await;
+        self.record(CASE, result);
         zones
     }
 

@@ -167,12 +167,12 @@ impl SimProcesses {
         if table.children.get(&key).is_some_and(|c| c.state == Liveness::Running) {
             return Err(BrokerError::InvalidParams(format!("a child named {name:?} is still running")));
         }
-        let Some(at) = table.spawns.iter().position(|c| c.program == program) else {
+        let next = table.spawns.iter().position(|c| c.program == program);
+        let Some(script) = next.and_then(|at| table.spawns.remove(at)) else {
             drop(table);
             let call = call_text(program, args);
             return Err(self.unscripted(format!("unscripted spawn {call} (no scripted child of {program} is left)")));
         };
-        let script = table.spawns.remove(at).expect("found above");
         table.spawned += 1;
         let record = ChildRecord {
             provider: provider.to_owned(),
@@ -201,8 +201,11 @@ impl SimProcesses {
     }
 
     pub fn liveness(&self, record: &ChildRecord) -> Liveness {
-        let table = self.lock();
-        table.children.get(&(record.provider.clone(), record.name.clone())).map_or(Liveness::Gone, |c| c.state)
+        self.liveness_of(&(record.provider.clone(), record.name.clone()))
+    }
+
+    fn liveness_of(&self, key: &(String, String)) -> Liveness {
+        self.lock().children.get(key).map_or(Liveness::Gone, |c| c.state)
     }
 
     /// Any signal ends a simulated child: it is killed by it.
@@ -283,7 +286,7 @@ impl SimConnection {
         };
         let asked = child.asked.entry(line.to_owned()).or_default();
         let scripted: Vec<&Answer> = child.script.answers.iter().filter(|a| a.line == line).collect();
-        let Some(answer) = scripted.get((*asked).min(scripted.len().saturating_sub(1))).copied().cloned() else {
+        let Some(answer) = scripted.get((*asked).min(scripted.len().saturating_sub(1))).map(|a| (*a).clone()) else {
             let message = format!("unscripted line to {} child {:?}: {line}", child.script.program, child.record.name);
             drop(table);
             // The child hangs up on what it does not understand, so the provider fails at once.
@@ -306,12 +309,6 @@ impl SimConnection {
         }
         let running = self.world.liveness_of(&self.child) == Liveness::Running;
         if self.closed || !running { Ok(None) } else { Err(SocketError::Timeout(timeout_ms)) }
-    }
-}
-
-impl SimProcesses {
-    fn liveness_of(&self, key: &(String, String)) -> Liveness {
-        self.lock().children.get(key).map_or(Liveness::Gone, |c| c.state)
     }
 }
 
