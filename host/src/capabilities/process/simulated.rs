@@ -33,6 +33,9 @@ pub struct ScriptedRun {
     pub stdout: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub stderr: String,
+    /// It ran out of its timeout and was killed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub timed_out: bool,
 }
 
 fn exited_zero() -> Option<i32> {
@@ -144,7 +147,7 @@ impl SimProcesses {
                 stdout: run.stdout.into_bytes(),
                 stderr: run.stderr.into_bytes(),
                 truncated: false,
-                timed_out: false,
+                timed_out: run.timed_out,
             });
         }
         let expected = match table.runs.front() {
@@ -344,6 +347,7 @@ mod tests {
             signal: None,
             stdout: "out".into(),
             stderr: "no space".into(),
+            timed_out: false,
         };
         let sim = SimProcesses::new(vec![first.clone()], Vec::new());
         let wrong = sim.run("qemu-img", &strings(&["create", "/data/b"])).unwrap_err();

@@ -54,6 +54,7 @@ impl ProcessTape {
             signal: output.signal,
             stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
             stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+            timed_out: output.timed_out,
         });
     }
 
