@@ -84,6 +84,21 @@ pub fn parse_mac(text: &str) -> Result<Vec<u8>, BridgeError> {
     }
 }
 
+/// Where a device to bridge stands: `Ok(true)` already in the wanted bridge
+/// (nothing to do), `Ok(false)` in none, an error when in another. The one
+/// rule for the kernel and the simulation alike.
+pub fn already_bridged(change: &DeviceToBridge, existing: Option<String>) -> Result<bool, BridgeError> {
+    match existing {
+        None => Ok(false),
+        Some(existing) if existing == change.bridge => Ok(true),
+        Some(existing) => Err(BridgeError::BridgedElsewhere {
+            device: change.device.clone(),
+            wanted: change.bridge.clone(),
+            existing,
+        }),
+    }
+}
+
 /// Linux interface names: at most 15 bytes, no '/', no whitespace.
 pub fn check_name(name: &str) -> Result<(), BridgeError> {
     let ok = !name.is_empty()

@@ -1,7 +1,7 @@
 //! The real bridger: rtnetlink, in the network namespace of the thread that
 //! connects. No shelling out to `ip`.
 
-use super::{BridgeError, Device, DeviceAddress, DeviceToBridge, check_name, format_mac, parse_mac};
+use super::{BridgeError, Device, DeviceAddress, DeviceToBridge, already_bridged, check_name, format_mac, parse_mac};
 use futures_util::TryStreamExt;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage};
 use rtnetlink::packet_route::link::{LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
@@ -156,16 +156,11 @@ impl Netlink {
             .iter()
             .find(|l| l.name() == change.device)
             .ok_or_else(|| BridgeError::NoDevice(change.device.clone()))?;
-        if let Some(controller) = device.controller() {
-            let existing = links.iter().find(|l| l.index() == controller).map(Link::name).unwrap_or_default();
-            if existing == change.bridge {
-                return Ok(());
-            }
-            return Err(BridgeError::BridgedElsewhere {
-                device: change.device.clone(),
-                wanted: change.bridge.clone(),
-                existing,
-            });
+        let existing = device
+            .controller()
+            .map(|controller| links.iter().find(|l| l.index() == controller).map(Link::name).unwrap_or_default());
+        if already_bridged(change, existing)? {
+            return Ok(());
         }
         let mac = if change.mac.is_empty() { device.mac() } else { parse_mac(&change.mac)? };
         let bridge = match links.iter().find(|l| l.name() == change.bridge) {

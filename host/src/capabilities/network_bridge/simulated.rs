@@ -2,7 +2,7 @@
 //! and taps that behave as [`super::netlink::Netlink`] makes them behave on a
 //! real host (the same checks, the same errors), seeded from a script.
 
-use super::{BridgeError, Device, DeviceToBridge, check_name, format_mac, parse_mac};
+use super::{BridgeError, Device, DeviceToBridge, already_bridged, check_name, format_mac, parse_mac};
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
@@ -70,15 +70,8 @@ impl SimNetwork {
         let mut state = self.lock();
         let device =
             state.devices.get(&change.device).ok_or_else(|| BridgeError::NoDevice(change.device.clone()))?.clone();
-        if let Some(existing) = device.controller {
-            if existing == change.bridge {
-                return Ok(());
-            }
-            return Err(BridgeError::BridgedElsewhere {
-                device: change.device.clone(),
-                wanted: change.bridge.clone(),
-                existing,
-            });
+        if already_bridged(change, device.controller.clone())? {
+            return Ok(());
         }
         let mac = if change.mac.is_empty() { device.mac.clone() } else { format_mac(&parse_mac(&change.mac)?) };
         match state.devices.get(&change.bridge) {

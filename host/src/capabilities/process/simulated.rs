@@ -409,9 +409,8 @@ mod tests {
         assert!(matches!(third, BrokerError::Provider(m) if m.contains("no scripted child of qemu is left")));
     }
 
-    #[test]
-    fn a_recorded_conversation_replays_as_it_happened() {
-        let tape = ProcessTape::default();
+    /// A qemu child `vm1` serving `/data/q.sock`, spawned in a recorded run.
+    fn spawned_on(tape: &ProcessTape) -> (ChildRecord, Vec<String>) {
         let args = strings(&["-qmp", "unix:/data/q.sock,server=on"]);
         let record = ChildRecord {
             provider: "kvm".into(),
@@ -423,6 +422,13 @@ mod tests {
             log: String::new(),
         };
         tape.spawned(&record, "qemu", &args);
+        (record, args)
+    }
+
+    #[test]
+    fn a_recorded_conversation_replays_as_it_happened() {
+        let tape = ProcessTape::default();
+        let (record, args) = spawned_on(&tape);
         assert!(tape.connected("kvm", "/data/other.sock").is_none(), "no recorded child serves it");
         let first = tape.connected("kvm", "/data/q.sock").unwrap();
         tape.received(first, "hello");
@@ -454,17 +460,7 @@ mod tests {
     #[test]
     fn a_child_that_ended_before_a_word_replays_so() {
         let tape = ProcessTape::default();
-        let args = strings(&["-qmp", "unix:/data/q.sock,server=on"]);
-        let record = ChildRecord {
-            provider: "kvm".into(),
-            name: "vm1".into(),
-            pid: 42,
-            start_time: 1,
-            program: "/usr/bin/qemu".into(),
-            args: args.clone(),
-            log: String::new(),
-        };
-        tape.spawned(&record, "qemu", &args);
+        let (record, args) = spawned_on(&tape);
         tape.observed(&record, Liveness::Exited(1));
         let sim = Arc::new(SimProcesses::new(Vec::new(), tape.script().1));
         let replayed = sim.spawn("kvm", "vm1", "qemu", &args).unwrap();
