@@ -198,14 +198,14 @@ fn a_guest_bridges_only_granted_devices() {
 
 /// What the simulated network must agree with the kernel on, for the devices
 /// a sequence touches: kind, bridge, state, addresses (not link-local), and
-/// the MAC where the caller chose it (a bridge's, a tap's given one).
+/// the MAC where it was chosen (a bridge's, and `kt1`'s, given by its step).
 async fn view(network: &Network, names: &[&str]) -> Vec<String> {
     let devices = network.devices().await.unwrap();
     names
         .iter()
         .filter_map(|name| devices.iter().find(|d| d.name == *name))
         .map(|d| {
-            let mac = if d.kind == "bridge" || d.name.starts_with("kt") { d.mac.as_str() } else { "-" };
+            let mac = if d.kind == "bridge" || d.name == "kt1" { d.mac.as_str() } else { "-" };
             let controller = d.controller.as_deref().unwrap_or("-");
             format!("{} {} {controller} up={} {mac} {:?}", d.name, d.kind, d.up, addresses(d))
         })
@@ -254,7 +254,7 @@ fn the_simulated_network_behaves_as_the_kernel_does() {
         // The simulation starts from the host as a recording would find it.
         let found: Vec<Device> = real.devices().await.unwrap().into_iter().filter(|d| d.name != "lo").collect();
         let simulated = NetworkWorld::Simulated(std::sync::Arc::new(SimNetwork::new(found))).open().unwrap();
-        let names = ["eth0", "eth0p", "br-eth0", "kt1", "vh1", "vh1p"];
+        let names = ["eth0", "eth0p", "br-eth0", "kt1", "kt3", "vh1", "vh1p", "vh3", "vh3p"];
         let steps = [
             ("bridge eth0", Op::Bridge("eth0", "br-eth0")),
             ("bridge eth0 again", Op::Bridge("eth0", "br-eth0")),
@@ -262,8 +262,10 @@ fn the_simulated_network_behaves_as_the_kernel_does() {
             ("bridge into a veth", Op::Bridge("eth0p", "eth0")),
             ("tap", Op::Tap("kt1", "br-eth0", "52:54:00:12:34:56")),
             ("tap on a missing bridge", Op::Tap("kt2", "br-none", "")),
+            ("tap on a non-bridge", Op::Tap("kt3", "eth0p", "")),
             ("veth", Op::Veth("vh1", "vh1p", "br-eth0")),
             ("veth that exists", Op::Veth("vh1", "vh2p", "br-eth0")),
+            ("veth on a non-bridge", Op::Veth("vh3", "vh3p", "eth0p")),
             ("attach", Op::Attach("eth0p", "br-eth0")),
             ("attach to a non-bridge", Op::Attach("vh1p", "eth0")),
             ("delete a veth", Op::Delete("vh1")),

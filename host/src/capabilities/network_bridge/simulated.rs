@@ -103,33 +103,39 @@ impl SimNetwork {
         Ok(())
     }
 
+    /// As the kernel does it: the pair is made first, so a `bridge` that is
+    /// not a bridge leaves it made, unattached and down.
     pub fn create_veth(&self, name: &str, peer: &str, bridge: &str) -> Result<(), BridgeError> {
         check_name(name)?;
         check_name(peer)?;
         let mut state = self.lock();
-        let mtu = state.bridge(bridge)?.mtu;
+        let mtu = state.devices.get(bridge).ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?.mtu;
         for taken in [name, peer] {
             if state.devices.contains_key(taken) {
                 return Err(BridgeError::Netlink(format!("{taken}: File exists (os error 17)")));
             }
         }
         for (end, other) in [(name, peer), (peer, name)] {
-            let mut device = state.make(end, "veth", String::new(), mtu);
-            device.up = true;
+            let device = state.make(end, "veth", String::new(), mtu);
             state.devices.insert(end.to_owned(), device);
             state.peers.insert(end.to_owned(), other.to_owned());
         }
+        state.bridge(bridge)?;
         state.enslave(name, bridge);
+        if let Some(peer) = state.devices.get_mut(peer) {
+            peer.up = true;
+        }
         Ok(())
     }
 
+    /// As the kernel does it: the tap is made (or reused) first, so a `bridge`
+    /// that is not a bridge leaves it made, unattached and down.
     pub fn create_tap(&self, name: &str, bridge: &str, mac: &str) -> Result<(), BridgeError> {
         let mut state = self.lock();
         // The bridge must exist before a tap is made for it.
         let mtu = state.devices.get(bridge).ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?.mtu;
         check_name(name)?;
         let mac = if mac.is_empty() { String::new() } else { format_mac(&parse_mac(mac)?) };
-        state.bridge(bridge)?;
         // A persistent tap of the same name is reused, as TUNSETIFF does.
         let mut tap = match state.devices.remove(name) {
             Some(existing) => existing,
@@ -139,6 +145,7 @@ impl SimNetwork {
             tap.mac = mac;
         }
         state.devices.insert(name.to_owned(), tap);
+        state.bridge(bridge)?;
         state.enslave(name, bridge);
         Ok(())
     }
