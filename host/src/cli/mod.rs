@@ -470,8 +470,8 @@ async fn provider_test(
         .with_context(|| format!("cannot load {} into the sandbox", component.display()))?;
     if let (Some(path), Some(recording)) = (&worlds.record, &recording) {
         let script = recording.script();
-        let text = serde_json::to_string_pretty(&script)? + "\n";
-        std::fs::write(path, text).with_context(|| format!("cannot write the recorded script {}", path.display()))?;
+        std::fs::write(path, script.to_json())
+            .with_context(|| format!("cannot write the recorded script {}", path.display()))?;
         // On stderr: the report alone goes to stdout, whatever its format.
         eprintln!(
             "recorded {} http exchange(s), {} run(s), {} child(ren), {} device(s) to {}",

@@ -33,6 +33,12 @@ pub struct ScriptFile {
     pub devices: Vec<Device>,
 }
 
+impl ScriptFile {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a script is plain data") + "\n"
+    }
+}
+
 /// A simulated world built from a script file.
 #[derive(Default)]
 pub struct Scripted {
@@ -96,7 +102,7 @@ impl Recording {
     }
 
     pub fn to_script_json(&self) -> String {
-        serde_json::to_string_pretty(&self.script()).expect("a script is plain data") + "\n"
+        self.script().to_json()
     }
 }
 

@@ -445,10 +445,10 @@ impl wit::HostChild for ProcessView<'_> {
     async fn wait(&mut self, handle: Resource<HeldChild>, timeout_ms: u64) -> wasmtime::Result<ChildStatus> {
         let record = self.record(&handle)?;
         let until = Instant::now() + Duration::from_millis(timeout_ms);
+        // A simulated child changes only when the provider acts: waiting on it cannot help.
+        let simulated = matches!(self.ctx.world, ProcessWorld::Simulated(_));
         loop {
             let liveness = self.ctx.liveness(&record);
-            // A simulated child changes only when the provider acts: waiting on it cannot help.
-            let simulated = matches!(self.ctx.world, ProcessWorld::Simulated(_));
             if liveness != Liveness::Running || Instant::now() >= until || simulated {
                 return Ok(status_of(liveness));
             }
