@@ -7,7 +7,7 @@
 # address is written here.
 set -euo pipefail
 
-wanted=(qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils genisoimage:genisoimage cpio:cpio busybox:busybox-static)
+wanted=(qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils genisoimage:genisoimage cpio:cpio busybox:busybox-static bwrap:bubblewrap)
 missing=()
 for pair in "${wanted[@]}"; do
     command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
@@ -32,4 +32,4 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends -t bookworm-backports qemu-system-x86 qemu-utils incus
-apt-get install -y -qq --no-install-recommends busybox-static genisoimage cpio util-linux iproute2
+apt-get install -y -qq --no-install-recommends busybox-static genisoimage cpio util-linux iproute2 bubblewrap

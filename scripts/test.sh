@@ -39,3 +39,4 @@ cargo bench -p broker-tests --bench vm_start -- --test
 cargo bench -p broker-tests --bench hot_swap -- --test
 cargo bench -p broker-tests --bench lxd_start -- --test
 cargo bench -p broker-tests --bench conformance -- --test
+cargo bench -p broker-tests --bench confinement -- --test

@@ -1,9 +1,40 @@
 //! One line for an error and its causes, as the CLI prints it and the API
 //! answers it. Many of this crate's errors already quote their cause in their
 //! message (`cannot read {path}: {source}`); a cause is added only when the
-//! text so far does not already say it.
+//! text so far does not already say it. Text a provider chose is escaped
+//! before a terminal shows it ([`escape_unprintable`]).
 
+use std::borrow::Cow;
 use std::error::Error;
+
+/// Characters a terminal acts on rather than shows: C0 and C1 controls and DEL
+/// (newline, carriage return, ESC, …), and the Unicode separators and bidi
+/// controls that break or reorder a line.
+pub fn is_unprintable(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{2028}' | '\u{2029}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `text` with each [unprintable](is_unprintable) character as a visible escape
+/// (`\n`, `\r`, `\t`, `\x1b`, `\u{202e}`), for text a provider chose that a
+/// terminal will show: it cannot forge lines, move the cursor or clear the screen.
+pub fn escape_unprintable(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(is_unprintable) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if is_unprintable(c) && (c as u32) < 0x100 => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c if is_unprintable(c) => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
 
 /// `outer: cause: cause`, each cause once.
 pub fn chain_text<'a>(chain: impl IntoIterator<Item = &'a (dyn Error + 'static)>) -> String {
@@ -45,5 +76,15 @@ mod tests {
         assert_eq!(error_text(&Outer::Silent(missing())), "cannot load: no such file");
         let wrapped = anyhow::Error::new(quoting).context("cannot swap");
         assert_eq!(chain_text(wrapped.chain()), "cannot swap: cannot read /x: no such file");
+    }
+
+    #[test]
+    fn unprintable_characters_are_escaped_and_the_rest_is_kept() {
+        assert!(matches!(escape_unprintable("fake-0 ünï"), Cow::Borrowed("fake-0 ünï")));
+        assert_eq!(escape_unprintable("a\x1b[2J\nb\r\tc"), "a\\x1b[2J\\nb\\r\\tc");
+        assert_eq!(escape_unprintable("\0\x7f\u{85}\u{9b}"), "\\x00\\x7f\\x85\\x9b");
+        assert_eq!(escape_unprintable("x\u{202e}y\u{2028}"), "x\\u{202e}y\\u{2028}");
+        let escaped = escape_unprintable("\x1b]0;title\x07\x1b[31m");
+        assert!(!escaped.chars().any(is_unprintable), "{escaped}");
     }
 }

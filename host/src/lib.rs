@@ -11,4 +11,5 @@ pub mod daemon;
 pub mod error_text;
 pub mod providers;
 pub mod runtime;
+pub mod sandbox;
 pub mod store;

@@ -1,5 +1,5 @@
 use broker_host::cli::{Cli, UsageError, run};
-use broker_host::error_text::chain_text;
+use broker_host::error_text::{chain_text, escape_unprintable};
 use clap::Parser;
 use std::process::ExitCode;
 use tracing_subscriber::EnvFilter;
@@ -26,11 +26,12 @@ fn main() -> ExitCode {
     match runtime.block_on(run(cli)) {
         Ok(code) => ExitCode::from(code),
         Err(e) if e.downcast_ref::<UsageError>().is_some() => {
-            eprintln!("error: {}\n(see `broker --help`)", chain_text(e.chain()));
+            eprintln!("error: {}\n(see `broker --help`)", escape_unprintable(&chain_text(e.chain())));
             ExitCode::from(2)
         }
         Err(e) => {
-            eprintln!("error: {}", chain_text(e.chain()));
+            // Errors quote what providers said: escaped, they cannot drive the terminal.
+            eprintln!("error: {}", escape_unprintable(&chain_text(e.chain())));
             ExitCode::from(1)
         }
     }

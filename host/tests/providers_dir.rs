@@ -6,6 +6,7 @@
 use broker_host::broker::Broker;
 use broker_host::broker::service::empty_params;
 use broker_host::capabilities::context::CallHooks;
+use broker_host::capabilities::kv::KvBackend;
 use broker_host::providers::watch::{Change, ProvidersDir};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -181,4 +182,89 @@ async fn while_a_removal_drains_new_calls_are_refused_and_then_it_is_gone() {
     assert_eq!(removing.await.unwrap(), [Change::Removed("fake".into())]);
     let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == "removed").unwrap();
     assert_eq!(removed.detail, "after 1 call(s) in flight finished");
+}
+
+/// Attack 1 of the sandbox issue: a provider with no grants writes a manifest
+/// granting `sh` (and a component) into its data dir, and one deployed as
+/// `providers/NAME/provider.toml` tries to rewrite its own manifest. Neither
+/// is loaded: data dirs live apart from the providers directory, nothing under
+/// them is loadable, and the watcher never applies a widened grant.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_provider_cannot_register_or_widen_itself_through_its_data_dir() {
+    let data = tempfile::tempdir().unwrap();
+    let broker = Broker::open(data.path()).unwrap();
+    let providers = data.path().join("providers");
+    let deployed = providers.join("hostile");
+    std::fs::create_dir_all(&deployed).unwrap();
+    let manifest = deployed.join("provider.toml");
+    let text = format!(
+        "name = \"hostile\"\ncomponent = \"{}\"\n[grants]\nkv = true\n",
+        guest_artifacts::wasm("test_hostile").display()
+    );
+    std::fs::write(&manifest, &text).unwrap();
+    let mut watched = ProvidersDir::new(&providers).unwrap();
+    assert_eq!(watched.rescan(broker.registry()).await, vec![Change::Added("hostile".into())]);
+
+    broker.store().kv().set("hostile", "mode", b"drop-in").unwrap();
+    let hooks = CallHooks::default();
+    let hostile = broker.registry().get("hostile").await.unwrap();
+    assert_eq!(hostile.all_instances(&hooks).await.unwrap()[0].id, "dropped");
+    let data_dir = hostile.data_dir().to_owned();
+    assert_eq!(data_dir, data.path().join("data/hostile"));
+    assert!(data_dir.join("provider.toml").exists(), "the guest wrote its data dir");
+    assert_eq!(std::fs::read_to_string(&manifest).unwrap(), text, "its deployed manifest is untouched");
+
+    // The watcher sees nothing new; asked directly, the host refuses to load from a data dir.
+    assert_eq!(watched.rescan(broker.registry()).await, vec![]);
+    assert_eq!(broker.registry().list().unwrap().len(), 1);
+    for planted in [data_dir.join("provider.toml"), data_dir.join("evil/provider.toml")] {
+        let err = broker.registry().add(&planted).await.unwrap_err().to_string();
+        assert!(err.contains("data dirs"), "{err}");
+    }
+    let err = broker.registry().swap("hostile", &data_dir.join("evil.wasm"), false).await.unwrap_err().to_string();
+    assert!(err.contains("data dirs"), "{err}");
+
+    // Widening the deployed manifest (as anyone but the operator's `provider add`
+    // might) is refused by the watcher and by a restart; narrowing applies.
+    std::fs::write(&manifest, format!("{text}process = [\"sh\"]\n")).unwrap();
+    let changes = watched.rescan(broker.registry()).await;
+    assert!(
+        matches!(&changes[..], [Change::Refused(name, reason)] if name == "hostile" && reason.contains("process \"sh\"")),
+        "{changes:?}"
+    );
+    assert!(broker.registry().get("hostile").await.unwrap().manifest().grants.process.is_empty());
+    drop(hostile);
+    drop(broker);
+    let broker = Broker::open(data.path()).unwrap();
+    let err = broker.registry().get("hostile").await.err().unwrap().to_string();
+    assert!(err.contains("not approved") && err.contains("process \"sh\""), "{err}");
+    // The operator approves it explicitly.
+    broker.registry().add(&manifest).await.unwrap();
+    assert_eq!(broker.registry().get("hostile").await.unwrap().manifest().grants.process, vec!["sh".to_string()]);
+}
+
+/// Data dirs of a host from before: `providers/NAME` held both the manifest
+/// and the provider's files. On open, the files move to `data/NAME`; the
+/// manifest and component stay.
+#[tokio::test(flavor = "multi_thread")]
+async fn old_data_dirs_move_out_of_the_providers_directory() {
+    let data = tempfile::tempdir().unwrap();
+    let old = data.path().join("providers/fake");
+    let drop_in = DropIn::new(&data.path().join("providers"));
+    drop_in.write_manifest("", "");
+    drop_in.write_component("fake");
+    {
+        let broker = Broker::open(data.path()).unwrap();
+        broker.registry().add(&drop_in.manifest()).await.unwrap();
+    }
+    // As a host from before left it: no data/fake, the files beside the manifest.
+    std::fs::remove_dir_all(data.path().join("data/fake")).unwrap();
+    std::fs::create_dir_all(old.join("vm/x")).unwrap();
+    std::fs::write(old.join("vm/x/disk"), "disk").unwrap();
+    let broker = Broker::open(data.path()).unwrap();
+    assert_eq!(std::fs::read_to_string(data.path().join("data/fake/vm/x/disk")).unwrap(), "disk");
+    assert!(!old.join("vm").exists());
+    assert!(drop_in.manifest().exists() && old.join("fake.wasm").exists());
+    assert!(event_kinds(&broker).contains(&"data-dir-moved".to_string()));
+    assert_eq!(version(&broker).await, "0.1.0");
 }

@@ -75,7 +75,7 @@ fn bench(c: &mut Criterion) {
     let broker = Broker::open(&data).unwrap();
     runtime.block_on(broker.registry().add(&manifest(dir.path(), &payload))).unwrap();
     let params = params_with(constraints::parse("mem=512M cores=1").unwrap());
-    let vm_dir = |id: &str| data.join("providers/kvm/vm").join(id);
+    let vm_dir = |id: &str| data.join("data/kvm/vm").join(id);
 
     // One VM through the host, to learn the exact command and copy its disk and seed.
     let first = runtime.block_on(broker.start_instance("kvm", &params, &CallHooks::default())).unwrap();
@@ -86,7 +86,7 @@ fn bench(c: &mut Criterion) {
         std::fs::copy(vm_dir(&first.id).join(file), direct_dir.join(file)).unwrap();
     }
     let (from_dir, to_dir) = (vm_dir(&first.id).display().to_string(), direct_dir.display().to_string());
-    let qmp_dir = data.join("providers/kvm/run").display().to_string();
+    let qmp_dir = data.join("data/kvm/run").display().to_string();
     let direct_args: Vec<String> =
         child.args.iter().map(|a| a.replace(&from_dir, &to_dir).replace(&qmp_dir, &to_dir)).collect();
     runtime.block_on(broker.stop_instances("kvm", std::slice::from_ref(&first.id))).unwrap();

@@ -35,12 +35,13 @@ pub fn load_provider(
     load_provider_with(runtime, host_capabilities(dir, kv), dir, name, guest_crate, extra)
 }
 
-/// Host capabilities for tests: the given kv, no machine lock, data dirs under `dir/providers`.
+/// Host capabilities for tests: the given kv, no machine lock, data dirs under `dir/data`.
 pub fn host_capabilities(dir: &Path, kv: Arc<dyn KvBackend>) -> HostCapabilities {
     HostCapabilities {
         kv,
         machine_lock: None,
-        providers_dir: dir.join("providers"),
+        data_dirs: dir.join("data"),
+        sandbox: Default::default(),
         child_records: Arc::new(MemoryChildRecords::default()),
         live_children: Arc::default(),
         egress_world: Default::default(),

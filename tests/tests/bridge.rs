@@ -231,7 +231,7 @@ impl Op {
                 let change = DeviceToBridge { device: device.into(), bridge: bridge.into(), mac: String::new() };
                 network.bridge(&change).await
             }
-            Op::Tap(name, bridge, mac) => network.create_tap(name, bridge, mac).await,
+            Op::Tap(name, bridge, mac) => network.create_tap(name, bridge, mac, None).await,
             Op::Veth(name, peer, bridge) => network.create_veth(name, peer, bridge).await,
             Op::Attach(device, bridge) => network.attach(device, bridge).await,
             Op::Delete(name) => network.delete(name).await,

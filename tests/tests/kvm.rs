@@ -39,6 +39,7 @@ log = true
 local-sockets = true
 {process}
 paths = ["{p}", "{images}"]
+devices = ["/dev/kvm", "/dev/net/tun"]
 [grants.bridge]
 devices = ["kt*"]
 bridges = ["br-*"]
@@ -76,7 +77,7 @@ fn image_with(extra: &[(&str, &str)]) -> broker_host::bindings::ImageMetadata {
 }
 
 fn vm_dir(data_dir: &Path, id: &str) -> PathBuf {
-    data_dir.join("providers/kvm/vm").join(id)
+    data_dir.join("data/kvm/vm").join(id)
 }
 
 /// Wait for the marker on the VM's serial console; returns the marker line,
@@ -232,7 +233,7 @@ fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() 
         broker.stop_instances("kvm", &ids[1..]).await.unwrap();
         assert!(!alive(survivor));
         assert!(broker.list_instances(Some("kvm")).await.unwrap().is_empty());
-        let left: Vec<_> = std::fs::read_dir(data.join("providers/kvm/vm")).unwrap().collect();
+        let left: Vec<_> = std::fs::read_dir(data.join("data/kvm/vm")).unwrap().collect();
         assert!(left.is_empty(), "VM dirs left: {left:?}");
     });
 }
@@ -266,7 +267,7 @@ fn state_comes_from_qmp_and_maintain_recreates_a_missing_tap() {
         assert!(err.to_string().contains("no VM juju-t2-nonesuch"), "{err}");
 
         // Paused through its monitor: all-instances says so; then it runs again.
-        let run_dir = dir.path().join("providers/kvm/run");
+        let run_dir = dir.path().join("data/kvm/run");
         let socket = std::fs::read_dir(&run_dir).unwrap().flatten().next().unwrap().path();
         let state = async || {
             let listed = broker.list_instances(Some("kvm")).await.unwrap();
@@ -300,7 +301,7 @@ fn state_comes_from_qmp_and_maintain_recreates_a_missing_tap() {
 
 /// Nothing of the VM may remain: no record, no files, no child, no process.
 fn assert_nothing_left(broker: &Broker, data: &Path) {
-    let vms = data.join("providers/kvm/vm");
+    let vms = data.join("data/kvm/vm");
     let dirs: Vec<_> = std::fs::read_dir(&vms).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
     assert!(dirs.is_empty(), "left behind: {dirs:?}");
     assert!(broker.store().child_records().list("kvm").unwrap().is_empty(), "child records left");

@@ -11,6 +11,7 @@ use broker_host::capabilities::process::{
     ChildRecord, ChildRecords, LiveChildren, MAX_OUTPUT_BYTES, MemoryChildRecords, ProcessCtx, ProcessPolicy,
     ProcessView, proc_stat,
 };
+use broker_host::sandbox::{Grants, Sandbox};
 use broker_host::store::Store;
 use broker_tests::{load_provider, runtime};
 use std::path::{Path, PathBuf};
@@ -28,7 +29,10 @@ impl ProcessHost {
         std::fs::create_dir_all(data_dir).unwrap();
         let programs: Vec<String> = programs.iter().map(|p| p.to_string()).collect();
         let paths: Vec<PathBuf> = paths.iter().map(PathBuf::from).collect();
-        let policy = Arc::new(ProcessPolicy::resolve(&programs, &paths, data_dir).unwrap());
+        let confinement = Sandbox::default()
+            .confine("p", &Grants { data_dir, paths: &paths, paths_rw: &[], devices: &[], share_net: false })
+            .unwrap();
+        let policy = Arc::new(ProcessPolicy::resolve(&programs, &paths, data_dir).unwrap().confined(confinement));
         ProcessHost {
             ctx: ProcessCtx::new("p", Some(policy), records, Arc::new(LiveChildren::default()), Default::default()),
             table: ResourceTable::new(),
@@ -56,8 +60,8 @@ async fn granted_programs_run_verbatim_and_others_are_denied() {
         .view()
         .run(
             "sh".into(),
-            strings(&["-c", "echo \"$1|$GREETING\"; echo oops >&2; exit 4", "sh", "a b; rm -rf /"]),
-            vec![("GREETING".into(), "hi".into())],
+            strings(&["-c", "echo \"$1|$LANG\"; echo oops >&2; exit 4", "sh", "a b; rm -rf /"]),
+            vec![("LANG".into(), "hi".into())],
             vec![],
             5000,
         )
@@ -75,7 +79,13 @@ async fn granted_programs_run_verbatim_and_others_are_denied() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(String::from_utf8_lossy(&env.stdout).trim(), "0", "the environment is empty unless given");
+    assert_eq!(String::from_utf8_lossy(&env.stdout).trim(), "2", "PATH and HOME only, unless given");
+    let ungranted_env = host
+        .view()
+        .run("sh".into(), strings(&["-c", "true"]), vec![("GREETING".into(), "hi".into())], vec![], 5000)
+        .await
+        .unwrap();
+    assert!(matches!(&ungranted_env, Err(BrokerError::AccessDenied(m)) if m.contains("GREETING")), "{ungranted_env:?}");
 
     let denied = host.view().run("ls".into(), vec![], vec![], vec![], 5000).await.unwrap();
     assert!(matches!(denied, Err(BrokerError::AccessDenied(m)) if m.contains("\"ls\" is not granted")));
@@ -101,20 +111,15 @@ async fn timeout_kills_the_whole_group_and_output_is_capped() {
         ProcessHost::new(dir.path(), &["sh", "head"], &["/dev/zero"], Arc::new(MemoryChildRecords::default()));
     let out = host
         .view()
-        .run("sh".into(), strings(&["-c", "sleep 30 & echo $! > bg.pid; wait"]), vec![], vec![], 300)
+        .run("sh".into(), strings(&["-c", "(sleep 1; touch late) & touch early; wait"]), vec![], vec![], 300)
         .await
         .unwrap()
         .unwrap();
     assert!(out.timed_out);
     assert_eq!(out.exit_code, None);
-    let background: u32 = std::fs::read_to_string(dir.path().join("bg.pid")).unwrap().trim().parse().unwrap();
-    for _ in 0..200 {
-        if !pid_alive(background) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(!pid_alive(background), "the grandchild in the same process group was killed too");
+    assert!(dir.path().join("early").exists(), "the program ran");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!dir.path().join("late").exists(), "the grandchild in the same process group was killed too");
 
     let big = host
         .view()
@@ -215,4 +220,157 @@ async fn a_grant_of_a_missing_program_is_refused_at_load() {
     .err()
     .unwrap();
     assert!(err.to_string().contains("\"no-such-program-anywhere\" was not found"), "{err}");
+}
+
+/// A shell script run as a granted program: arguments after `-c` are not paths
+/// the host can parse, so only the sandbox stands between it and the host.
+async fn sh(host: &mut ProcessHost, script: &str) -> (String, String) {
+    let out = host.view().run("sh".into(), strings(&["-c", script]), vec![], vec![], 10_000).await.unwrap().unwrap();
+    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[tokio::test]
+async fn a_granted_program_sees_only_its_data_dir_as_an_unprivileged_user_with_nothing_inherited() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "host secret").unwrap();
+    let data = dir.path().join("data/p");
+    let mut host = ProcessHost::new(&data, &["sh"], &[], Arc::new(MemoryChildRecords::default()));
+
+    let (out, _) = sh(&mut host, "id -u; id -G; grep -E '^(NoNewPrivs|CapEff)' /proc/self/status").await;
+    let lines: Vec<&str> = out.lines().collect();
+    assert_ne!(lines[0], "0", "not root: {out}");
+    assert!(!lines[1].split_whitespace().any(|g| g == "0"), "no root group: {out}");
+    assert!(out.contains("NoNewPrivs:\t1"), "{out}");
+    assert!(out.contains("CapEff:\t0000000000000000"), "{out}");
+
+    // Descriptors: only stdin, stdout, stderr (and the one ls opens to list them).
+    let (fds, _) = sh(&mut host, "ls /proc/self/fd").await;
+    let fds: Vec<&str> = fds.split_whitespace().collect();
+    assert!(fds.len() <= 4 && fds.starts_with(&["0", "1", "2"]), "inherited descriptors: {fds:?}");
+
+    // The host's files are not there: not the secret beside the data dir, not /etc, not the state.
+    let (out, err) = sh(&mut host, &format!("cat {} /etc/hostname /etc/shadow; ls /", secret.display())).await;
+    assert!(!out.contains("host secret") && err.contains("No such file"), "{out} {err}");
+    assert!(!out.contains("root") && !out.contains("home"), "only the sandbox's root: {out}");
+
+    // A link the guest planted in /data resolves inside the sandbox, where its target is not.
+    std::os::unix::fs::symlink(format!("../../{}", "secret"), data.join("link")).unwrap();
+    let (out, _) = sh(&mut host, "cat link; cp link copied").await;
+    assert!(!out.contains("host secret"), "{out}");
+    assert!(!data.join("copied").exists());
+
+    // Read-only system, no network but loopback, a pid namespace of its own.
+    let (_, err) = sh(&mut host, "touch /usr/evil").await;
+    assert!(err.contains("Read-only") || err.contains("Permission denied"), "{err}");
+    let (out, _) = sh(&mut host, "ls /sys/class/net 2>/dev/null; cat /proc/net/dev; echo pid=$$").await;
+    assert!(!out.contains("eth") && out.contains("lo:"), "{out}");
+    assert!(out.contains("pid=2") || out.contains("pid=1"), "{out}");
+
+    // It can write its data dir, and the host (the guest, through WASI) can read what it wrote, and back.
+    std::fs::create_dir_all(data.join("made-by-guest")).unwrap();
+    let (_, err) = sh(&mut host, "echo hi > made-by-guest/by-program && cat made-by-guest/by-program").await;
+    assert_eq!(err, "");
+    assert_eq!(std::fs::read_to_string(data.join("made-by-guest/by-program")).unwrap(), "hi\n");
+    assert_eq!(std::fs::read_to_string(&secret).unwrap(), "host secret");
+}
+
+#[tokio::test]
+async fn loader_variables_are_refused_before_anything_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut host = ProcessHost::new(dir.path(), &["sh"], &[], Arc::new(MemoryChildRecords::default()));
+    for name in ["LD_PRELOAD", "LD_LIBRARY_PATH", "GCONV_PATH", "GLIBC_TUNABLES"] {
+        let env = vec![(name.to_owned(), "/data/evil.so".to_owned())];
+        let denied = host.view().run("sh".into(), strings(&["-c", "touch ran"]), env, vec![], 5000).await.unwrap();
+        assert!(matches!(&denied, Err(BrokerError::AccessDenied(m)) if m.contains(name)), "{name}: {denied:?}");
+    }
+    assert!(!dir.path().join("ran").exists(), "nothing ran");
+}
+
+/// qemu-img follows what an image names: a `json:` filename and a backing file
+/// are both paths the host's argument check cannot see. In the sandbox they
+/// name nothing.
+#[tokio::test]
+async fn qemu_img_cannot_be_pointed_at_host_files() {
+    if std::process::Command::new("qemu-img").arg("--version").output().is_err() {
+        panic!("qemu-img is needed (qemu-utils; scripts/install-test-deps.sh installs it)");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret.raw");
+    std::fs::write(&secret, "host secret in a raw image").unwrap();
+    let data = dir.path().join("data/kvm");
+    let mut host = ProcessHost::new(&data, &["qemu-img"], &[], Arc::new(MemoryChildRecords::default()));
+    let json = format!(r#"json:{{"file":{{"driver":"file","filename":"{}"}}}}"#, secret.display());
+    let out = host
+        .view()
+        .run("qemu-img".into(), strings(&["convert", "-O", "raw", &json, "/data/stolen.raw"]), vec![], vec![], 10_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_ne!(out.exit_code, Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!data.join("stolen.raw").exists());
+
+    // A qcow2 the guest wrote whose backing file is a host path.
+    let made = host
+        .view()
+        .run(
+            "qemu-img".into(),
+            strings(&["create", "-f", "qcow2", "-u", "-F", "raw", "-b", "evil-backing", "/data/evil.qcow2", "1M"]),
+            vec![],
+            vec![],
+            10_000,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(made.exit_code, Some(0), "{}", String::from_utf8_lossy(&made.stderr));
+    // Point the backing file at the host secret by rewriting the header, as a guest could.
+    let mut image = std::fs::read(data.join("evil.qcow2")).unwrap();
+    let at = image.windows(12).position(|w| w == b"evil-backing").unwrap();
+    let target = secret.display().to_string();
+    let mut header = image[..at].to_vec();
+    header[8..16].copy_from_slice(&(at as u64).to_be_bytes());
+    header[16..20].copy_from_slice(&(target.len() as u32).to_be_bytes());
+    header.extend_from_slice(target.as_bytes());
+    image.splice(..at + 12, header);
+    std::fs::write(data.join("evil.qcow2"), &image).unwrap();
+    let out = host
+        .view()
+        .run(
+            "qemu-img".into(),
+            strings(&["convert", "-O", "raw", "/data/evil.qcow2", "/data/stolen2.raw"]),
+            vec![],
+            vec![],
+            10_000,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let stolen = std::fs::read(data.join("stolen2.raw")).unwrap_or_default();
+    assert!(
+        !String::from_utf8_lossy(&stolen).contains("host secret"),
+        "exit {:?}: {}",
+        out.exit_code,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test]
+async fn a_spawned_childs_log_is_never_written_through_a_planted_link() {
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "untouched").unwrap();
+    let data = dir.path().join("data/p");
+    let mut host = ProcessHost::new(&data, &["echo"], &[], Arc::new(MemoryChildRecords::default()));
+    std::fs::create_dir_all(data.join("logs")).unwrap();
+    std::os::unix::fs::symlink(&victim, data.join("logs/vm.log")).unwrap();
+    let spawned = host.view().spawn("vm".into(), "echo".into(), strings(&["appended"]), vec![]).await.unwrap();
+    assert!(matches!(&spawned, Err(BrokerError::AccessDenied(m)) if m.contains("link")), "{spawned:?}");
+    // And a link in place of the logs directory itself.
+    std::fs::remove_dir_all(data.join("logs")).unwrap();
+    std::os::unix::fs::symlink(dir.path(), data.join("logs")).unwrap();
+    let spawned = host.view().spawn("victim".into(), "echo".into(), strings(&["appended"]), vec![]).await.unwrap();
+    assert!(spawned.is_err(), "{spawned:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "untouched");
 }

@@ -283,3 +283,83 @@ async fn calls_arriving_together_on_a_half_open_provider_share_one_reobserve() {
     assert_eq!(all.outcome(Outcome::Unavailable), 6);
     assert_eq!(all.outcome(Outcome::Deadline), 3, "two that tripped it and a single re-observe, not six");
 }
+
+/// Instance ids are checked where the host takes them (issue 14, attack 4): a
+/// start whose id is not printable, or is another provider's, is refused naming
+/// the provider and why, and nothing is recorded; such `all-instances` entries are
+/// dropped from listings and reported by reconcile, while the valid ones stay.
+#[tokio::test]
+async fn a_provider_cannot_return_an_unprintable_id_or_another_providers_id() {
+    use broker_host::broker::Broker;
+    use broker_host::broker::service::{BrokerServiceError, empty_params};
+    use broker_tests::write_manifest;
+
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::open(&dir.path().join("data")).unwrap();
+    let fake = write_manifest(dir.path(), "fake", "fake", &fake_manifest_extra("pooled"));
+    broker.registry().add(&fake).await.unwrap();
+    let hostile = write_manifest(dir.path(), "hostile", "test-hostile", "[grants]\nkv = true\n");
+    broker.registry().add(&hostile).await.unwrap();
+    let hooks = CallHooks::default();
+    let theirs = broker.start_instance("fake", &empty_params(), &hooks).await.unwrap().id;
+    let kv = broker.store().kv();
+    let stopped = || -> Vec<String> {
+        let bytes = kv.get("hostile", "stopped").unwrap().unwrap_or_default();
+        String::from_utf8(bytes).unwrap().split_terminator('\0').map(str::to_owned).collect()
+    };
+
+    let forged = "\x1b[2J\nforged";
+    kv.set("hostile", "start-id", forged.as_bytes()).unwrap();
+    let err = broker.start_instance("hostile", &empty_params(), &hooks).await.unwrap_err();
+    assert!(matches!(err, BrokerServiceError::InvalidInstanceId { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(r#"provider hostile returned an unusable instance id "\x1b[2J\nforged": it has the control character U+001B at byte 0"#),
+        "{text}"
+    );
+    assert!(!text.contains('\x1b') && !text.contains('\n'), "{text:?}");
+    assert_eq!(stopped(), [forged], "an instance the host cannot record is stopped again");
+
+    kv.set("hostile", "start-id", theirs.as_bytes()).unwrap();
+    let err = broker.start_instance("hostile", &empty_params(), &hooks).await.unwrap_err();
+    assert!(matches!(err, BrokerServiceError::InstanceIdTaken { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!(
+            "provider hostile returned instance id \"{theirs}\", which is recorded for provider fake"
+        )),
+        "{text}"
+    );
+    assert_eq!(stopped(), [forged], "another provider's id is not stopped");
+    assert!(broker.store().instances(Some("hostile")).unwrap().is_empty(), "nothing was recorded");
+    assert_eq!(broker.provider_of(&theirs).unwrap(), "fake", "stopping it is not made ambiguous");
+
+    kv.set("hostile", "start-id", b"hostile-1").unwrap();
+    assert_eq!(broker.start_instance("hostile", &empty_params(), &hooks).await.unwrap().id, "hostile-1");
+
+    kv.set("hostile", "mode", b"ids").unwrap();
+    let reported = format!("hostile-1\0{forged}\0{theirs}\0has space\0{}\0hostile-2", "x".repeat(256));
+    kv.set("hostile", "ids", reported.as_bytes()).unwrap();
+    let listed = broker.list_instances(None).await.unwrap();
+    let listed: Vec<(&str, &str)> = listed.iter().map(|r| (r.provider.as_str(), r.id.as_str())).collect();
+    assert_eq!(listed, [("fake", theirs.as_str()), ("hostile", "hostile-1"), ("hostile", "hostile-2")]);
+
+    let reconciled = broker.reconcile().await;
+    let found = reconciled.iter().find(|r| r.provider == "hostile").unwrap();
+    assert_eq!(found.error, None);
+    assert_eq!(found.unknown_to_host, ["hostile-2"], "valid entries stay visible");
+    assert!(found.vanished.is_empty());
+    assert_eq!(found.refused.len(), 4, "{:?}", found.refused);
+    let summary = found.summary();
+    for why in [
+        r#""\x1b[2J\nforged" (it has the control character U+001B at byte 0"#,
+        &format!("\"{theirs}\" (it is recorded for provider fake)"),
+        r#""has space" (it has the whitespace U+0020 at byte 3"#,
+        "(256 bytes) (it is 256 bytes long; at most 255 are allowed)",
+    ] {
+        assert!(summary.contains(why), "{why} in {summary}");
+    }
+    let events = broker.store().events(0, 100).unwrap();
+    let event = events.iter().find(|e| e.kind == "reconciled" && e.provider == "hostile").unwrap();
+    assert!(event.detail.contains("refused ids") && !event.detail.contains('\x1b'), "{:?}", event.detail);
+}

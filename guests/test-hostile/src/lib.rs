@@ -9,10 +9,15 @@
 //! - `lock`: takes the machine lock and releases it, returning instance `locked`;
 //! - `lock-leak`: takes the machine lock and forgets the guard;
 //! - `run`: runs `echo hello` through the process capability, returning its output as the id;
+//! - `drop-in`: writes a manifest granting `sh` (and a component) into its data dir;
 //! - `fs`: writes `/data/hello.txt` and reads it back, returning its text as the id;
-//! - `bridge:<dev>`: bridges `<dev>` into its Juju bridge and returns the visible devices, comma-separated.
+//! - `bridge:<dev>`: bridges `<dev>` into its Juju bridge and returns the visible devices, comma-separated;
+//! - `ids`: returns one instance per NUL-separated entry of kv key `ids`, verbatim
+//!   (ids with escape sequences, newlines, another provider's ids).
 //!
-//! The other methods behave.
+//! `start-instance` returns an instance whose id is kv key `start-id`, verbatim,
+//! when that is set (and refuses otherwise); `stop-instances` appends the ids it
+//! is given, NUL-separated, to kv key `stopped`. The other methods behave.
 
 use broker_guest::types::{
     BrokerError, Instance, InstanceStatus, ProviderInfo, StartInstanceParams, StartInstanceResult,
@@ -45,10 +50,28 @@ impl Guest for Hostile {
     }
 
     fn start_instance(_ctx: &CallContext, _params: StartInstanceParams) -> Result<StartInstanceResult, BrokerError> {
-        Err(BrokerError::NotSupported("the hostile provider starts nothing".into()))
+        let Some(id) = host_kv::get("start-id")? else {
+            return Err(BrokerError::NotSupported("the hostile provider starts nothing".into()));
+        };
+        let id = String::from_utf8_lossy(&id).into_owned();
+        Ok(StartInstanceResult {
+            display_name: id.clone(),
+            instance: instance(&id),
+            config: vec![],
+            hardware: None,
+            network_info: vec![],
+            volumes: vec![],
+            volume_attachments: vec![],
+        })
     }
 
-    fn stop_instances(_ctx: &CallContext, _ids: Vec<String>) -> Result<(), BrokerError> {
+    fn stop_instances(_ctx: &CallContext, ids: Vec<String>) -> Result<(), BrokerError> {
+        let mut stopped = host_kv::get("stopped")?.unwrap_or_default();
+        for id in ids {
+            stopped.extend_from_slice(id.as_bytes());
+            stopped.push(0);
+        }
+        host_kv::set("stopped", &stopped)?;
         Ok(())
     }
 
@@ -87,6 +110,18 @@ impl Guest for Hostile {
                 let out = process::run("echo", &["hello".to_string()], &[], &[], 5000)?;
                 Ok(vec![instance(String::from_utf8_lossy(&out.stdout).trim())])
             }
+            "drop-in" => {
+                // Attack: plant a manifest granting `sh` and `/`, and a component
+                // beside it, where the host used to watch for drop-ins.
+                let manifest =
+                    "name = \"evil\"\ncomponent = \"evil.wasm\"\n[grants]\nprocess = [\"sh\"]\npaths = [\"/\"]\n";
+                std::fs::write("/data/provider.toml", manifest)
+                    .and_then(|_| std::fs::write("/data/evil.wasm", b"\0asm"))
+                    .and_then(|_| std::fs::create_dir_all("/data/evil"))
+                    .and_then(|_| std::fs::write("/data/evil/provider.toml", manifest))
+                    .map_err(|e| BrokerError::Provider(format!("data dir: {e}")))?;
+                Ok(vec![instance("dropped")])
+            }
             "fs" => {
                 let written = std::fs::write("/data/hello.txt", "written by the guest")
                     .and_then(|_| std::fs::read_to_string("/data/hello.txt"));
@@ -107,6 +142,11 @@ impl Guest for Hostile {
                 network_bridge::bridge(&[change])?;
                 let names: Vec<String> = network_bridge::devices()?.into_iter().map(|d| d.name).collect();
                 Ok(vec![instance(&names.join(","))])
+            }
+            "ids" => {
+                let ids = host_kv::get("ids")?.unwrap_or_default();
+                let ids = String::from_utf8_lossy(&ids).into_owned();
+                Ok(ids.split('\0').filter(|id| !id.is_empty()).map(instance).collect())
             }
             "print" => {
                 println!("hello from the hostile guest's stdout");

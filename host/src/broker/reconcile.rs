@@ -18,6 +18,10 @@ pub struct Reconciled {
     pub unknown_to_host: Vec<String>,
     /// Recorded by the host, no longer reported by the provider.
     pub vanished: Vec<String>,
+    /// Reported by the provider with an id the host does not take (not a valid
+    /// id, or another provider's), escaped, with why; left out of the above.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<String>,
     /// The provider could not be asked at all.
     pub error: Option<String>,
 }
@@ -37,6 +41,9 @@ impl Reconciled {
         }
         if !self.vanished.is_empty() {
             parts.push(format!("vanished: {}", self.vanished.join(", ")));
+        }
+        if !self.refused.is_empty() {
+            parts.push(format!("refused ids: {}", self.refused.join(", ")));
         }
         parts.join("; ")
     }
@@ -82,8 +89,11 @@ impl Broker {
             Ok(wasm) => wasm.all_instances(&CallHooks::default()).await.map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };
-        let live = match live {
-            Ok(live) => live,
+        let live = match live.and_then(|live| self.screen_reported(name, live).map_err(|e| e.to_string())) {
+            Ok((live, refused)) => {
+                found.refused = refused;
+                live
+            }
             Err(e) => return Reconciled { error: Some(e), ..found },
         };
         found.unknown_to_host =

@@ -8,7 +8,8 @@ use crate::capabilities::machine_lock::{LockError, MachineLock};
 use crate::capabilities::network_bridge::netlink::Netlink;
 use crate::providers::{Registry, RegistryError};
 use crate::runtime::{HostCapabilities, Runtime, RuntimeError};
-use crate::store::records::{Hardware, now_rfc3339, status_name};
+use crate::sandbox::{Sandbox, SandboxConfig, UidAllocations};
+use crate::store::records::{Hardware, id_for_message, instance_id_problem, now_rfc3339, status_name};
 use crate::store::{Store, StoreError};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -38,6 +39,14 @@ pub enum BrokerServiceError {
     AmbiguousInstance { id: String, providers: String },
     #[error("provider {provider}: started {id} but could not record it ({source}); the instance was stopped again")]
     RecordFailed { provider: String, id: String, source: StoreError },
+    #[error(
+        "provider {provider} returned an unusable instance id {id}: {reason}; nothing was recorded and the instance was stopped again"
+    )]
+    InvalidInstanceId { provider: String, id: String, reason: String },
+    #[error(
+        "provider {provider} returned instance id {id}, which is recorded for provider {owner}; nothing was recorded, and the instance was not stopped, as the id may name {owner}'s instance"
+    )]
+    InstanceIdTaken { provider: String, id: String, owner: String },
 }
 
 pub struct Broker {
@@ -52,6 +61,10 @@ pub struct Broker {
 /// ```toml
 /// [bridges]          # bridge name -> the host device it is made over
 /// br-lan = "eth0"
+/// [sandbox]          # how granted programs are confined (all optional)
+/// bwrap = "/usr/bin/bwrap"
+/// uid-base = 2000000000   # per-provider users: uid-base + n, never reused
+/// # user = 64000          # or one user for every provider's programs
 /// ```
 /// A bridge not listed here is made over the device whose Juju bridge name it is
 /// (`br-eth0` over `eth0`).
@@ -60,7 +73,14 @@ pub struct Broker {
 pub struct HostConfig {
     #[serde(default)]
     pub bridges: BTreeMap<String, String>,
+    /// How granted programs are confined (`[sandbox]`: `bwrap`, `user`, `uid-base`).
+    #[serde(default)]
+    pub sandbox: SandboxConfig,
 }
+
+/// Providers' data dirs live in `DATA_DIR/data/<name>`: apart from every
+/// directory the host loads manifests or components from.
+pub const DATA_DIRS: &str = "data";
 
 impl HostConfig {
     pub fn load(data_dir: &Path) -> Result<HostConfig, BrokerServiceError> {
@@ -81,6 +101,7 @@ impl Broker {
         let runtime = Runtime::new(Some(&data_dir.join("cache")))?;
         let machine_lock = machine_lock(data_dir)?;
         let host = HostConfig::load(data_dir)?;
+        crate::providers::data_dirs::move_out_of_providers_dir(&store);
         Ok(Broker::with_parts(runtime, store, machine_lock, host))
     }
 
@@ -88,7 +109,8 @@ impl Broker {
         let capabilities = HostCapabilities {
             kv: store.kv(),
             machine_lock: Some(machine_lock.clone()),
-            providers_dir: store.data_dir().join("providers"),
+            data_dirs: store.data_dir().join(DATA_DIRS),
+            sandbox: Sandbox::new(host.sandbox.clone(), Some(store.clone() as Arc<dyn UidAllocations>)),
             child_records: store.child_records(),
             live_children: Arc::default(),
             egress_world: Default::default(),
@@ -123,6 +145,13 @@ impl Broker {
         self.prepare_host(params, hooks).await?;
         let result = wasm.start_instance(hooks, params).await?;
         let instance = &result.instance;
+        if let Some(reason) = instance_id_problem(&instance.id) {
+            // An instance the host cannot record is stopped, as below; the provider
+            // gets back the id it chose.
+            let _ = wasm.stop_instances(&CallHooks::default(), std::slice::from_ref(&instance.id)).await;
+            let (provider, id) = (provider.to_owned(), id_for_message(&instance.id));
+            return Err(BrokerServiceError::InvalidInstanceId { provider, id, reason });
+        }
         tracing::Span::current().record("instance_id", instance.id.as_str());
         let record = InstanceRecord {
             id: instance.id.clone(),
@@ -136,12 +165,21 @@ impl Broker {
             created: now_rfc3339(),
             params: Some(params.clone()),
         };
-        if let Err(source) = self.store.put_instance(&record) {
-            // As Juju's provisioner does: an instance the host cannot record is stopped.
-            let _ = wasm.stop_instances(&CallHooks::default(), std::slice::from_ref(&record.id)).await;
-            return Err(BrokerServiceError::RecordFailed { provider: provider.to_owned(), id: record.id, source });
+        match self.store.put_new_instance(&record) {
+            Ok(None) => Ok(record),
+            // Not stopped: the id may well name the other provider's instance (two
+            // providers over one backend), and stopping it there would be worse.
+            Ok(Some(owner)) => Err(BrokerServiceError::InstanceIdTaken {
+                provider: provider.to_owned(),
+                id: id_for_message(&record.id),
+                owner,
+            }),
+            Err(source) => {
+                // As Juju's provisioner does: an instance the host cannot record is stopped.
+                let _ = wasm.stop_instances(&CallHooks::default(), std::slice::from_ref(&record.id)).await;
+                Err(BrokerServiceError::RecordFailed { provider: provider.to_owned(), id: record.id, source })
+            }
         }
-        Ok(record)
     }
 
     /// HostPreparer, when the network info hangs off host bridges.
@@ -206,6 +244,10 @@ impl Broker {
                 Err(e) => return Err(e.into()),
             };
             let live = wasm.all_instances(&CallHooks::default()).await?;
+            let (live, refused) = self.screen_reported(&name, live)?;
+            for why in &refused {
+                tracing::warn!(provider = %name, refused = %why, "dropped an instance the provider reported");
+            }
             let mut records = self.store.instances(Some(&name))?;
             for instance in &live {
                 match records.iter().position(|r| r.id == instance.id) {
@@ -226,6 +268,35 @@ impl Broker {
         }
         out.sort_by(|a, b| (&a.provider, &a.id).cmp(&(&b.provider, &b.id)));
         Ok(out)
+    }
+
+    /// Split what a provider's `all-instances` reported into the instances the
+    /// host takes and, for the others, why not: an id that is not a valid id
+    /// ([`instance_id_problem`]), or one recorded for another provider and not for
+    /// this one. Those are dropped (and the caller warns) rather than failing the
+    /// whole answer: one bad entry must not hide the provider's other instances,
+    /// nor every other provider's in a listing of all, and it could be neither
+    /// shown safely nor acted on.
+    pub fn screen_reported(
+        &self,
+        provider: &str,
+        live: Vec<Instance>,
+    ) -> Result<(Vec<Instance>, Vec<String>), BrokerServiceError> {
+        let records = self.store.instances(None)?;
+        let (mut kept, mut refused) = (Vec::with_capacity(live.len()), Vec::new());
+        for instance in live {
+            let owners = || records.iter().filter(|r| r.id == instance.id);
+            let why = match instance_id_problem(&instance.id) {
+                Some(problem) => Some(problem),
+                None if owners().any(|r| r.provider == provider) => None,
+                None => owners().next().map(|r| format!("it is recorded for provider {}", r.provider)),
+            };
+            match why {
+                None => kept.push(instance),
+                Some(why) => refused.push(format!("{} ({why})", id_for_message(&instance.id))),
+            }
+        }
+        Ok((kept, refused))
     }
 }
 

@@ -34,6 +34,10 @@ pub enum LoadError {
     Grant { provider: String, source: PolicyError },
     #[error("provider {provider}: cannot make its data dir {path}: {source}")]
     DataDir { provider: String, path: String, source: std::io::Error },
+    #[error("provider {provider}: {reason}")]
+    InDataDir { provider: String, reason: String },
+    #[error("provider {provider}: sandbox: {source}")]
+    Sandbox { provider: String, source: crate::sandbox::SandboxError },
 }
 
 /// A warm guest instance.
@@ -78,6 +82,11 @@ impl WasmProvider {
         manifest: Manifest,
         capabilities: HostCapabilities,
     ) -> Result<WasmProvider, LoadError> {
+        // Checked before anything is read: a provider can write its data dir.
+        for loaded in [&manifest.path, &manifest.component] {
+            crate::providers::data_dirs::check_loadable(loaded, &capabilities.data_dirs)
+                .map_err(|reason| LoadError::InDataDir { provider: manifest.name.clone(), reason })?;
+        }
         let (bytes, sha256) = manifest.read_component()?;
         let component = runtime.compile(&manifest.component, &bytes)?;
         let provider = manifest.name.clone();
@@ -390,7 +399,7 @@ impl WasmProvider {
 /// lock only with its grant, programs resolved now, a data dir of its own.
 fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabilities, LoadError> {
     let provider = manifest.name.clone();
-    let data_dir = host.providers_dir.join(&manifest.name);
+    let data_dir = host.data_dirs.join(&manifest.name);
     std::fs::create_dir_all(&data_dir).map_err(|source| LoadError::DataDir {
         provider: provider.clone(),
         path: data_dir.display().to_string(),
@@ -400,13 +409,36 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
     let process = if grants.process.is_empty() {
         None
     } else {
+        // Arguments may name granted paths, read-only or read-write.
+        let paths = [grants.paths.clone(), grants.paths_rw.clone()].concat();
+        let grant_error = |source| LoadError::Grant { provider: provider.clone(), source };
+        let sandbox_error = |source| LoadError::Sandbox { provider: provider.clone(), source };
         let policy = match host.process_world {
-            ProcessWorld::Simulated(_) => ProcessPolicy::unresolved(&grants.process, &grants.paths, &data_dir),
-            ProcessWorld::Host | ProcessWorld::Record(_) => {
-                ProcessPolicy::resolve(&grants.process, &grants.paths, &data_dir)
-            }
+            ProcessWorld::Simulated(_) => ProcessPolicy::unresolved(&grants.process, &paths, &data_dir),
+            ProcessWorld::Host | ProcessWorld::Record(_) => ProcessPolicy::resolve(&grants.process, &paths, &data_dir),
         }
-        .map_err(|source| LoadError::Grant { provider, source })?;
+        .map_err(grant_error)?
+        .with_env(&grants.env)
+        .map_err(sandbox_error)?;
+        let policy = match host.process_world {
+            ProcessWorld::Simulated(_) => policy,
+            ProcessWorld::Host | ProcessWorld::Record(_) => {
+                let confinement = host
+                    .sandbox
+                    .confine(
+                        &manifest.name,
+                        &crate::sandbox::Grants {
+                            data_dir: &data_dir,
+                            paths: &grants.paths,
+                            paths_rw: &grants.paths_rw,
+                            devices: &grants.devices,
+                            share_net: grants.bridge.is_some(),
+                        },
+                    )
+                    .map_err(sandbox_error)?;
+                policy.confined(confinement)
+            }
+        };
         Some(Arc::new(policy))
     };
     let host = HostCapabilities { machine_lock: host.machine_lock.filter(|_| grants.machine_lock), ..host };

@@ -2,7 +2,7 @@
 
 use super::UsageError;
 use crate::broker::service::machine_lock;
-use crate::capabilities::machine_lock::{MachineLock, Spec};
+use crate::capabilities::machine_lock::{LockError, MachineLock, Spec};
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use std::io::Write;
@@ -77,7 +77,11 @@ pub async fn run(data_dir: &Path, args: LockArgs, out: &mut impl Write) -> Resul
                 }
             });
             let spec = Spec { worker, comment, timeout: Some(timeout), abort: Some(abort) };
-            let mut guard = lock.acquire(spec).await.context("cannot take the machine lock")?;
+            let mut guard = match lock.acquire(spec).await {
+                // A worker or comment the lock refuses is how the command was called.
+                Err(e @ LockError::InvalidSpec(_)) => return Err(UsageError(e.to_string()).into()),
+                acquired => acquired.context("cannot take the machine lock")?,
+            };
             let (name, args) = program.split_first().expect("clap requires PROGRAM");
             let mut command = std::process::Command::new(name);
             command.args(args);
@@ -93,5 +97,33 @@ pub async fn run(data_dir: &Path, args: LockArgs, out: &mut impl Write) -> Resul
                 (None, None) => 1,
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_worker_with_a_newline_is_a_usage_error_and_runs_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("ran");
+        let run_args = |worker: &str| LockArgs {
+            command: Some(LockCommand::Run {
+                worker: worker.into(),
+                comment: "c".into(),
+                timeout: std::time::Duration::ZERO,
+                program: vec!["touch".into(), marker.display().to_string()],
+            }),
+            group: None,
+            json: false,
+            history: 20,
+        };
+        let err = run(dir.path(), run_args("w\nforged"), &mut Vec::new()).await.unwrap_err();
+        let usage = err.downcast_ref::<UsageError>().map(|e| e.0.clone()).unwrap_or_default();
+        assert!(usage.contains("worker must be printable"), "{err:#}");
+        assert!(!marker.exists(), "the program must not run");
+        assert_eq!(run(dir.path(), run_args("w"), &mut Vec::new()).await.unwrap(), 0);
+        assert!(marker.exists());
     }
 }

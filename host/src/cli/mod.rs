@@ -325,7 +325,9 @@ async fn provider(backend: &Backend, command: ProviderCommand, out: &mut impl Wr
                 .add_provider(&manifest)
                 .await
                 .with_context(|| format!("cannot add provider from {}", manifest.display()))?;
-            writeln!(out, "added provider {} {} (sha256 {})", record.name, record.version, record.component_sha256)?;
+            let text =
+                format!("added provider {} {} (sha256 {})", record.name, record.version, record.component_sha256);
+            output::line(out, &text)?;
         }
         ProviderCommand::List { json } => {
             let records = backend.list_providers().await?;
@@ -349,20 +351,20 @@ async fn provider(backend: &Backend, command: ProviderCommand, out: &mut impl Wr
             if json {
                 writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
             } else {
-                writeln!(
-                    out,
+                let text = format!(
                     "swapped provider {name}: {} ({}) -> {} ({}){}",
                     report.old_version,
                     &report.old_sha256[..12],
                     report.new_version,
                     &report.new_sha256[..12],
                     if report.checked { ", conformance passed" } else { "" }
-                )?;
+                );
+                output::line(out, &text)?;
             }
         }
         ProviderCommand::Remove { name } => {
             backend.remove_provider(&name).await.with_context(|| format!("cannot remove provider {name}"))?;
-            writeln!(out, "removed provider {name}")?;
+            output::line(out, &format!("removed provider {name}"))?;
         }
     }
     Ok(())
@@ -388,7 +390,8 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
             if args.json {
                 writeln!(out, "{}", serde_json::to_string_pretty(&output::InstanceView::from(&record))?)?;
             } else {
-                writeln!(out, "started {} ({}): {}", record.id, record.provider, record.hardware.juju_text())?;
+                let text = format!("started {} ({}): {}", record.id, record.provider, record.hardware.juju_text());
+                output::line(out, &text)?;
             }
         }
         InstanceCommand::List { provider, json } => {
@@ -403,7 +406,7 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
         InstanceCommand::Stop { ids, provider } => {
             for (owner, ids) in backend.stop_instances(ids, provider.as_deref()).await? {
                 for id in ids {
-                    writeln!(out, "stopped {id} ({owner})")?;
+                    output::line(out, &format!("stopped {id} ({owner})"))?;
                 }
             }
         }
@@ -412,7 +415,7 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
                 .maintain_instance(&id, provider.as_deref())
                 .await
                 .with_context(|| format!("cannot maintain {id}"))?;
-            writeln!(out, "maintained {id} ({owner})")?;
+            output::line(out, &format!("maintained {id} ({owner})"))?;
         }
     }
     Ok(())

@@ -1,8 +1,12 @@
-//! How the CLI shows providers, instances and progress.
+//! How the CLI shows providers, instances and progress. Text a provider chose
+//! (ids, names, versions, status messages, errors, events) is printed with control
+//! characters escaped ([`escape_unprintable`]), so that it cannot forge lines or
+//! drive the terminal; `--json` output is escaped by serde.
 
 use super::describe_event;
 use crate::capabilities::context::CallEvent;
 use crate::daemon::wire::StartLine;
+use crate::error_text::escape_unprintable as esc;
 use crate::providers::view::ProviderView;
 use crate::store::records::Hardware;
 use crate::store::{InstanceRecord, ProviderRecord};
@@ -43,11 +47,16 @@ impl From<&InstanceRecord> for InstanceView {
     }
 }
 
+/// One line of text, escaped.
+pub fn line(out: &mut impl Write, text: &str) -> std::io::Result<()> {
+    writeln!(out, "{}", esc(text))
+}
+
 pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Result<()> {
-    writeln!(out, "name:       {}", v.name)?;
-    writeln!(out, "version:    {}", v.version)?;
-    writeln!(out, "manifest:   {}", v.manifest)?;
-    writeln!(out, "component:  {} (sha256 {})", v.component, v.component_sha256)?;
+    writeln!(out, "name:       {}", esc(&v.name))?;
+    writeln!(out, "version:    {}", esc(&v.version))?;
+    writeln!(out, "manifest:   {}", esc(&v.manifest))?;
+    writeln!(out, "component:  {} (sha256 {})", esc(&v.component), esc(&v.component_sha256))?;
     let isolation = serde_json::to_value(v.isolation).ok().and_then(|i| i.as_str().map(str::to_owned));
     writeln!(out, "isolation:  {}", isolation.unwrap_or_default())?;
     writeln!(
@@ -60,7 +69,8 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
         writeln!(out, "  {method:<18} {deadline}")?;
     }
     let yes_no = |granted: bool| if granted { "granted" } else { "denied" };
-    let list = |items: &[String]| if items.is_empty() { "denied".to_owned() } else { items.join(", ") };
+    let list =
+        |items: &[String]| if items.is_empty() { "denied".to_owned() } else { esc(&items.join(", ")).into_owned() };
     writeln!(out, "grants:")?;
     writeln!(out, "  {:<18} {}", "kv", yes_no(v.grants.kv))?;
     writeln!(out, "  {:<18} {}", "log", yes_no(v.grants.log))?;
@@ -71,7 +81,7 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
     writeln!(out, "  {:<18} {}", "bridge devices", list(&v.grants.bridge_devices))?;
     writeln!(out, "  {:<18} {}", "bridge bridges", list(&v.grants.bridge_bridges))?;
     writeln!(out, "  {:<18} {}", "http", list(&v.grants.http))?;
-    writeln!(out, "config:     {}", v.config)?;
+    writeln!(out, "config:     {}", esc(&v.config.to_string()))?;
     match &v.breaker {
         Some(b) if b.half_open => {
             writeln!(out, "breaker:    half-open ({} trips): the next call re-observes first", b.trips)
@@ -118,12 +128,13 @@ impl Progress {
                 let line = serde_json::to_string(&StartLine::from(event.clone())).unwrap_or_default();
                 writeln!(err, "{line}")
             }
-            ProgressStyle::Lines => writeln!(err, "[{}] {}", self.provider, describe_event(event)),
+            ProgressStyle::Lines => line(&mut err, &format!("[{}] {}", self.provider, describe_event(event))),
             ProgressStyle::Live => {
                 self.live.store(true, std::sync::atomic::Ordering::Relaxed);
                 let elapsed = self.started.elapsed().as_secs_f64();
-                write!(err, "\r\x1b[2K[{}] {} ({elapsed:.1}s)", self.provider, describe_event(event))
-                    .and_then(|()| err.flush())
+                let text = format!("[{}] {}", self.provider, describe_event(event));
+                // Only the host's own sequence (return, clear the line) reaches the terminal.
+                write!(err, "\r\x1b[2K{} ({elapsed:.1}s)", esc(&text)).and_then(|()| err.flush())
             }
         };
     }
@@ -137,8 +148,10 @@ impl Progress {
 }
 
 fn table(out: &mut impl Write, header: &[&str], rows: &[Vec<String>]) -> std::io::Result<()> {
+    let rows: Vec<Vec<String>> =
+        rows.iter().map(|row| row.iter().map(|cell| esc(cell).into_owned()).collect()).collect();
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
-    for row in rows {
+    for row in &rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.len());
         }
@@ -148,7 +161,7 @@ fn table(out: &mut impl Write, header: &[&str], rows: &[Vec<String>]) -> std::io
         padded.join("  ").trim_end().to_owned()
     };
     writeln!(out, "{}", line(header.to_vec()))?;
-    for row in rows {
+    for row in &rows {
         writeln!(out, "{}", line(row.iter().map(String::as_str).collect()))?;
     }
     Ok(())
@@ -189,7 +202,72 @@ pub fn event_lines(out: &mut impl Write, events: &[crate::store::Event]) -> std:
             (None, None) => String::new(),
         };
         let detail = if e.detail.is_empty() { String::new() } else { format!(": {}", e.detail) };
-        writeln!(out, "{:>5} {} {:<12} {}{versions}{detail}", e.seq, e.time, e.kind, e.provider)?;
+        line(out, &format!("{:>5} {} {:<12} {}{versions}{detail}", e.seq, e.time, e.kind, e.provider))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::providers::Manifest;
+
+    const HOSTILE: &str = "\x1b[2J\n\rforged\x07\u{9b}31m";
+
+    fn assert_inert(text: &str) {
+        let controls: Vec<char> =
+            text.chars().filter(|c| *c != '\n' && crate::error_text::is_unprintable(*c)).collect();
+        assert!(controls.is_empty(), "raw {controls:?} in {text:?}");
+        assert!(!text.lines().any(|l| l.trim_start_matches('\r').starts_with("forged")), "a forged line in {text:?}");
+        assert!(text.contains(r"\x1b[2J\n\rforged\x07\x9b31m"), "{text:?}");
+    }
+
+    fn printed(write: impl FnOnce(&mut Vec<u8>) -> std::io::Result<()>) -> String {
+        let mut out = Vec::new();
+        write(&mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn instance_tables_and_lines_escape_what_providers_chose() {
+        let view = InstanceView {
+            id: HOSTILE.into(),
+            provider: "hostile".into(),
+            status: "running".into(),
+            message: String::new(),
+            display_name: String::new(),
+            hardware: Hardware { availability_zone: Some(HOSTILE.into()), ..Default::default() },
+            tags: vec![],
+            addresses: vec![],
+            created: String::new(),
+        };
+        let text = printed(|out| instance_table(out, &[view]));
+        assert_inert(&text);
+        assert_eq!(text.lines().count(), 2, "a header and one row: {text:?}");
+        assert_inert(&printed(|out| line(out, &format!("started {HOSTILE} (hostile)"))));
+    }
+
+    #[test]
+    fn provider_details_and_events_escape_what_providers_chose() {
+        let manifest = Manifest::parse(std::path::Path::new("/p/provider.toml"), "name = \"x\"\ncomponent = \"x\"\n");
+        // From JSON, as the store and the daemon give it (optional fields left out).
+        let record: ProviderRecord = serde_json::from_value(serde_json::json!({
+            "name": "x",
+            "manifest": "/p/provider.toml",
+            "component-sha256": "0".repeat(64),
+            "version": HOSTILE,
+            "added": "",
+        }))
+        .unwrap();
+        let view = ProviderView::new(&record, &manifest.unwrap());
+        assert_inert(&printed(|out| provider_details(out, &view)));
+        assert_inert(&printed(|out| provider_table(out, std::slice::from_ref(&record))));
+
+        let mut event = crate::store::Event::new("swap-refused", "x");
+        event.new_version = Some(HOSTILE.into());
+        event.detail = format!("validate-config failed: {HOSTILE}");
+        let text = printed(|out| event_lines(out, &[event]));
+        assert_inert(&text);
+        assert_eq!(text.lines().count(), 1, "{text:?}");
+    }
 }

@@ -73,10 +73,12 @@ impl Report {
     }
 
     pub fn text(&self) -> String {
-        let mut out = format!("provider {} {}\n", self.provider, self.version);
+        // What the provider said (its version, errors, host calls) is escaped: one line each.
+        use crate::error_text::escape_unprintable as esc;
+        let mut out = format!("provider {} {}\n", esc(&self.provider), esc(&self.version));
         for case in &self.cases {
             let mark = if case.passed { "ok  " } else { "FAIL" };
-            out.push_str(&format!("{mark} {:<40} {}\n", case.name, case.detail));
+            out.push_str(&format!("{mark} {:<40} {}\n", case.name, esc(&case.detail)));
             if !case.passed {
                 // What the provider asked of the host on its way to the failure, the last of it.
                 let skipped = case.trace.len().saturating_sub(TRACE_SHOWN);
@@ -84,7 +86,7 @@ impl Report {
                     out.push_str(&format!("       … {skipped} earlier host calls\n"));
                 }
                 for call in &case.trace[skipped..] {
-                    out.push_str(&format!("       {call}\n"));
+                    out.push_str(&format!("       {}\n", esc(&call.to_string())));
                 }
             }
         }
@@ -165,7 +167,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     let caps = HostCapabilities {
         kv: Arc::new(MemoryKv::default()),
         machine_lock: Some(lock),
-        providers_dir: scratch.path().join("providers"),
+        data_dirs: scratch.path().join("data"),
+        sandbox: Default::default(),
         child_records: Arc::new(MemoryChildRecords::default()),
         live_children: live_children.clone(),
         egress_world,

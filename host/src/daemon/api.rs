@@ -54,7 +54,8 @@ fn registry_status(err: &RegistryError) -> StatusCode {
         RegistryError::Path { .. } | RegistryError::Candidate { .. } | RegistryError::Load(_) => {
             StatusCode::UNPROCESSABLE_ENTITY
         }
-        RegistryError::ConfigRejected { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+        RegistryError::ConfigRejected { .. } | RegistryError::InDataDir(_) => StatusCode::UNPROCESSABLE_ENTITY,
+        RegistryError::GrantsWidened { .. } => StatusCode::CONFLICT,
         RegistryError::Call(_) => StatusCode::BAD_GATEWAY,
         RegistryError::Removing(_) | RegistryError::DrainTimeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
         RegistryError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -73,6 +74,10 @@ impl From<BrokerServiceError> for ApiError {
             BrokerServiceError::Registry(e) => registry_status(e),
             BrokerServiceError::UnknownInstance(_) => StatusCode::NOT_FOUND,
             BrokerServiceError::AmbiguousInstance { .. } => StatusCode::CONFLICT,
+            // The provider answered with an id the host does not take.
+            BrokerServiceError::InvalidInstanceId { .. } | BrokerServiceError::InstanceIdTaken { .. } => {
+                StatusCode::BAD_GATEWAY
+            }
             BrokerServiceError::Call(CallError::Unavailable { .. }) => StatusCode::SERVICE_UNAVAILABLE,
             BrokerServiceError::Call(call) => match call.broker_error() {
                 Some(BrokerError::InvalidParams(_)) => StatusCode::BAD_REQUEST,

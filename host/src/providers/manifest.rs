@@ -208,9 +208,21 @@ pub struct Grants {
     /// Programs the provider may run (names on the host's PATH, or absolute paths).
     #[serde(default)]
     pub process: Vec<String>,
-    /// Host paths (read by granted programs, e.g. base images) that arguments may name.
+    /// Host paths (read by granted programs, e.g. base images) that arguments may
+    /// name; bound read-only into the programs' sandbox.
     #[serde(default)]
     pub paths: Vec<PathBuf>,
+    /// Host paths bound read-write into the programs' sandbox.
+    #[serde(default)]
+    pub paths_rw: Vec<PathBuf>,
+    /// Device nodes the programs may open (`/dev/kvm`, `/dev/net/tun`); the
+    /// provider's sandbox user is given read and write on them.
+    #[serde(default)]
+    pub devices: Vec<PathBuf>,
+    /// Environment names the programs may be given besides the base allow-list
+    /// (never `LD_*` or the like: refused at load).
+    #[serde(default)]
+    pub env: Vec<String>,
     /// Connecting to unix sockets inside its own data dir (a VM's QMP monitor).
     #[serde(default)]
     pub local_sockets: bool,
@@ -219,6 +231,40 @@ pub struct Grants {
     pub http: crate::capabilities::http_egress::HttpGrant,
     /// Devices and bridges the provider may bridge, attach to and list.
     pub bridge: Option<crate::capabilities::network_bridge::wit::BridgeGrant>,
+}
+
+impl Grants {
+    /// The first grant this one has that `approved` does not, if any: what an
+    /// operator must approve before it applies.
+    pub fn widening(&self, approved: &Grants) -> Option<String> {
+        let flags = [
+            ("kv", self.kv, approved.kv),
+            ("log", self.log, approved.log),
+            ("machine-lock", self.machine_lock, approved.machine_lock),
+            ("local-sockets", self.local_sockets, approved.local_sockets),
+        ];
+        if let Some((name, _, _)) = flags.iter().find(|(_, now, before)| *now && !before) {
+            return Some(format!("{name} = true"));
+        }
+        let new_item = |now: &[String], before: &[String], what: &str| {
+            now.iter().find(|item| !before.contains(item)).map(|item| format!("{what} {item:?}"))
+        };
+        let paths = |now: &[PathBuf], before: &[PathBuf], what: &str| {
+            now.iter().find(|p| !before.iter().any(|b| p.starts_with(b))).map(|p| format!("{what} {}", p.display()))
+        };
+        new_item(&self.process, &approved.process, "process")
+            .or_else(|| paths(&self.paths, &[approved.paths.clone(), approved.paths_rw.clone()].concat(), "paths"))
+            .or_else(|| paths(&self.paths_rw, &approved.paths_rw, "paths-rw"))
+            .or_else(|| paths(&self.devices, &approved.devices, "devices"))
+            .or_else(|| new_item(&self.env, &approved.env, "env"))
+            .or_else(|| self.http.widening(&approved.http))
+            .or_else(|| match (&self.bridge, &approved.bridge) {
+                (None, _) => None,
+                (Some(_), None) => Some("[grants.bridge]".into()),
+                (Some(now), Some(before)) => new_item(&now.devices, &before.devices, "bridge device")
+                    .or_else(|| new_item(&now.bridges, &before.bridges, "bridge")),
+            })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -251,17 +297,30 @@ pub struct Manifest {
     pub config_json: String,
 }
 
+/// The largest manifest the host reads.
+pub const MAX_MANIFEST_BYTES: u64 = 1 << 20;
+
 impl Manifest {
+    /// Read and parse a manifest. Only a regular file of at most
+    /// [`MAX_MANIFEST_BYTES`] is read: a FIFO, a device or a directory is refused
+    /// before it is opened for reading, and errors never quote a file that is not
+    /// a provider manifest (see [`Manifest::parse`]). The daemon reads as root for
+    /// any API caller, so a path to any file must not answer with its content.
     pub fn load(path: &Path) -> Result<Manifest, ManifestError> {
-        let text = std::fs::read_to_string(path)
+        let text = read_manifest_text(path)
             .map_err(|source| ManifestError::Read { path: path.display().to_string(), source })?;
         Manifest::parse(path, &text)
     }
 
     /// Parse manifest text; `path` locates the component and names errors.
+    ///
+    /// A TOML error is given by line and column. Its message (which may quote a
+    /// key or a value) is added only when the text is TOML with `name` and
+    /// `component` strings, i.e. a provider manifest: any other file's content is
+    /// never quoted.
     pub fn parse(path: &Path, text: &str) -> Result<Manifest, ManifestError> {
         let invalid = |message: String| ManifestError::Invalid { path: path.display().to_string(), message };
-        let raw: RawManifest = toml::from_str(text).map_err(|e| invalid(e.to_string().trim_end().to_owned()))?;
+        let raw: RawManifest = toml::from_str(text).map_err(|e| invalid(toml_error_text(text, &e)))?;
         if raw.name.is_empty()
             || raw.name.len() > 63
             || !raw.name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
@@ -317,6 +376,68 @@ impl Manifest {
             });
         }
         Ok((bytes, actual))
+    }
+}
+
+/// A manifest's text: a regular file (checked before opening and again on the
+/// open file, which is opened non-blocking so a FIFO swapped in cannot hang the
+/// host) of at most [`MAX_MANIFEST_BYTES`] of UTF-8.
+fn read_manifest_text(path: &Path) -> std::io::Result<String> {
+    use std::io::{Error, ErrorKind, Read};
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let check = |metadata: &std::fs::Metadata| {
+        let kind = metadata.file_type();
+        let not = |what: &str| Error::new(ErrorKind::InvalidInput, format!("not a regular file ({what})"));
+        match () {
+            _ if kind.is_file() => {}
+            _ if kind.is_dir() => return Err(not("a directory")),
+            _ if kind.is_fifo() => return Err(not("a FIFO")),
+            _ if kind.is_socket() => return Err(not("a socket")),
+            _ if kind.is_char_device() || kind.is_block_device() => return Err(not("a device")),
+            _ => return Err(not("of another kind")),
+        }
+        if metadata.len() > MAX_MANIFEST_BYTES {
+            return Err(Error::new(ErrorKind::InvalidInput, format!("larger than {MAX_MANIFEST_BYTES} bytes")));
+        }
+        Ok(())
+    };
+    check(&std::fs::metadata(path)?)?;
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits()).open(path)?;
+    check(&file.metadata()?)?;
+    let mut bytes = Vec::new();
+    file.take(MAX_MANIFEST_BYTES + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_MANIFEST_BYTES {
+        return Err(Error::new(ErrorKind::InvalidInput, format!("larger than {MAX_MANIFEST_BYTES} bytes")));
+    }
+    String::from_utf8(bytes).map_err(|_| Error::new(ErrorKind::InvalidData, "not UTF-8 text"))
+}
+
+/// A TOML error as a manifest error says it: where, and what only if `text` is
+/// a provider manifest (TOML with `name` and `component` strings). toml's own
+/// text quotes the offending line, and its message may quote a key or a value,
+/// of whatever file the path named.
+fn toml_error_text(text: &str, err: &toml::de::Error) -> String {
+    let at = match err.span() {
+        Some(span) => {
+            let before = text.get(..span.start).unwrap_or(text);
+            let line = before.matches('\n').count() + 1;
+            let column = before.rsplit('\n').next().unwrap_or("").chars().count() + 1;
+            format!("line {line}, column {column}")
+        }
+        None => "an unknown position".to_owned(),
+    };
+    match text.parse::<toml::Table>() {
+        Ok(table)
+            if table.get("name").is_some_and(|v| v.is_str()) && table.get("component").is_some_and(|v| v.is_str()) =>
+        {
+            format!("{at}: {}", err.message().trim_end())
+        }
+        Ok(_) => format!(
+            "not a provider manifest: it has no `name` and `component` strings (TOML error at {at}; the file is not quoted)"
+        ),
+        Err(_) => format!(
+            "not valid TOML (error at {at}; the file is not quoted, as it is not known to be a provider manifest)"
+        ),
     }
 }
 
@@ -376,6 +497,74 @@ mod tests {
         assert_eq!(m.limits.deadlines.for_method(Method::StopInstances), Duration::from_secs(2));
         assert_eq!(m.limits.deadlines.for_method(Method::StartInstance), Duration::from_secs(60));
         assert_eq!(m.config_json, r#"{"zones":["a"]}"#);
+    }
+
+    #[test]
+    fn widening_names_the_first_grant_not_approved_and_narrowing_is_none() {
+        let approved = parse(
+            "name = \"x\"\ncomponent = \"x\"\n[grants]\nkv = true\nprocess = [\"qemu-img\"]\npaths = [\"/img\"]\n",
+        )
+        .unwrap()
+        .grants;
+        let with =
+            |grants: &str| parse(&format!("name = \"x\"\ncomponent = \"x\"\n[grants]\n{grants}")).unwrap().grants;
+        assert_eq!(with("kv = true\n").widening(&approved), None);
+        assert_eq!(with("paths = [\"/img/base\"]\n").widening(&approved), None);
+        assert_eq!(with("process = [\"sh\"]\n").widening(&approved).as_deref(), Some("process \"sh\""));
+        assert_eq!(with("paths = [\"/\"]\n").widening(&approved).as_deref(), Some("paths /"));
+        assert_eq!(with("machine-lock = true\n").widening(&approved).as_deref(), Some("machine-lock = true"));
+        assert_eq!(with("devices = [\"/dev/kvm\"]\n").widening(&approved).as_deref(), Some("devices /dev/kvm"));
+        assert!(with("[grants.http]\nx = \"http://127.0.0.1:1\"\n").widening(&approved).is_some());
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_manifest_is_never_quoted() {
+        let secret = "root:$6$s3cr3t-hash:19000:0:99999:7:::";
+        let cases = [
+            (format!("{secret}\ndaemon:*:19000:0:99999:7:::\n"), "not valid TOML (error at line 1, column"),
+            (format!("[db]\npassword = \"{secret}\"\n"), "not a provider manifest"),
+            // Valid TOML whose keys would be quoted as unknown fields.
+            (format!("name = \"x\"\n\"{secret}\" = 1\n"), "not a provider manifest"),
+            (format!("component = \"x\"\nname = 1\n\"{secret}\" = 1\n"), "not a provider manifest"),
+        ];
+        for (text, expected) in cases {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(err.contains(expected), "{err}");
+            assert!(!err.contains("s3cr3t") && !err.contains("root") && !err.contains("daemon"), "{err}");
+        }
+        // A manifest with a syntax error is told where, and not quoted either.
+        let err = parse("name = \"x\"\ncomponent = \"x\"\n[grants\nkv = true\n").unwrap_err().to_string();
+        assert!(err.contains("not valid TOML (error at line 3, column"), "{err}");
+        assert!(!err.contains("[grants"), "{err}");
+    }
+
+    #[test]
+    fn only_a_regular_file_of_bounded_size_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.toml");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let big = dir.path().join("big.toml");
+        std::fs::write(&big, format!("name = \"x\"\ncomponent = \"x\"\n#{}\n", "x".repeat(1 << 20))).unwrap();
+        let binary = dir.path().join("binary.toml");
+        std::fs::write(&binary, b"name = \"\xff\xfe secret\"\n").unwrap();
+        let cases = [
+            (fifo.as_path(), "not a regular file (a FIFO)"),
+            (Path::new("/dev/zero"), "not a regular file (a device)"),
+            (dir.path(), "not a regular file (a directory)"),
+            (big.as_path(), "larger than 1048576 bytes"),
+            (binary.as_path(), "not UTF-8 text"),
+        ];
+        for (path, expected) in cases {
+            // A FIFO with no writer would block an open for reading: this returns at once.
+            let err = Manifest::load(path).unwrap_err().to_string();
+            assert!(err.contains(&format!("cannot read manifest {}: {expected}", path.display())), "{err}");
+            assert!(!err.contains("secret"), "{err}");
+        }
+        let passwd = dir.path().join("passwd");
+        std::fs::write(&passwd, "root:x:0:0:root:/root:/bin/bash\nsecret-user:x:1000:1000::/home/s:/bin/sh\n").unwrap();
+        let err = Manifest::load(&passwd).unwrap_err().to_string().replace(&passwd.display().to_string(), "PASSWD");
+        assert!(err.starts_with("invalid manifest PASSWD: not valid TOML"), "{err}");
+        assert!(!err.contains("root") && !err.contains("secret") && !err.contains("/bin"), "{err}");
     }
 
     #[test]

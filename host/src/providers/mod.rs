@@ -1,5 +1,6 @@
 //! Providers: their manifests and the registry of the ones this host runs.
 
+pub mod data_dirs;
 pub mod manifest;
 pub mod registry;
 pub mod view;

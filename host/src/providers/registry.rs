@@ -37,6 +37,12 @@ pub enum RegistryError {
     Removing(String),
     #[error("provider {name:?} was not removed: its calls in flight did not finish within {waited:?}")]
     DrainTimeout { name: String, waited: std::time::Duration },
+    #[error(
+        "provider {name:?}: its manifest {manifest} now grants {grant}, which was not approved; add it again to approve (`broker provider add {manifest}`)"
+    )]
+    GrantsWidened { name: String, manifest: String, grant: String },
+    #[error("{0}")]
+    InDataDir(String),
 }
 
 /// What a swap replaced with what.
@@ -106,6 +112,7 @@ impl Registry {
         let path = std::fs::canonicalize(manifest_path)
             .map_err(|source| RegistryError::Path { path: manifest_path.display().to_string(), source })?;
         let manifest = Manifest::load(&path).map_err(LoadError::from)?;
+        let approved_manifest = std::fs::read_to_string(&path).ok();
         let existing = self.store.provider(&manifest.name)?;
         if let Some(existing) = &existing
             && existing.manifest != path.display().to_string()
@@ -121,6 +128,7 @@ impl Registry {
             version: info.version,
             added: now_rfc3339(),
             component: None,
+            approved_manifest,
         };
         let replaced = {
             // Under the draining set's lock: a removal either sees this provider or refuses it.
@@ -219,6 +227,8 @@ impl Registry {
         let _one_at_a_time = self.swapping.lock().await;
         let record = self.store.provider(name)?.ok_or_else(|| RegistryError::UnknownProvider(name.to_owned()))?;
         let serving = self.get(name).await?;
+        crate::providers::data_dirs::check_loadable(component, &self.capabilities.data_dirs)
+            .map_err(RegistryError::InDataDir)?;
         let bytes = std::fs::read(component)
             .map_err(|source| RegistryError::Candidate { path: component.display().to_string(), source })?;
         let sha256 = hex::encode(Sha256::digest(&bytes));
@@ -318,6 +328,16 @@ impl Registry {
     /// A registered provider's manifest, with a swapped-in component in place of its own.
     fn manifest_of(record: &ProviderRecord) -> Result<Manifest, RegistryError> {
         let mut manifest = Manifest::load(Path::new(&record.manifest)).map_err(LoadError::from)?;
+        if let Some(approved) = &record.approved_manifest {
+            let approved = Manifest::parse(Path::new(&record.manifest), approved).map_err(LoadError::from)?;
+            if let Some(grant) = manifest.grants.widening(&approved.grants) {
+                return Err(RegistryError::GrantsWidened {
+                    name: record.name.clone(),
+                    manifest: record.manifest.clone(),
+                    grant,
+                });
+            }
+        }
         if let Some(component) = &record.component {
             manifest.component = PathBuf::from(component);
             manifest.sha256 = Some(record.component_sha256.clone());

@@ -152,6 +152,15 @@ impl ProvidersDir {
         same_settings.component = serving.manifest().component.clone();
         same_settings.sha256 = serving.manifest().sha256.clone();
         if same_settings != *serving.manifest() {
+            // Narrowing applies here; widening is the operator's to approve, never the watcher's.
+            if let Some(grant) = manifest.grants.widening(&serving.manifest().grants) {
+                let reason = format!(
+                    "{} now grants {grant}, which was not approved: apply it with `broker provider add {}`",
+                    path.display(),
+                    path.display()
+                );
+                return Some(refuse(registry, &name, reason));
+            }
             return Some(match registry.add(path).await {
                 Ok(_) => Change::Reloaded(name),
                 Err(e) => refuse(registry, &name, e.to_string()),

@@ -38,8 +38,11 @@ pub struct HostState {
 pub struct HostCapabilities {
     pub kv: Arc<dyn KvBackend>,
     pub machine_lock: Option<MachineLock>,
-    /// Each provider gets `<providers_dir>/<name>` as its data dir (`/data` to the guest).
-    pub providers_dir: PathBuf,
+    /// Each provider gets `<data_dirs>/<name>` as its data dir (`/data` to the guest).
+    /// Never inside a directory manifests or components are loaded from.
+    pub data_dirs: PathBuf,
+    /// How granted programs are confined (bubblewrap, the sandbox users).
+    pub sandbox: crate::sandbox::Sandbox,
     pub child_records: Arc<dyn ChildRecords>,
     pub live_children: Arc<LiveChildren>,
     /// Where granted `wasi:http` requests go: the real targets, or a recording or script.
@@ -95,6 +98,7 @@ impl HostState {
             provider,
         };
         let denials = host.denials.for_provider(state.provider.clone());
+        state.bridge.tap_owner = caps.process.as_ref().and_then(|p| p.confinement()).map(|c| c.uid());
         state.machine_lock.denials = denials.clone();
         state.process.denials = denials.clone();
         state.bridge.denials = denials.clone();

@@ -8,6 +8,7 @@
 mod events;
 mod kv;
 pub mod records;
+mod sandbox_users;
 
 pub use events::Event;
 
@@ -145,6 +146,28 @@ impl Store {
         txn.commit().map_err(db_error)
     }
 
+    /// Record an instance a provider has just started, unless its id is already
+    /// recorded for another provider: checked in the same write transaction, so two
+    /// starts cannot both take one id. Returns that other provider, and then
+    /// writes nothing.
+    pub fn put_new_instance(&self, record: &InstanceRecord) -> Result<Option<String>, StoreError> {
+        let bytes = serde_json::to_vec(record).map_err(|e| StoreError::Db(e.to_string()))?;
+        let txn = self.db.begin_write().map_err(db_error)?;
+        {
+            let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
+            for entry in table.iter().map_err(db_error)? {
+                let (key, _) = entry.map_err(db_error)?;
+                let (provider, id) = key.value();
+                if id == record.id && provider != record.provider {
+                    return Ok(Some(provider.to_owned()));
+                }
+            }
+            table.insert((record.provider.as_str(), record.id.as_str()), bytes.as_slice()).map_err(db_error)?;
+        }
+        txn.commit().map_err(db_error)?;
+        Ok(None)
+    }
+
     /// Remove records in one transaction; unknown ids are ignored.
     pub fn remove_instances(&self, provider: &str, ids: &[String]) -> Result<(), StoreError> {
         let txn = self.db.begin_write().map_err(db_error)?;
@@ -234,5 +257,40 @@ impl ChildRecords for RedbChildren {
 impl crate::broker::host_preparer::ObservedNetworkSink for Store {
     fn record(&self, observed: &[Device]) -> Result<(), String> {
         self.put_observed_network(observed).map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::records::Hardware;
+
+    fn record(provider: &str, id: &str) -> InstanceRecord {
+        InstanceRecord {
+            id: id.into(),
+            provider: provider.into(),
+            status: "running".into(),
+            message: String::new(),
+            display_name: String::new(),
+            hardware: Hardware::default(),
+            tags: Vec::new(),
+            addresses: Vec::new(),
+            created: String::new(),
+            params: None,
+        }
+    }
+
+    #[test]
+    fn a_new_instance_cannot_take_an_id_recorded_for_another_provider() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.put_new_instance(&record("fake", "fake-0")).unwrap(), None);
+        assert_eq!(store.put_new_instance(&record("hostile", "fake-0")).unwrap().as_deref(), Some("fake"));
+        assert_eq!(store.instance("hostile", "fake-0").unwrap(), None, "nothing was written");
+        assert_eq!(store.instances(None).unwrap().len(), 1);
+        // The provider's own id again (a restart that reuses it) is its business.
+        assert_eq!(store.put_new_instance(&record("fake", "fake-0")).unwrap(), None);
+        assert_eq!(store.put_new_instance(&record("hostile", "hostile-0")).unwrap(), None);
+        assert_eq!(store.instances(None).unwrap().len(), 2);
     }
 }

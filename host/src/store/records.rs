@@ -17,6 +17,11 @@ pub struct ProviderRecord {
     /// replaces the manifest's `component` until the provider is re-added.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub component: Option<String>,
+    /// The manifest's text as the operator last added it: what its grants may
+    /// not exceed when the host loads it again (a file changed since is refused
+    /// if it widens them, until added again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approved_manifest: Option<String>,
 }
 
 /// Hardware with Juju's names and units (MiB); absent = unknown.
@@ -145,6 +150,36 @@ pub struct InstanceRecord {
     pub params: Option<StartInstanceParams>,
 }
 
+/// The longest instance id the host takes from a provider, in bytes.
+pub const MAX_INSTANCE_ID_BYTES: usize = 255;
+
+/// Why the host refuses an instance id a provider returned, if it does: an id
+/// is recorded, printed and passed back on the command line, so it must be
+/// 1 to 255 bytes with no whitespace and no control characters.
+pub fn instance_id_problem(id: &str) -> Option<String> {
+    if id.is_empty() {
+        return Some("it is empty".into());
+    }
+    if id.len() > MAX_INSTANCE_ID_BYTES {
+        return Some(format!("it is {} bytes long; at most {MAX_INSTANCE_ID_BYTES} are allowed", id.len()));
+    }
+    let (at, c) = id.char_indices().find(|(_, c)| c.is_whitespace() || crate::error_text::is_unprintable(*c))?;
+    let kind = if crate::error_text::is_unprintable(c) { "control character" } else { "whitespace" };
+    Some(format!("it has the {kind} U+{:04X} at byte {at}; ids must be printable without whitespace", c as u32))
+}
+
+/// An id as an error or warning quotes it: control characters escaped, and
+/// only its first 64 characters when it is longer.
+pub fn id_for_message(id: &str) -> String {
+    const SHOWN: usize = 64;
+    match id.char_indices().nth(SHOWN) {
+        None => format!("\"{}\"", crate::error_text::escape_unprintable(id)),
+        Some((cut, _)) => {
+            format!("\"{}\"… ({} bytes)", crate::error_text::escape_unprintable(&id[..cut]), id.len())
+        }
+    }
+}
+
 /// The host network as last observed after bridging.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ObservedNetwork {
@@ -180,5 +215,30 @@ mod tests {
         }
         assert_eq!(status_from_name("Running"), None);
         assert_eq!(status_from_name(""), None);
+    }
+
+    #[test]
+    fn instance_ids_must_be_printable_without_whitespace_and_bounded() {
+        for good in ["fake-0", "juju-4f2a-machine-1", "vm:ü/1", &"x".repeat(MAX_INSTANCE_ID_BYTES)] {
+            assert_eq!(instance_id_problem(good), None, "{good}");
+        }
+        let cases = [
+            ("", "empty"),
+            ("\x1b[2J\n", "control character U+001B at byte 0"),
+            ("a\nb", "control character U+000A at byte 1"),
+            ("a b", "whitespace U+0020 at byte 1"),
+            ("a\u{a0}b", "whitespace U+00A0"),
+            ("a\x7f", "control character U+007F"),
+            ("a\u{85}", "control character U+0085"),
+            ("a\u{202e}b", "control character U+202E"),
+        ];
+        for (bad, why) in cases {
+            let problem = instance_id_problem(bad).unwrap_or_default();
+            assert!(problem.contains(why), "{bad:?}: {problem}");
+        }
+        let long = instance_id_problem(&"x".repeat(MAX_INSTANCE_ID_BYTES + 1)).unwrap_or_default();
+        assert!(long.contains("256 bytes long; at most 255"), "{long}");
+        assert_eq!(id_for_message("\x1b[2J\n"), r#""\x1b[2J\n""#);
+        assert_eq!(id_for_message(&"x".repeat(1 << 20)), format!("\"{}\"… (1048576 bytes)", "x".repeat(64)));
     }
 }

@@ -115,6 +115,14 @@ impl HttpGrant {
     pub fn iter(&self) -> impl Iterator<Item = (&String, &EgressTarget)> {
         self.authorities.iter()
     }
+
+    /// An authority this grant has, or routes elsewhere, that `approved` does not.
+    pub fn widening(&self, approved: &HttpGrant) -> Option<String> {
+        self.authorities
+            .iter()
+            .find(|(name, target)| approved.authorities.get(*name) != Some(*target))
+            .map(|(name, _)| format!("http authority {name:?}"))
+    }
 }
 
 impl<'de> Deserialize<'de> for HttpGrant {

@@ -36,7 +36,14 @@ pub enum LockError {
     InvalidSpec(String),
 }
 
+/// The longest `worker` an acquirer may give, in bytes.
+pub const MAX_WORKER_BYTES: usize = 64;
+/// The longest `comment` an acquirer may give, in bytes.
+pub const MAX_COMMENT_BYTES: usize = 256;
+
 /// What an acquirer asks for (Juju's `mutex.Spec` plus the holder's identity).
+/// `worker` and `comment` end up in the history log and in reports, so they are
+/// checked at the boundary ([`Spec::check`]): printable, and of bounded length.
 #[derive(Debug, Clone, Default)]
 pub struct Spec {
     /// Required: who holds the lock, e.g. `uniter` or `broker`.
@@ -46,6 +53,35 @@ pub struct Spec {
     pub timeout: Option<Duration>,
     /// Set to give up waiting ("cancelled acquiring mutex").
     pub abort: Option<Arc<AtomicBool>>,
+}
+
+impl Spec {
+    /// Refuse (never truncate) a worker or comment that is too long or holds a
+    /// character a log line or terminal would act on (a newline forges a history
+    /// line, ESC a terminal sequence).
+    pub fn check(&self) -> Result<(), LockError> {
+        if self.worker.is_empty() {
+            return Err(LockError::InvalidSpec("worker is required".into()));
+        }
+        check_field("worker", &self.worker, MAX_WORKER_BYTES)?;
+        check_field("comment", &self.comment, MAX_COMMENT_BYTES)
+    }
+}
+
+fn check_field(field: &str, value: &str, max: usize) -> Result<(), LockError> {
+    if value.len() > max {
+        return Err(LockError::InvalidSpec(format!(
+            "{field} is {} bytes long; at most {max} are allowed",
+            value.len()
+        )));
+    }
+    if let Some((at, c)) = value.char_indices().find(|(_, c)| crate::error_text::is_unprintable(*c)) {
+        return Err(LockError::InvalidSpec(format!(
+            "{field} must be printable: it has the control character U+{:04X} at byte {at}",
+            c as u32
+        )));
+    }
+    Ok(())
 }
 
 /// One holder or waiter, as the report shows it.
@@ -87,26 +123,31 @@ pub struct Report {
 
 impl Report {
     /// Juju-style text: `holder: none` or `holder: worker (comment), holding 2m0s`.
+    /// What other processes wrote (holder and waiter files, history lines) is shown
+    /// with control characters escaped.
     pub fn text(&self) -> String {
+        use crate::error_text::escape_unprintable as esc;
         let now = unix_now();
         let age = |p: &Party| go_duration(Duration::from_secs(now.saturating_sub(p.since)));
         let mut out = format!("{}:\n", self.name);
         match &self.holder {
             None => out.push_str("  holder: none\n"),
             Some(h) => {
-                out.push_str(&format!("  holder: {}, holding {} ({} pid {})\n", h.label(), age(h), h.agent, h.pid))
+                let (label, agent) = (esc(&h.label()).into_owned(), esc(&h.agent).into_owned());
+                out.push_str(&format!("  holder: {label}, holding {} ({agent} pid {})\n", age(h), h.pid))
             }
         }
         if !self.waiting.is_empty() {
             out.push_str("  waiting:\n");
             for w in &self.waiting {
-                out.push_str(&format!("  - {}, waiting {} ({} pid {})\n", w.label(), age(w), w.agent, w.pid));
+                let (label, agent) = (esc(&w.label()).into_owned(), esc(&w.agent).into_owned());
+                out.push_str(&format!("  - {label}, waiting {} ({agent} pid {})\n", age(w), w.pid));
             }
         }
         if !self.history.is_empty() {
             out.push_str("  history:\n");
             for line in &self.history {
-                out.push_str(&format!("  - {line}\n"));
+                out.push_str(&format!("  - {}\n", esc(line)));
             }
         }
         out
@@ -187,9 +228,7 @@ impl MachineLock {
 
     /// Wait for the lock, first come first served within this process.
     pub async fn acquire(&self, spec: Spec) -> Result<LockGuard, LockError> {
-        if spec.worker.is_empty() {
-            return Err(LockError::InvalidSpec("worker is required".into()));
-        }
+        spec.check()?;
         let started = Instant::now();
         let deadline = spec.timeout.filter(|t| !t.is_zero()).map(|t| started + t);
         let party = Party::for_here(&self.inner.agent, &spec);

@@ -5,7 +5,7 @@ mod history;
 mod lock;
 
 pub use history::go_duration;
-pub use lock::{LockError, LockGuard, MachineLock, Party, Report, Spec};
+pub use lock::{LockError, LockGuard, MAX_COMMENT_BYTES, MAX_WORKER_BYTES, MachineLock, Party, Report, Spec};
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::machine_lock::{self as wit};
@@ -213,6 +213,69 @@ mod tests {
         assert!(MachineLock::new(dir.path(), "machine-lock-net", "a").is_ok());
         assert!(MachineLock::new(dir.path(), "other", "a").is_err());
         assert!(MachineLock::new(dir.path(), "machine-lock-../x", "a").is_err());
+    }
+
+    #[tokio::test]
+    async fn worker_and_comment_are_checked_at_the_boundary_and_never_truncated() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = lock(dir.path());
+        let mut table = ResourceTable::new();
+        let mut granted = MachineLockCtx::new(Some(shared.clone()));
+        let mut view = MachineLockView { ctx: &mut granted, table: &mut table };
+        let forged = "uniter\n2023-11-14 22:13:20 broker: root (forged)";
+        let cases: [(String, String, &str); 7] = [
+            (forged.into(), String::new(), "worker must be printable: it has the control character U+000A at byte 6"),
+            ("w".into(), "\x1b[2J".into(), "comment must be printable: it has the control character U+001B at byte 0"),
+            ("w\x7f".into(), String::new(), "worker must be printable: it has the control character U+007F"),
+            ("w".into(), "c1 \u{9b}31m".into(), "comment must be printable: it has the control character U+009B"),
+            ("w".into(), "a\u{202e}b".into(), "comment must be printable: it has the control character U+202E"),
+            ("w".repeat(MAX_WORKER_BYTES + 1), String::new(), "worker is 65 bytes long; at most 64 are allowed"),
+            ("w".into(), "c".repeat(2 << 20), "comment is 2097152 bytes long; at most 256 are allowed"),
+        ];
+        for (worker, comment, rule) in cases {
+            match view.acquire(worker.clone(), comment, 0).await.unwrap() {
+                Err(BrokerError::InvalidParams(m)) => assert!(m.contains(rule), "{worker:?}: {m}"),
+                Err(other) => panic!("{worker:?}: {other:?}"),
+                Ok(_) => panic!("{worker:?} was taken"),
+            }
+        }
+        assert!(shared.report(0).holder.is_none() && shared.report(0).waiting.is_empty());
+        assert!(!dir.path().join("machine-lock.log").exists(), "a refused spec writes no history");
+
+        // At the caps, printable text (not only ASCII) is taken and logged whole.
+        let (worker, comment) = ("w".repeat(MAX_WORKER_BYTES), "é".repeat(MAX_COMMENT_BYTES / 2));
+        let handle = view.acquire(worker.clone(), comment.clone(), 0).await.unwrap().unwrap();
+        view.release(handle).await.unwrap();
+        let log = std::fs::read_to_string(dir.path().join("machine-lock.log")).unwrap();
+        assert_eq!(log.lines().count(), 1, "{log}");
+        assert!(log.contains(&format!(" test-agent: {worker} ({comment}), waited")), "{log}");
+
+        // `broker lock run` and the host go through the same check.
+        let err = shared.acquire(spec("a\rb", None)).await.err().unwrap();
+        assert!(matches!(&err, LockError::InvalidSpec(m) if m.contains("worker must be printable")), "{err}");
+    }
+
+    #[test]
+    fn the_report_escapes_what_other_processes_wrote() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        let party = |worker: &str| Party {
+            agent: "agent\x1b[2J".into(),
+            pid: 1,
+            worker: worker.into(),
+            comment: "c\nforged".into(),
+            since: now,
+        };
+        let report = Report {
+            name: "machine-lock".into(),
+            holder: Some(party("holder")),
+            waiting: vec![party("waiter")],
+            history: vec!["old \x1b]0;title\x07 line".into()],
+        };
+        let text = report.text();
+        assert!(!text.contains('\x1b') && !text.contains('\x07'), "{text:?}");
+        assert!(text.contains("holder (c\\nforged)") && text.contains("agent\\x1b[2J pid 1"), "{text}");
+        assert!(text.contains("old \\x1b]0;title\\x07 line"), "{text}");
+        assert_eq!(text.lines().count(), 6, "{text}");
     }
 
     #[tokio::test]

@@ -64,9 +64,9 @@ impl Network {
         }
     }
 
-    pub async fn create_tap(&self, name: &str, bridge: &str, mac: &str) -> Result<(), BridgeError> {
+    pub async fn create_tap(&self, name: &str, bridge: &str, mac: &str, owner: Option<u32>) -> Result<(), BridgeError> {
         match self {
-            Network::Host(nl) => nl.create_tap(name, bridge, mac).await,
+            Network::Host(nl) => nl.create_tap_owned(name, bridge, mac, owner).await,
             Network::Simulated(sim) => sim.create_tap(name, bridge, mac),
         }
     }

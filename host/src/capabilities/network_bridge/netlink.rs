@@ -281,8 +281,19 @@ impl Netlink {
     /// A persistent tap for a VM, with the MAC given (empty = the kernel's),
     /// attached to `bridge` and up.
     pub async fn create_tap(&self, name: &str, bridge: &str, mac: &str) -> Result<(), BridgeError> {
+        self.create_tap_owned(name, bridge, mac, None).await
+    }
+
+    /// As [`Self::create_tap`], the tap owned by `owner` (a sandbox user) if given.
+    pub async fn create_tap_owned(
+        &self,
+        name: &str,
+        bridge: &str,
+        mac: &str,
+        owner: Option<u32>,
+    ) -> Result<(), BridgeError> {
         self.link(bridge).await?; // the bridge must exist before a tap is made for it
-        super::tap::create_persistent_tap(name)?;
+        super::tap::create_persistent_tap(name, owner)?;
         if !mac.is_empty() {
             let tap = self.link(name).await?;
             let message = LinkUnspec::new_with_index(tap.index()).address(parse_mac(mac)?).build();

@@ -20,6 +20,7 @@ struct TunRequest {
 
 const TUNSETIFF: c_ulong = 0x4004_54ca;
 const TUNSETPERSIST: c_ulong = 0x4004_54cb;
+const TUNSETOWNER: c_ulong = 0x4004_54cc;
 const IFF_TAP: i16 = 0x0002;
 const IFF_NO_PI: i16 = 0x1000;
 
@@ -27,8 +28,9 @@ fn os_error(what: &str) -> BridgeError {
     BridgeError::Netlink(format!("{what}: {}", std::io::Error::last_os_error()))
 }
 
-/// Make a persistent tap named `name` (no-op if it already is one).
-pub fn create_persistent_tap(name: &str) -> Result<(), BridgeError> {
+/// Make a persistent tap named `name` (no-op if it already is one), owned by
+/// `owner` if given: that user may then attach to it without privileges.
+pub fn create_persistent_tap(name: &str, owner: Option<u32>) -> Result<(), BridgeError> {
     check_name(name)?;
     let tun = OpenOptions::new()
         .read(true)
@@ -48,6 +50,13 @@ pub fn create_persistent_tap(name: &str) -> Result<(), BridgeError> {
     let rc: c_int = unsafe { ioctl(tun.as_raw_fd(), TUNSETPERSIST, 1 as c_ulong) };
     if rc < 0 {
         return Err(os_error("TUNSETPERSIST"));
+    }
+    if let Some(owner) = owner {
+        // SAFETY: same fd; TUNSETOWNER takes a plain integer argument (the uid).
+        let rc: c_int = unsafe { ioctl(tun.as_raw_fd(), TUNSETOWNER, owner as c_ulong) };
+        if rc < 0 {
+            return Err(os_error("TUNSETOWNER"));
+        }
     }
     // Closing the fd leaves the persistent device behind.
     Ok(())

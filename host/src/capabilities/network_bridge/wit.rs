@@ -56,13 +56,16 @@ pub struct BridgeCtx {
     /// `None` without a `[grants.bridge]`.
     grant: Option<BridgeGrant>,
     world: NetworkWorld,
+    /// The sandbox user of the provider's programs, given the taps it makes
+    /// (`TUNSETOWNER`), so its confined qemu may open them; `None`: root's.
+    pub tap_owner: Option<u32>,
     /// Where refusals are noted (set by the store that owns this).
     pub denials: crate::capabilities::denials::Denials,
 }
 
 impl BridgeCtx {
     pub fn new(grant: Option<BridgeGrant>, world: NetworkWorld) -> Self {
-        BridgeCtx { grant, world, denials: Default::default() }
+        BridgeCtx { grant, world, tap_owner: None, denials: Default::default() }
     }
 
     fn grant(&self) -> Result<&BridgeGrant, BrokerError> {
@@ -163,7 +166,8 @@ impl wit::Host for BridgeCtx {
         if let Err(e) = self.grant().and_then(|g| g.device(&name).and_then(|_| g.bridge(&bridge))) {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        Ok(with_network(&self.world, async |net| net.create_tap(&name, &bridge, &mac).await).await)
+        let owner = self.tap_owner;
+        Ok(with_network(&self.world, async |net| net.create_tap(&name, &bridge, &mac, owner).await).await)
     }
 
     async fn attach(&mut self, device: String, bridge: String) -> WitResult<()> {

@@ -17,7 +17,6 @@ use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::process::{self as wit, ChildStatus, Output};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -86,7 +85,20 @@ fn translate_all(policy: &ProcessPolicy, args: &[String]) -> Result<Vec<String>,
 }
 
 fn translate_env(policy: &ProcessPolicy, env: &[(String, String)]) -> Result<Vec<(String, String)>, BrokerError> {
+    policy.check_env(env).map_err(|e| BrokerError::AccessDenied(e.to_string()))?;
     env.iter().map(|(k, v)| Ok((k.clone(), policy.translate(v).map_err(denied)?))).collect()
+}
+
+/// The confined command for a granted program: a program never runs on the host unconfined.
+fn confined_command(
+    policy: &ProcessPolicy,
+    path: &std::path::Path,
+    args: &[String],
+    env: &[(String, String)],
+    lifetime: crate::sandbox::Lifetime,
+) -> Result<std::process::Command, BrokerError> {
+    let confinement = policy.confinement().ok_or_else(|| denied(PolicyError::Unconfined))?;
+    Ok(confinement.command(path, args, env, lifetime))
 }
 
 /// Kills a process group when dropped, unless disarmed: a timed-out or
@@ -166,17 +178,10 @@ impl ProcessCtx {
         stdin: Vec<u8>,
         timeout_ms: u64,
     ) -> Result<Output, BrokerError> {
-        let mut command = tokio::process::Command::new(path);
-        command
-            .args(&args)
-            .env_clear()
-            .envs(env)
-            .current_dir(policy.data_dir())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
+        // A session and process group of its own (set up before exec): the group killer reaches it all.
+        let mut command =
+            tokio::process::Command::from(confined_command(policy, path, &args, &env, crate::sandbox::Lifetime::Call)?);
+        command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
         let mut child =
             command.spawn().map_err(|e| BrokerError::Provider(format!("cannot run {}: {e}", path.display())))?;
         let mut group = GroupKiller(child.id().map(|pid| pid as i32));
@@ -252,23 +257,19 @@ impl ProcessCtx {
         {
             return Err(BrokerError::InvalidParams(format!("a child named {name:?} is still running")));
         }
+        // The provider may have planted links in its data dir: the log is opened beneath it, following none.
         let logs = policy.data_dir().join("logs");
         let log_path = logs.join(format!("{name}.log"));
-        let log = std::fs::create_dir_all(&logs)
-            .and_then(|_| std::fs::OpenOptions::new().create(true).append(true).open(&log_path))
-            .map_err(|e| BrokerError::Provider(format!("cannot open {}: {e}", log_path.display())))?;
+        let log = crate::sandbox::beneath::dir(policy.data_dir(), std::path::Path::new("logs"))
+            .and_then(|dir| crate::sandbox::beneath::append(&dir, &logs, &format!("{name}.log")))
+            .map_err(|e| BrokerError::AccessDenied(format!("cannot open the child's log: {e}")))?;
         let log_err = log.try_clone().map_err(|e| BrokerError::Provider(e.to_string()))?;
-        let child = std::process::Command::new(&path)
-            .args(&args)
-            .env_clear()
-            .envs(env)
-            .current_dir(policy.data_dir())
+        // A session and process group of its own: signals go to the whole group,
+        // and the host's own signals (Ctrl-C) and terminal do not reach it.
+        let child = confined_command(policy, &path, &args, &env, crate::sandbox::Lifetime::Detached)?
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
-            // Its own process group: signals go to the whole group, and the
-            // host's own signals (Ctrl-C) do not reach it.
-            .process_group(0)
             .spawn()
             .map_err(|e| BrokerError::Provider(format!("cannot spawn {}: {e}", path.display())))?;
         let pid = child.id();

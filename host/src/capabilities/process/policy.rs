@@ -15,6 +15,8 @@ pub enum PolicyError {
     ProgramDenied(String),
     #[error("argument path {0:?} is outside the provider's data dir and its granted paths")]
     PathDenied(String),
+    #[error("granted programs run only confined, and this host has no confinement for them")]
+    Unconfined,
 }
 
 /// The guest's name for its own data dir.
@@ -28,6 +30,11 @@ pub struct ProcessPolicy {
     /// Host paths (files or directories) arguments may name, besides the data dir.
     paths: Vec<PathBuf>,
     data_dir: PathBuf,
+    /// How the programs run on the host: `None` in a simulated process table,
+    /// where nothing runs; the host refuses to run a program without it.
+    confinement: Option<std::sync::Arc<crate::sandbox::Confinement>>,
+    /// Environment names granted besides [`crate::sandbox::BASE_ENV`].
+    env: Vec<String>,
 }
 
 fn is_executable(path: &Path) -> bool {
@@ -85,7 +92,33 @@ impl ProcessPolicy {
                 return Err(PolicyError::BadGrantedPath(path.display().to_string()));
             }
         }
-        Ok(ProcessPolicy { programs, paths: paths.to_vec(), data_dir: data_dir.to_owned() })
+        Ok(ProcessPolicy {
+            programs,
+            paths: paths.to_vec(),
+            data_dir: data_dir.to_owned(),
+            confinement: None,
+            env: Vec::new(),
+        })
+    }
+
+    /// The same policy, its programs run in `confinement`.
+    pub fn confined(self, confinement: crate::sandbox::Confinement) -> ProcessPolicy {
+        ProcessPolicy { confinement: Some(std::sync::Arc::new(confinement)), ..self }
+    }
+
+    /// The same policy with `names` granted to the programs' environment.
+    pub fn with_env(self, names: &[String]) -> Result<ProcessPolicy, crate::sandbox::SandboxError> {
+        crate::sandbox::check_env_grant(names)?;
+        Ok(ProcessPolicy { env: names.to_vec(), ..self })
+    }
+
+    /// Check the environment a guest asks for: allow-listed names only.
+    pub fn check_env(&self, env: &[(String, String)]) -> Result<(), crate::sandbox::SandboxError> {
+        crate::sandbox::check_env(env, &self.env)
+    }
+
+    pub fn confinement(&self) -> Option<&crate::sandbox::Confinement> {
+        self.confinement.as_deref()
     }
 
     /// The absolute path of a granted program, asked for by its granted name or path.

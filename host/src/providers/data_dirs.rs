@@ -1,0 +1,92 @@
+//! Where providers' data dirs are, and the rule that keeps them apart from
+//! everything the host loads: a guest can write its data dir, so a manifest or
+//! component there would let it grant itself anything.
+
+use crate::providers::Manifest;
+use crate::store::{Event, Store};
+use std::path::{Path, PathBuf};
+
+/// The host's data dirs root, resolved (a link in its path does not hide it).
+fn resolved(path: &Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned())
+}
+
+/// Refuse `path` (a manifest or component) if it is inside `data_dirs`.
+pub fn check_loadable(path: &Path, data_dirs: &Path) -> Result<(), String> {
+    let root = resolved(data_dirs);
+    let target = resolved(path);
+    if target.starts_with(&root) {
+        return Err(format!(
+            "{} is inside the providers' data dirs ({}), which providers can write: the host loads nothing from there",
+            path.display(),
+            root.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Data dirs used to be `DATA_DIR/providers/<name>`, inside the directory
+/// `broker serve` watches for manifests. Move what a registered provider kept
+/// there to `DATA_DIR/data/<name>`, leaving only its manifest and component.
+pub fn move_out_of_providers_dir(store: &Store) {
+    let providers = match store.providers() {
+        Ok(providers) => providers,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list providers to move their data dirs");
+            return;
+        }
+    };
+    for record in providers {
+        let old = store.data_dir().join("providers").join(&record.name);
+        let new = store.data_dir().join(crate::broker::service::DATA_DIRS).join(&record.name);
+        let is_dir = std::fs::symlink_metadata(&old).is_ok_and(|m| m.is_dir());
+        if !is_dir || new.exists() {
+            continue;
+        }
+        let mut keep = vec![PathBuf::from(&record.manifest)];
+        if let Ok(manifest) = Manifest::load(Path::new(&record.manifest)) {
+            keep.push(manifest.component);
+        }
+        match move_entries(&old, &new, &keep) {
+            Ok(moved) => {
+                tracing::info!(provider = %record.name, from = %old.display(), to = %new.display(), moved, "moved data dir");
+                let mut event = Event::new("data-dir-moved", &record.name);
+                event.detail = format!("{} entries from {} to {}", moved, old.display(), new.display());
+                let _ = store.append_event(&event);
+            }
+            Err(e) => tracing::warn!(provider = %record.name, error = %e, "cannot move data dir"),
+        }
+    }
+}
+
+fn move_entries(old: &Path, new: &Path, keep: &[PathBuf]) -> std::io::Result<usize> {
+    std::fs::create_dir_all(new)?;
+    let mut moved = 0;
+    for entry in std::fs::read_dir(old)? {
+        let entry = entry?;
+        if keep.iter().any(|k| *k == entry.path()) {
+            continue;
+        }
+        // rename moves a link as a link: nothing is followed.
+        std::fs::rename(entry.path(), new.join(entry.file_name()))?;
+        moved += 1;
+    }
+    Ok(moved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nothing_under_the_data_dirs_is_loadable_even_through_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir_all(data.join("evil")).unwrap();
+        std::fs::write(data.join("evil/provider.toml"), "").unwrap();
+        std::os::unix::fs::symlink(data.join("evil"), dir.path().join("innocent")).unwrap();
+        assert!(check_loadable(&data.join("evil/provider.toml"), &data).is_err());
+        assert!(check_loadable(&dir.path().join("innocent/provider.toml"), &data).is_err());
+        assert!(check_loadable(&dir.path().join("providers/x.toml"), &data).is_ok());
+    }
+}

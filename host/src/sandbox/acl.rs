@@ -1,0 +1,253 @@
+//! POSIX ACL entries for a sandbox user, written as the kernel's xattr
+//! (`system.posix_acl_access` / `system.posix_acl_default`) on file handles.
+//!
+//! Why ACLs: the guest writes its data dir through the host (as root) and its
+//! granted programs write it as the provider's unprivileged user. A default
+//! ACL on the data dir makes every file and directory either of them creates
+//! there usable by that user, whoever made it, without chown races.
+//!
+//! Every handle is opened `O_NOFOLLOW` relative to its parent's handle, so a
+//! link the guest planted is never followed to a file elsewhere.
+
+use rustix::fs::{Mode, OFlags, XattrFlags};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
+
+const ACCESS: &str = "system.posix_acl_access";
+const DEFAULT: &str = "system.posix_acl_default";
+const VERSION: u32 = 2;
+const USER_OBJ: u16 = 0x01;
+const USER: u16 = 0x02;
+const GROUP_OBJ: u16 = 0x04;
+const GROUP: u16 = 0x08;
+const MASK: u16 = 0x10;
+const OTHER: u16 = 0x20;
+const UNDEFINED_ID: u32 = u32::MAX;
+
+pub const READ: u16 = 4;
+pub const WRITE: u16 = 2;
+pub const SEARCH: u16 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Entry {
+    tag: u16,
+    id: u32,
+    perm: u16,
+}
+
+fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
+    let (header, body) = bytes.split_first_chunk::<4>()?;
+    if u32::from_le_bytes(*header) != VERSION || body.len() % 8 != 0 {
+        return None;
+    }
+    Some(
+        body.chunks_exact(8)
+            .map(|c| Entry {
+                tag: u16::from_le_bytes([c[0], c[1]]),
+                perm: u16::from_le_bytes([c[2], c[3]]),
+                id: u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
+            })
+            .collect(),
+    )
+}
+
+fn encode(entries: &[Entry]) -> Vec<u8> {
+    let mut out = VERSION.to_le_bytes().to_vec();
+    for e in entries {
+        out.extend_from_slice(&e.tag.to_le_bytes());
+        out.extend_from_slice(&e.perm.to_le_bytes());
+        out.extend_from_slice(&e.id.to_le_bytes());
+    }
+    out
+}
+
+fn from_mode(mode: u32) -> Vec<Entry> {
+    let bits = |shift: u32| ((mode >> shift) & 7) as u16;
+    vec![
+        Entry { tag: USER_OBJ, id: UNDEFINED_ID, perm: bits(6) },
+        Entry { tag: GROUP_OBJ, id: UNDEFINED_ID, perm: bits(3) },
+        Entry { tag: OTHER, id: UNDEFINED_ID, perm: bits(0) },
+    ]
+}
+
+/// `entries` with `uid` given exactly `perm` (at least, if `at_least`), and the
+/// mask recomputed as the union of the group class, as `setfacl -m` does.
+fn with_user(mut entries: Vec<Entry>, uid: u32, perm: u16) -> Vec<Entry> {
+    entries.retain(|e| !(e.tag == USER && e.id == uid) && e.tag != MASK);
+    entries.push(Entry { tag: USER, id: uid, perm });
+    let mask = entries.iter().filter(|e| matches!(e.tag, USER | GROUP_OBJ | GROUP)).fold(0, |m, e| m | e.perm);
+    entries.push(Entry { tag: MASK, id: UNDEFINED_ID, perm: mask });
+    entries.sort();
+    entries
+}
+
+fn user_perm(entries: &[Entry], uid: u32) -> Option<u16> {
+    let named = entries.iter().find(|e| e.tag == USER && e.id == uid)?.perm;
+    let mask = entries.iter().find(|e| e.tag == MASK).map_or(7, |e| e.perm);
+    Some(named & mask)
+}
+
+fn read_acl(fd: impl AsFd, name: &str, mode: u32) -> std::io::Result<Vec<Entry>> {
+    let mut buf = vec![0u8; 1024];
+    match rustix::fs::fgetxattr(&fd, name, &mut buf[..]) {
+        Ok(n) => decode(&buf[..n]).ok_or_else(|| std::io::Error::other(format!("unreadable {name}"))),
+        Err(rustix::io::Errno::NODATA) => Ok(from_mode(mode)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Give `uid` at least `perm` on the object behind `fd` (its access ACL).
+pub fn grant(fd: impl AsFd, uid: u32, perm: u16) -> std::io::Result<()> {
+    let stat = rustix::fs::fstat(&fd)?;
+    let entries = read_acl(&fd, ACCESS, stat.st_mode)?;
+    if user_perm(&entries, uid).is_some_and(|has| has & perm == perm) {
+        return Ok(());
+    }
+    let had = entries.iter().find(|e| e.tag == USER && e.id == uid).map_or(0, |e| e.perm);
+    rustix::fs::fsetxattr(&fd, ACCESS, &encode(&with_user(entries, uid, had | perm)), XattrFlags::empty())?;
+    Ok(())
+}
+
+/// Give `uid` read and write on a granted device node (by path: device
+/// nodes under /dev are the host's own).
+pub fn grant_device(path: &Path, uid: u32) -> std::io::Result<()> {
+    let stat = rustix::fs::stat(path)?;
+    let mut buf = vec![0u8; 1024];
+    let entries = match rustix::fs::getxattr(path, ACCESS, &mut buf[..]) {
+        Ok(n) => decode(&buf[..n]).ok_or_else(|| std::io::Error::other(format!("unreadable {ACCESS}")))?,
+        Err(rustix::io::Errno::NODATA) => from_mode(stat.st_mode),
+        Err(e) => return Err(e.into()),
+    };
+    if user_perm(&entries, uid).is_some_and(|has| has & (READ | WRITE) == READ | WRITE) {
+        return Ok(());
+    }
+    rustix::fs::setxattr(path, ACCESS, &encode(&with_user(entries, uid, READ | WRITE)), XattrFlags::empty())?;
+    Ok(())
+}
+
+/// Let `uid` search (not list) every directory above `path` that others
+/// cannot search, so that bubblewrap, running as `uid`, can reach `path` to
+/// bind it. Nothing of those directories becomes visible to the sandboxed
+/// program, whose mount namespace has only what is bound.
+pub fn grant_search_to_ancestors(path: &Path, uid: u32) -> std::io::Result<()> {
+    for dir in path.ancestors().skip(1) {
+        if dir.as_os_str().is_empty() {
+            continue;
+        }
+        let fd = rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
+        let stat = rustix::fs::fstat(&fd)?;
+        if stat.st_mode & 0o001 == 0 {
+            grant(&fd, uid, SEARCH)?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether `uid` already has a default entry with `rwx` on the directory `fd`.
+fn has_default(fd: impl AsFd, uid: u32) -> std::io::Result<bool> {
+    let mut buf = vec![0u8; 1024];
+    match rustix::fs::fgetxattr(&fd, DEFAULT, &mut buf[..]) {
+        Ok(n) => Ok(decode(&buf[..n]).is_some_and(|e| user_perm(&e, uid) == Some(7))),
+        Err(rustix::io::Errno::NODATA) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Make the directory `fd` and everything made in it later usable by `uid`:
+/// `rwx` now, and a default ACL every new file and directory inherits.
+fn share_dir(fd: impl AsFd, uid: u32) -> std::io::Result<()> {
+    grant(&fd, uid, READ | WRITE | SEARCH)?;
+    let stat = rustix::fs::fstat(&fd)?;
+    let mut default = from_mode(stat.st_mode);
+    default[0].perm = 7; // the owner (root: the host writing for the guest) keeps rwx
+    rustix::fs::fsetxattr(&fd, DEFAULT, &encode(&with_user(default, uid, 7)), XattrFlags::empty())?;
+    Ok(())
+}
+
+/// Share a provider's data dir with its sandbox user: the dir itself and, the
+/// first time (a data dir made before confinement, or moved), everything
+/// already in it. Nothing below it is followed through a link.
+pub fn share_data_dir(dir: &Path, uid: u32) -> std::io::Result<()> {
+    let root =
+        rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?;
+    if has_default(&root, uid)? {
+        return grant(&root, uid, READ | WRITE | SEARCH);
+    }
+    share_tree(root, uid, 0)
+}
+
+/// Deeper than this, a tree the guest built to exhaust the walk is left as it is.
+const MAX_DEPTH: usize = 64;
+
+fn share_tree(dir: OwnedFd, uid: u32, depth: usize) -> std::io::Result<()> {
+    share_dir(&dir, uid)?;
+    if depth >= MAX_DEPTH {
+        return Ok(());
+    }
+    let mut names = Vec::new();
+    for entry in rustix::fs::Dir::read_from(&dir)? {
+        let entry = entry?;
+        let name = entry.file_name().to_bytes();
+        if name != b"." && name != b".." {
+            names.push(entry.file_name().to_owned());
+        }
+    }
+    for name in names {
+        // NONBLOCK: a FIFO is opened without waiting for a writer; NOFOLLOW: a link fails (ELOOP).
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+        let fd = match rustix::fs::openat(&dir, &name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOENT | rustix::io::Errno::NXIO) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        let stat = rustix::fs::fstat(&fd)?;
+        match rustix::fs::FileType::from_raw_mode(stat.st_mode) {
+            rustix::fs::FileType::Directory => share_tree(fd, uid, depth + 1)?,
+            rustix::fs::FileType::RegularFile => grant(&fd, uid, READ | WRITE)?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_and_the_mask_covers_the_group_class() {
+        let entries = with_user(from_mode(0o750), 4242, READ | SEARCH);
+        assert_eq!(decode(&encode(&entries)).unwrap(), entries);
+        assert_eq!(user_perm(&entries, 4242), Some(READ | SEARCH));
+        assert_eq!(user_perm(&entries, 4243), None);
+        let mask = entries.iter().find(|e| e.tag == MASK).unwrap().perm;
+        assert_eq!(mask, READ | SEARCH, "group r-x and the user r-x");
+        assert!(entries.windows(2).all(|w| w[0] < w[1]), "the kernel wants entries sorted");
+    }
+
+    #[test]
+    fn a_shared_dir_gives_the_user_what_is_made_in_it_later_but_follows_no_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside");
+        std::fs::write(&outside, "x").unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir_all(data.join("old")).unwrap();
+        std::fs::write(data.join("old/file"), "y").unwrap();
+        std::os::unix::fs::symlink(&outside, data.join("link")).unwrap();
+        share_data_dir(&data, 4242).unwrap();
+
+        let perm_of = |path: &Path| {
+            let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::NOFOLLOW, Mode::empty()).unwrap();
+            let stat = rustix::fs::fstat(&fd).unwrap();
+            user_perm(&read_acl(&fd, ACCESS, stat.st_mode).unwrap(), 4242)
+        };
+        assert_eq!(perm_of(&data), Some(7));
+        assert_eq!(perm_of(&data.join("old")), Some(7), "a dir made before is shared too");
+        assert_eq!(perm_of(&data.join("old/file")), Some(READ | WRITE));
+        assert_eq!(perm_of(&outside), None, "the link was not followed");
+        std::fs::create_dir(data.join("new")).unwrap();
+        std::fs::write(data.join("new/file"), "z").unwrap();
+        assert_eq!(perm_of(&data.join("new")), Some(7), "inherited from the default ACL");
+        assert_eq!(perm_of(&data.join("new/file")), Some(READ | WRITE));
+    }
+}
