@@ -363,3 +363,50 @@ async fn a_provider_cannot_return_an_unprintable_id_or_another_providers_id() {
     let event = events.iter().find(|e| e.kind == "reconciled" && e.provider == "hostile").unwrap();
     assert!(event.detail.contains("refused ids") && !event.detail.contains('\x1b'), "{:?}", event.detail);
 }
+
+/// Attacks 2 and 3 of the sandbox issue, by a guest through the real host with
+/// only `qemu-img` granted: a link out of `/data`, a `json:` filename naming a
+/// host file, a loader variable. Each fails with a clear error, nothing outside
+/// the data dir is read or written, and each refusal is noted where the
+/// conformance kit looks for calls to what was not granted.
+#[tokio::test]
+async fn a_guest_with_only_qemu_img_cannot_reach_host_files() {
+    use broker_host::bindings::BrokerError;
+    use broker_host::capabilities::denials::Denials;
+    use broker_host::runtime::HostCapabilities;
+
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret.raw");
+    std::fs::write(&secret, "host secret in a raw image").unwrap();
+    let kv = Arc::new(MemoryKv::default());
+    let (denials, denied) = Denials::collecting();
+    let caps = HostCapabilities { denials, ..broker_tests::host_capabilities(dir.path(), kv.clone()) };
+    let grants = "[grants]\nkv = true\nprocess = [\"qemu-img\"]\n";
+    let provider =
+        broker_tests::load_provider_with(&runtime(), caps, dir.path(), "hostile", "test-hostile", grants).unwrap();
+    let data = provider.data_dir().to_owned();
+    let hooks = CallHooks::default();
+
+    kv.set("hostile", "mode", b"symlink").unwrap();
+    let err = provider.all_instances(&hooks).await.unwrap_err().to_string();
+    assert!(err.contains("symlink refused"), "{err}");
+    assert!(std::fs::symlink_metadata(data.join("escape")).is_err(), "no link was made");
+
+    kv.set("hostile", "mode", b"exec").unwrap();
+    let json = format!(r#"json:{{"file":{{"driver":"file","filename":"{}"}}}}"#, secret.display());
+    let words = ["qemu-img", "convert", "-O", "raw", &json, "/data/stolen.raw"].join("\0");
+    kv.set("hostile", "exec", words.as_bytes()).unwrap();
+    let ran = provider.all_instances(&hooks).await.unwrap();
+    assert_ne!(ran[0].id, "exit-0", "{}", String::from_utf8_lossy(&kv.get("hostile", "exec-stderr").unwrap().unwrap()));
+    assert!(!data.join("stolen.raw").exists());
+
+    kv.set("hostile", "exec", "qemu-img\0--version".as_bytes()).unwrap();
+    kv.set("hostile", "exec-env", b"LD_PRELOAD=/data/evil.so").unwrap();
+    let err = provider.all_instances(&hooks).await.unwrap_err();
+    assert!(matches!(err.broker_error(), Some(BrokerError::AccessDenied(m)) if m.contains("LD_PRELOAD")), "{err}");
+
+    let denied = denied.lock().unwrap().clone();
+    assert!(denied.iter().any(|d| d.starts_with("filesystem:") && d.contains("symlink")), "{denied:?}");
+    assert!(denied.iter().any(|d| d.starts_with("process:") && d.contains("LD_PRELOAD")), "{denied:?}");
+    assert_eq!(std::fs::read_to_string(&secret).unwrap(), "host secret in a raw image");
+}

@@ -9,6 +9,9 @@
 //! - `lock`: takes the machine lock and releases it, returning instance `locked`;
 //! - `lock-leak`: takes the machine lock and forgets the guard;
 //! - `run`: runs `echo hello` through the process capability, returning its output as the id;
+//! - `symlink`: makes `/data/escape`, a link out of its data dir;
+//! - `exec`: runs the program and arguments in kv `exec` (NUL-separated) with the
+//!   environment in `exec-env`, returning `exit-<code>` (stderr kept in kv `exec-stderr`);
 //! - `drop-in`: writes a manifest granting `sh` (and a component) into its data dir;
 //! - `fs`: writes `/data/hello.txt` and reads it back, returning its text as the id;
 //! - `bridge:<dev>`: bridges `<dev>` into its Juju bridge and returns the visible devices, comma-separated;
@@ -147,6 +150,32 @@ impl Guest for Hostile {
                 let ids = host_kv::get("ids")?.unwrap_or_default();
                 let ids = String::from_utf8_lossy(&ids).into_owned();
                 Ok(ids.split('\0').filter(|id| !id.is_empty()).map(instance).collect())
+            }
+            "symlink" => {
+                // Attack: a link out of /data, for a granted program or the host to follow.
+                #[allow(deprecated)] // the portable spelling; std's wasi symlink is unstable
+                let made = std::fs::soft_link("../../../../../../etc/hostname", "/data/escape");
+                match made {
+                    Ok(()) => Ok(vec![instance("made")]),
+                    Err(e) => Err(BrokerError::Provider(format!("symlink refused: {e}"))),
+                }
+            }
+            "exec" => {
+                // Runs what the test put in kv: `exec` = program NUL args…, `exec-env` = NAME=VALUE NUL …
+                let words = host_kv::get("exec")?.unwrap_or_default();
+                let words: Vec<String> =
+                    String::from_utf8_lossy(&words).split('\0').filter(|w| !w.is_empty()).map(str::to_owned).collect();
+                let env = host_kv::get("exec-env")?.unwrap_or_default();
+                let env: Vec<(String, String)> = String::from_utf8_lossy(&env)
+                    .split('\0')
+                    .filter_map(|pair| pair.split_once('='))
+                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                    .collect();
+                let (program, args) =
+                    words.split_first().ok_or_else(|| BrokerError::InvalidParams("no exec".into()))?;
+                let out = process::run(program, args, &env, &[], 10_000)?;
+                host_kv::set("exec-stderr", &out.stderr)?;
+                Ok(vec![instance(&format!("exit-{}", out.exit_code.unwrap_or(-1)))])
             }
             "print" => {
                 println!("hello from the hostile guest's stdout");

@@ -96,3 +96,30 @@ impl AsyncWrite for LineWriter {
         Poll::Ready(Ok(()))
     }
 }
+
+/// The `wasi:filesystem` interface as wasmtime-wasi links it.
+const FILESYSTEM_TYPES: &str = "wasi:filesystem/types@0.2.12";
+
+/// Refuse `symlink-at` (`not-permitted`): a guest cannot follow a link out of
+/// `/data` itself, but its granted programs and anything else reading its
+/// data dir could; a provider has no need to make links. Replaces
+/// wasmtime-wasi's implementation, which `add_to_linker_async` installed.
+pub fn refuse_symlinks<T: Send + 'static>(
+    linker: &mut wasmtime::component::Linker<T>,
+    denied: fn(&mut T, &str),
+) -> wasmtime::Result<()> {
+    use wasmtime::component::Resource;
+    use wasmtime_wasi::filesystem::Descriptor;
+    use wasmtime_wasi::p2::bindings::filesystem::types::ErrorCode;
+    linker.allow_shadowing(true);
+    let mut types = linker.instance(FILESYSTEM_TYPES)?;
+    types.func_wrap(
+        "[method]descriptor.symlink-at",
+        move |mut store, (_dir, _target, path): (Resource<Descriptor>, String, String)| {
+            denied(store.data_mut(), &path);
+            Ok((Err::<(), ErrorCode>(ErrorCode::NotPermitted),))
+        },
+    )?;
+    linker.allow_shadowing(false);
+    Ok(())
+}

@@ -78,6 +78,7 @@ impl Runtime {
     pub fn linker(&self, capabilities: LinkedCapabilities) -> wasmtime::Result<Linker<HostState>> {
         let mut linker = Linker::new(&self.engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        capabilities::wasi::refuse_symlinks(&mut linker, HostState::symlink_refused)?;
         capabilities::context::add_to_linker(&mut linker, HostState::context_view)?;
         // Always linked: without the grant, calls answer access-denied.
         capabilities::machine_lock::add_to_linker(&mut linker, HostState::machine_lock_view)?;

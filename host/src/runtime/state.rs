@@ -123,6 +123,14 @@ impl HostState {
         MachineLockView { ctx: &mut self.machine_lock, table: &mut self.table }
     }
 
+    /// A guest's `symlink-at` was refused: noted like any refused host call.
+    pub fn symlink_refused(&mut self, path: &str) {
+        // The path is the guest's: shown escaped and cut short.
+        let shown: String = path.chars().take(64).collect();
+        let message = format!("symlink-at {shown:?} refused: providers may not make symbolic links in /data");
+        self.process.denials.note("filesystem", &message);
+    }
+
     /// Release what a call left behind (machine-lock guards).
     pub fn end_call(&mut self) {
         self.machine_lock.end_call(&mut self.table);
