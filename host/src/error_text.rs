@@ -9,10 +9,29 @@ use std::error::Error;
 
 /// Characters a terminal acts on rather than shows: C0 and C1 controls and DEL
 /// (newline, carriage return, ESC, …), and the Unicode separators and bidi
-/// controls that break or reorder a line.
+/// controls that break or reorder a line, and the invisible ones (zero-width
+/// spaces and joiners, fillers, variation selectors, tags, the byte-order
+/// mark) that make two ids look alike.
 pub fn is_unprintable(c: char) -> bool {
     c.is_control()
-        || matches!(c, '\u{2028}' | '\u{2029}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+        || matches!(
+            c,
+            '\u{00ad}'
+                | '\u{034f}'
+                | '\u{061c}'
+                | '\u{115f}'
+                | '\u{1160}'
+                | '\u{180e}'
+                | '\u{200b}'..='\u{200f}'
+                | '\u{2028}'..='\u{202e}'
+                | '\u{2060}'..='\u{206f}'
+                | '\u{3164}'
+                | '\u{fe00}'..='\u{fe0f}'
+                | '\u{feff}'
+                | '\u{ffa0}'
+                | '\u{fff9}'..='\u{fffb}'
+                | '\u{e0000}'..='\u{e007f}'
+        )
 }
 
 /// `text` with each [unprintable](is_unprintable) character as a visible escape
@@ -84,6 +103,7 @@ mod tests {
         assert_eq!(escape_unprintable("a\x1b[2J\nb\r\tc"), "a\\x1b[2J\\nb\\r\\tc");
         assert_eq!(escape_unprintable("\0\x7f\u{85}\u{9b}"), "\\x00\\x7f\\x85\\x9b");
         assert_eq!(escape_unprintable("x\u{202e}y\u{2028}"), "x\\u{202e}y\\u{2028}");
+        assert_eq!(escape_unprintable("a\u{200b}b\u{feff}"), "a\\u{200b}b\\u{feff}", "invisible, so lookalikes");
         let escaped = escape_unprintable("\x1b]0;title\x07\x1b[31m");
         assert!(!escaped.chars().any(is_unprintable), "{escaped}");
     }

@@ -256,6 +256,10 @@ async fn old_data_dirs_move_out_of_the_providers_directory() {
     {
         let broker = Broker::open(data.path()).unwrap();
         broker.registry().add(&drop_in.manifest()).await.unwrap();
+        // A record from before grants were pinned.
+        let mut record = broker.store().provider("fake").unwrap().unwrap();
+        record.approved_manifest = None;
+        broker.store().put_provider(&record).unwrap();
     }
     // As a host from before left it: no data/fake, the files beside the manifest.
     std::fs::remove_dir_all(data.path().join("data/fake")).unwrap();
@@ -267,4 +271,10 @@ async fn old_data_dirs_move_out_of_the_providers_directory() {
     assert!(drop_in.manifest().exists() && old.join("fake.wasm").exists());
     assert!(event_kinds(&broker).contains(&"data-dir-moved".to_string()));
     assert_eq!(version(&broker).await, "0.1.0");
+    // The manifest as the upgraded host first found it is what a widening is measured against.
+    let pinned = broker.store().provider("fake").unwrap().unwrap().approved_manifest;
+    assert_eq!(pinned.as_deref(), Some(std::fs::read_to_string(drop_in.manifest()).unwrap().as_str()));
+    let events = broker.store().events(0, 100).unwrap();
+    let note = events.iter().find(|e| e.kind == "approved-manifest-pinned").expect("the operator is told");
+    assert!(note.detail.contains("review its [grants]"), "{}", note.detail);
 }

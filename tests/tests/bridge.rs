@@ -126,6 +126,47 @@ fn an_instance_veth_is_attached_and_cleanup_restores_the_namespace() {
     });
 }
 
+/// A tap goes to the sandbox user it is made for, and an existing tap is never
+/// handed to another user (root may re-own any tap; the host is root) nor
+/// deleted for one; the host's own taps are root's, not open to every user.
+#[test]
+fn a_tap_is_never_re_owned_to_another_user() {
+    in_netns(|| async {
+        make_nic("eth3", [0x00, 0x16, 0x3e, 0x12, 0x21, 0x31], "10.30.0.2/24").await;
+        let nl = Netlink::connect().unwrap();
+        nl.bridge(&DeviceToBridge { device: "eth3".into(), bridge: "br-eth3".into(), mac: String::new() })
+            .await
+            .unwrap();
+        let (mine, theirs) = (2_000_000_001, 2_000_000_002);
+        let owned_elsewhere = |r: &Result<(), BridgeError>| matches!(r, Err(BridgeError::TapOwnedElsewhere { .. }));
+        nl.create_tap_owned("tap-a", "br-eth3", "", Some(mine)).await.unwrap();
+        // Made again for the same user: reused.
+        nl.create_tap_owned("tap-a", "br-eth3", "52:54:00:00:00:0a", Some(mine)).await.unwrap();
+        let refused = nl.create_tap_owned("tap-a", "br-eth3", "", Some(theirs)).await;
+        assert!(owned_elsewhere(&refused), "{refused:?}");
+        let refused = nl.delete_owned("tap-a", Some(theirs)).await;
+        assert!(owned_elsewhere(&refused), "{refused:?}");
+        // The host's own tap is root's: not given to a sandbox user.
+        nl.create_tap("tap-root", "br-eth3", "").await.unwrap();
+        let refused = nl.create_tap_owned("tap-root", "br-eth3", "", Some(mine)).await;
+        assert!(owned_elsewhere(&refused), "{refused:?}");
+        // Nothing was re-owned: each is still reusable by its own user only.
+        nl.create_tap_owned("tap-a", "br-eth3", "", Some(mine)).await.unwrap();
+        nl.create_tap("tap-root", "br-eth3", "").await.unwrap();
+        // A tap no one owns is open to every user already: it may be given to this one.
+        let made = std::process::Command::new("ip").args(["tuntap", "add", "tap-free", "mode", "tap"]).status();
+        assert!(made.unwrap().success());
+        nl.create_tap_owned("tap-free", "br-eth3", "", Some(mine)).await.unwrap();
+        let refused = nl.create_tap_owned("tap-free", "br-eth3", "", Some(theirs)).await;
+        assert!(owned_elsewhere(&refused), "tap-free is now {mine}'s: {refused:?}");
+        // A name that is not a tap is not taken over.
+        let refused = nl.create_tap_owned("eth3", "br-eth3", "", Some(mine)).await;
+        assert!(matches!(refused, Err(BridgeError::NotATap(_))), "{refused:?}");
+        nl.delete_owned("tap-a", Some(mine)).await.unwrap();
+        assert!(nl.device("tap-a").await.unwrap().is_none());
+    });
+}
+
 /// Through the real broker: a start whose network info hangs off `br-eth2`
 /// first bridges eth2 under the machine lock, records the observed network,
 /// then starts the instance; a parent the host cannot make stops the start

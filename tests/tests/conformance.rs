@@ -38,12 +38,13 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
     // empty script replays to the same result, strictly.
     use broker_host::conformance::{KitOptions, Recording, Scripted, World};
     let recording = std::sync::Arc::new(Recording::default());
-    let options = KitOptions { world: World::Record(recording.clone()), strict: false };
+    let options = KitOptions { world: World::Record(recording.clone()), strict: false, sandbox: Default::default() };
     let recorded = conformance::run_with(&bundled, options).await.unwrap();
     let script = recording.to_script_json();
     assert_eq!(script.trim(), "{}");
     let world = World::Script(std::sync::Arc::new(Scripted::parse(&script).unwrap()));
-    let replayed = conformance::run_with(&bundled, KitOptions { world, strict: true }).await.unwrap();
+    let replayed =
+        conformance::run_with(&bundled, KitOptions { world, strict: true, sandbox: Default::default() }).await.unwrap();
     let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
     assert_eq!(outcome(&replayed), outcome(&recorded));
     assert!(replayed.passed(), "{}", replayed.text());
@@ -65,7 +66,7 @@ async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_witho
     let elsewhere = dir.path().join("lxd.toml");
     std::fs::write(&elsewhere, broker_tests::bundled_manifest_text("lxd")).unwrap();
     let manifest = Manifest::load(&elsewhere).unwrap();
-    let options = KitOptions { world: World::Script(Default::default()), strict: true };
+    let options = KitOptions { world: World::Script(Default::default()), strict: true, sandbox: Default::default() };
     let report = conformance::run_with(&manifest, options).await.unwrap();
     let start = report.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
     assert!(!start.passed);
@@ -80,7 +81,7 @@ async fn the_kvm_provider_passes_strictly_on_its_script_without_running_anything
         panic!("the bundled kvm provider ships a script");
     };
     assert!(scripted.remaining() >= 3, "qemu-img, genisoimage and one qemu child are scripted");
-    let options = KitOptions { world: World::Script(scripted.clone()), strict: true };
+    let options = KitOptions { world: World::Script(scripted.clone()), strict: true, sandbox: Default::default() };
     let report = conformance::run_with(&bundled, options).await.unwrap();
     assert!(report.passed(), "{}", report.text());
     assert_eq!(report.cases.len(), 15, "{}", report.text());
@@ -114,7 +115,11 @@ async fn the_kvm_provider_passes_strictly_on_its_script_without_running_anything
         let mut script: serde_json::Value = serde_json::from_str(&text).unwrap();
         edit(&mut script);
         let scripted = conformance::Scripted::parse(&script.to_string()).unwrap();
-        let options = KitOptions { world: World::Script(std::sync::Arc::new(scripted)), strict: true };
+        let options = KitOptions {
+            world: World::Script(std::sync::Arc::new(scripted)),
+            strict: true,
+            sandbox: Default::default(),
+        };
         let report = conformance::run_with(&bundled, options).await.unwrap();
         let start = report.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
         assert!(!start.passed && start.detail.contains(named), "{named} in {}", start.detail);
@@ -195,6 +200,8 @@ async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why() {
             &["no call touches an ungranted capability"],
             "called process without a grant, 2 time(s): process is not granted",
         ),
+        ("symlink", "test-broken", &["no call touches an ungranted capability"], "called filesystem without a grant"),
+        ("bad-id", "test-broken", &["start-instance succeeds"], r#"the host refuses the id "fake-0\x1b]0;owned\x07""#),
         // A deadline overrun is also the failure of the call it happened in.
         (
             "deadline",

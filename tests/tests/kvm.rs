@@ -388,7 +388,8 @@ fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
 
         // Real qemu-img, genisoimage and qemu, every call and QMP line on tape.
         let recording = Arc::new(Recording::default());
-        let options = KitOptions { world: World::Record(recording.clone()), strict: false };
+        let options =
+            KitOptions { world: World::Record(recording.clone()), strict: false, sandbox: Default::default() };
         let recorded = conformance::run_with(&manifest, options).await.unwrap();
         assert!(recorded.passed(), "{}", recorded.text());
         let script = recording.script();
@@ -407,7 +408,7 @@ fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
 
         // The same run on the script alone: the same outcomes, strictly, and no qemu.
         let replay = Arc::new(Scripted::parse(&recording.to_script_json()).unwrap());
-        let options = KitOptions { world: World::Script(replay.clone()), strict: true };
+        let options = KitOptions { world: World::Script(replay.clone()), strict: true, sandbox: Default::default() };
         let replayed = conformance::run_with(&manifest, options).await.unwrap();
         let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
         assert_eq!(outcome(&replayed), outcome(&recorded), "{}", replayed.text());

@@ -270,7 +270,7 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
     let recording = Arc::new(Recording::default());
     let recorded = runtime.block_on(conformance::run_with(
         &manifest,
-        KitOptions { world: World::Record(recording.clone()), strict: false },
+        KitOptions { world: World::Record(recording.clone()), strict: false, sandbox: Default::default() },
     ));
     let recorded = recorded.unwrap();
     assert!(recorded.passed(), "{}", recorded.text());
@@ -284,7 +284,7 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
 
     // The daemon is gone; the script alone gives the same result, strictly.
     let replay = Arc::new(Scripted::parse(&script).unwrap());
-    let options = KitOptions { world: World::Script(replay.clone()), strict: true };
+    let options = KitOptions { world: World::Script(replay.clone()), strict: true, sandbox: Default::default() };
     let replayed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
     let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
     assert_eq!(outcome(&replayed), outcome(&recorded), "{}", replayed.text());
@@ -294,8 +294,11 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
     let mut short: serde_json::Value = serde_json::from_str(&script).unwrap();
     let http = short["http"].as_array_mut().unwrap();
     http.truncate(http.len() - 3);
-    let options =
-        KitOptions { world: World::Script(Arc::new(Scripted::parse(&short.to_string()).unwrap())), strict: true };
+    let options = KitOptions {
+        world: World::Script(Arc::new(Scripted::parse(&short.to_string()).unwrap())),
+        strict: true,
+        sandbox: Default::default(),
+    };
     let failed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
     assert!(!failed.passed());
     let reasons: Vec<&str> = failed.cases.iter().filter(|c| !c.passed).map(|c| c.detail.as_str()).collect();

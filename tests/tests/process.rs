@@ -266,6 +266,11 @@ async fn a_granted_program_sees_only_its_data_dir_as_an_unprivileged_user_with_n
     let (out, _) = sh(&mut host, "ls /sys/class/net 2>/dev/null; cat /proc/net/dev; echo pid=$$").await;
     assert!(!out.contains("eth") && out.contains("lo:"), "{out}");
     assert!(out.contains("pid=2") || out.contains("pid=1"), "{out}");
+    // No user namespace of its own to play root in.
+    let (out, err) = sh(&mut host, "command -v unshare; unshare -U -r true; echo rc=$?").await;
+    assert!(out.starts_with("/usr/bin/unshare\n"), "unshare is there to try: {out}");
+    assert!(out.contains("rc=") && !out.contains("rc=0"), "a nested user namespace was made: {out}");
+    assert!(err.contains("No space left on device"), "refused by the namespace limit: {err}");
 
     // It can write its data dir, and the host (the guest, through WASI) can read what it wrote, and back.
     std::fs::create_dir_all(data.join("made-by-guest")).unwrap();

@@ -83,9 +83,14 @@ impl Guest for Broken {
         if breaks == "hardware" {
             hardware.cpu_cores = Some(1);
         }
+        let mut instance = fake::instance(&started);
+        if breaks == "bad-id" && params.constraints.cores.is_some() {
+            // A terminal escape in the id: a title change for whoever lists it.
+            instance.id.push_str("\u{1b}]0;owned\u{7}");
+        }
         Ok(StartInstanceResult {
             display_name: started.id.clone(),
-            instance: fake::instance(&started),
+            instance,
             config: Vec::new(),
             hardware: Some(hardware),
             network_info: params.network_info,
@@ -122,6 +127,11 @@ impl Guest for Broken {
         }
         if breaks == "ungranted-process" {
             let _ = process::run("sh", &["-c".into(), "id".into()], &[], &[], 0);
+        }
+        if breaks == "symlink" {
+            // A link out of /data: refused, and this build carries on as if nothing happened.
+            #[allow(deprecated)] // the portable spelling; std's wasi symlink is unstable
+            let _ = std::fs::soft_link("../../../etc/hostname", "/data/escape");
         }
         if breaks == "listed" {
             return Ok(Vec::new());

@@ -102,6 +102,7 @@ impl Broker {
         let machine_lock = machine_lock(data_dir)?;
         let host = HostConfig::load(data_dir)?;
         crate::providers::data_dirs::move_out_of_providers_dir(&store);
+        crate::providers::data_dirs::pin_approved_manifests(&store);
         Ok(Broker::with_parts(runtime, store, machine_lock, host))
     }
 

@@ -225,7 +225,7 @@ pub async fn run(cli: Cli) -> Result<u8> {
         cli.command
     {
         let worlds = TestWorlds { script, record, strict };
-        return provider_test(&component, manifest.as_deref(), format, worlds, &mut stdout).await;
+        return provider_test(&cli.data_dir, &component, manifest.as_deref(), format, worlds, &mut stdout).await;
     }
     let socket = cli.socket.clone().unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
     if let Command::Serve { listen, token_file, providers_dir } = cli.command {
@@ -438,6 +438,7 @@ struct TestWorlds {
 }
 
 async fn provider_test(
+    data_dir: &std::path::Path,
     component: &std::path::Path,
     manifest: Option<&std::path::Path>,
     format: ReportFormat,
@@ -460,14 +461,19 @@ async fn provider_test(
     loaded.component = component.to_owned();
     let recording = worlds.record.as_ref().map(|_| std::sync::Arc::new(Recording::default()));
     let mut options = match (&worlds.script, &recording) {
-        (_, Some(recording)) => KitOptions { world: World::Record(recording.clone()), strict: false },
+        (_, Some(recording)) => {
+            KitOptions { world: World::Record(recording.clone()), strict: false, sandbox: Default::default() }
+        }
         (Some(path), None) => {
             let script = crate::conformance::load_script(path).map_err(|e| UsageError(e.to_string()))?;
-            KitOptions { world: World::Script(std::sync::Arc::new(script)), strict: false }
+            KitOptions { world: World::Script(std::sync::Arc::new(script)), strict: false, sandbox: Default::default() }
         }
         (None, None) => KitOptions::beside(&loaded).map_err(|e| UsageError(e.to_string()))?,
     };
     options.strict = worlds.strict;
+    // The machine's `[sandbox]` (bubblewrap, uid base) applies to a recording's programs too.
+    options.sandbox =
+        crate::broker::service::HostConfig::load(data_dir).map_err(|e| UsageError(e.to_string()))?.sandbox;
     let report = crate::conformance::run_with(&loaded, options)
         .await
         .with_context(|| format!("cannot load {} into the sandbox", component.display()))?;

@@ -110,6 +110,9 @@ pub struct KitOptions {
     pub world: World,
     /// A host call the script did not answer fails the case it happened in.
     pub strict: bool,
+    /// `host.toml`'s `[sandbox]`: how a recording's real programs are confined
+    /// (their users come from the range above the one the store allocates from).
+    pub sandbox: crate::sandbox::SandboxConfig,
 }
 
 impl KitOptions {
@@ -118,7 +121,7 @@ impl KitOptions {
     pub fn beside(manifest: &Manifest) -> Result<KitOptions, ConformanceError> {
         let path = script_path(&manifest.path);
         let script = if path.exists() { load_script(&path)? } else { Scripted::default() };
-        Ok(KitOptions { world: World::Script(Arc::new(script)), strict: false })
+        Ok(KitOptions { world: World::Script(Arc::new(script)), strict: false, sandbox: Default::default() })
     }
 }
 
@@ -168,7 +171,7 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
         kv: Arc::new(MemoryKv::default()),
         machine_lock: Some(lock),
         data_dirs: scratch.path().join("data"),
-        sandbox: Default::default(),
+        sandbox: crate::sandbox::Sandbox::new(options.sandbox.clone(), None),
         child_records: Arc::new(MemoryChildRecords::default()),
         live_children: live_children.clone(),
         egress_world,
@@ -316,6 +319,15 @@ impl Kit {
             }
         };
         let id = started.instance.id.clone();
+        // The host refuses such an id from a provider: a kit pass must mean the host takes it.
+        if let Some(problem) = crate::store::records::instance_id_problem(&id) {
+            let shown = crate::store::records::id_for_message(&id);
+            // As the host does with such an id: stop what was started, so nothing real is left running.
+            let stopped = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
+            let left = stopped.err().map(|e| format!("; stopping it failed too: {}", explain(&e))).unwrap_or_default();
+            self.record("start-instance succeeds", Err(format!("the host refuses the id {shown}: {problem}{left}")));
+            return;
+        }
         self.record("start-instance succeeds", Ok(format!("started {id}")));
         let events = std::mem::take(&mut *events.lock().unwrap_or_else(|p| p.into_inner()));
         self.record("status updates of a start are progress", progress_only(&events));

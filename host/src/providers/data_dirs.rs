@@ -59,6 +59,42 @@ pub fn move_out_of_providers_dir(store: &Store) {
     }
 }
 
+/// Records made before grants were pinned carry no approved manifest: pin the
+/// manifest as it is at the first start that knows better, so from now on the
+/// watcher and restarts refuse a widening of it.
+pub fn pin_approved_manifests(store: &Store) {
+    let Ok(providers) = store.providers() else { return };
+    for mut record in providers.into_iter().filter(|r| r.approved_manifest.is_none()) {
+        match Manifest::load_with_text(Path::new(&record.manifest)) {
+            Ok((_, text)) => {
+                record.approved_manifest = Some(text);
+                if let Err(e) = store.put_provider(&record) {
+                    tracing::warn!(provider = %record.name, error = %e, "cannot pin the approved manifest");
+                    continue;
+                }
+                // Hosts from before kept the data dir beside such a manifest, where
+                // the provider could rewrite it: the operator is told to look.
+                let old_data_dir = store.data_dir().join("providers").join(&record.name);
+                let writable = Path::new(&record.manifest).starts_with(&old_data_dir);
+                tracing::warn!(provider = %record.name, manifest = %record.manifest, writable_before = writable,
+                    "pinned the manifest as approved: review its grants");
+                let mut event = Event::new("approved-manifest-pinned", &record.name);
+                event.detail = format!(
+                    "{} is now what grants are measured against{}",
+                    record.manifest,
+                    if writable {
+                        "; the provider could write it before this version: review its [grants]"
+                    } else {
+                        ""
+                    }
+                );
+                let _ = store.append_event(&event);
+            }
+            Err(e) => tracing::warn!(provider = %record.name, error = %e, "cannot read the manifest to pin it"),
+        }
+    }
+}
+
 fn move_entries(old: &Path, new: &Path, keep: &[PathBuf]) -> std::io::Result<usize> {
     std::fs::create_dir_all(new)?;
     let mut moved = 0;

@@ -307,9 +307,14 @@ impl Manifest {
     /// a provider manifest (see [`Manifest::parse`]). The daemon reads as root for
     /// any API caller, so a path to any file must not answer with its content.
     pub fn load(path: &Path) -> Result<Manifest, ManifestError> {
+        Manifest::load_with_text(path).map(|(manifest, _)| manifest)
+    }
+
+    /// As [`Manifest::load`], with the text it was parsed from (what an operator approved).
+    pub fn load_with_text(path: &Path) -> Result<(Manifest, String), ManifestError> {
         let text = read_manifest_text(path)
             .map_err(|source| ManifestError::Read { path: path.display().to_string(), source })?;
-        Manifest::parse(path, &text)
+        Ok((Manifest::parse(path, &text)?, text))
     }
 
     /// Parse manifest text; `path` locates the component and names errors.

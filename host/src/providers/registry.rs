@@ -111,8 +111,18 @@ impl Registry {
     pub async fn add(&self, manifest_path: &Path) -> Result<ProviderRecord, RegistryError> {
         let path = std::fs::canonicalize(manifest_path)
             .map_err(|source| RegistryError::Path { path: manifest_path.display().to_string(), source })?;
-        let manifest = Manifest::load(&path).map_err(LoadError::from)?;
-        let approved_manifest = std::fs::read_to_string(&path).ok();
+        let (_, text) = Manifest::load_with_text(&path).map_err(LoadError::from)?;
+        self.add_read(&path, text).await
+    }
+
+    /// As [`Registry::add`], with the manifest's text as the caller read and
+    /// checked it: what is applied is what was checked, whatever the file says
+    /// by now. Parsed against the manifest's resolved path, as a restart will.
+    pub async fn add_read(&self, manifest_path: &Path, text: String) -> Result<ProviderRecord, RegistryError> {
+        let path = std::fs::canonicalize(manifest_path)
+            .map_err(|source| RegistryError::Path { path: manifest_path.display().to_string(), source })?;
+        let manifest = Manifest::parse(&path, &text).map_err(LoadError::from)?;
+        let approved_manifest = Some(text);
         let existing = self.store.provider(&manifest.name)?;
         if let Some(existing) = &existing
             && existing.manifest != path.display().to_string()

@@ -120,8 +120,9 @@ impl ProvidersDir {
 
     /// Add, swap or reload the provider `path` describes; `None` if it is already what serves.
     async fn apply(&self, path: &Path, registry: &Registry) -> Option<Change> {
-        let manifest = match Manifest::load(path) {
-            Ok(manifest) => manifest,
+        // Read once: what is checked below is what is applied, not a later rewrite of the file.
+        let (manifest, text) = match Manifest::load_with_text(path) {
+            Ok(read) => read,
             Err(e) => return Some(refuse(registry, &path.display().to_string(), e.to_string())),
         };
         let name = manifest.name.clone();
@@ -130,7 +131,7 @@ impl ProvidersDir {
             Err(e) => return Some(refuse(registry, &name, e.to_string())),
         };
         let Some(record) = registered else {
-            return Some(match registry.add(path).await {
+            return Some(match registry.add_read(path, text).await {
                 Ok(_) => Change::Added(name),
                 Err(e) => refuse(registry, &name, e.to_string()),
             });
@@ -161,7 +162,7 @@ impl ProvidersDir {
                 );
                 return Some(refuse(registry, &name, reason));
             }
-            return Some(match registry.add(path).await {
+            return Some(match registry.add_read(path, text).await {
                 Ok(_) => Change::Reloaded(name),
                 Err(e) => refuse(registry, &name, e.to_string()),
             });

@@ -70,12 +70,26 @@ fn from_mode(mode: u32) -> Vec<Entry> {
     ]
 }
 
-/// `entries` with `uid` given exactly `perm` (at least, if `at_least`), and the
-/// mask recomputed as the union of the group class, as `setfacl -m` does.
+/// `entries` with `uid` given exactly `perm`, and a mask that lets it have
+/// `perm`. Where there was a mask, only `perm`'s bits are added to it, and
+/// other entries of the group class lose just those bits if the old mask
+/// held them back: raising the mask for `uid` widens nobody else's rights.
+/// Without one (a minimal ACL), the mask is the union of the group class, as
+/// `setfacl -m` makes it.
 fn with_user(mut entries: Vec<Entry>, uid: u32, perm: u16) -> Vec<Entry> {
+    let old_mask = entries.iter().find(|e| e.tag == MASK).map(|e| e.perm);
     entries.retain(|e| !(e.tag == USER && e.id == uid) && e.tag != MASK);
+    let mask = match old_mask {
+        Some(old_mask) => {
+            let opened = perm & !old_mask;
+            for entry in entries.iter_mut().filter(|e| matches!(e.tag, USER | GROUP_OBJ | GROUP)) {
+                entry.perm &= !opened;
+            }
+            old_mask | perm
+        }
+        None => entries.iter().filter(|e| matches!(e.tag, GROUP_OBJ | GROUP)).fold(perm, |m, e| m | e.perm),
+    };
     entries.push(Entry { tag: USER, id: uid, perm });
-    let mask = entries.iter().filter(|e| matches!(e.tag, USER | GROUP_OBJ | GROUP)).fold(0, |m, e| m | e.perm);
     entries.push(Entry { tag: MASK, id: UNDEFINED_ID, perm: mask });
     entries.sort();
     entries
@@ -134,7 +148,12 @@ pub fn grant_search_to_ancestors(path: &Path, uid: u32) -> std::io::Result<()> {
         if dir.as_os_str().is_empty() {
             continue;
         }
-        let fd = rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
+        let fd = match rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty()) {
+            Ok(fd) => fd,
+            // A granted path the host lacks: bubblewrap skips it (`--ro-bind-try`).
+            Err(rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR) => continue,
+            Err(e) => return Err(e.into()),
+        };
         let stat = rustix::fs::fstat(&fd)?;
         if stat.st_mode & 0o001 == 0 {
             grant(&fd, uid, SEARCH)?;
@@ -223,6 +242,29 @@ mod tests {
         let mask = entries.iter().find(|e| e.tag == MASK).unwrap().perm;
         assert_eq!(mask, READ | SEARCH, "group r-x and the user r-x");
         assert!(entries.windows(2).all(|w| w[0] < w[1]), "the kernel wants entries sorted");
+    }
+
+    #[test]
+    fn raising_the_mask_for_the_sandbox_user_widens_no_one_else() {
+        // user 1000 rwx and group staff rw-, both held to r-- by the mask.
+        let mut entries = from_mode(0o740);
+        entries.push(Entry { tag: USER, id: 1000, perm: 7 });
+        entries.push(Entry { tag: GROUP, id: 50, perm: READ | WRITE });
+        entries.push(Entry { tag: MASK, id: UNDEFINED_ID, perm: READ });
+        entries.sort();
+        let entries = with_user(entries, 4242, SEARCH);
+        assert_eq!(user_perm(&entries, 4242), Some(SEARCH));
+        assert_eq!(user_perm(&entries, 1000), Some(READ), "still what the old mask allowed");
+        let group = entries.iter().find(|e| e.tag == GROUP && e.id == 50).unwrap().perm;
+        let mask = entries.iter().find(|e| e.tag == MASK).unwrap().perm;
+        assert_eq!(
+            (group, mask),
+            (READ | WRITE, READ | SEARCH),
+            "only the opened bit is taken, the mask says the rest"
+        );
+        assert_eq!(group & mask, READ);
+        let user = entries.iter().find(|e| e.tag == USER && e.id == 1000).unwrap().perm;
+        assert_eq!(user, READ | WRITE, "rwx lost only x, the bit the mask opened");
     }
 
     #[test]

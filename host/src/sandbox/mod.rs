@@ -34,11 +34,13 @@ pub enum SandboxError {
         "bubblewrap (`bwrap`) was not found on the host's PATH: granted programs run only confined (apt-get install bubblewrap)"
     )]
     NoBubblewrap,
+    #[error("{path}: {reason}; granted programs run only confined by bubblewrap {MIN_BWRAP} or later")]
+    BubblewrapUnusable { path: String, reason: String },
     #[error("environment variable {0:?} may not be passed to a granted program (allowed: {allowed}; a manifest may grant more in `env = [...]`)", allowed = BASE_ENV.join(", "))]
     EnvDenied(String),
     #[error("environment variable {0:?} can never be granted: the dynamic loader and libc act on it")]
     EnvNeverGranted(String),
-    #[error("granted device {0:?} must be a character or block device under /dev")]
+    #[error("granted device {0:?} must be a character or block device node under /dev, named without links or `..`")]
     BadDevice(String),
     #[error("cannot share {path} with the sandbox user {uid}: {source}")]
     Share { path: String, uid: u32, source: std::io::Error },
@@ -116,7 +118,8 @@ pub struct SandboxConfig {
 }
 
 pub const DEFAULT_UID_BASE: u32 = 2_000_000_000;
-/// The range of per-provider uids: base .. base + this.
+/// The range of per-provider uids the store hands out: base .. base + this;
+/// the next range up is for sandboxes without a store.
 pub const UID_RANGE: u32 = 1 << 24;
 
 /// Where per-provider uids are kept, so that one is never reused for another provider.
@@ -125,11 +128,31 @@ pub trait UidAllocations: Send + Sync {
     fn uid_for(&self, provider: &str, base: u32) -> Result<u32, String>;
 }
 
+/// A failure to find bubblewrap, kept to be said again on each load.
+#[derive(Debug)]
+struct BwrapError(SandboxError);
+
+impl Clone for BwrapError {
+    fn clone(&self) -> Self {
+        BwrapError(match &self.0 {
+            SandboxError::BubblewrapUnusable { path, reason } => {
+                SandboxError::BubblewrapUnusable { path: path.clone(), reason: reason.clone() }
+            }
+            _ => SandboxError::NoBubblewrap,
+        })
+    }
+}
+
+/// The oldest bubblewrap with `--disable-userns`.
+pub const MIN_BWRAP: &str = "0.8.0";
+
 /// The host's sandbox: bubblewrap and who the programs run as.
 #[derive(Clone)]
 pub struct Sandbox {
     config: SandboxConfig,
     allocations: Option<Arc<dyn UidAllocations>>,
+    /// bubblewrap's path once found new enough (asked once per host).
+    bwrap: Arc<std::sync::OnceLock<Result<PathBuf, BwrapError>>>,
 }
 
 impl Default for Sandbox {
@@ -142,30 +165,73 @@ impl Sandbox {
     /// `allocations`: durable per-provider uids (the store); without it a uid is
     /// derived from the provider's name (tests, the conformance kit's recordings).
     pub fn new(config: SandboxConfig, allocations: Option<Arc<dyn UidAllocations>>) -> Self {
-        Sandbox { config, allocations }
+        Sandbox { config, allocations, bwrap: Arc::default() }
     }
 
     fn bwrap(&self) -> Result<PathBuf, SandboxError> {
-        if let Some(path) = &self.config.bwrap {
-            return Ok(path.clone());
-        }
-        let search = std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into());
-        std::env::split_paths(&search).map(|d| d.join("bwrap")).find(|p| p.is_file()).ok_or(SandboxError::NoBubblewrap)
+        self.bwrap.get_or_init(|| self.find_bwrap().map_err(BwrapError)).clone().map_err(|BwrapError(e)| e)
     }
 
-    /// The uid `provider`'s programs run as.
+    /// bubblewrap, if it is there and new enough.
+    fn find_bwrap(&self) -> Result<PathBuf, SandboxError> {
+        let path = match &self.config.bwrap {
+            Some(path) => path.clone(),
+            None => {
+                let search = std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into());
+                let found = std::env::split_paths(&search).map(|d| d.join("bwrap")).find(|p| p.is_file());
+                found.ok_or(SandboxError::NoBubblewrap)?
+            }
+        };
+        let unusable = |reason: String| SandboxError::BubblewrapUnusable { path: path.display().to_string(), reason };
+        let out = std::process::Command::new(&path)
+            .arg("--version")
+            .env_clear()
+            .output()
+            .map_err(|e| unusable(format!("cannot run it: {e}")))?;
+        let said = String::from_utf8_lossy(&out.stdout);
+        let version = said.trim().strip_prefix("bubblewrap ").unwrap_or_default();
+        if !out.status.success() || !at_least(version, MIN_BWRAP) {
+            let shown = crate::error_text::escape_unprintable(said.trim()).chars().take(80).collect::<String>();
+            return Err(unusable(format!("it says {shown:?} to --version")));
+        }
+        Ok(path)
+    }
+
+    /// The uid `provider`'s programs run as. Never root; uids the store hands
+    /// out (`base ..`) and uids derived from names (`base + UID_RANGE ..`, for
+    /// throwaway sandboxes such as the conformance kit's) never meet, so a
+    /// kit run never shares a user with a registered provider.
     pub fn uid_for(&self, provider: &str) -> Result<u32, SandboxError> {
+        let refuse = |reason: String| SandboxError::User { provider: provider.to_owned(), reason };
         if let Some(uid) = self.config.user {
-            return Ok(uid);
+            return match uid {
+                0 => Err(refuse("`[sandbox] user = 0` would run granted programs as root".into())),
+                uid => Ok(uid),
+            };
         }
         let base = self.config.uid_base.unwrap_or(DEFAULT_UID_BASE);
+        if base == 0 || base.checked_add(2 * UID_RANGE).is_none() {
+            return Err(refuse(format!(
+                "`[sandbox] uid-base = {base}` leaves no room for {} uids above it, or includes root",
+                2 * UID_RANGE
+            )));
+        }
         match &self.allocations {
-            Some(allocations) => allocations
-                .uid_for(provider, base)
-                .map_err(|reason| SandboxError::User { provider: provider.to_owned(), reason }),
+            Some(allocations) => {
+                let uid = allocations.uid_for(provider, base).map_err(refuse)?;
+                // Kept from an earlier `uid-base`: its range may hold root or the kit's uids.
+                if !(base..base + UID_RANGE).contains(&uid) {
+                    return Err(refuse(format!(
+                        "its uid {uid} was allocated outside `[sandbox] uid-base = {base}`'s range \
+                         {base}..{}: was uid-base changed? Set it back",
+                        base + UID_RANGE
+                    )));
+                }
+                Ok(uid)
+            }
             None => {
                 let hash = provider.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193));
-                Ok(base.saturating_add(hash % UID_RANGE))
+                Ok(base + UID_RANGE + hash % UID_RANGE)
             }
         }
     }
@@ -188,10 +254,16 @@ impl Sandbox {
         }
         let mut devices = Vec::new();
         for device in grants.devices {
-            if !device.starts_with("/dev/") || device.components().count() < 3 {
+            // By its bytes: `Path::components` would quietly drop a `.` or a doubled `/`.
+            let text = device.to_str().unwrap_or_default();
+            let plain = text
+                .strip_prefix("/dev/")
+                .is_some_and(|rest| rest.split('/').all(|part| !part.is_empty() && part != "." && part != ".."));
+            if !plain {
                 return Err(SandboxError::BadDevice(device.display().to_string()));
             }
-            match std::fs::metadata(device) {
+            // The node itself, never what a link names (`/dev/disk/by-id/...`): the grant names one device.
+            match std::fs::symlink_metadata(device) {
                 Ok(meta) => {
                     use std::os::unix::fs::FileTypeExt;
                     if !meta.file_type().is_char_device() && !meta.file_type().is_block_device() {
@@ -216,6 +288,15 @@ impl Sandbox {
             devices,
             share_net: grants.share_net,
         })
+    }
+}
+
+/// Whether the dotted `version` is `minimum` or later (numerically, part by part).
+fn at_least(version: &str, minimum: &str) -> bool {
+    let parts = |v: &str| -> Option<Vec<u32>> { v.split('.').map(|p| p.parse().ok()).collect() };
+    match (parts(version), parts(minimum)) {
+        (Some(have), Some(need)) => have >= need,
+        _ => false,
     }
 }
 
@@ -319,6 +400,9 @@ impl Confinement {
             command.arg("--dev-bind").arg(device).arg(device);
         }
         command.args(["--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]);
+        // No nested user namespaces: they would give the program capabilities over
+        // namespaces of its own, the kernel's widest attack surface for an unprivileged user.
+        command.arg("--disable-userns");
         if !self.share_net {
             command.arg("--unshare-net");
         }
@@ -356,13 +440,61 @@ mod tests {
     }
 
     #[test]
+    fn bubblewrap_must_be_new_enough_to_disable_user_namespaces() {
+        assert!(at_least("0.8.0", MIN_BWRAP) && at_least("0.11.1", MIN_BWRAP) && at_least("1.0", MIN_BWRAP));
+        assert!(!at_least("0.6.1", MIN_BWRAP) && !at_least("0.4.1", MIN_BWRAP) && !at_least("", MIN_BWRAP));
+        // Something that is not bubblewrap, named as it in host.toml.
+        let fake = Sandbox::new(SandboxConfig { bwrap: Some("/bin/true".into()), ..Default::default() }, None);
+        assert!(matches!(fake.bwrap(), Err(SandboxError::BubblewrapUnusable { .. })));
+        assert!(Sandbox::default().bwrap().is_ok(), "the host's bubblewrap (scripts/install-test-deps.sh)");
+    }
+
+    #[test]
     fn per_provider_uids_without_a_store_are_stable_and_in_range() {
         let sandbox = Sandbox::default();
         let a = sandbox.uid_for("kvm").unwrap();
         assert_eq!(a, sandbox.uid_for("kvm").unwrap());
         assert_ne!(a, sandbox.uid_for("lxd").unwrap());
-        assert!((DEFAULT_UID_BASE..DEFAULT_UID_BASE + UID_RANGE).contains(&a));
+        // Above the range the store allocates from: a kit run never shares a provider's user.
+        assert!((DEFAULT_UID_BASE + UID_RANGE..DEFAULT_UID_BASE + 2 * UID_RANGE).contains(&a));
         let one = Sandbox::new(SandboxConfig { user: Some(4242), ..Default::default() }, None);
         assert_eq!(one.uid_for("kvm").unwrap(), 4242);
+        let root = Sandbox::new(SandboxConfig { user: Some(0), ..Default::default() }, None);
+        assert!(matches!(root.uid_for("kvm"), Err(SandboxError::User { .. })));
+        struct Kept(u32);
+        impl UidAllocations for Kept {
+            fn uid_for(&self, _: &str, _: u32) -> Result<u32, String> {
+                Ok(self.0)
+            }
+        }
+        let kept = |uid| Sandbox::new(SandboxConfig::default(), Some(Arc::new(Kept(uid)))).uid_for("kvm");
+        assert_eq!(kept(DEFAULT_UID_BASE + 5).unwrap(), DEFAULT_UID_BASE + 5);
+        // One kept from an earlier uid-base (0, or the kit's range) is refused, not used.
+        for uid in [0, DEFAULT_UID_BASE - 1, DEFAULT_UID_BASE + UID_RANGE] {
+            assert!(matches!(kept(uid), Err(SandboxError::User { .. })), "{uid}");
+        }
+        for base in [0, u32::MAX - UID_RANGE] {
+            let sandbox = Sandbox::new(SandboxConfig { uid_base: Some(base), ..Default::default() }, None);
+            assert!(matches!(sandbox.uid_for("kvm"), Err(SandboxError::User { .. })), "{base}");
+        }
+    }
+
+    #[test]
+    fn a_granted_device_is_a_node_under_dev_named_plainly() {
+        let dir = tempfile::tempdir().unwrap();
+        let sandbox = Sandbox::default();
+        let confine = |device: &str| {
+            let devices = [PathBuf::from(device)];
+            let grants =
+                Grants { data_dir: dir.path(), paths: &[], paths_rw: &[], devices: &devices, share_net: false };
+            sandbox.confine("p", &grants)
+        };
+        let bad =
+            ["/dev/../etc/passwd", "/dev/./null", "/dev//null", "/dev/null/", "/dev/stdin", "/etc/passwd", "/dev"];
+        for bad in bad.into_iter().chain(["dev/null", "/dev/"]) {
+            assert!(matches!(confine(bad), Err(SandboxError::BadDevice(_))), "{bad}");
+        }
+        // One this machine lacks is left out, as the program would find it anyway.
+        assert!(confine("/dev/no-such-device").is_ok());
     }
 }

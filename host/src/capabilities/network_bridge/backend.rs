@@ -78,6 +78,14 @@ impl Network {
         }
     }
 
+    /// Delete a veth, or a tap that is `owner`'s (root's if `None`) or no one's.
+    pub async fn delete_owned(&self, name: &str, owner: Option<u32>) -> Result<(), BridgeError> {
+        match self {
+            Network::Host(nl) => nl.delete_owned(name, owner).await,
+            Network::Simulated(sim) => sim.delete(name),
+        }
+    }
+
     pub async fn delete(&self, name: &str) -> Result<(), BridgeError> {
         match self {
             Network::Host(nl) => nl.delete(name).await,

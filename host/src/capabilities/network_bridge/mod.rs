@@ -70,6 +70,12 @@ pub enum BridgeError {
     BadMac(String),
     #[error("invalid device name {0:?}: 1-15 characters of letters, digits, '-', '_' or '.'")]
     BadName(String),
+    /// A tap is only ever given to the user it was made for: re-owning another's
+    /// would hand a confined program someone else's traffic.
+    #[error("tap {device:?} exists and belongs to {owner}, not to uid {wanted} (this provider's)")]
+    TapOwnedElsewhere { device: String, owner: String, wanted: u32 },
+    #[error("{0:?} exists and is not a tap")]
+    NotATap(String),
 }
 
 pub fn format_mac(bytes: &[u8]) -> String {

@@ -10,6 +10,13 @@ use rtnetlink::{Handle, LinkBridge, LinkUnspec, LinkVeth, RouteMessageBuilder};
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+/// Where an existing device stands for a provider that wants it as its tap.
+enum TapStanding {
+    Absent,
+    Unowned,
+    Ours,
+}
+
 /// The kernel's main routing table.
 const RT_TABLE_MAIN: u8 = 254;
 
@@ -68,6 +75,32 @@ impl Link {
             .flatten()
             .find_map(|i| if let LinkInfo::Kind(kind) = i { Some(format!("{kind}").to_lowercase()) } else { None })
             .unwrap_or_default()
+    }
+
+    /// A tun/tap's owner and group (`IFLA_TUN_OWNER`, `IFLA_TUN_GROUP`; each
+    /// absent when unset).
+    fn tun_owner_and_group(&self) -> (Option<u32>, Option<u32>) {
+        use rtnetlink::packet_core::Nla;
+        use rtnetlink::packet_route::link::InfoData;
+        const IFLA_TUN_OWNER: u16 = 1;
+        const IFLA_TUN_GROUP: u16 = 2;
+        let attribute = |kind: u16| {
+            self.message
+                .attributes
+                .iter()
+                .filter_map(|a| if let LinkAttribute::LinkInfo(infos) = a { Some(infos) } else { None })
+                .flatten()
+                .filter_map(|i| if let LinkInfo::Data(InfoData::Tun(tun)) = i { Some(tun) } else { None })
+                .flatten()
+                .find_map(|nla| {
+                    let mut value = [0u8; 4];
+                    (nla.kind() == kind && nla.value_len() == 4).then(|| {
+                        nla.emit_value(&mut value);
+                        u32::from_ne_bytes(value)
+                    })
+                })
+        };
+        (attribute(IFLA_TUN_OWNER), attribute(IFLA_TUN_GROUP))
     }
 
     fn up(&self) -> bool {
@@ -293,13 +326,55 @@ impl Netlink {
         owner: Option<u32>,
     ) -> Result<(), BridgeError> {
         self.link(bridge).await?; // the bridge must exist before a tap is made for it
-        super::tap::create_persistent_tap(name, owner)?;
+        // A tap no user owns is open to every user; the host's own are root's.
+        let owner = owner.unwrap_or(0);
+        match self.tap_standing(name, owner).await? {
+            TapStanding::Absent => super::tap::create_persistent_tap(name, owner, true)?,
+            TapStanding::Unowned => super::tap::create_persistent_tap(name, owner, false)?,
+            TapStanding::Ours => {}
+        }
         if !mac.is_empty() {
             let tap = self.link(name).await?;
             let message = LinkUnspec::new_with_index(tap.index()).address(parse_mac(mac)?).build();
             self.handle.link().set(message).execute().await.map_err(nl)?;
         }
         self.attach(name, bridge).await
+    }
+
+    /// Whether `name` is a tap `owner` may have: absent (made exclusively, so
+    /// one made meanwhile is not taken), already `owner`'s, or owned by no
+    /// user or group (open to every user already: it is given to `owner`).
+    /// A tap of another user or group is refused: root may re-own any tap, and
+    /// the host is root.
+    async fn tap_standing(&self, name: &str, owner: u32) -> Result<TapStanding, BridgeError> {
+        let existing = match self.link(name).await {
+            Ok(existing) => existing,
+            Err(BridgeError::NoDevice(_)) => return Ok(TapStanding::Absent),
+            Err(e) => return Err(e),
+        };
+        if existing.kind() != "tun" {
+            return Err(BridgeError::NotATap(name.to_owned()));
+        }
+        match existing.tun_owner_and_group() {
+            (Some(has), None) if has == owner => Ok(TapStanding::Ours),
+            (None, None) => Ok(TapStanding::Unowned),
+            (has, group) => {
+                let holder = match (has, group) {
+                    (Some(uid), _) => format!("uid {uid}"),
+                    (None, Some(gid)) => format!("group {gid}"),
+                    (None, None) => unreachable!("matched above"),
+                };
+                Err(BridgeError::TapOwnedElsewhere { device: name.to_owned(), owner: holder, wanted: owner })
+            }
+        }
+    }
+
+    /// Delete a veth or a tap the provider may have (see [`Self::tap_standing`]).
+    pub async fn delete_owned(&self, name: &str, owner: Option<u32>) -> Result<(), BridgeError> {
+        if self.link(name).await?.kind() == "tun" {
+            self.tap_standing(name, owner.unwrap_or(0)).await?;
+        }
+        self.delete(name).await
     }
 
     /// Attach an existing device (a tap, a veth) to a bridge and bring it up.

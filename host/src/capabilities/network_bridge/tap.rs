@@ -23,21 +23,24 @@ const TUNSETPERSIST: c_ulong = 0x4004_54cb;
 const TUNSETOWNER: c_ulong = 0x4004_54cc;
 const IFF_TAP: i16 = 0x0002;
 const IFF_NO_PI: i16 = 0x1000;
+const IFF_TUN_EXCL: i16 = 0x8000u16 as i16;
 
 fn os_error(what: &str) -> BridgeError {
     BridgeError::Netlink(format!("{what}: {}", std::io::Error::last_os_error()))
 }
 
-/// Make a persistent tap named `name` (no-op if it already is one), owned by
-/// `owner` if given: that user may then attach to it without privileges.
-pub fn create_persistent_tap(name: &str, owner: Option<u32>) -> Result<(), BridgeError> {
+/// Make a persistent tap named `name` owned by `owner` (only that user may
+/// then attach to it without privileges; 0 for root's). `exclusive`: fail
+/// (EBUSY) if it exists, rather than take it over.
+pub fn create_persistent_tap(name: &str, owner: u32, exclusive: bool) -> Result<(), BridgeError> {
     check_name(name)?;
     let tun = OpenOptions::new()
         .read(true)
         .write(true)
         .open("/dev/net/tun")
         .map_err(|e| BridgeError::Netlink(format!("open /dev/net/tun: {e}")))?;
-    let mut request = TunRequest { name: [0; 16], flags: IFF_TAP | IFF_NO_PI, rest: [0; 22] };
+    let flags = IFF_TAP | IFF_NO_PI | if exclusive { IFF_TUN_EXCL } else { 0 };
+    let mut request = TunRequest { name: [0; 16], flags, rest: [0; 22] };
     request.name[..name.len()].copy_from_slice(name.as_bytes());
     // SAFETY: `tun` is an open /dev/net/tun for the whole call, and `request` is
     // a live, zero-padded, ifreq-sized buffer that the kernel reads and writes
@@ -51,12 +54,10 @@ pub fn create_persistent_tap(name: &str, owner: Option<u32>) -> Result<(), Bridg
     if rc < 0 {
         return Err(os_error("TUNSETPERSIST"));
     }
-    if let Some(owner) = owner {
-        // SAFETY: same fd; TUNSETOWNER takes a plain integer argument (the uid).
-        let rc: c_int = unsafe { ioctl(tun.as_raw_fd(), TUNSETOWNER, owner as c_ulong) };
-        if rc < 0 {
-            return Err(os_error("TUNSETOWNER"));
-        }
+    // SAFETY: same fd; TUNSETOWNER takes a plain integer argument (the uid).
+    let rc: c_int = unsafe { ioctl(tun.as_raw_fd(), TUNSETOWNER, owner as c_ulong) };
+    if rc < 0 {
+        return Err(os_error("TUNSETOWNER"));
     }
     // Closing the fd leaves the persistent device behind.
     Ok(())

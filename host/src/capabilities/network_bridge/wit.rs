@@ -81,8 +81,10 @@ fn to_broker_error(err: BridgeError) -> BrokerError {
     match err {
         BridgeError::NoDevice(_) => BrokerError::NotFound(err.to_string()),
         BridgeError::Netlink(_) => BrokerError::Provider(err.to_string()),
+        BridgeError::TapOwnedElsewhere { .. } => BrokerError::AccessDenied(err.to_string()),
         BridgeError::BridgedElsewhere { .. }
         | BridgeError::NotABridge(_)
+        | BridgeError::NotATap(_)
         | BridgeError::BadMac(_)
         | BridgeError::BadName(_) => BrokerError::InvalidParams(err.to_string()),
     }
@@ -181,8 +183,9 @@ impl wit::Host for BridgeCtx {
         if let Err(e) = self.grant().and_then(|g| g.device(&name)) {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
+        let owner = self.tap_owner;
         Ok(with_network(&self.world, async |net| match net.device(&name).await? {
-            Some(device) if device.kind == "veth" || device.kind == "tun" => net.delete(&name).await,
+            Some(device) if device.kind == "veth" || device.kind == "tun" => net.delete_owned(&name, owner).await,
             Some(_) => Err(BridgeError::NotABridge(format!("{name} is not a veth or tap; nothing else is deleted"))),
             None => Err(BridgeError::NoDevice(name.clone())),
         })

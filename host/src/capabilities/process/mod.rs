@@ -262,7 +262,15 @@ impl ProcessCtx {
         let log_path = logs.join(format!("{name}.log"));
         let log = crate::sandbox::beneath::dir(policy.data_dir(), std::path::Path::new("logs"))
             .and_then(|dir| crate::sandbox::beneath::append(&dir, &logs, &format!("{name}.log")))
-            .map_err(|e| BrokerError::AccessDenied(format!("cannot open the child's log: {e}")))?;
+            .map_err(|e| match e {
+                // A link where the log goes is the provider's doing: refused, and noted as such.
+                crate::sandbox::beneath::BeneathError::Escapes { .. } => {
+                    BrokerError::AccessDenied(format!("cannot open the child's log: {e}"))
+                }
+                crate::sandbox::beneath::BeneathError::Io { .. } => {
+                    BrokerError::Provider(format!("cannot open the child's log: {e}"))
+                }
+            })?;
         let log_err = log.try_clone().map_err(|e| BrokerError::Provider(e.to_string()))?;
         // A session and process group of its own: signals go to the whole group,
         // and the host's own signals (Ctrl-C) and terminal do not reach it.
