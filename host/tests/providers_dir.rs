@@ -278,3 +278,60 @@ async fn old_data_dirs_move_out_of_the_providers_directory() {
     let note = events.iter().find(|e| e.kind == "approved-manifest-pinned").expect("the operator is told");
     assert!(note.detail.contains("review its [grants]"), "{}", note.detail);
 }
+
+/// Holding a version without using it (a `/metrics` scrape, a retired
+/// version's counters) is not a call in flight: a removal does not wait for it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_version_held_but_not_in_use_does_not_delay_a_removal() {
+    let (_data, broker, mut watched, fake) = slow_fake_from_a_directory().await;
+    let held = broker.registry().get("fake").await.unwrap().version().clone();
+    assert_eq!(held.in_flight(), 0, "the use ended with the call");
+    std::fs::remove_file(fake.manifest()).unwrap();
+    assert_eq!(watched.rescan(broker.registry()).await, [Change::Removed("fake".into())]);
+    let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == "removed").unwrap();
+    assert_eq!(removed.detail, "", "no call was in flight");
+    drop(held);
+}
+
+/// A reload racing the first loads of a freshly opened host, round after
+/// round. With the loaded map and the draining set locked in opposite orders
+/// by `add` and `get` (and a store commit under one of them), two workers
+/// could each wait for the other for ever; a watchdog thread tells.
+#[test]
+fn a_reload_racing_first_loads_never_deadlocks() {
+    const ROUNDS: usize = 25;
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
+        runtime.block_on(async {
+            let data = tempfile::tempdir().unwrap();
+            let drop_in = DropIn::new(&data.path().join("providers"));
+            drop_in.write_manifest("", "");
+            drop_in.write_component("fake");
+            Broker::open(data.path()).unwrap().registry().add(&drop_in.manifest()).await.unwrap();
+            for round in 0..ROUNDS {
+                // Nothing loaded yet: every get below loads, and the add reloads.
+                let broker = std::sync::Arc::new(Broker::open(data.path()).unwrap());
+                let mut calls = Vec::new();
+                for n in 0..4 {
+                    let broker = broker.clone();
+                    calls.push(tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(n * 3)).await;
+                        broker.registry().get("fake").await.map(drop).map_err(|e| e.to_string())
+                    }));
+                }
+                let reload = broker.clone();
+                let manifest = drop_in.manifest();
+                calls.push(tokio::spawn(async move {
+                    reload.registry().add(&manifest).await.map(drop).map_err(|e| e.to_string())
+                }));
+                for call in calls {
+                    call.await.unwrap().unwrap_or_else(|e| panic!("round {round}: {e}"));
+                }
+            }
+        });
+        let _ = done.send(());
+    });
+    let outcome = finished.recv_timeout(Duration::from_secs(300));
+    assert!(outcome.is_ok(), "a reload and first loads deadlocked (or a round panicked: see above)");
+}

@@ -31,7 +31,7 @@ fn version_of(result: &broker_host::bindings::StartInstanceResult) -> String {
 }
 
 async fn serving(broker: &Broker) -> Arc<WasmProvider> {
-    broker.registry().get("fake").await.unwrap()
+    broker.registry().get("fake").await.unwrap().version().clone()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -73,6 +73,51 @@ pub struct WasmProvider {
     pool: Mutex<Vec<Warm>>,
     stats: Arc<ProviderStats>,
     breaker: super::breaker::Breaker,
+    /// Callers using this version now (see [`Serving`]); a drain waits for none.
+    in_flight: InFlight,
+}
+
+/// How many callers use a version, and a wake-up when none does.
+#[derive(Default)]
+struct InFlight {
+    count: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+/// One caller's use of a loaded version, from the moment the registry hands
+/// it out until it is dropped: what a removal's drain waits for. Holding the
+/// `Arc` alone (a `/metrics` scrape, a retired version's counters) is not a use.
+pub struct Serving {
+    version: Arc<WasmProvider>,
+}
+
+impl Serving {
+    /// Counted from here: the registry takes it under the lock a removal takes to unload.
+    pub fn enter(version: Arc<WasmProvider>) -> Serving {
+        version.in_flight.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Serving { version }
+    }
+
+    /// The version itself, to keep or compare.
+    pub fn version(&self) -> &Arc<WasmProvider> {
+        &self.version
+    }
+}
+
+impl std::ops::Deref for Serving {
+    type Target = WasmProvider;
+    fn deref(&self) -> &WasmProvider {
+        &self.version
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let in_flight = &self.version.in_flight;
+        if in_flight.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+            in_flight.idle.notify_waiters();
+        }
+    }
 }
 
 impl WasmProvider {
@@ -113,7 +158,28 @@ impl WasmProvider {
             pool: Mutex::new(Vec::new()),
             stats: Arc::default(),
             breaker,
+            in_flight: InFlight::default(),
         })
+    }
+
+    /// Callers using this version now.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.count.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Wait until no caller uses this version; false if some still did after `limit`.
+    pub async fn drained(&self, limit: std::time::Duration) -> bool {
+        let waiting = async {
+            loop {
+                // Registered before looking, so the last caller's wake-up is not missed.
+                let idle = self.in_flight.idle.notified();
+                if self.in_flight() == 0 {
+                    return;
+                }
+                idle.await;
+            }
+        };
+        tokio::time::timeout(limit, waiting).await.is_ok()
     }
 
     pub fn name(&self) -> &str {

@@ -354,9 +354,9 @@ async fn provider(backend: &Backend, command: ProviderCommand, out: &mut impl Wr
                 let text = format!(
                     "swapped provider {name}: {} ({}) -> {} ({}){}",
                     report.old_version,
-                    &report.old_sha256[..12],
+                    crate::store::records::short_sha256(&report.old_sha256),
                     report.new_version,
-                    &report.new_sha256[..12],
+                    crate::store::records::short_sha256(&report.new_sha256),
                     if report.checked { ", conformance passed" } else { "" }
                 );
                 output::line(out, &text)?;

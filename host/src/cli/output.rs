@@ -170,7 +170,14 @@ fn table(out: &mut impl Write, header: &[&str], rows: &[Vec<String>]) -> std::io
 pub fn provider_table(out: &mut impl Write, records: &[ProviderRecord]) -> std::io::Result<()> {
     let rows: Vec<Vec<String>> = records
         .iter()
-        .map(|r| vec![r.name.clone(), r.version.clone(), r.component_sha256[..12].to_owned(), r.manifest.clone()])
+        .map(|r| {
+            vec![
+                r.name.clone(),
+                r.version.clone(),
+                crate::store::records::short_sha256(&r.component_sha256).to_owned(),
+                r.manifest.clone(),
+            ]
+        })
         .collect();
     table(out, &["NAME", "VERSION", "SHA256", "MANIFEST"], &rows)
 }
@@ -193,7 +200,8 @@ pub fn instance_table(out: &mut impl Write, views: &[InstanceView]) -> std::io::
 
 /// One line per event: `seq time kind provider old -> new detail`.
 pub fn event_lines(out: &mut impl Write, events: &[crate::store::Event]) -> std::io::Result<()> {
-    let short = |sha: &Option<String>| sha.as_deref().map(|s| &s[..s.len().min(12)]).unwrap_or("-").to_owned();
+    let short =
+        |sha: &Option<String>| sha.as_deref().map(crate::store::records::short_sha256).unwrap_or("-").to_owned();
     for e in events {
         let versions = match (&e.old_version, &e.new_version) {
             (Some(old), Some(new)) => format!(" {old} ({}) -> {new} ({})", short(&e.old_sha256), short(&e.new_sha256)),
@@ -262,12 +270,18 @@ mod tests {
         let view = ProviderView::new(&record, &manifest.unwrap());
         assert_inert(&printed(|out| provider_details(out, &view)));
         assert_inert(&printed(|out| provider_table(out, std::slice::from_ref(&record))));
+        // A corrupt stored hash is shown as far as it goes, not a panic.
+        let short = ProviderRecord { component_sha256: "ab".into(), ..record.clone() };
+        assert!(printed(|out| provider_table(out, &[short])).contains(" ab "));
 
         let mut event = crate::store::Event::new("swap-refused", "x");
         event.new_version = Some(HOSTILE.into());
         event.detail = format!("validate-config failed: {HOSTILE}");
-        let text = printed(|out| event_lines(out, &[event]));
+        let text = printed(|out| event_lines(out, &[event.clone()]));
         assert_inert(&text);
         assert_eq!(text.lines().count(), 1, "{text:?}");
+        // A stored hash that is not hex (a corrupt store) is cut where the hex ends, not mid-character.
+        event.new_sha256 = Some("abcd€€€€€".into());
+        assert!(printed(|out| event_lines(out, &[event])).contains("(abcd)"));
     }
 }

@@ -202,21 +202,24 @@ async fn start_instance(
     let mut params = params_with(constraints);
     params.placement = request.placement;
 
-    let (lines, receiver) = tokio::sync::mpsc::unbounded_channel::<StartLine>();
+    // Bounded whatever the provider reports and however slowly the client reads.
+    let lines = Arc::new(super::progress::ProgressQueue::<StartLine>::new(super::progress::QUEUED_LINES));
     let status_lines = lines.clone();
-    let hooks = CallHooks::with_events(move |event| {
-        let _ = status_lines.send(StartLine::from(event));
-    });
+    let hooks = CallHooks::with_events(move |event| status_lines.push(StartLine::from(event)));
+    let finished = lines.clone();
     tokio::spawn(async move {
         let last = match broker.start_instance(&request.provider, &params, &hooks).await {
             Ok(record) => StartLine::Started { instance: Box::new(record) },
             Err(err) => StartLine::Failed { error: error_text(&err) },
         };
-        let _ = lines.send(last);
+        if finished.coalesced() > 0 {
+            tracing::debug!(coalesced = finished.coalesced(), "a start's client was behind: statuses coalesced");
+        }
+        finished.finish(last);
     });
-    let stream = futures_util::stream::unfold(receiver, |mut receiver| async move {
-        let line = serde_json::to_string(&receiver.recv().await?).unwrap_or_default();
-        Some((Ok::<_, std::convert::Infallible>(format!("{line}\n")), receiver))
+    let stream = futures_util::stream::unfold(lines, |lines| async move {
+        let line = serde_json::to_string(&lines.next().await?).unwrap_or_default();
+        Some((Ok::<_, std::convert::Infallible>(format!("{line}\n")), lines))
     });
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(stream)).into_response())
 }
@@ -275,7 +278,8 @@ struct Source {
 }
 
 fn sources(broker: &Broker) -> Vec<Source> {
-    let label = |name: &str, sha256: &str| format!("provider=\"{name}\",sha256=\"{}\"", &sha256[..12]);
+    use crate::store::records::short_sha256;
+    let label = |name: &str, sha256: &str| format!("provider=\"{name}\",sha256=\"{}\"", short_sha256(sha256));
     let mut sources: Vec<Source> = broker
         .registry()
         .loaded()

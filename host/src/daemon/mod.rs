@@ -7,6 +7,7 @@
 
 mod api;
 mod auth;
+mod progress;
 pub mod wire;
 
 pub use api::router;

@@ -1,15 +1,16 @@
 //! The providers this host runs: registered in the store, loaded on first use.
 
 use crate::broker::CallError;
+use crate::broker::wasm::Serving;
 use crate::broker::wasm::{LoadError, WasmProvider};
 use crate::providers::Manifest;
 use crate::runtime::{HostCapabilities, Runtime};
 use crate::store::{Event, ProviderRecord, Store, StoreError, records::now_rfc3339};
 use sha2::{Digest, Sha256};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
@@ -62,14 +63,27 @@ pub struct Registry {
     runtime: Arc<Runtime>,
     store: Arc<Store>,
     capabilities: HostCapabilities,
-    loaded: RwLock<HashMap<String, Arc<WasmProvider>>>,
-    /// Providers being removed: they take no new calls while those in flight finish.
-    draining: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// What serves and what is being removed, under one lock that is never
+    /// held across an await or the store's I/O.
+    slots: Mutex<Slots>,
+    /// Registration changes (add, swap, remove) commit one at a time: the
+    /// store's record and the loaded version change together.
+    changing: tokio::sync::Mutex<()>,
     /// One swap at a time, so two candidates cannot race for the slot.
     swapping: tokio::sync::Mutex<()>,
     swap_counts: SwapCounts,
     /// Versions replaced or removed lately, whose counters `/metrics` still shows.
     retired: std::sync::Mutex<Vec<Retired>>,
+}
+
+#[derive(Default)]
+struct Slots {
+    /// The version new calls get, per provider.
+    loaded: HashMap<String, Arc<WasmProvider>>,
+    /// Providers being removed: they take no new calls while those in flight finish.
+    draining: HashSet<String>,
+    /// Removals so far: a first load that raced one is not kept.
+    removals: u64,
 }
 
 /// A version no longer serving new calls: its counters, kept for a while so a
@@ -98,8 +112,8 @@ impl Registry {
             runtime,
             store,
             capabilities,
-            loaded: RwLock::new(HashMap::new()),
-            draining: Default::default(),
+            slots: Mutex::default(),
+            changing: Default::default(),
             swapping: Default::default(),
             swap_counts: SwapCounts::default(),
             retired: Default::default(),
@@ -141,13 +155,14 @@ impl Registry {
             approved_manifest,
         };
         let replaced = {
-            // Under the draining set's lock: a removal either sees this provider or refuses it.
-            let draining = self.draining.lock().unwrap_or_else(|p| p.into_inner());
-            if draining.contains(&record.name) {
+            // A removal either finished before this (and the provider is added
+            // anew) or refuses it; it cannot run between the record and the slot.
+            let _changing = self.changing.lock().await;
+            if self.slots().draining.contains(&record.name) {
                 return Err(RegistryError::Removing(record.name));
             }
             self.store.put_provider(&record)?;
-            self.write_loaded().insert(record.name.clone(), provider)
+            self.slots().loaded.insert(record.name.clone(), provider)
         };
         if let Some(replaced) = replaced {
             self.retire(&replaced);
@@ -195,21 +210,31 @@ impl Registry {
         if self.store.provider(name)?.is_none() {
             return Err(RegistryError::UnknownProvider(name.to_owned()));
         }
-        let _draining = Draining::begin(&self.draining, name)?;
-        let unloaded = self.write_loaded().remove(name);
-        let in_flight = unloaded.as_ref().map_or(0, |p| Arc::strong_count(p) - 1);
+        let (_draining, unloaded) = {
+            let _changing = self.changing.lock().await;
+            let draining = Draining::begin(&self.slots, name)?;
+            let mut slots = self.slots();
+            slots.removals += 1;
+            (draining, slots.loaded.remove(name))
+        };
+        // Uses of the version now, not holders of it (a metrics scrape holds it too).
+        let in_flight = unloaded.as_ref().map_or(0, |p| p.in_flight());
+        let restore = |provider: Option<Arc<WasmProvider>>| {
+            if let Some(provider) = provider {
+                self.slots().loaded.insert(name.to_owned(), provider);
+            }
+        };
         if let Some(provider) = &unloaded {
             let waited = provider.manifest().limits.deadlines.longest() + DRAIN_SLACK;
-            if !drained(provider, waited).await {
-                self.write_loaded().insert(name.to_owned(), provider.clone());
+            if !provider.drained(waited).await {
+                restore(unloaded);
                 return Err(RegistryError::DrainTimeout { name: name.to_owned(), waited });
             }
         }
+        let _changing = self.changing.lock().await;
         let count = self.store.instances(Some(name))?.len();
         if count > 0 {
-            if let Some(provider) = unloaded {
-                self.write_loaded().insert(name.to_owned(), provider);
-            }
+            restore(unloaded);
             return Err(RegistryError::HasInstances { name: name.to_owned(), count });
         }
         if !self.store.remove_provider(name)? {
@@ -280,8 +305,10 @@ impl Registry {
             }
         }
 
+        let changing = self.changing.lock().await;
         // `remove` does not wait for a swap; a provider removed meanwhile stays removed.
-        if self.store.provider(name)?.is_none_or(|now| now.added != record.added) {
+        let removing = self.slots().draining.contains(name);
+        if removing || self.store.provider(name)?.is_none_or(|now| now.added != record.added) {
             return Err(refuse("the provider was removed or re-added during the swap".into()));
         }
         let swapped = ProviderRecord {
@@ -291,7 +318,8 @@ impl Registry {
             ..record.clone()
         };
         self.store.put_provider(&swapped)?;
-        self.write_loaded().insert(name.to_owned(), candidate);
+        self.slots().loaded.insert(name.to_owned(), candidate);
+        drop(changing);
         self.retire(&serving);
         let report = SwapReport {
             provider: name.to_owned(),
@@ -325,6 +353,7 @@ impl Registry {
     /// swapped-in version is what loads after a restart.
     fn keep_component(&self, name: &str, sha256: &str, bytes: &[u8]) -> Result<PathBuf, RegistryError> {
         let dir = self.store.data_dir().join("components");
+        // `sha256` was computed here from the bytes: 64 hex digits.
         let path = dir.join(format!("{name}-{}.wasm", &sha256[..16]));
         let io = |source| RegistryError::Candidate { path: path.display().to_string(), source };
         if !path.exists() {
@@ -366,35 +395,46 @@ impl Registry {
         Ok(self.store.providers()?)
     }
 
-    /// The loaded provider, loading it from its registered manifest if needed.
-    pub async fn get(&self, name: &str) -> Result<Arc<WasmProvider>, RegistryError> {
-        if self.is_draining(name) {
-            return Err(RegistryError::Removing(name.to_owned()));
+    /// The version of `name` new calls get, loading it from its registered
+    /// manifest if needed, as one use of it (see [`Serving`]): a removal waits
+    /// for the uses handed out before it, and refuses new ones.
+    pub async fn get(&self, name: &str) -> Result<Serving, RegistryError> {
+        loop {
+            let removals = {
+                let slots = self.slots();
+                if slots.draining.contains(name) {
+                    return Err(RegistryError::Removing(name.to_owned()));
+                }
+                if let Some(provider) = slots.loaded.get(name) {
+                    return Ok(Serving::enter(provider.clone()));
+                }
+                slots.removals
+            };
+            let record = self.store.provider(name)?.ok_or_else(|| RegistryError::UnknownProvider(name.to_owned()))?;
+            let provider = self.load(Self::manifest_of(&record)?).await?;
+            if provider.sha256() != record.component_sha256 {
+                tracing::warn!(
+                    provider = name,
+                    registered = %record.component_sha256,
+                    loaded = %provider.sha256(),
+                    "component changed since it was registered"
+                );
+            }
+            let mut slots = self.slots();
+            if slots.draining.contains(name) {
+                return Err(RegistryError::Removing(name.to_owned()));
+            }
+            // Loaded meanwhile by another first call, an add or a swap: that one serves.
+            if let Some(provider) = slots.loaded.get(name) {
+                return Ok(Serving::enter(provider.clone()));
+            }
+            // A removal finished while this loaded: the record read may be gone; look again.
+            if slots.removals != removals {
+                continue;
+            }
+            slots.loaded.insert(name.to_owned(), provider.clone());
+            return Ok(Serving::enter(provider));
         }
-        if let Some(provider) = self.loaded.read().unwrap_or_else(|p| p.into_inner()).get(name) {
-            return Ok(provider.clone());
-        }
-        let record = self.store.provider(name)?.ok_or_else(|| RegistryError::UnknownProvider(name.to_owned()))?;
-        let provider = self.load(Self::manifest_of(&record)?).await?;
-        if provider.sha256() != record.component_sha256 {
-            tracing::warn!(
-                provider = name,
-                registered = %record.component_sha256,
-                loaded = %provider.sha256(),
-                "component changed since it was registered"
-            );
-        }
-        let mut loaded = self.write_loaded();
-        // Checked under the lock `remove` takes to unload: either this call is
-        // refused or `remove` finds its provider and waits for it.
-        if self.is_draining(name) {
-            return Err(RegistryError::Removing(name.to_owned()));
-        }
-        Ok(loaded.entry(name.to_owned()).or_insert(provider).clone())
-    }
-
-    fn is_draining(&self, name: &str) -> bool {
-        self.draining.lock().unwrap_or_else(|p| p.into_inner()).contains(name)
     }
 
     pub fn store(&self) -> &Store {
@@ -407,8 +447,7 @@ impl Registry {
     }
 
     pub fn loaded(&self) -> Vec<Arc<WasmProvider>> {
-        let loaded = self.loaded.read().unwrap_or_else(|p| p.into_inner());
-        let mut providers: Vec<_> = loaded.values().cloned().collect();
+        let mut providers: Vec<_> = self.slots().loaded.values().cloned().collect();
         providers.sort_by(|a, b| a.name().cmp(b.name()));
         providers
     }
@@ -431,8 +470,8 @@ impl Registry {
         });
     }
 
-    fn write_loaded(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<WasmProvider>>> {
-        self.loaded.write().unwrap_or_else(|p| p.into_inner())
+    fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -441,34 +480,21 @@ const DRAIN_SLACK: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A provider's name in the draining set, for as long as this lives.
 struct Draining<'a> {
-    set: &'a std::sync::Mutex<std::collections::HashSet<String>>,
+    slots: &'a Mutex<Slots>,
     name: String,
 }
 
 impl<'a> Draining<'a> {
-    fn begin(set: &'a std::sync::Mutex<std::collections::HashSet<String>>, name: &str) -> Result<Self, RegistryError> {
-        if !set.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_owned()) {
+    fn begin(slots: &'a Mutex<Slots>, name: &str) -> Result<Self, RegistryError> {
+        if !slots.lock().unwrap_or_else(|p| p.into_inner()).draining.insert(name.to_owned()) {
             return Err(RegistryError::Removing(name.to_owned()));
         }
-        Ok(Draining { set, name: name.to_owned() })
+        Ok(Draining { slots, name: name.to_owned() })
     }
 }
 
 impl Drop for Draining<'_> {
     fn drop(&mut self) {
-        self.set.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.name);
+        self.slots.lock().unwrap_or_else(|p| p.into_inner()).draining.remove(&self.name);
     }
-}
-
-/// Wait until the calls holding `provider` let go of it (each call holds its
-/// version for its whole length); false if they did not within `limit`.
-async fn drained(provider: &Arc<WasmProvider>, limit: std::time::Duration) -> bool {
-    let deadline = tokio::time::Instant::now() + limit;
-    while Arc::strong_count(provider) > 1 {
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    true
 }

@@ -28,6 +28,8 @@ pub enum RuntimeError {
     Engine(String),
     #[error("cannot compile component {path}: {reason}")]
     Compile { path: String, reason: String },
+    #[error("cannot start the epoch thread, without which no guest deadline holds: {0}")]
+    Ticker(#[source] std::io::Error),
 }
 
 /// Which host interfaces a store's linker provides.
@@ -61,7 +63,7 @@ impl Runtime {
             config.cache(Some(cache));
         }
         let engine = Engine::new(&config).map_err(|e| RuntimeError::Engine(e.to_string()))?;
-        let ticker = ticker::EpochTicker::start(engine.clone(), EPOCH_TICK);
+        let ticker = ticker::EpochTicker::start(engine.clone(), EPOCH_TICK).map_err(RuntimeError::Ticker)?;
         Ok(Arc::new(Runtime { engine, _ticker: ticker }))
     }
 

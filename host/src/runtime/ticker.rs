@@ -1,4 +1,8 @@
-//! A thread that advances the engine's epoch; guests past their deadline trap.
+//! A thread that advances the engine's epoch. Each tick a running guest
+//! yields to the executor (`epoch_deadline_async_yield_and_update`), which is
+//! where a call past its deadline is stopped: without this thread a spinning
+//! guest never yields and no deadline holds, so failing to start it fails the
+//! host's start.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,19 +16,20 @@ pub struct EpochTicker {
 }
 
 impl EpochTicker {
-    pub fn start(engine: Engine, tick: Duration) -> Self {
+    pub fn start(engine: Engine, tick: Duration) -> std::io::Result<Self> {
+        Self::start_on(std::thread::Builder::new(), engine, tick)
+    }
+
+    fn start_on(builder: std::thread::Builder, engine: Engine, tick: Duration) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("broker-epoch".into())
-            .spawn(move || {
-                while !flag.load(Ordering::Relaxed) {
-                    std::thread::sleep(tick);
-                    engine.increment_epoch();
-                }
-            })
-            .ok();
-        EpochTicker { stop, thread }
+        let thread = builder.name("broker-epoch".into()).spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                std::thread::sleep(tick);
+                engine.increment_epoch();
+            }
+        })?;
+        Ok(EpochTicker { stop, thread: Some(thread) })
     }
 }
 
@@ -34,5 +39,20 @@ impl Drop for EpochTicker {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ticker_that_cannot_start_says_so() {
+        let engine = Engine::default();
+        // A stack no machine can map: the thread cannot be made.
+        let impossible = std::thread::Builder::new().stack_size(usize::MAX / 2);
+        assert!(EpochTicker::start_on(impossible, engine.clone(), Duration::from_millis(1)).is_err());
+        let ticker = EpochTicker::start(engine, Duration::from_millis(1)).unwrap();
+        assert!(ticker.thread.is_some());
     }
 }

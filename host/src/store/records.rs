@@ -150,6 +150,14 @@ pub struct InstanceRecord {
     pub params: Option<StartInstanceParams>,
 }
 
+/// A component hash as tables, messages and metric labels show it: its first
+/// 12 hex digits. A stored hash that is short or not hex (a corrupt store, a
+/// garbage answer) shows the hex it starts with instead of panicking.
+pub fn short_sha256(hash: &str) -> &str {
+    let hex = hash.bytes().take(12).take_while(u8::is_ascii_hexdigit).count();
+    &hash[..hex]
+}
+
 /// The longest instance id the host takes from a provider, in bytes.
 pub const MAX_INSTANCE_ID_BYTES: usize = 255;
 
@@ -240,5 +248,14 @@ mod tests {
         assert!(long.contains("256 bytes long; at most 255"), "{long}");
         assert_eq!(id_for_message("\x1b[2J\n"), r#""\x1b[2J\n""#);
         assert_eq!(id_for_message(&"x".repeat(1 << 20)), format!("\"{}\"… (1048576 bytes)", "x".repeat(64)));
+    }
+
+    #[test]
+    fn a_short_or_corrupt_hash_is_shown_as_far_as_it_is_hex() {
+        assert_eq!(super::short_sha256(&"ab".repeat(32)), "abababababab");
+        assert_eq!(super::short_sha256("abc"), "abc");
+        assert_eq!(super::short_sha256(""), "");
+        assert_eq!(super::short_sha256("12\"}\n€456789abcdef"), "12");
+        assert_eq!(super::short_sha256("€"), "");
     }
 }
