@@ -257,3 +257,47 @@ fn provider_swap_replaces_the_component_and_the_event_log_says_so() {
     let kept = file_names(&data.join("components"));
     assert_eq!(kept.len(), 1, "only the swapped-in component is kept, not the refused one: {kept:?}");
 }
+
+/// Attack 4 of the sandbox issue, end to end: what a provider chose (here a
+/// zone with a terminal title sequence and a newline, and an id with a screen
+/// clear) reaches the terminal escaped, never as the bytes a terminal acts on.
+#[test]
+fn what_a_provider_chose_is_printed_escaped() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let manifest = dir.path().join("hostile.toml");
+    let component = guest_artifacts::wasm("test-hostile");
+    std::fs::write(
+        &manifest,
+        format!("name = \"hostile\"\ncomponent = \"{}\"\n[grants]\nkv = true\n", component.display()),
+    )
+    .unwrap();
+    ok(&data, &["provider", "add", manifest.to_str().unwrap()]);
+    let zone = "\x1b]0;pwned\x07zone-a\nforged-row";
+    {
+        let store = broker_host::store::Store::open(&data).unwrap();
+        let kv = store.kv();
+        use broker_host::capabilities::kv::KvBackend;
+        kv.set("hostile", "start-id", b"hostile-1").unwrap();
+        kv.set("hostile", "start-zone", zone.as_bytes()).unwrap();
+    }
+    let terminal_bytes = |text: &str| text.bytes().any(|b| b == 0x1b || b == 0x07);
+    let started = ok(&data, &["instance", "start", "--provider", "hostile"]);
+    let listed = ok(&data, &["instance", "list"]);
+    for printed in [&started, &listed] {
+        assert!(!terminal_bytes(printed), "{printed:?}");
+        assert!(!printed.contains("\nforged-row"), "no forged row: {printed}");
+    }
+    assert!(listed.contains(r"\x1b]0;pwned\x07zone-a\nforged-row"), "shown escaped: {listed}");
+    assert!(!listed.lines().any(|l| l.starts_with("forged-row")), "no forged row: {listed}");
+
+    {
+        let store = broker_host::store::Store::open(&data).unwrap();
+        use broker_host::capabilities::kv::KvBackend;
+        store.kv().set("hostile", "start-id", b"\x1b[2J\nhostile-2").unwrap();
+    }
+    let refused = broker(&data, &["instance", "start", "--provider", "hostile"]);
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = String::from_utf8(refused.stderr).unwrap();
+    assert!(!terminal_bytes(&stderr) && stderr.contains(r#""\x1b[2J\nhostile-2""#), "{stderr:?}");
+}

@@ -122,6 +122,27 @@ fn garbage_gets_a_4xx_with_a_message_and_the_daemon_keeps_serving() {
     assert_eq!(daemon.json("GET", "/v1/providers", None).1[0]["name"], "fake");
 }
 
+/// Attack 4 of the sandbox issue: the daemon reads manifests as root for any
+/// API caller, so an error about a file that is not a manifest names the file
+/// and what is wrong, but never quotes what is in it.
+#[test]
+fn a_file_named_as_a_manifest_is_never_quoted_back_to_the_caller() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path());
+    let secret = dir.path().join("shadow");
+    std::fs::write(&secret, "root:$6$secret-hash-line:19000:0:99999:7:::\nsecond-secret-line\n").unwrap();
+    let body = format!("{{\"manifest\":\"{}\"}}", secret.display());
+    let (status, text) = daemon.request("POST", "/v1/providers", Some(body.as_bytes()));
+    assert_eq!(status, 422, "{text}");
+    let error: Value = serde_json::from_str(&text).unwrap();
+    let error = error["error"].as_str().unwrap();
+    assert!(error.contains(&secret.display().to_string()), "the file is named: {error}");
+    for piece in ["root:", "$6$", "secret-hash-line", "second-secret-line", "19000"] {
+        assert!(!text.contains(piece), "{piece} quoted in {text}");
+    }
+    assert_eq!(daemon.json("GET", "/v1/providers", None).1, serde_json::json!([]), "nothing was added");
+}
+
 #[test]
 fn sigterm_lets_a_start_in_flight_finish_then_exits() {
     let dir = tempfile::tempdir().unwrap();

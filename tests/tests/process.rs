@@ -26,13 +26,26 @@ struct ProcessHost {
 
 impl ProcessHost {
     fn new(data_dir: &Path, programs: &[&str], paths: &[&str], records: Arc<dyn ChildRecords>) -> ProcessHost {
+        Self::with_paths(data_dir, programs, paths, &[], records)
+    }
+
+    /// With `paths` granted read-only and `paths_rw` read-write.
+    fn with_paths(
+        data_dir: &Path,
+        programs: &[&str],
+        paths: &[&str],
+        paths_rw: &[&str],
+        records: Arc<dyn ChildRecords>,
+    ) -> ProcessHost {
         std::fs::create_dir_all(data_dir).unwrap();
         let programs: Vec<String> = programs.iter().map(|p| p.to_string()).collect();
         let paths: Vec<PathBuf> = paths.iter().map(PathBuf::from).collect();
+        let paths_rw: Vec<PathBuf> = paths_rw.iter().map(PathBuf::from).collect();
         let confinement = Sandbox::default()
-            .confine("p", &Grants { data_dir, paths: &paths, paths_rw: &[], devices: &[], share_net: false })
+            .confine("p", &Grants { data_dir, paths: &paths, paths_rw: &paths_rw, devices: &[], share_net: false })
             .unwrap();
-        let policy = Arc::new(ProcessPolicy::resolve(&programs, &paths, data_dir).unwrap().confined(confinement));
+        let every_path: Vec<PathBuf> = paths.iter().chain(&paths_rw).cloned().collect();
+        let policy = Arc::new(ProcessPolicy::resolve(&programs, &every_path, data_dir).unwrap().confined(confinement));
         ProcessHost {
             ctx: ProcessCtx::new("p", Some(policy), records, Arc::new(LiveChildren::default()), Default::default()),
             table: ResourceTable::new(),
@@ -280,6 +293,47 @@ async fn a_granted_program_sees_only_its_data_dir_as_an_unprivileged_user_with_n
     assert_eq!(std::fs::read_to_string(&secret).unwrap(), "host secret");
 }
 
+/// Granted paths are what the manifest says: `paths` visible read-only,
+/// `paths-rw` writable, nothing beside them; and the resource limits hold.
+#[tokio::test]
+async fn granted_paths_are_read_only_unless_granted_rw_and_limits_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ro, rw) = (dir.path().join("images"), dir.path().join("scratch"));
+    for granted in [&ro, &rw] {
+        std::fs::create_dir_all(granted).unwrap();
+        std::fs::write(granted.join("base"), "as the operator left it").unwrap();
+    }
+    std::fs::write(dir.path().join("beside"), "not granted").unwrap();
+    let data = dir.path().join("data/p");
+    let (ro_text, rw_text) = (ro.display().to_string(), rw.display().to_string());
+    let mut host =
+        ProcessHost::with_paths(&data, &["sh"], &[&ro_text], &[&rw_text], Arc::new(MemoryChildRecords::default()));
+
+    let (out, err) = sh(&mut host, &format!("cat {ro_text}/base; echo x > {ro_text}/base; touch {ro_text}/new")).await;
+    assert_eq!(out, "as the operator left it", "read-only paths can be read");
+    assert!(err.contains("Read-only file system"), "{err}");
+    assert_eq!(std::fs::read_to_string(ro.join("base")).unwrap(), "as the operator left it");
+    assert!(!ro.join("new").exists());
+
+    let (_, err) = sh(&mut host, &format!("echo changed > {rw_text}/base && touch {rw_text}/new")).await;
+    assert_eq!(err, "", "paths-rw can be written");
+    assert_eq!(std::fs::read_to_string(rw.join("base")).unwrap(), "changed\n");
+    assert!(rw.join("new").exists());
+
+    let beside = dir.path().join("beside").display().to_string();
+    let (out, err) = sh(&mut host, &format!("cat {beside}")).await;
+    assert!(!out.contains("not granted") && err.contains("No such file"), "{out} {err}");
+
+    let (limits, _) = sh(&mut host, "cat /proc/self/limits").await;
+    let limit = |name: &str| {
+        let line = limits.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name}: {limits}"));
+        line[name.len()..].split_whitespace().take(2).collect::<Vec<_>>().join(" ")
+    };
+    assert_eq!(limit("Max processes"), "512 512", "{limits}");
+    assert_eq!(limit("Max open files"), "1024 1024", "{limits}");
+    assert_eq!(limit("Max core file size"), "0 0", "{limits}");
+}
+
 #[tokio::test]
 async fn loader_variables_are_refused_before_anything_runs() {
     let dir = tempfile::tempdir().unwrap();
@@ -351,13 +405,11 @@ async fn qemu_img_cannot_be_pointed_at_host_files() {
         .await
         .unwrap()
         .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.exit_code, Some(0), "{stderr}");
+    assert!(stderr.contains("backing file") && stderr.contains("No such file"), "{stderr}");
     let stolen = std::fs::read(data.join("stolen2.raw")).unwrap_or_default();
-    assert!(
-        !String::from_utf8_lossy(&stolen).contains("host secret"),
-        "exit {:?}: {}",
-        out.exit_code,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(!String::from_utf8_lossy(&stolen).contains("host secret"), "{stderr}");
 }
 
 #[tokio::test]

@@ -182,21 +182,31 @@ async fn guest_stdout_and_stderr_become_tracing_events_with_the_provider_name() 
     assert!(stderr.contains("hello from the hostile guest's stderr"), "{stderr}");
 }
 
+/// Host capabilities with a machine lock in a temp dir, and the kv the guest sees.
+fn with_machine_lock() -> (
+    tempfile::TempDir,
+    broker_host::capabilities::machine_lock::MachineLock,
+    Arc<MemoryKv>,
+    broker_host::runtime::HostCapabilities,
+) {
+    use broker_host::capabilities::machine_lock::MachineLock;
+    let dir = tempfile::tempdir().unwrap();
+    let lock = MachineLock::new(dir.path(), "machine-lock", "test").unwrap();
+    let kv = Arc::new(MemoryKv::default());
+    let caps = broker_host::runtime::HostCapabilities {
+        machine_lock: Some(lock.clone()),
+        ..broker_tests::host_capabilities(dir.path(), kv.clone())
+    };
+    (dir, lock, kv, caps)
+}
+
 /// The machine lock through a real guest: access-denied without the grant; with
 /// it, a guard the guest forgets is released when its call ends.
 #[tokio::test]
 async fn machine_lock_needs_its_grant_and_cannot_leak() {
     use broker_host::bindings::BrokerError;
-    use broker_host::capabilities::machine_lock::MachineLock;
-    use broker_host::runtime::HostCapabilities;
 
-    let dir = tempfile::tempdir().unwrap();
-    let lock = MachineLock::new(dir.path(), "machine-lock", "test").unwrap();
-    let kv = Arc::new(MemoryKv::default());
-    let caps = HostCapabilities {
-        machine_lock: Some(lock.clone()),
-        ..broker_tests::host_capabilities(dir.path(), kv.clone())
-    };
+    let (dir, lock, kv, caps) = with_machine_lock();
     let rt = runtime();
     let base = "[limits.deadlines]\ndefault = \"5s\"\n[grants]\nkv = true\n";
     let ungranted =
@@ -229,6 +239,40 @@ async fn machine_lock_needs_its_grant_and_cannot_leak() {
         .unwrap();
     let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
     assert!(matches!(err.broker_error(), Some(BrokerError::Timeout(m)) if m == "timeout acquiring mutex"), "{err}");
+}
+
+/// Attack 4 of the sandbox issue through a real guest: a worker with a newline
+/// (a forged history line) and a comment far past its cap are refused as
+/// invalid, and nothing reaches `machine-lock.log`.
+#[tokio::test]
+async fn a_guest_cannot_forge_or_flood_the_machine_lock_history() {
+    use broker_host::bindings::BrokerError;
+    use broker_host::capabilities::machine_lock::MAX_COMMENT_BYTES;
+
+    let (dir, _lock, kv, caps) = with_machine_lock();
+    let grants = "[limits.deadlines]\ndefault = \"5s\"\n[grants]\nkv = true\nmachine-lock = true\n";
+    let provider =
+        broker_tests::load_provider_with(&runtime(), caps, dir.path(), "hostile", "test-hostile", grants).unwrap();
+    kv.set("hostile", "mode", b"lock-as").unwrap();
+    let history = dir.path().join("machine-lock.log");
+    let attempts = [
+        ("hostile\n2026-12-01 00:00:00 forged: root (rm -rf /)".to_owned(), "c".to_owned(), "control character"),
+        ("hostile".to_owned(), "c".repeat(MAX_COMMENT_BYTES * 64), "comment is"),
+    ];
+    for (worker, comment, why) in attempts {
+        kv.set("hostile", "lock-worker", worker.as_bytes()).unwrap();
+        kv.set("hostile", "lock-comment", comment.as_bytes()).unwrap();
+        let err = provider.all_instances(&CallHooks::default()).await.unwrap_err();
+        assert!(matches!(err.broker_error(), Some(BrokerError::InvalidParams(m)) if m.contains(why)), "{err}");
+        assert!(!history.exists(), "nothing was written to the history");
+    }
+    // A worker and comment within bounds are taken, as one line.
+    kv.set("hostile", "lock-worker", b"hostile").unwrap();
+    kv.set("hostile", "lock-comment", b"fine").unwrap();
+    assert_eq!(provider.all_instances(&CallHooks::default()).await.unwrap()[0].id, "locked");
+    let written = std::fs::read_to_string(&history).unwrap();
+    assert_eq!(written.lines().count(), 1, "{written}");
+    assert!(written.contains("hostile (fine)") && !written.contains("forged"), "{written}");
 }
 
 #[tokio::test]
@@ -405,8 +449,89 @@ async fn a_guest_with_only_qemu_img_cannot_reach_host_files() {
     let err = provider.all_instances(&hooks).await.unwrap_err();
     assert!(matches!(err.broker_error(), Some(BrokerError::AccessDenied(m)) if m.contains("LD_PRELOAD")), "{err}");
 
+    // A qcow2 the guest wrote whose backing file is a host path: qemu-img looks
+    // for it inside the sandbox, where it does not exist.
+    kv.set("hostile", "exec-env", b"").unwrap();
+    let create =
+        ["qemu-img", "create", "-f", "qcow2", "-u", "-F", "raw", "-b", "evil-backing", "/data/evil.qcow2", "1M"];
+    kv.set("hostile", "exec", create.join("\0").as_bytes()).unwrap();
+    assert_eq!(provider.all_instances(&hooks).await.unwrap()[0].id, "exit-0");
+    let image = qcow2_backed_by(&std::fs::read(data.join("evil.qcow2")).unwrap(), &secret.display().to_string());
+    std::fs::remove_file(data.join("evil.qcow2")).unwrap();
+    kv.set("hostile", "mode", b"write").unwrap();
+    kv.set("hostile", "write-path", b"evil.qcow2").unwrap();
+    kv.set("hostile", "write-bytes", &image).unwrap();
+    assert_eq!(provider.all_instances(&hooks).await.unwrap()[0].id, "written");
+    kv.set("hostile", "mode", b"exec").unwrap();
+    let convert = ["qemu-img", "convert", "-O", "raw", "/data/evil.qcow2", "/data/stolen2.raw"];
+    kv.set("hostile", "exec", convert.join("\0").as_bytes()).unwrap();
+    let ran = provider.all_instances(&hooks).await.unwrap();
+    let stderr = String::from_utf8(kv.get("hostile", "exec-stderr").unwrap().unwrap()).unwrap();
+    assert_ne!(ran[0].id, "exit-0", "{stderr}");
+    assert!(stderr.contains(&secret.display().to_string()) && stderr.contains("No such file"), "{stderr}");
+    let stolen = std::fs::read(data.join("stolen2.raw")).unwrap_or_default();
+    assert!(!String::from_utf8_lossy(&stolen).contains("host secret"));
+
     let denied = denied.lock().unwrap().clone();
     assert!(denied.iter().any(|d| d.starts_with("filesystem:") && d.contains("symlink")), "{denied:?}");
     assert!(denied.iter().any(|d| d.starts_with("process:") && d.contains("LD_PRELOAD")), "{denied:?}");
     assert_eq!(std::fs::read_to_string(&secret).unwrap(), "host secret in a raw image");
+}
+
+/// A qcow2 image (as `qemu-img create -b evil-backing` made it) with its backing
+/// file name rewritten to `target`, as a guest can write it byte by byte.
+fn qcow2_backed_by(image: &[u8], target: &str) -> Vec<u8> {
+    let at = image.windows(12).position(|w| w == b"evil-backing").unwrap();
+    let mut out = image[..at].to_vec();
+    out[8..16].copy_from_slice(&(at as u64).to_be_bytes());
+    out[16..20].copy_from_slice(&(target.len() as u32).to_be_bytes());
+    out.extend_from_slice(target.as_bytes());
+    out.extend_from_slice(&image[at + 12..]);
+    out
+}
+
+/// The host's own spawn log, through a real guest: a link a granted program
+/// planted where the log goes (the guest cannot make links itself) is refused
+/// when the host opens the log, and the file it points at is untouched.
+#[tokio::test]
+async fn a_guest_cannot_have_the_host_write_a_spawn_log_through_a_link() {
+    use broker_host::bindings::BrokerError;
+
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "untouched").unwrap();
+    let kv = Arc::new(MemoryKv::default());
+    let caps = broker_tests::host_capabilities(dir.path(), kv.clone());
+    let grants = "[grants]\nkv = true\nprocess = [\"sh\", \"echo\"]\n";
+    let provider =
+        broker_tests::load_provider_with(&runtime(), caps, dir.path(), "hostile", "test-hostile", grants).unwrap();
+    let data = provider.data_dir().to_owned();
+    let hooks = CallHooks::default();
+
+    kv.set("hostile", "mode", b"write").unwrap();
+    kv.set("hostile", "write-path", b"logs/.keep").unwrap();
+    kv.set("hostile", "write-bytes", b"").unwrap();
+    provider.all_instances(&hooks).await.unwrap();
+    kv.set("hostile", "mode", b"exec").unwrap();
+    // In a script, spelled so the argument check (a convenience, not the wall)
+    // sees no `..`: from `logs/` up and out of the data dir to the victim.
+    let depth = data.strip_prefix(dir.path()).unwrap().components().count() + 1;
+    let script = format!("d=.; ln -s {}victim logs/vm.log", "$d$d/".repeat(depth));
+    let plant = ["sh", "-c", &script].join("\0");
+    kv.set("hostile", "exec", plant.as_bytes()).unwrap();
+    assert_eq!(provider.all_instances(&hooks).await.unwrap()[0].id, "exit-0");
+    assert!(std::fs::symlink_metadata(data.join("logs/vm.log")).unwrap().is_symlink(), "the link is planted");
+    assert_eq!(
+        std::fs::canonicalize(data.join("logs/vm.log")).unwrap(),
+        victim.canonicalize().unwrap(),
+        "at the victim"
+    );
+
+    kv.set("hostile", "mode", b"spawn").unwrap();
+    kv.set("hostile", "spawn-name", b"vm").unwrap();
+    kv.set("hostile", "exec", b"echo\0appended").unwrap();
+    let err = provider.all_instances(&hooks).await.unwrap_err();
+    assert!(matches!(err.broker_error(), Some(BrokerError::AccessDenied(m)) if m.contains("link")), "{err}");
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "untouched");
 }

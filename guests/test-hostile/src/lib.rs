@@ -12,6 +12,12 @@
 //! - `symlink`: makes `/data/escape`, a link out of its data dir;
 //! - `exec`: runs the program and arguments in kv `exec` (NUL-separated) with the
 //!   environment in `exec-env`, returning `exit-<code>` (stderr kept in kv `exec-stderr`);
+//! - `spawn`: spawns kv `exec` (with `exec-env`) as a long-running child named kv
+//!   `spawn-name`, returning `spawned`;
+//! - `write`: writes kv `write-bytes` to `/data/` + kv `write-path` (making its
+//!   directories), returning `written`;
+//! - `lock-as`: takes the machine lock as worker kv `lock-worker` with comment kv
+//!   `lock-comment` and releases it, returning `locked`;
 //! - `drop-in`: writes a manifest granting `sh` (and a component) into its data dir;
 //! - `fs`: writes `/data/hello.txt` and reads it back, returning its text as the id;
 //! - `bridge:<dev>`: bridges `<dev>` into its Juju bridge and returns the visible devices, comma-separated;
@@ -19,11 +25,13 @@
 //!   (ids with escape sequences, newlines, another provider's ids).
 //!
 //! `start-instance` returns an instance whose id is kv key `start-id`, verbatim,
-//! when that is set (and refuses otherwise); `stop-instances` appends the ids it
+//! in the zone kv `start-zone` names, verbatim, when those are set (and refuses
+//! without an id); `stop-instances` appends the ids it
 //! is given, NUL-separated, to kv key `stopped`. The other methods behave.
 
 use broker_guest::types::{
-    BrokerError, Instance, InstanceStatus, ProviderInfo, StartInstanceParams, StartInstanceResult,
+    BrokerError, HardwareCharacteristics, Instance, InstanceStatus, ProviderInfo, StartInstanceParams,
+    StartInstanceResult,
 };
 use broker_guest::{CallContext, Guest, host_kv, machine_lock, network_bridge, process};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -57,11 +65,22 @@ impl Guest for Hostile {
             return Err(BrokerError::NotSupported("the hostile provider starts nothing".into()));
         };
         let id = String::from_utf8_lossy(&id).into_owned();
+        let zone = host_kv::get("start-zone")?.map(|zone| String::from_utf8_lossy(&zone).into_owned());
         Ok(StartInstanceResult {
             display_name: id.clone(),
             instance: instance(&id),
             config: vec![],
-            hardware: None,
+            hardware: zone.map(|zone| HardwareCharacteristics {
+                arch: None,
+                mem: None,
+                root_disk: None,
+                root_disk_source: None,
+                cpu_cores: None,
+                cpu_power: None,
+                tags: None,
+                availability_zone: Some(zone),
+                virt_type: None,
+            }),
             network_info: vec![],
             volumes: vec![],
             volume_attachments: vec![],
@@ -161,21 +180,33 @@ impl Guest for Hostile {
                 }
             }
             "exec" => {
-                // Runs what the test put in kv: `exec` = program NUL args…, `exec-env` = NAME=VALUE NUL …
-                let words = host_kv::get("exec")?.unwrap_or_default();
-                let words: Vec<String> =
-                    String::from_utf8_lossy(&words).split('\0').filter(|w| !w.is_empty()).map(str::to_owned).collect();
-                let env = host_kv::get("exec-env")?.unwrap_or_default();
-                let env: Vec<(String, String)> = String::from_utf8_lossy(&env)
-                    .split('\0')
-                    .filter_map(|pair| pair.split_once('='))
-                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                    .collect();
-                let (program, args) =
-                    words.split_first().ok_or_else(|| BrokerError::InvalidParams("no exec".into()))?;
-                let out = process::run(program, args, &env, &[], 10_000)?;
+                let (program, args, env) = command()?;
+                let out = process::run(&program, &args, &env, &[], 10_000)?;
                 host_kv::set("exec-stderr", &out.stderr)?;
                 Ok(vec![instance(&format!("exit-{}", out.exit_code.unwrap_or(-1)))])
+            }
+            "spawn" => {
+                let (program, args, env) = command()?;
+                let name = String::from_utf8_lossy(&host_kv::get("spawn-name")?.unwrap_or_default()).into_owned();
+                process::spawn(&name, &program, &args, &env)?;
+                Ok(vec![instance("spawned")])
+            }
+            "write" => {
+                let path = String::from_utf8_lossy(&host_kv::get("write-path")?.unwrap_or_default()).into_owned();
+                let bytes = host_kv::get("write-bytes")?.unwrap_or_default();
+                let path = std::path::Path::new("/data").join(path);
+                path.parent()
+                    .map_or(Ok(()), std::fs::create_dir_all)
+                    .and_then(|_| std::fs::write(&path, bytes))
+                    .map_err(|e| BrokerError::Provider(format!("write {}: {e}", path.display())))?;
+                Ok(vec![instance("written")])
+            }
+            "lock-as" => {
+                let text =
+                    |key| host_kv::get(key).map(|v| String::from_utf8_lossy(&v.unwrap_or_default()).into_owned());
+                let guard = machine_lock::acquire(&text("lock-worker")?, &text("lock-comment")?, 1000)?;
+                guard.release();
+                Ok(vec![instance("locked")])
             }
             "print" => {
                 println!("hello from the hostile guest's stdout");
@@ -194,6 +225,27 @@ impl Guest for Hostile {
     fn maintain_instance(_ctx: &CallContext, _id: String, _params: StartInstanceParams) -> Result<(), BrokerError> {
         Ok(())
     }
+}
+
+/// A program, its arguments and its environment.
+type Command = (String, Vec<String>, Vec<(String, String)>);
+
+/// What the test put in kv: `exec` = program NUL args…, `exec-env` = NAME=VALUE NUL …
+fn command() -> Result<Command, BrokerError> {
+    let words = host_kv::get("exec")?.unwrap_or_default();
+    let mut words =
+        String::from_utf8_lossy(&words).split('\0').filter(|w| !w.is_empty()).map(str::to_owned).collect::<Vec<_>>();
+    let env = host_kv::get("exec-env")?.unwrap_or_default();
+    let env = String::from_utf8_lossy(&env)
+        .split('\0')
+        .filter_map(|pair| pair.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    if words.is_empty() {
+        return Err(BrokerError::InvalidParams("no exec".into()));
+    }
+    let program = words.remove(0);
+    Ok((program, words, env))
 }
 
 fn instance(id: &str) -> Instance {

@@ -195,11 +195,57 @@ pub fn share_data_dir(dir: &Path, uid: u32) -> std::io::Result<()> {
     share_tree(root, uid, 0)
 }
 
+/// Give `uid` what a grant of the operator's `path` says its programs may do:
+/// read it (and what is below it), and for `paths-rw` write it too, with
+/// default entries on its directories so what the programs make there stays
+/// theirs to use. Done the first time: a path whose top already has the entry
+/// is left as it is (under `paths`, files the operator adds later are as
+/// readable as their mode makes them). The top may be a link the operator
+/// made; nothing below it is followed. A path the host lacks is skipped, as
+/// bubblewrap skips it.
+pub fn share_granted(path: &Path, uid: u32, writable: bool) -> std::io::Result<()> {
+    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+    let top = match rustix::fs::open(path, flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    let stat = rustix::fs::fstat(&top)?;
+    let (walk, perm) = match rustix::fs::FileType::from_raw_mode(stat.st_mode) {
+        rustix::fs::FileType::Directory if writable => (Walk::Writable, READ | WRITE | SEARCH),
+        rustix::fs::FileType::Directory => (Walk::Readable, READ | SEARCH),
+        rustix::fs::FileType::RegularFile => return grant(&top, uid, if writable { READ | WRITE } else { READ }),
+        // Devices are granted as devices; sockets and FIFOs by their mode.
+        _ => return Ok(()),
+    };
+    let done = read_acl(&top, ACCESS, stat.st_mode)?;
+    if user_perm(&done, uid).is_some_and(|has| has & perm == perm) && (!writable || has_default(&top, uid)?) {
+        return Ok(());
+    }
+    walk_tree(top, uid, walk, 0)
+}
+
+/// How a shared tree is given to the sandbox user.
+#[derive(Clone, Copy)]
+enum Walk {
+    /// The data dir and `paths-rw`: read and write, and defaults for what is made later.
+    Writable,
+    /// `paths`: read.
+    Readable,
+}
+
 /// Deeper than this, a tree the guest built to exhaust the walk is left as it is.
 const MAX_DEPTH: usize = 64;
 
 fn share_tree(dir: OwnedFd, uid: u32, depth: usize) -> std::io::Result<()> {
-    share_dir(&dir, uid)?;
+    walk_tree(dir, uid, Walk::Writable, depth)
+}
+
+fn walk_tree(dir: OwnedFd, uid: u32, walk: Walk, depth: usize) -> std::io::Result<()> {
+    match walk {
+        Walk::Writable => share_dir(&dir, uid)?,
+        Walk::Readable => grant(&dir, uid, READ | SEARCH)?,
+    }
     if depth >= MAX_DEPTH {
         return Ok(());
     }
@@ -220,9 +266,10 @@ fn share_tree(dir: OwnedFd, uid: u32, depth: usize) -> std::io::Result<()> {
             Err(e) => return Err(e.into()),
         };
         let stat = rustix::fs::fstat(&fd)?;
-        match rustix::fs::FileType::from_raw_mode(stat.st_mode) {
-            rustix::fs::FileType::Directory => share_tree(fd, uid, depth + 1)?,
-            rustix::fs::FileType::RegularFile => grant(&fd, uid, READ | WRITE)?,
+        match (rustix::fs::FileType::from_raw_mode(stat.st_mode), walk) {
+            (rustix::fs::FileType::Directory, _) => walk_tree(fd, uid, walk, depth + 1)?,
+            (rustix::fs::FileType::RegularFile, Walk::Writable) => grant(&fd, uid, READ | WRITE)?,
+            (rustix::fs::FileType::RegularFile, Walk::Readable) => grant(&fd, uid, READ)?,
             _ => {}
         }
     }

@@ -248,8 +248,11 @@ impl Sandbox {
             // bubblewrap runs as the sandbox user and must reach what it binds.
             acl::grant_search_to_ancestors(grants.data_dir, uid).map_err(|e| share(grants.data_dir, e))?;
             acl::share_data_dir(grants.data_dir, uid).map_err(|e| share(grants.data_dir, e))?;
-            for path in grants.paths.iter().chain(grants.paths_rw) {
+            for (path, writable) in
+                grants.paths.iter().map(|p| (p, false)).chain(grants.paths_rw.iter().map(|p| (p, true)))
+            {
                 acl::grant_search_to_ancestors(path, uid).map_err(|e| share(path, e))?;
+                acl::share_granted(path, uid, writable).map_err(|e| share(path, e))?;
             }
         }
         let mut devices = Vec::new();
