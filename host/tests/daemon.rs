@@ -257,7 +257,7 @@ fn on_start_the_daemon_maintains_its_instances_and_reports_what_differs() {
     {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let broker = broker_host::broker::Broker::open(dir.path()).unwrap();
-        broker.store().remove_instances("fake", std::slice::from_ref(&started[0])).unwrap();
+        broker.store().remove_instances("fake", std::slice::from_ref(&started[0])).wait().unwrap();
         let fake = runtime.block_on(broker.registry().get("fake")).unwrap();
         let hooks = broker_host::capabilities::context::CallHooks::default();
         runtime.block_on(fake.stop_instances(&hooks, std::slice::from_ref(&started[1]))).unwrap();

@@ -259,7 +259,8 @@ async fn old_data_dirs_move_out_of_the_providers_directory() {
         // A record from before grants were pinned.
         let mut record = broker.store().provider("fake").unwrap().unwrap();
         record.approved_manifest = None;
-        broker.store().put_provider(&record).unwrap();
+        let downgraded = broker_host::store::Event::new("downgraded-by-the-test", "fake");
+        broker.store().put_provider(&record, &downgraded).await.unwrap();
     }
     // As a host from before left it: no data/fake, the files beside the manifest.
     std::fs::remove_dir_all(data.path().join("data/fake")).unwrap();

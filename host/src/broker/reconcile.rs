@@ -64,7 +64,7 @@ impl Broker {
             let found = self.reconcile_one(&name).await;
             let mut event = Event::new("reconciled", &name);
             event.detail = found.summary();
-            if let Err(e) = self.store().append_event(&event) {
+            if let Err(e) = self.store().append_event(&event).await {
                 tracing::warn!(provider = %name, error = %e, "cannot record a reconcile");
             }
             tracing::info!(provider = %name, result = %event.detail, "reconciled");

@@ -166,7 +166,7 @@ impl Broker {
             created: now_rfc3339(),
             params: Some(params.clone()),
         };
-        match self.store.put_new_instance(&record) {
+        match self.store.put_new_instance(&record).await {
             Ok(None) => Ok(record),
             // Not stopped: the id may well name the other provider's instance (two
             // providers over one backend), and stopping it there would be worse.
@@ -205,7 +205,7 @@ impl Broker {
     pub async fn stop_instances(&self, provider: &str, ids: &[String]) -> Result<(), BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
         wasm.stop_instances(&CallHooks::default(), ids).await?;
-        self.store.remove_instances(provider, ids)?;
+        self.store.remove_instances(provider, ids).await?;
         Ok(())
     }
 

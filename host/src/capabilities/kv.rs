@@ -4,6 +4,7 @@
 //! [`crate::store`] (redb), [`MemoryKv`] serves unit tests and benchmarks.
 
 use crate::bindings::broker::provider::kv::{self as wit};
+use futures_util::future::BoxFuture;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use wasmtime::component::{HasSelf, Linker};
@@ -33,14 +34,68 @@ impl From<KvError> for wit::KvError {
     }
 }
 
+/// A change to one key.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvChange {
+    Set(Vec<u8>),
+    Delete,
+    /// Add to the little-endian i64 counter (absent counts as 0).
+    Increment(i64),
+}
+
+/// What a change did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvChanged {
+    Set,
+    /// Whether the key was there.
+    Deleted(bool),
+    /// The counter after the increment.
+    Counter(i64),
+}
+
+impl KvChange {
+    /// The bounds every backend holds a change to, before anything is written.
+    pub fn check(&self, key: &str) -> Result<(), KvError> {
+        match self {
+            KvChange::Set(value) => check_key(key).and_then(|()| check_value(value)),
+            KvChange::Increment(_) => check_key(key),
+            KvChange::Delete => Ok(()),
+        }
+    }
+}
+
 /// Storage of provider namespaces. `scan` returns entries in key order.
+///
+/// Reads answer from memory. A change is durable once [`KvBackend::change`]
+/// resolves; host functions await it (the real backend commits on the store's
+/// writer thread, never on the executor). The blocking forms are for tests and
+/// tools, which are not async.
 pub trait KvBackend: Send + Sync + 'static {
     fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError>;
-    fn set(&self, namespace: &str, key: &str, value: &[u8]) -> Result<(), KvError>;
-    fn delete(&self, namespace: &str, key: &str) -> Result<bool, KvError>;
-    fn increment(&self, namespace: &str, key: &str, delta: i64) -> Result<i64, KvError>;
     /// Entries under `prefix`, already packed as `scan` returns them to guests.
     fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError>;
+    /// Apply one change; resolves once it is durable.
+    fn change(&self, namespace: &str, key: &str, change: KvChange) -> BoxFuture<'static, Result<KvChanged, KvError>>;
+    /// As [`KvBackend::change`], waiting on this thread.
+    fn change_blocking(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError>;
+
+    fn set(&self, namespace: &str, key: &str, value: &[u8]) -> Result<(), KvError> {
+        self.change_blocking(namespace, key, KvChange::Set(value.to_vec())).map(drop)
+    }
+    /// True if the key was there.
+    fn delete(&self, namespace: &str, key: &str) -> Result<bool, KvError> {
+        match self.change_blocking(namespace, key, KvChange::Delete)? {
+            KvChanged::Deleted(existed) => Ok(existed),
+            other => Err(KvError::Storage(format!("delete answered {other:?}"))),
+        }
+    }
+    /// The counter after adding `delta`.
+    fn increment(&self, namespace: &str, key: &str, delta: i64) -> Result<i64, KvError> {
+        match self.change_blocking(namespace, key, KvChange::Increment(delta))? {
+            KvChanged::Counter(next) => Ok(next),
+            other => Err(KvError::Storage(format!("increment answered {other:?}"))),
+        }
+    }
 }
 
 /// Append one scan entry to `out` in the wire format of `kv.scan`.
@@ -94,31 +149,41 @@ impl MemoryKv {
     }
 }
 
+impl MemoryKv {
+    fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
+        change.check(key)?;
+        let mut namespaces = self.lock();
+        let ns = namespaces.entry(namespace.to_owned()).or_default();
+        match change {
+            KvChange::Set(value) => {
+                ns.insert(key.to_owned(), value);
+                Ok(KvChanged::Set)
+            }
+            KvChange::Delete => Ok(KvChanged::Deleted(ns.remove(key).is_some())),
+            KvChange::Increment(delta) => {
+                let current = ns.get(key).map(|v| decode_counter(v)).transpose()?.unwrap_or(0);
+                let next = current
+                    .checked_add(delta)
+                    .ok_or_else(|| KvError::Invalid(format!("increment of {key:?} overflows")))?;
+                ns.insert(key.to_owned(), next.to_le_bytes().to_vec());
+                Ok(KvChanged::Counter(next))
+            }
+        }
+    }
+}
+
 impl KvBackend for MemoryKv {
     fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError> {
         Ok(self.lock().get(namespace).and_then(|ns| ns.get(key).cloned()))
     }
-    fn set(&self, namespace: &str, key: &str, value: &[u8]) -> Result<(), KvError> {
-        check_key(key)?;
-        check_value(value)?;
-        self.lock().entry(namespace.to_owned()).or_default().insert(key.to_owned(), value.to_vec());
-        Ok(())
-    }
-    fn delete(&self, namespace: &str, key: &str) -> Result<bool, KvError> {
-        Ok(self.lock().get_mut(namespace).is_some_and(|ns| ns.remove(key).is_some()))
-    }
-    fn increment(&self, namespace: &str, key: &str, delta: i64) -> Result<i64, KvError> {
-        check_key(key)?;
-        let mut namespaces = self.lock();
-        let ns = namespaces.entry(namespace.to_owned()).or_default();
-        let current = ns.get(key).map(|v| decode_counter(v)).transpose()?.unwrap_or(0);
-        let next =
-            current.checked_add(delta).ok_or_else(|| KvError::Invalid(format!("increment of {key:?} overflows")))?;
-        ns.insert(key.to_owned(), next.to_le_bytes().to_vec());
-        Ok(next)
-    }
     fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
         Ok(self.lock().get(namespace).map(|ns| pack_prefix(ns, prefix)).unwrap_or_default())
+    }
+    fn change(&self, namespace: &str, key: &str, change: KvChange) -> BoxFuture<'static, Result<KvChanged, KvError>> {
+        Box::pin(std::future::ready(self.apply(namespace, key, change)))
+    }
+    fn change_blocking(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
+        self.apply(namespace, key, change)
     }
 }
 
@@ -136,18 +201,35 @@ impl KvCtx {
 
 type WitResult<T> = wasmtime::Result<Result<T, wit::KvError>>;
 
+impl KvCtx {
+    async fn change(&self, key: String, change: KvChange) -> Result<KvChanged, wit::KvError> {
+        self.backend.change(&self.namespace, &key, change).await.map_err(Into::into)
+    }
+}
+
+/// A backend that answered a change with what another change answers.
+fn mismatched(answer: KvChanged) -> wit::KvError {
+    wit::KvError::Storage(format!("the store answered {answer:?}"))
+}
+
 impl wit::Host for KvCtx {
     async fn get(&mut self, key: String) -> WitResult<Option<Vec<u8>>> {
         Ok(self.backend.get(&self.namespace, &key).map_err(Into::into))
     }
     async fn set(&mut self, key: String, value: Vec<u8>) -> WitResult<()> {
-        Ok(self.backend.set(&self.namespace, &key, &value).map_err(Into::into))
+        Ok(self.change(key, KvChange::Set(value)).await.map(drop))
     }
     async fn delete(&mut self, key: String) -> WitResult<bool> {
-        Ok(self.backend.delete(&self.namespace, &key).map_err(Into::into))
+        Ok(self.change(key, KvChange::Delete).await.and_then(|answer| match answer {
+            KvChanged::Deleted(existed) => Ok(existed),
+            other => Err(mismatched(other)),
+        }))
     }
     async fn increment(&mut self, key: String, delta: i64) -> WitResult<i64> {
-        Ok(self.backend.increment(&self.namespace, &key, delta).map_err(Into::into))
+        Ok(self.change(key, KvChange::Increment(delta)).await.and_then(|answer| match answer {
+            KvChanged::Counter(next) => Ok(next),
+            other => Err(mismatched(other)),
+        }))
     }
     async fn scan(&mut self, prefix: String) -> WitResult<Vec<u8>> {
         Ok(self.backend.scan_packed(&self.namespace, &prefix).map_err(Into::into))

@@ -52,7 +52,7 @@ pub fn move_out_of_providers_dir(store: &Store) {
                 tracing::info!(provider = %record.name, from = %old.display(), to = %new.display(), moved, "moved data dir");
                 let mut event = Event::new("data-dir-moved", &record.name);
                 event.detail = format!("{} entries from {} to {}", moved, old.display(), new.display());
-                let _ = store.append_event(&event);
+                let _ = store.append_event(&event).wait();
             }
             Err(e) => tracing::warn!(provider = %record.name, error = %e, "cannot move data dir"),
         }
@@ -68,16 +68,10 @@ pub fn pin_approved_manifests(store: &Store) {
         match Manifest::load_with_text(Path::new(&record.manifest)) {
             Ok((_, text)) => {
                 record.approved_manifest = Some(text);
-                if let Err(e) = store.put_provider(&record) {
-                    tracing::warn!(provider = %record.name, error = %e, "cannot pin the approved manifest");
-                    continue;
-                }
                 // Hosts from before kept the data dir beside such a manifest, where
                 // the provider could rewrite it: the operator is told to look.
                 let old_data_dir = store.data_dir().join("providers").join(&record.name);
                 let writable = Path::new(&record.manifest).starts_with(&old_data_dir);
-                tracing::warn!(provider = %record.name, manifest = %record.manifest, writable_before = writable,
-                    "pinned the manifest as approved: review its grants");
                 let mut event = Event::new("approved-manifest-pinned", &record.name);
                 event.detail = format!(
                     "{} is now what grants are measured against{}",
@@ -88,7 +82,12 @@ pub fn pin_approved_manifests(store: &Store) {
                         ""
                     }
                 );
-                let _ = store.append_event(&event);
+                if let Err(e) = store.put_provider(&record, &event).wait() {
+                    tracing::warn!(provider = %record.name, error = %e, "cannot pin the approved manifest");
+                    continue;
+                }
+                tracing::warn!(provider = %record.name, manifest = %record.manifest, writable_before = writable,
+                    "pinned the manifest as approved: review its grants");
             }
             Err(e) => tracing::warn!(provider = %record.name, error = %e, "cannot read the manifest to pin it"),
         }

@@ -154,6 +154,11 @@ impl Registry {
             component: None,
             approved_manifest,
         };
+        let mut event = Event::new(if existing.is_some() { "reloaded" } else { "added" }, &record.name);
+        event.old_sha256 = existing.as_ref().map(|e| e.component_sha256.clone());
+        event.new_sha256 = Some(record.component_sha256.clone());
+        event.new_version = Some(record.version.clone());
+        event.old_version = existing.as_ref().map(|e| e.version.clone());
         let replaced = {
             // A removal either finished before this (and the provider is added
             // anew) or refuses it; it cannot run between the record and the slot.
@@ -161,24 +166,16 @@ impl Registry {
             if self.slots().draining.contains(&record.name) {
                 return Err(RegistryError::Removing(record.name));
             }
-            self.store.put_provider(&record)?;
+            self.store.put_provider(&record, &event).await?;
             self.slots().loaded.insert(record.name.clone(), provider)
         };
         if let Some(replaced) = replaced {
             self.retire(&replaced);
         }
-        let mut event = Event::new(if existing.is_some() { "reloaded" } else { "added" }, &record.name);
-        event.old_sha256 = existing.as_ref().map(|e| e.component_sha256.clone());
-        event.new_sha256 = Some(record.component_sha256.clone());
-        event.new_version = Some(record.version.clone());
-        if let Some(existing) = existing {
-            event.old_version = Some(existing.version);
-            // A swapped-in copy is no longer what loads: the manifest's component is.
-            if let Some(kept) = existing.component {
-                let _ = std::fs::remove_file(kept);
-            }
+        // A swapped-in copy is no longer what loads: the manifest's component is.
+        if let Some(kept) = existing.and_then(|e| e.component) {
+            let _ = std::fs::remove_file(kept);
         }
-        self.store.append_event(&event)?;
         Ok(record)
     }
 
@@ -237,18 +234,19 @@ impl Registry {
             restore(unloaded);
             return Err(RegistryError::HasInstances { name: name.to_owned(), count });
         }
-        if !self.store.remove_provider(name)? {
-            return Err(RegistryError::UnknownProvider(name.to_owned()));
-        }
         let mut event = Event::new("removed", name);
         if let Some(provider) = &unloaded {
-            self.retire(provider);
             event.old_sha256 = Some(provider.sha256().to_owned());
             if in_flight > 0 {
                 event.detail = format!("after {in_flight} call(s) in flight finished");
             }
         }
-        self.store.append_event(&event)?;
+        if !self.store.remove_provider(name, &event).await? {
+            return Err(RegistryError::UnknownProvider(name.to_owned()));
+        }
+        if let Some(provider) = &unloaded {
+            self.retire(provider);
+        }
         tracing::info!(provider = name, in_flight, "provider removed");
         Ok(())
     }
@@ -272,7 +270,7 @@ impl Registry {
         refusal.new_sha256 = Some(sha256.clone());
         refusal.old_version = Some(record.version.clone());
         let kept = self.keep_component(name, &sha256, &bytes)?;
-        let refuse = |reason: String| {
+        let refuse = async |reason: String| {
             // wasmtime's messages can span lines; an event is one line.
             let reason = reason.split_whitespace().collect::<Vec<_>>().join(" ");
             if kept != serving.manifest().component {
@@ -280,7 +278,7 @@ impl Registry {
             }
             let mut event = refusal.clone();
             event.detail = reason.clone();
-            if let Err(e) = self.store.append_event(&event) {
+            if let Err(e) = self.store.append_event(&event).await {
                 tracing::warn!(provider = name, error = %e, "cannot record a refused swap");
             }
             self.swap_counts.refused.fetch_add(1, Ordering::Relaxed);
@@ -293,15 +291,21 @@ impl Registry {
         manifest.sha256 = Some(sha256.clone());
         let candidate = match self.load(manifest.clone()).await {
             Ok(candidate) => candidate,
-            Err(err) => return Err(refuse(format!("candidate {}: {err}", component.display()))),
+            Err(err) => return Err(refuse(format!("candidate {}: {err}", component.display())).await),
         };
-        let info = candidate.describe().await.map_err(|e| refuse(format!("describe: {e}")))?;
+        let info = match candidate.describe().await {
+            Ok(info) => info,
+            Err(e) => return Err(refuse(format!("describe: {e}")).await),
+        };
         if check {
-            let report = crate::conformance::run(&manifest).await.map_err(|e| refuse(format!("check: {e}")))?;
+            let report = match crate::conformance::run(&manifest).await {
+                Ok(report) => report,
+                Err(e) => return Err(refuse(format!("check: {e}")).await),
+            };
             if !report.passed() {
                 let failed: Vec<String> =
                     report.cases.iter().filter(|c| !c.passed).map(|c| format!("{}: {}", c.name, c.detail)).collect();
-                return Err(refuse(format!("check failed: {}", failed.join("; "))));
+                return Err(refuse(format!("check failed: {}", failed.join("; "))).await);
             }
         }
 
@@ -309,7 +313,7 @@ impl Registry {
         // `remove` does not wait for a swap; a provider removed meanwhile stays removed.
         let removing = self.slots().draining.contains(name);
         if removing || self.store.provider(name)?.is_none_or(|now| now.added != record.added) {
-            return Err(refuse("the provider was removed or re-added during the swap".into()));
+            return Err(refuse("the provider was removed or re-added during the swap".into()).await);
         }
         let swapped = ProviderRecord {
             component_sha256: sha256.clone(),
@@ -317,10 +321,6 @@ impl Registry {
             component: Some(kept.display().to_string()),
             ..record.clone()
         };
-        self.store.put_provider(&swapped)?;
-        self.slots().loaded.insert(name.to_owned(), candidate);
-        drop(changing);
-        self.retire(&serving);
         let report = SwapReport {
             provider: name.to_owned(),
             old_sha256: serving.sha256().to_owned(),
@@ -334,7 +334,10 @@ impl Registry {
         event.new_sha256 = Some(report.new_sha256.clone());
         event.old_version = Some(report.old_version.clone());
         event.new_version = Some(report.new_version.clone());
-        self.store.append_event(&event)?;
+        self.store.put_provider(&swapped, &event).await?;
+        self.slots().loaded.insert(name.to_owned(), candidate);
+        drop(changing);
+        self.retire(&serving);
         self.swap_counts.swapped.fetch_add(1, Ordering::Relaxed);
         // The replaced copy in components/ is no longer what loads; calls still on
         // the old version run from memory, not from the file.

@@ -123,31 +123,31 @@ impl ProvidersDir {
         // Read once: what is checked below is what is applied, not a later rewrite of the file.
         let (manifest, text) = match Manifest::load_with_text(path) {
             Ok(read) => read,
-            Err(e) => return Some(refuse(registry, &path.display().to_string(), e.to_string())),
+            Err(e) => return Some(refuse(registry, &path.display().to_string(), e.to_string()).await),
         };
         let name = manifest.name.clone();
         let registered = match registry.store().provider(&name) {
             Ok(registered) => registered,
-            Err(e) => return Some(refuse(registry, &name, e.to_string())),
+            Err(e) => return Some(refuse(registry, &name, e.to_string()).await),
         };
         let Some(record) = registered else {
             return Some(match registry.add_read(path, text).await {
                 Ok(_) => Change::Added(name),
-                Err(e) => refuse(registry, &name, e.to_string()),
+                Err(e) => refuse(registry, &name, e.to_string()).await,
             });
         };
         if Path::new(&record.manifest) != path {
             let reason = format!("{} names provider {name:?}, registered from {}", path.display(), record.manifest);
-            return Some(refuse(registry, &name, reason));
+            return Some(refuse(registry, &name, reason).await);
         }
         // The pin, if any, is checked here: a component that does not match it is not swapped in.
         let sha256 = match manifest.read_component() {
             Ok((_, sha256)) => sha256,
-            Err(e) => return Some(refuse(registry, &name, e.to_string())),
+            Err(e) => return Some(refuse(registry, &name, e.to_string()).await),
         };
         let serving = match registry.get(&name).await {
             Ok(serving) => serving,
-            Err(e) => return Some(refuse(registry, &name, e.to_string())),
+            Err(e) => return Some(refuse(registry, &name, e.to_string()).await),
         };
         let mut same_settings = manifest.clone();
         same_settings.component = serving.manifest().component.clone();
@@ -160,11 +160,11 @@ impl ProvidersDir {
                     path.display(),
                     path.display()
                 );
-                return Some(refuse(registry, &name, reason));
+                return Some(refuse(registry, &name, reason).await);
             }
             return Some(match registry.add_read(path, text).await {
                 Ok(_) => Change::Reloaded(name),
-                Err(e) => refuse(registry, &name, e.to_string()),
+                Err(e) => refuse(registry, &name, e.to_string()).await,
             });
         }
         if sha256 == record.component_sha256 {
@@ -174,7 +174,7 @@ impl ProvidersDir {
             Ok(_) => Change::Swapped(name),
             // The registry has recorded the refusal with both hashes.
             Err(e @ RegistryError::SwapRefused { .. }) => Change::Refused(name, e.to_string()),
-            Err(e) => refuse(registry, &name, e.to_string()),
+            Err(e) => refuse(registry, &name, e.to_string()).await,
         })
     }
 
@@ -203,7 +203,7 @@ impl ProvidersDir {
                     let reason = e.to_string();
                     if self.removal_refused.get(&record.name) != Some(&reason) {
                         self.removal_refused.insert(record.name.clone(), reason.clone());
-                        record_event(registry, "remove-refused", &record.name, &reason);
+                        record_event(registry, "remove-refused", &record.name, &reason).await;
                         changes.push(Change::Refused(record.name, reason));
                     }
                 }
@@ -213,17 +213,17 @@ impl ProvidersDir {
     }
 }
 
-fn refuse(registry: &Registry, name: &str, reason: String) -> Change {
+async fn refuse(registry: &Registry, name: &str, reason: String) -> Change {
     let reason = reason.split_whitespace().collect::<Vec<_>>().join(" ");
-    record_event(registry, "watch-refused", name, &reason);
+    record_event(registry, "watch-refused", name, &reason).await;
     Change::Refused(name.to_owned(), reason)
 }
 
-fn record_event(registry: &Registry, kind: &str, name: &str, reason: &str) {
+async fn record_event(registry: &Registry, kind: &str, name: &str, reason: &str) {
     tracing::warn!(provider = name, kind, reason, "providers directory");
     let mut event = Event::new(kind, name);
     event.detail = reason.to_owned();
-    if let Err(e) = registry.store().append_event(&event) {
+    if let Err(e) = registry.store().append_event(&event).await {
         tracing::warn!(provider = name, error = %e, "cannot record a providers-directory event");
     }
 }

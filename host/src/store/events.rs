@@ -1,6 +1,6 @@
 //! The host's event log: provider swaps, refusals, loads and unloads, in order.
 
-use super::{Store, StoreError, db_error, decode};
+use super::{Pending, Store, StoreError, db_error, decode};
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
@@ -47,20 +47,21 @@ impl Event {
     }
 }
 
+/// Append `event` in `txn`, numbered after the last; its sequence number.
+pub(super) fn append(txn: &redb::WriteTransaction, event: &Event) -> Result<u64, StoreError> {
+    let mut table = txn.open_table(EVENTS).map_err(db_error)?;
+    let next = table.last().map_err(db_error)?.map_or(1, |(k, _)| k.value() + 1);
+    let stored = Event { seq: next, ..event.clone() };
+    let bytes = serde_json::to_vec(&stored).map_err(|e| StoreError::Db(e.to_string()))?;
+    table.insert(next, bytes.as_slice()).map_err(db_error)?;
+    Ok(next)
+}
+
 impl Store {
     /// Append an event; returns its sequence number.
-    pub fn append_event(&self, event: &Event) -> Result<u64, StoreError> {
-        let txn = self.db.begin_write().map_err(db_error)?;
-        let seq = {
-            let mut table = txn.open_table(EVENTS).map_err(db_error)?;
-            let next = table.last().map_err(db_error)?.map_or(1, |(k, _)| k.value() + 1);
-            let stored = Event { seq: next, ..event.clone() };
-            let bytes = serde_json::to_vec(&stored).map_err(|e| StoreError::Db(e.to_string()))?;
-            table.insert(next, bytes.as_slice()).map_err(db_error)?;
-            next
-        };
-        txn.commit().map_err(db_error)?;
-        Ok(seq)
+    pub fn append_event(&self, event: &Event) -> Pending<u64> {
+        let event = event.clone();
+        self.write(move |txn| append(txn, &event))
     }
 
     /// Events after `after` (0 = from the start), at most `limit`, oldest first.
@@ -85,14 +86,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let store = Store::open(dir.path()).unwrap();
-            assert_eq!(store.append_event(&Event::new("added", "a")).unwrap(), 1);
+            assert_eq!(store.append_event(&Event::new("added", "a")).wait().unwrap(), 1);
             let mut swap = Event::new("swapped", "a");
             swap.old_sha256 = Some("01".into());
             swap.new_sha256 = Some("02".into());
-            assert_eq!(store.append_event(&swap).unwrap(), 2);
+            assert_eq!(store.append_event(&swap).wait().unwrap(), 2);
         }
         let store = Store::open(dir.path()).unwrap();
-        assert_eq!(store.append_event(&Event::new("removed", "a")).unwrap(), 3);
+        assert_eq!(store.append_event(&Event::new("removed", "a")).wait().unwrap(), 3);
         let all = store.events(0, 100).unwrap();
         assert_eq!(
             all.iter().map(|e| (e.seq, e.kind.as_str())).collect::<Vec<_>>(),

@@ -9,21 +9,25 @@ mod events;
 mod kv;
 pub mod records;
 mod sandbox_users;
+mod writer;
 
 pub use events::Event;
 
 pub use kv::RedbKv;
 pub use records::{InstanceRecord, ObservedNetwork, ProviderRecord};
+pub use writer::Pending;
 
 use crate::capabilities::network_bridge::Device;
 use crate::capabilities::process::{ChildRecord, ChildRecords, RecordsError};
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 const PROVIDERS: TableDefinition<&str, &[u8]> = TableDefinition::new("providers");
 /// Key: (provider, instance id).
 const INSTANCES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("instances");
+/// Instance id -> the provider it is recorded for: ids are the host's, one owner each.
+const INSTANCE_IDS: TableDefinition<&str, &str> = TableDefinition::new("instance_ids");
 /// Key: (provider namespace, key).
 const KV: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("kv");
 /// The host's network as HostPreparer last observed it; one key, `host`.
@@ -31,7 +35,7 @@ const OBSERVED_NETWORK: TableDefinition<&str, &[u8]> = TableDefinition::new("obs
 /// Key: (provider, child name).
 const CHILDREN: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("children");
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("state database {path}: {reason}")]
     Open { path: String, reason: String },
@@ -39,6 +43,8 @@ pub enum StoreError {
     Db(String),
     #[error("state database holds a corrupt {what} record: {reason}")]
     Corrupt { what: &'static str, reason: String },
+    #[error("state database is closed")]
+    Closed,
 }
 
 fn db_error(err: impl Into<redb::Error>) -> StoreError {
@@ -47,6 +53,10 @@ fn db_error(err: impl Into<redb::Error>) -> StoreError {
 
 pub struct Store {
     db: Arc<Database>,
+    /// Every write goes through it: one thread, concurrent writes in one commit.
+    /// It stops (after committing what is queued) when its last handle goes:
+    /// the store's, the kv's or a child-records handle.
+    writer: Arc<writer::Writer>,
     kv: Arc<RedbKv>,
     data_dir: PathBuf,
 }
@@ -65,9 +75,21 @@ impl Store {
         txn.open_table(CHILDREN).map_err(db_error)?;
         txn.open_table(OBSERVED_NETWORK).map_err(db_error)?;
         txn.open_table(events::EVENTS).map_err(db_error)?;
+        index_instance_ids(&txn)?;
         txn.commit().map_err(db_error)?;
         let db = Arc::new(db);
-        Ok(Store { kv: Arc::new(RedbKv::new(db.clone())), db, data_dir: data_dir.to_owned() })
+        let writer = Arc::new(writer::Writer::start(db.clone()).map_err(|e| open_error(e.to_string()))?);
+        let kv = Arc::new(RedbKv::new(db.clone(), writer.clone()));
+        Ok(Store { kv, writer, db, data_dir: data_dir.to_owned() })
+    }
+
+    /// A write through the store's writer (see [`Pending`]).
+    fn write<R, F>(&self, op: F) -> Pending<R>
+    where
+        R: Send + 'static,
+        F: FnMut(&redb::WriteTransaction) -> Result<R, StoreError> + Send + 'static,
+    {
+        Pending::new(&self.writer, op)
     }
 
     pub fn data_dir(&self) -> &Path {
@@ -75,12 +97,14 @@ impl Store {
     }
 
     /// Record the host network HostPreparer observed after bridging.
-    pub fn put_observed_network(&self, devices: &[Device]) -> Result<(), StoreError> {
+    pub fn put_observed_network(&self, devices: &[Device]) -> Pending<()> {
         let record = ObservedNetwork { observed: records::now_rfc3339(), devices: devices.to_vec() };
-        let bytes = serde_json::to_vec(&record).map_err(|e| StoreError::Db(e.to_string()))?;
-        let txn = self.db.begin_write().map_err(db_error)?;
-        txn.open_table(OBSERVED_NETWORK).map_err(db_error)?.insert("host", bytes.as_slice()).map_err(db_error)?;
-        txn.commit().map_err(db_error)
+        let bytes = serde_json::to_vec(&record);
+        self.write(move |txn| {
+            let bytes = bytes.as_ref().map_err(|e| StoreError::Db(e.to_string()))?;
+            txn.open_table(OBSERVED_NETWORK).map_err(db_error)?.insert("host", bytes.as_slice()).map_err(db_error)?;
+            Ok(())
+        })
     }
 
     pub fn observed_network(&self) -> Result<Option<ObservedNetwork>, StoreError> {
@@ -92,7 +116,7 @@ impl Store {
 
     /// The records of providers' long-running children.
     pub fn child_records(&self) -> Arc<dyn ChildRecords> {
-        Arc::new(RedbChildren { db: self.db.clone() })
+        Arc::new(RedbChildren { db: self.db.clone(), writer: self.writer.clone() })
     }
 
     /// The kv backend behind every provider's namespace.
@@ -100,22 +124,29 @@ impl Store {
         self.kv.clone()
     }
 
-    pub fn put_provider(&self, record: &ProviderRecord) -> Result<(), StoreError> {
-        let bytes = serde_json::to_vec(record).map_err(|e| StoreError::Db(e.to_string()))?;
-        let txn = self.db.begin_write().map_err(db_error)?;
-        txn.open_table(PROVIDERS)
-            .map_err(db_error)?
-            .insert(record.name.as_str(), bytes.as_slice())
-            .map_err(db_error)?;
-        txn.commit().map_err(db_error)
+    /// Register (or update) a provider, and note it as `event` in the same
+    /// commit: the event log never misses a change, nor tells of one not made.
+    pub fn put_provider(&self, record: &ProviderRecord, event: &Event) -> Pending<()> {
+        let (name, bytes, event) = (record.name.clone(), serde_json::to_vec(record), event.clone());
+        self.write(move |txn| {
+            let bytes = bytes.as_ref().map_err(|e| StoreError::Db(e.to_string()))?;
+            txn.open_table(PROVIDERS).map_err(db_error)?.insert(name.as_str(), bytes.as_slice()).map_err(db_error)?;
+            events::append(txn, &event).map(drop)
+        })
     }
 
-    /// True if it was registered.
-    pub fn remove_provider(&self, name: &str) -> Result<bool, StoreError> {
-        let txn = self.db.begin_write().map_err(db_error)?;
-        let existed = txn.open_table(PROVIDERS).map_err(db_error)?.remove(name).map_err(db_error)?.is_some();
-        txn.commit().map_err(db_error)?;
-        Ok(existed)
+    /// Unregister a provider, noting it as `event` in the same commit; true if
+    /// it was registered (else nothing is noted).
+    pub fn remove_provider(&self, name: &str, event: &Event) -> Pending<bool> {
+        let (name, event) = (name.to_owned(), event.clone());
+        self.write(move |txn| {
+            let existed =
+                txn.open_table(PROVIDERS).map_err(db_error)?.remove(name.as_str()).map_err(db_error)?.is_some();
+            if existed {
+                events::append(txn, &event)?;
+            }
+            Ok(existed)
+        })
     }
 
     pub fn provider(&self, name: &str) -> Result<Option<ProviderRecord>, StoreError> {
@@ -136,48 +167,50 @@ impl Store {
         Ok(records)
     }
 
-    pub fn put_instance(&self, record: &InstanceRecord) -> Result<(), StoreError> {
-        let bytes = serde_json::to_vec(record).map_err(|e| StoreError::Db(e.to_string()))?;
-        let txn = self.db.begin_write().map_err(db_error)?;
-        txn.open_table(INSTANCES)
-            .map_err(db_error)?
-            .insert((record.provider.as_str(), record.id.as_str()), bytes.as_slice())
-            .map_err(db_error)?;
-        txn.commit().map_err(db_error)
-    }
-
     /// Record an instance a provider has just started, unless its id is already
     /// recorded for another provider: checked in the same write transaction, so two
     /// starts cannot both take one id. Returns that other provider, and then
     /// writes nothing.
-    pub fn put_new_instance(&self, record: &InstanceRecord) -> Result<Option<String>, StoreError> {
-        let bytes = serde_json::to_vec(record).map_err(|e| StoreError::Db(e.to_string()))?;
-        let txn = self.db.begin_write().map_err(db_error)?;
-        {
-            let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
-            for entry in table.iter().map_err(db_error)? {
-                let (key, _) = entry.map_err(db_error)?;
-                let (provider, id) = key.value();
-                if id == record.id && provider != record.provider {
-                    return Ok(Some(provider.to_owned()));
-                }
+    pub fn put_new_instance(&self, record: &InstanceRecord) -> Pending<Option<String>> {
+        let (provider, id, bytes) = (record.provider.clone(), record.id.clone(), serde_json::to_vec(record));
+        self.write(move |txn| {
+            let bytes = bytes.as_ref().map_err(|e| StoreError::Db(e.to_string()))?;
+            let mut ids = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
+            if let Some(owner) = ids.get(id.as_str()).map_err(db_error)?.map(|owner| owner.value().to_owned())
+                && owner != provider
+            {
+                return Ok(Some(owner));
             }
-            table.insert((record.provider.as_str(), record.id.as_str()), bytes.as_slice()).map_err(db_error)?;
-        }
-        txn.commit().map_err(db_error)?;
-        Ok(None)
+            ids.insert(id.as_str(), provider.as_str()).map_err(db_error)?;
+            let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
+            table.insert((provider.as_str(), id.as_str()), bytes.as_slice()).map_err(db_error)?;
+            Ok(None)
+        })
     }
 
     /// Remove records in one transaction; unknown ids are ignored.
-    pub fn remove_instances(&self, provider: &str, ids: &[String]) -> Result<(), StoreError> {
-        let txn = self.db.begin_write().map_err(db_error)?;
-        {
+    pub fn remove_instances(&self, provider: &str, ids: &[String]) -> Pending<()> {
+        let (provider, removed) = (provider.to_owned(), ids.to_vec());
+        self.write(move |txn| {
             let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
-            for id in ids {
-                table.remove((provider, id.as_str())).map_err(db_error)?;
+            let mut owners = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
+            for id in &removed {
+                if table.remove((provider.as_str(), id.as_str())).map_err(db_error)?.is_some() {
+                    let owned = owners.get(id.as_str()).map_err(db_error)?.is_some_and(|o| o.value() == provider);
+                    if owned {
+                        owners.remove(id.as_str()).map_err(db_error)?;
+                    }
+                }
             }
-        }
-        txn.commit().map_err(db_error)
+            Ok(())
+        })
+    }
+
+    /// The provider an instance id is recorded for.
+    pub fn owner_of(&self, id: &str) -> Result<Option<String>, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
+        Ok(table.get(id).map_err(db_error)?.map(|owner| owner.value().to_owned()))
     }
 
     pub fn instance(&self, provider: &str, id: &str) -> Result<Option<InstanceRecord>, StoreError> {
@@ -202,6 +235,25 @@ impl Store {
     }
 }
 
+/// Fill the id index from the records when it holds fewer ids than there are
+/// records (a state file from before the index). Ids recorded for two
+/// providers by a host from before the ownership check keep their first owner.
+fn index_instance_ids(txn: &redb::WriteTransaction) -> Result<(), StoreError> {
+    let instances = txn.open_table(INSTANCES).map_err(db_error)?;
+    let mut ids = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
+    if ids.len().map_err(db_error)? >= instances.len().map_err(db_error)? {
+        return Ok(());
+    }
+    for entry in instances.iter().map_err(db_error)? {
+        let (key, _) = entry.map_err(db_error)?;
+        let (provider, id) = key.value();
+        if ids.get(id).map_err(db_error)?.is_none() {
+            ids.insert(id, provider).map_err(db_error)?;
+        }
+    }
+    Ok(())
+}
+
 fn decode<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, StoreError> {
     serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt { what, reason: e.to_string() })
 }
@@ -209,6 +261,7 @@ fn decode<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> R
 /// Child records in the `children` table.
 struct RedbChildren {
     db: Arc<Database>,
+    writer: Arc<writer::Writer>,
 }
 
 fn records_error(err: impl std::fmt::Display) -> RecordsError {
@@ -218,12 +271,14 @@ fn records_error(err: impl std::fmt::Display) -> RecordsError {
 impl ChildRecords for RedbChildren {
     fn put(&self, record: &ChildRecord) -> Result<(), RecordsError> {
         let bytes = serde_json::to_vec(record).map_err(records_error)?;
-        let txn = self.db.begin_write().map_err(records_error)?;
-        txn.open_table(CHILDREN)
-            .map_err(records_error)?
-            .insert((record.provider.as_str(), record.name.as_str()), bytes.as_slice())
-            .map_err(records_error)?;
-        txn.commit().map_err(records_error)
+        let (provider, name) = (record.provider.clone(), record.name.clone());
+        Pending::new(&self.writer, move |txn| {
+            let mut table = txn.open_table(CHILDREN).map_err(db_error)?;
+            table.insert((provider.as_str(), name.as_str()), bytes.as_slice()).map_err(db_error)?;
+            Ok(())
+        })
+        .wait()
+        .map_err(records_error)
     }
 
     fn get(&self, provider: &str, name: &str) -> Result<Option<ChildRecord>, RecordsError> {
@@ -234,9 +289,13 @@ impl ChildRecords for RedbChildren {
     }
 
     fn remove(&self, provider: &str, name: &str) -> Result<(), RecordsError> {
-        let txn = self.db.begin_write().map_err(records_error)?;
-        txn.open_table(CHILDREN).map_err(records_error)?.remove((provider, name)).map_err(records_error)?;
-        txn.commit().map_err(records_error)
+        let (provider, name) = (provider.to_owned(), name.to_owned());
+        Pending::new(&self.writer, move |txn| {
+            txn.open_table(CHILDREN).map_err(db_error)?.remove((provider.as_str(), name.as_str())).map_err(db_error)?;
+            Ok(())
+        })
+        .wait()
+        .map_err(records_error)
     }
 
     fn list(&self, provider: &str) -> Result<Vec<ChildRecord>, RecordsError> {
@@ -256,7 +315,7 @@ impl ChildRecords for RedbChildren {
 
 impl crate::broker::host_preparer::ObservedNetworkSink for Store {
     fn record(&self, observed: &[Device]) -> Result<(), String> {
-        self.put_observed_network(observed).map_err(|e| e.to_string())
+        self.put_observed_network(observed).wait().map_err(|e| e.to_string())
     }
 }
 
@@ -284,13 +343,38 @@ mod tests {
     fn a_new_instance_cannot_take_an_id_recorded_for_another_provider() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
-        assert_eq!(store.put_new_instance(&record("fake", "fake-0")).unwrap(), None);
-        assert_eq!(store.put_new_instance(&record("hostile", "fake-0")).unwrap().as_deref(), Some("fake"));
+        let put = |provider, id| store.put_new_instance(&record(provider, id)).wait().unwrap();
+        assert_eq!(put("fake", "fake-0"), None);
+        assert_eq!(put("hostile", "fake-0").as_deref(), Some("fake"));
         assert_eq!(store.instance("hostile", "fake-0").unwrap(), None, "nothing was written");
         assert_eq!(store.instances(None).unwrap().len(), 1);
         // The provider's own id again (a restart that reuses it) is its business.
-        assert_eq!(store.put_new_instance(&record("fake", "fake-0")).unwrap(), None);
-        assert_eq!(store.put_new_instance(&record("hostile", "hostile-0")).unwrap(), None);
+        assert_eq!(put("fake", "fake-0"), None);
+        assert_eq!(put("hostile", "hostile-0"), None);
         assert_eq!(store.instances(None).unwrap().len(), 2);
+        // Once its record is gone the id is free again; another provider's removal frees nothing.
+        store.remove_instances("hostile", &["fake-0".into()]).wait().unwrap();
+        assert_eq!(store.owner_of("fake-0").unwrap().as_deref(), Some("fake"));
+        store.remove_instances("fake", &["fake-0".into()]).wait().unwrap();
+        assert_eq!(store.owner_of("fake-0").unwrap(), None);
+        assert_eq!(put("hostile", "fake-0"), None);
+    }
+
+    /// A state file from before the id index: the index is made from the records
+    /// on open, so the ownership check holds for ids recorded then.
+    #[test]
+    fn ids_recorded_before_the_index_are_indexed_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = Store::open(dir.path()).unwrap();
+            store.put_new_instance(&record("fake", "fake-0")).wait().unwrap();
+            store.put_new_instance(&record("fake", "fake-1")).wait().unwrap();
+            let txn = store.db.begin_write().unwrap();
+            txn.delete_table(INSTANCE_IDS).unwrap();
+            txn.commit().unwrap();
+        }
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.owner_of("fake-1").unwrap().as_deref(), Some("fake"));
+        assert_eq!(store.put_new_instance(&record("hostile", "fake-0")).wait().unwrap().as_deref(), Some("fake"));
     }
 }

@@ -9,22 +9,22 @@ const SANDBOX_USERS: TableDefinition<&str, u32> = TableDefinition::new("sandbox_
 
 impl crate::sandbox::UidAllocations for Store {
     fn uid_for(&self, provider: &str, base: u32) -> Result<u32, String> {
-        let txn = self.db.begin_write().map_err(|e| db_error(e).to_string())?;
-        let uid = {
-            let mut table = txn.open_table(SANDBOX_USERS).map_err(|e| db_error(e).to_string())?;
-            if let Some(uid) = table.get(provider).map_err(|e| db_error(e).to_string())? {
-                return Ok(uid.value());
+        let provider = provider.to_owned();
+        let allocated = self.write(move |txn| {
+            let mut table = txn.open_table(SANDBOX_USERS).map_err(db_error)?;
+            if let Some(uid) = table.get(provider.as_str()).map_err(db_error)? {
+                return Ok(Ok(uid.value()));
             }
-            let next = table.get("").map_err(|e| db_error(e).to_string())?.map_or(base, |v| v.value()).max(base);
+            let next = table.get("").map_err(db_error)?.map_or(base, |v| v.value()).max(base);
             if next >= base.saturating_add(crate::sandbox::UID_RANGE) || next == u32::MAX {
-                return Err(format!("the sandbox uid range from {base} is used up"));
+                return Ok(Err(format!("the sandbox uid range from {base} is used up")));
             }
-            table.insert(provider, next).map_err(|e| db_error(e).to_string())?;
-            table.insert("", next + 1).map_err(|e| db_error(e).to_string())?;
-            next
-        };
-        txn.commit().map_err(|e| db_error(e).to_string())?;
-        Ok(uid)
+            table.insert(provider.as_str(), next).map_err(db_error)?;
+            table.insert("", next + 1).map_err(db_error)?;
+            Ok(Ok(next))
+        });
+        // Once per provider load (then the sandbox keeps it), beside compiling the component.
+        allocated.wait().map_err(|e| e.to_string())?
     }
 }
 

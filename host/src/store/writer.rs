@@ -1,0 +1,272 @@
+//! The store's one writer: a thread of its own that takes every write, applies
+//! the writes waiting at that moment in one transaction and commits them with
+//! one fsync (group commit). Callers wait for their own answer (async callers
+//! without blocking a tokio worker), and it comes only once their write is
+//! durable. Durability then costs one commit per batch instead of one per
+//! write, and no commit runs on the executor.
+//!
+//! A batch is whatever queued while the previous commit ran: no timer, so a
+//! lone write commits at once and a busy store commits in bigger batches.
+
+use super::StoreError;
+use redb::{Database, WriteTransaction};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender};
+
+/// Writes applied in one transaction at most; the rest wait for the next.
+const MAX_BATCH: usize = 1024;
+
+/// One write: applied to the batch's transaction, answered after its commit.
+pub(crate) trait Job: Send {
+    /// Apply to the batch's transaction. An error here is the storage's (a
+    /// refusal the caller should see, like an id taken, is an `Ok` answer);
+    /// it aborts the batch, whose jobs are then applied again one per
+    /// transaction, so only the job that failed fails.
+    fn apply(&mut self, txn: &WriteTransaction) -> Result<(), StoreError>;
+    /// Answer the caller with how its transaction ended. Called on the writer
+    /// thread, in the order the jobs were queued.
+    fn finish(self: Box<Self>, committed: Result<(), StoreError>);
+}
+
+/// Where an answer goes: a task awaiting it, or a thread waiting for it.
+pub(crate) enum Reply<T> {
+    Task(tokio::sync::oneshot::Sender<T>),
+    Thread(std::sync::mpsc::SyncSender<T>),
+}
+
+impl<T> Reply<T> {
+    pub(crate) fn send(self, answer: T) {
+        // A caller that stopped waiting (a cancelled call) no longer wants it;
+        // the write itself stands.
+        match self {
+            Reply::Task(sender) => drop(sender.send(answer)),
+            Reply::Thread(sender) => drop(sender.send(answer)),
+        }
+    }
+}
+
+/// A job made of a closure over the transaction and what it returns.
+struct Op<R, F> {
+    op: F,
+    result: Option<R>,
+    reply: Reply<Result<R, StoreError>>,
+}
+
+impl<R: Send, F: FnMut(&WriteTransaction) -> Result<R, StoreError> + Send> Job for Op<R, F> {
+    fn apply(&mut self, txn: &WriteTransaction) -> Result<(), StoreError> {
+        self.result = Some((self.op)(txn)?);
+        Ok(())
+    }
+
+    fn finish(self: Box<Self>, committed: Result<(), StoreError>) {
+        let Op { result, reply, .. } = *self;
+        reply.send(committed.and_then(|()| result.ok_or(StoreError::Closed)));
+    }
+}
+
+/// A write not yet queued: `.await` it from async code, or [`Pending::wait`]
+/// for it from a thread that is not a tokio worker's. It is queued when first
+/// awaited (or waited for): a `Pending` dropped unused writes nothing.
+#[must_use = "a store write does nothing until it is awaited or waited for"]
+pub struct Pending<T> {
+    writer: Arc<Writer>,
+    job: MakeJob<T>,
+}
+
+/// Makes a write's job once it is known where the answer goes.
+type MakeJob<T> = Box<dyn FnOnce(Reply<Result<T, StoreError>>) -> Box<dyn Job> + Send>;
+
+impl<T: Send + 'static> Pending<T> {
+    pub(crate) fn new<F>(writer: &Arc<Writer>, op: F) -> Pending<T>
+    where
+        F: FnMut(&WriteTransaction) -> Result<T, StoreError> + Send + 'static,
+    {
+        Self::with_job(writer, move |reply| Box::new(Op { op, result: None, reply }))
+    }
+
+    /// A write whose job is its own (see [`Job`]): the kv's, which also keeps its mirror.
+    pub(crate) fn with_job(
+        writer: &Arc<Writer>,
+        job: impl FnOnce(Reply<Result<T, StoreError>>) -> Box<dyn Job> + Send + 'static,
+    ) -> Pending<T> {
+        Pending { writer: writer.clone(), job: Box::new(job) }
+    }
+
+    /// Wait on this thread until the write is committed: for callers that are
+    /// not async (opening the store, tools, tests), never for a host function.
+    pub fn wait(self) -> Result<T, StoreError> {
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        self.writer.submit((self.job)(Reply::Thread(reply)));
+        answer.recv().unwrap_or(Err(StoreError::Closed))
+    }
+}
+
+impl<T: Send + 'static> std::future::IntoFuture for Pending<T> {
+    type Output = Result<T, StoreError>;
+    type IntoFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(async move {
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            self.writer.submit((self.job)(Reply::Task(reply)));
+            answer.await.unwrap_or(Err(StoreError::Closed))
+        })
+    }
+}
+
+enum Message {
+    Job(Box<dyn Job>),
+    Stop,
+}
+
+/// The handle writes are queued on; [`Writer::stop`] ends the thread once
+/// what was queued before it is committed.
+pub(crate) struct Writer {
+    queue: std::sync::Mutex<Option<Sender<Message>>>,
+    thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Writer {
+    pub(crate) fn start(db: Arc<Database>) -> std::io::Result<Writer> {
+        let (queue, jobs) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new().name("broker-store-writer".into()).spawn(move || run(&db, &jobs))?;
+        Ok(Writer { queue: std::sync::Mutex::new(Some(queue)), thread: std::sync::Mutex::new(Some(thread)) })
+    }
+
+    /// Queue a job; it is answered (with [`StoreError::Closed`] once the store is closed).
+    pub(crate) fn submit(&self, job: Box<dyn Job>) {
+        let queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        match queue.as_ref() {
+            Some(queue) => {
+                if let Err(refused) = queue.send(Message::Job(job))
+                    && let Message::Job(job) = refused.0
+                {
+                    job.finish(Err(StoreError::Closed));
+                }
+            }
+            None => job.finish(Err(StoreError::Closed)),
+        }
+    }
+
+    /// Commit what is queued, then end the thread; later writes are refused.
+    pub(crate) fn stop(&self) {
+        if let Some(queue) = self.queue.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = queue.send(Message::Stop);
+        }
+        if let Some(thread) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn run(db: &Database, jobs: &Receiver<Message>) {
+    let mut batch: Vec<Box<dyn Job>> = Vec::new();
+    let mut stopping = false;
+    while !stopping {
+        match jobs.recv() {
+            Ok(Message::Job(job)) => batch.push(job),
+            Ok(Message::Stop) | Err(_) => break,
+        }
+        while batch.len() < MAX_BATCH {
+            match jobs.try_recv() {
+                Ok(Message::Job(job)) => batch.push(job),
+                Ok(Message::Stop) => {
+                    stopping = true;
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        commit(db, std::mem::take(&mut batch));
+    }
+}
+
+/// Apply and commit a batch; on a failure, each job again in its own transaction.
+fn commit(db: &Database, mut batch: Vec<Box<dyn Job>>) {
+    let _span = tracing::debug_span!("store_commit", writes = batch.len()).entered();
+    let outcome = apply_all(db, &mut batch);
+    if outcome.is_ok() || batch.len() == 1 {
+        for job in batch {
+            job.finish(outcome.clone());
+        }
+        return;
+    }
+    for mut job in batch {
+        let alone = apply_all(db, std::slice::from_mut(&mut job));
+        job.finish(alone);
+    }
+}
+
+fn apply_all(db: &Database, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
+    let txn = db.begin_write().map_err(super::db_error)?;
+    for job in batch.iter_mut() {
+        // Dropping the transaction unapplied aborts it.
+        job.apply(&txn)?;
+    }
+    txn.commit().map_err(super::db_error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redb::{ReadableDatabase, TableDefinition};
+
+    const T: TableDefinition<u64, u64> = TableDefinition::new("t");
+
+    fn put(key: u64, value: u64) -> impl FnMut(&WriteTransaction) -> Result<u64, StoreError> + Send + 'static {
+        move |txn| {
+            if value == u64::MAX {
+                return Err(StoreError::Db("refused on purpose".into()));
+            }
+            txn.open_table(T).map_err(super::super::db_error)?.insert(key, value).map_err(super::super::db_error)?;
+            Ok(key)
+        }
+    }
+
+    fn value(db: &Database, key: u64) -> Option<u64> {
+        let txn = db.begin_read().unwrap();
+        let table = txn.open_table(T).ok()?;
+        table.get(key).unwrap().map(|v| v.value())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_writes_commit_together_and_one_failure_fails_only_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Arc::new(Database::create(dir.path().join("db")).unwrap());
+        let writer = Arc::new(Writer::start(db.clone()).unwrap());
+        let tasks: Vec<_> = (0..200u64)
+            .map(|n| {
+                let writer = writer.clone();
+                // Every 50th write fails; the batch it lands in is retried job by job.
+                tokio::spawn(
+                    async move { Pending::new(&writer, put(n, if n % 50 == 7 { u64::MAX } else { n * 10 })).await },
+                )
+            })
+            .collect();
+        for (n, task) in tasks.into_iter().enumerate() {
+            let answer = task.await.unwrap();
+            if n % 50 == 7 {
+                assert!(matches!(answer, Err(StoreError::Db(ref m)) if m == "refused on purpose"), "{answer:?}");
+            } else {
+                assert_eq!(answer.unwrap(), n as u64);
+            }
+        }
+        for n in 0..200u64 {
+            let expected = (n % 50 != 7).then_some(n * 10);
+            assert_eq!(value(&db, n), expected, "key {n}");
+        }
+        assert_eq!(Pending::new(&writer, put(1000, 1)).wait().unwrap(), 1000);
+        // Made, then dropped unused: nothing is written.
+        drop(Pending::new(&writer, put(1002, 1)));
+        writer.stop();
+        assert!(matches!(Pending::new(&writer, put(1001, 1)).await, Err(StoreError::Closed)));
+        assert_eq!(value(&db, 1002), None);
+        assert_eq!(value(&db, 1001), None);
+    }
+}
