@@ -228,6 +228,27 @@ async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why() {
     }
 }
 
+/// The sandbox issue's attacks through a granted program fail the kit too: a
+/// loader variable and a host path argument are refused by the host (before
+/// the kit's simulated process is asked), and a provider that swallows the
+/// refusal still fails "no call touches an ungranted capability".
+#[tokio::test(flavor = "multi_thread")]
+async fn a_granted_program_misused_fails_the_ungranted_case() {
+    let dir = tempfile::tempdir().unwrap();
+    for (breaks, words) in [("loader-env", "LD_PRELOAD"), ("host-path", "/etc/shadow")] {
+        let extra = format!(
+            "[limits.deadlines]\ndefault = \"2s\"\n[grants]\nkv = true\nprocess = [\"true\"]\n\
+             [config]\nzones = [\"zone-a\", \"zone-b\"]\nbreaks = \"{breaks}\"\n"
+        );
+        let manifest = Manifest::load(&write_manifest(dir.path(), "broken", "test-broken", &extra)).unwrap();
+        let report = conformance::run(&manifest).await.unwrap();
+        let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed).collect();
+        let names: Vec<&str> = failed.iter().map(|c| c.name).collect();
+        assert_eq!(names, ["no call touches an ungranted capability"], "{breaks}:\n{}", report.text());
+        assert!(failed[0].detail.contains("process") && failed[0].detail.contains(words), "{}", failed[0].detail);
+    }
+}
+
 #[tokio::test]
 async fn importing_what_the_manifest_does_not_grant_is_a_finding_not_a_crash() {
     let dir = tempfile::tempdir().unwrap();

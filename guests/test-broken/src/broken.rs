@@ -128,6 +128,14 @@ impl Guest for Broken {
         if breaks == "ungranted-process" {
             let _ = process::run("sh", &["-c".into(), "id".into()], &[], &[], 0);
         }
+        // With `true` granted: a loader variable, and a host path as an argument.
+        // Both refused before anything runs; this build carries on regardless.
+        if breaks == "loader-env" {
+            let _ = process::run("true", &[], &[("LD_PRELOAD".into(), "/data/evil.so".into())], &[], 1000);
+        }
+        if breaks == "host-path" {
+            let _ = process::run("true", &["/etc/shadow".into()], &[], &[], 1000);
+        }
         if breaks == "symlink" {
             // A link out of /data: refused, and this build carries on as if nothing happened.
             #[allow(deprecated)] // the portable spelling; std's wasi symlink is unstable

@@ -99,6 +99,22 @@ impl From<crate::store::StoreError> for ApiError {
 
 type ApiResult<T> = Result<T, ApiError>;
 
+/// Run a change of the host's state to its end even if the client goes away.
+/// A handler's future is dropped when its client disconnects; the store's
+/// commit and what follows it (the registry's slot, a record) must not be cut
+/// apart by that.
+async fn to_the_end<T, E>(work: impl Future<Output = Result<T, E>> + Send + 'static) -> ApiResult<T>
+where
+    T: Send + 'static,
+    E: Into<ApiError> + Send + 'static,
+{
+    match tokio::spawn(work).await {
+        Ok(done) => done.map_err(Into::into),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, "the daemon is shutting down".into())),
+    }
+}
+
 pub fn router(broker: Shared) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
@@ -132,7 +148,7 @@ async fn add_provider(
     body: Result<Json<AddProvider>, JsonRejection>,
 ) -> ApiResult<Response> {
     let Json(request) = body?;
-    let record = broker.registry().add(&request.manifest).await?;
+    let record = to_the_end(async move { broker.registry().add(&request.manifest).await }).await?;
     Ok((StatusCode::CREATED, Json(record)).into_response())
 }
 
@@ -146,7 +162,8 @@ async fn show_provider(State(broker): State<Shared>, Path(name): Path<String>) -
 }
 
 async fn remove_provider(State(broker): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
-    broker.registry().remove(&name).await?;
+    let removing = name.clone();
+    to_the_end(async move { broker.registry().remove(&removing).await }).await?;
     Ok(Json(json!({ "removed": name })).into_response())
 }
 
@@ -164,7 +181,9 @@ async fn swap_provider(
     body: Result<Json<Swap>, JsonRejection>,
 ) -> ApiResult<Response> {
     let Json(request) = body?;
-    Ok(Json(broker.registry().swap(&name, &request.component, request.check).await?).into_response())
+    let swapped =
+        to_the_end(async move { broker.registry().swap(&name, &request.component, request.check).await }).await?;
+    Ok(Json(swapped).into_response())
 }
 
 #[derive(Deserialize)]
@@ -238,7 +257,8 @@ async fn stop_instance(
     Query(filter): Query<ProviderFilter>,
 ) -> ApiResult<Response> {
     let provider = owner(&broker, &id, filter)?;
-    broker.stop_instances(&provider, std::slice::from_ref(&id)).await?;
+    let (stopping, ids) = (provider.clone(), vec![id.clone()]);
+    to_the_end(async move { broker.stop_instances(&stopping, &ids).await }).await?;
     Ok(Json(json!({ "stopped": id, "provider": provider })).into_response())
 }
 

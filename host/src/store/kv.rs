@@ -2,7 +2,8 @@
 //! commit), with an in-memory mirror per namespace so guest reads (the hot
 //! path) never open a transaction. A change reaches the mirror only once it is
 //! committed, and in commit order: the writer thread applies it there before
-//! it answers the caller.
+//! it answers the caller. (A first load of a large namespace holds the
+//! writer back while it reads: namespaces are bounded by the quotas issue.)
 
 use super::writer::{Job, Pending, Reply, Writer};
 use super::{KV, StoreError, db_error};
@@ -38,8 +39,10 @@ impl RedbKv {
         if let Some(ns) = self.mirror.namespaces.read().unwrap_or_else(|p| p.into_inner()).get(name) {
             return Ok(ns.clone());
         }
-        // Loaded under the mirror's write lock, which the writer takes to apply
-        // a commit: a load sees a commit either in the file or applied after.
+        // Loaded under the writer's fence: a load sees a batch either before its
+        // commit (and its answers apply it here after) or whole, never half
+        // answered (a value going back as the batch's earlier writes answer).
+        let _fence = self.writer.fence().write().unwrap_or_else(|p| p.into_inner());
         let mut namespaces = self.mirror.namespaces.write().unwrap_or_else(|p| p.into_inner());
         if let Some(ns) = namespaces.get(name) {
             return Ok(ns.clone());

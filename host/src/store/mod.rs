@@ -19,7 +19,7 @@ pub use writer::Pending;
 
 use crate::capabilities::network_bridge::Device;
 use crate::capabilities::process::{ChildRecord, ChildRecords, RecordsError};
-use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -225,30 +225,37 @@ impl Store {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(INSTANCES).map_err(db_error)?;
         let mut records = Vec::new();
-        for entry in table.iter().map_err(db_error)? {
+        let entries = match provider {
+            Some(p) => table.range((p, "")..).map_err(db_error)?,
+            None => table.iter().map_err(db_error)?,
+        };
+        for entry in entries {
             let (key, value) = entry.map_err(db_error)?;
-            if provider.is_none_or(|p| key.value().0 == p) {
-                records.push(decode("instance", value.value())?);
+            if provider.is_some_and(|p| key.value().0 != p) {
+                break;
             }
+            records.push(decode("instance", value.value())?);
         }
         Ok(records)
     }
 }
 
-/// Fill the id index from the records when it holds fewer ids than there are
-/// records (a state file from before the index). Ids recorded for two
-/// providers by a host from before the ownership check keep their first owner.
+/// Make the id index from the records, on every open: whatever wrote the file
+/// before (a host from before the index, an older binary after a rollback),
+/// the index then says exactly what the records say. Ids recorded for two
+/// providers by a host from before the ownership check keep the owner whose
+/// record sorts first, and are reported.
 fn index_instance_ids(txn: &redb::WriteTransaction) -> Result<(), StoreError> {
+    txn.delete_table(INSTANCE_IDS).map_err(db_error)?;
     let instances = txn.open_table(INSTANCES).map_err(db_error)?;
     let mut ids = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
-    if ids.len().map_err(db_error)? >= instances.len().map_err(db_error)? {
-        return Ok(());
-    }
     for entry in instances.iter().map_err(db_error)? {
         let (key, _) = entry.map_err(db_error)?;
         let (provider, id) = key.value();
-        if ids.get(id).map_err(db_error)?.is_none() {
-            ids.insert(id, provider).map_err(db_error)?;
+        let owner = ids.get(id).map_err(db_error)?.map(|owner| owner.value().to_owned());
+        match owner {
+            None => drop(ids.insert(id, provider).map_err(db_error)?),
+            Some(owner) => tracing::warn!(instance_id = id, owner, also = provider, "an instance id is recorded twice"),
         }
     }
     Ok(())
@@ -369,12 +376,16 @@ mod tests {
             let store = Store::open(dir.path()).unwrap();
             store.put_new_instance(&record("fake", "fake-0")).wait().unwrap();
             store.put_new_instance(&record("fake", "fake-1")).wait().unwrap();
+            // As an older binary could leave it: the index emptied, and an entry
+            // for an id that has no record (the counts alike would hide it).
             let txn = store.db.begin_write().unwrap();
             txn.delete_table(INSTANCE_IDS).unwrap();
+            txn.open_table(INSTANCE_IDS).unwrap().insert("stale-0", "gone").unwrap();
             txn.commit().unwrap();
         }
         let store = Store::open(dir.path()).unwrap();
         assert_eq!(store.owner_of("fake-1").unwrap().as_deref(), Some("fake"));
+        assert_eq!(store.owner_of("stale-0").unwrap(), None, "an id without a record is free");
         assert_eq!(store.put_new_instance(&record("hostile", "fake-0")).wait().unwrap().as_deref(), Some("fake"));
     }
 }

@@ -10,8 +10,8 @@
 
 use super::StoreError;
 use redb::{Database, WriteTransaction};
-use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, RwLock};
 
 /// Writes applied in one transaction at most; the rest wait for the next.
 const MAX_BATCH: usize = 1024;
@@ -124,13 +124,25 @@ enum Message {
 pub(crate) struct Writer {
     queue: std::sync::Mutex<Option<Sender<Message>>>,
     thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+    fence: Arc<RwLock<()>>,
 }
 
 impl Writer {
     pub(crate) fn start(db: Arc<Database>) -> std::io::Result<Writer> {
         let (queue, jobs) = std::sync::mpsc::channel();
-        let thread = std::thread::Builder::new().name("broker-store-writer".into()).spawn(move || run(&db, &jobs))?;
-        Ok(Writer { queue: std::sync::Mutex::new(Some(queue)), thread: std::sync::Mutex::new(Some(thread)) })
+        let fence = Arc::new(RwLock::new(()));
+        let held = fence.clone();
+        let thread =
+            std::thread::Builder::new().name("broker-store-writer".into()).spawn(move || run(&db, &held, &jobs))?;
+        Ok(Writer { queue: std::sync::Mutex::new(Some(queue)), thread: std::sync::Mutex::new(Some(thread)), fence })
+    }
+
+    /// Held (shared) by the writer from a batch's commit until every job of it
+    /// is answered. Whoever takes it exclusively sees no batch half answered:
+    /// the kv loads a namespace under it, so a load sees a batch either before
+    /// its commit (and the answers apply it after) or with all of it applied.
+    pub(crate) fn fence(&self) -> &RwLock<()> {
+        &self.fence
     }
 
     /// Queue a job; it is answered (with [`StoreError::Closed`] once the store is closed).
@@ -165,7 +177,7 @@ impl Drop for Writer {
     }
 }
 
-fn run(db: &Database, jobs: &Receiver<Message>) {
+fn run(db: &Database, fence: &RwLock<()>, jobs: &Receiver<Message>) {
     let mut batch: Vec<Box<dyn Job>> = Vec::new();
     let mut stopping = false;
     while !stopping {
@@ -183,33 +195,44 @@ fn run(db: &Database, jobs: &Receiver<Message>) {
                 Err(_) => break,
             }
         }
-        commit(db, std::mem::take(&mut batch));
+        commit(db, fence, std::mem::take(&mut batch));
     }
 }
 
-/// Apply and commit a batch; on a failure, each job again in its own transaction.
-fn commit(db: &Database, mut batch: Vec<Box<dyn Job>>) {
+/// Apply and commit a batch; on a failure, each job again in its own
+/// transaction. Commit and answers happen under the fence (see [`Writer::fence`]).
+fn commit(db: &Database, fence: &RwLock<()>, mut batch: Vec<Box<dyn Job>>) {
     let _span = tracing::debug_span!("store_commit", writes = batch.len()).entered();
+    let _fence = fence.read().unwrap_or_else(|p| p.into_inner());
     let outcome = apply_all(db, &mut batch);
     if outcome.is_ok() || batch.len() == 1 {
         for job in batch {
-            job.finish(outcome.clone());
+            finish(job, outcome.clone());
         }
         return;
     }
     for mut job in batch {
         let alone = apply_all(db, std::slice::from_mut(&mut job));
-        job.finish(alone);
+        finish(job, alone);
     }
 }
 
 fn apply_all(db: &Database, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
     let txn = db.begin_write().map_err(super::db_error)?;
     for job in batch.iter_mut() {
-        // Dropping the transaction unapplied aborts it.
-        job.apply(&txn)?;
+        // A job that panics fails (its batch, then itself alone), not the writer:
+        // the writer serves every provider. Dropping the transaction aborts it.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.apply(&txn)))
+            .unwrap_or_else(|_| Err(StoreError::Db("a write panicked while it was applied".into())))?;
     }
     txn.commit().map_err(super::db_error)
+}
+
+/// Answer a job; a panic in its answer is its own.
+fn finish(job: Box<dyn Job>, outcome: Result<(), StoreError>) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.finish(outcome))).is_err() {
+        tracing::error!("a store write panicked while it was answered");
+    }
 }
 
 #[cfg(test)]
@@ -262,6 +285,11 @@ mod tests {
             assert_eq!(value(&db, n), expected, "key {n}");
         }
         assert_eq!(Pending::new(&writer, put(1000, 1)).wait().unwrap(), 1000);
+        // A write that panics fails alone; the writer serves on.
+        let panicked = Pending::new(&writer, |_: &WriteTransaction| -> Result<(), StoreError> { panic!("on purpose") });
+        assert!(matches!(panicked.wait(), Err(StoreError::Db(m)) if m.contains("panicked")));
+        assert_eq!(Pending::new(&writer, put(1003, 3)).await.unwrap(), 1003);
+        assert_eq!(value(&db, 1003), Some(3));
         // Made, then dropped unused: nothing is written.
         drop(Pending::new(&writer, put(1002, 1)));
         writer.stop();
