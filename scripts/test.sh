@@ -40,3 +40,4 @@ cargo bench -p broker-tests --bench hot_swap -- --test
 cargo bench -p broker-tests --bench lxd_start -- --test
 cargo bench -p broker-tests --bench conformance -- --test
 cargo bench -p broker-tests --bench confinement -- --test
+cargo bench -p broker-tests --bench durable_start -- --test
