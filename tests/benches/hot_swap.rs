@@ -34,8 +34,8 @@ fn open(dir: &std::path::Path, runtime: &tokio::runtime::Runtime) -> Arc<Broker>
             broker.start_instance("fake", &empty_params(), &CallHooks::default()).await.unwrap();
         }
         // Both versions compiled once, so swaps measure the swap, not cranelift.
-        broker.registry().swap("fake", &wasm("fake_next"), false).await.unwrap();
-        broker.registry().swap("fake", &wasm("fake"), false).await.unwrap();
+        broker.registry().swap("fake", &wasm("fake_next"), None).await.unwrap();
+        broker.registry().swap("fake", &wasm("fake"), None).await.unwrap();
     });
     broker
 }
@@ -53,7 +53,7 @@ async fn swapper(broker: Arc<Broker>, stop: Arc<AtomicBool>, every: Duration) ->
     while !stop.load(Ordering::Relaxed) {
         tokio::time::sleep(every).await;
         let started = Instant::now();
-        broker.registry().swap("fake", &wasm(next.next().unwrap()), false).await.unwrap();
+        broker.registry().swap("fake", &wasm(next.next().unwrap()), None).await.unwrap();
         durations.push(started.elapsed());
     }
     durations
@@ -136,7 +136,7 @@ fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("hot_swap");
     let mut next = ["fake_next", "fake"].iter().cycle();
     group.bench_function("swap", |b| {
-        b.iter(|| runtime.block_on(broker.registry().swap("fake", &wasm(next.next().unwrap()), false)).unwrap())
+        b.iter(|| runtime.block_on(broker.registry().swap("fake", &wasm(next.next().unwrap()), None)).unwrap())
     });
     group.finish();
 

@@ -37,18 +37,7 @@ pub fn load_provider(
 
 /// Host capabilities for tests: the given kv, no machine lock, data dirs under `dir/data`.
 pub fn host_capabilities(dir: &Path, kv: Arc<dyn KvBackend>) -> HostCapabilities {
-    HostCapabilities {
-        kv,
-        machine_lock: None,
-        data_dirs: dir.join("data"),
-        sandbox: Default::default(),
-        child_records: Arc::new(MemoryChildRecords::default()),
-        live_children: Arc::default(),
-        egress_world: Default::default(),
-        process_world: Default::default(),
-        network_world: Default::default(),
-        denials: Default::default(),
-    }
+    HostCapabilities::on_host(kv, dir.join("data"), Default::default(), Arc::new(MemoryChildRecords::default()))
 }
 
 /// As [`load_provider`], with every host capability given.

@@ -5,11 +5,11 @@
 
 use crate::bindings::InterfaceInfo;
 use crate::capabilities::machine_lock::{LockError, MachineLock, Spec};
+use crate::capabilities::network_bridge::backend::NetworkBackend;
 use crate::capabilities::network_bridge::names::bridge_name;
-use crate::capabilities::network_bridge::netlink::Netlink;
 use crate::capabilities::network_bridge::{BridgeError, Device, DeviceToBridge};
+use futures_util::future::BoxFuture;
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
@@ -32,28 +32,10 @@ pub enum PrepareError {
     Record(String),
 }
 
-/// The host's network, as HostPreparer needs it.
-pub trait HostNetwork {
-    fn observe(&self) -> impl Future<Output = Result<Vec<Device>, BridgeError>> + Send;
-    fn bridge(&self, changes: &[DeviceToBridge]) -> impl Future<Output = Result<(), BridgeError>> + Send;
-}
-
-impl HostNetwork for Netlink {
-    async fn observe(&self) -> Result<Vec<Device>, BridgeError> {
-        self.devices().await
-    }
-
-    async fn bridge(&self, changes: &[DeviceToBridge]) -> Result<(), BridgeError> {
-        for change in changes {
-            Netlink::bridge(self, change).await?;
-        }
-        Ok(())
-    }
-}
-
 /// Where observed network config is kept (the host's store).
-pub trait ObservedNetworkSink {
-    fn record(&self, observed: &[Device]) -> Result<(), String>;
+pub trait ObservedNetworkSink: Sync {
+    /// Durable when the future is done.
+    fn record<'a>(&'a self, observed: &'a [Device]) -> BoxFuture<'a, Result<(), String>>;
 }
 
 /// Juju's `HostChangesForContainer`, computed on the host: each network-info
@@ -83,15 +65,15 @@ pub fn host_changes(
     Ok(changes)
 }
 
-pub struct HostPreparer<'a, N, S> {
+pub struct HostPreparer<'a> {
     pub lock: &'a MachineLock,
-    pub network: &'a N,
-    pub sink: &'a S,
+    pub network: &'a dyn NetworkBackend,
+    pub sink: &'a dyn ObservedNetworkSink,
     pub host_bridges: &'a BTreeMap<String, String>,
     pub lock_timeout: Option<Duration>,
 }
 
-impl<N: HostNetwork, S: ObservedNetworkSink> HostPreparer<'_, N, S> {
+impl HostPreparer<'_> {
     /// Returns the changes made (empty when none were needed).
     pub async fn prepare(
         &self,
@@ -105,17 +87,19 @@ impl<N: HostNetwork, S: ObservedNetworkSink> HostPreparer<'_, N, S> {
             abort: Some(abort),
         };
         let _held = self.lock.acquire(spec).await.map_err(PrepareError::Lock)?;
-        let devices = self.network.observe().await.map_err(|e| PrepareError::Changes(e.to_string()))?;
+        let devices = self.network.devices().await.map_err(|e| PrepareError::Changes(e.to_string()))?;
         let changes = host_changes(network_info, &devices, self.host_bridges).map_err(PrepareError::Changes)?;
         if changes.is_empty() {
             tracing::debug!("no host bridges needed");
             return Ok(changes);
         }
         tracing::info!(?changes, "bridging host devices");
-        self.network.bridge(&changes).await.map_err(PrepareError::Bridge)?;
-        let observed = self.network.observe().await.map_err(PrepareError::Observe)?;
+        for change in &changes {
+            self.network.bridge(change).await.map_err(PrepareError::Bridge)?;
+        }
+        let observed = self.network.devices().await.map_err(PrepareError::Observe)?;
         if !observed.is_empty() {
-            self.sink.record(&observed).map_err(PrepareError::Record)?;
+            self.sink.record(&observed).await.map_err(PrepareError::Record)?;
         }
         Ok(changes)
         // `_held` drops here: the lock is released on every path.
@@ -126,12 +110,14 @@ impl<N: HostNetwork, S: ObservedNetworkSink> HostPreparer<'_, N, S> {
 mod tests {
     use super::*;
     use crate::broker::service::interface_on;
+    use crate::capabilities::network_bridge::simulated::SimNetwork;
     use std::sync::Mutex;
 
-    /// A host network that records each step and whether the lock was held then.
+    /// A simulated host network that also notes each step and whether the
+    /// lock was held then, and fails where told to.
     struct FakeNetwork {
         lock: MachineLock,
-        devices: Vec<Device>,
+        network: SimNetwork,
         events: Mutex<Vec<String>>,
         fail_bridge: bool,
         fail_second_observe: bool,
@@ -142,7 +128,7 @@ mod tests {
         fn new(lock: &MachineLock) -> Self {
             FakeNetwork {
                 lock: lock.clone(),
-                devices: vec![device("eth0", "00:16:3e:00:00:01")],
+                network: SimNetwork::new(vec![device("eth0", "00:16:3e:00:00:01")]),
                 events: Mutex::default(),
                 fail_bridge: false,
                 fail_second_observe: false,
@@ -163,27 +149,65 @@ mod tests {
         }
     }
 
-    impl HostNetwork for FakeNetwork {
-        async fn observe(&self) -> Result<Vec<Device>, BridgeError> {
-            let n = self.note("observe");
-            if n > 1 && self.fail_second_observe {
-                return Err(BridgeError::Netlink("observe failed".into()));
-            }
-            if n > 1 && self.observe_nothing_after_bridge {
-                return Ok(vec![]);
-            }
-            Ok(self.devices.clone())
+    impl NetworkBackend for FakeNetwork {
+        fn devices(&self) -> BoxFuture<'_, Result<Vec<Device>, BridgeError>> {
+            Box::pin(async {
+                let n = self.note("observe");
+                if n > 1 && self.fail_second_observe {
+                    return Err(BridgeError::Netlink("observe failed".into()));
+                }
+                if n > 1 && self.observe_nothing_after_bridge {
+                    return Ok(vec![]);
+                }
+                NetworkBackend::devices(&self.network).await
+            })
         }
-        async fn bridge(&self, changes: &[DeviceToBridge]) -> Result<(), BridgeError> {
-            self.note(&format!("bridge {}->{}", changes[0].device, changes[0].bridge));
-            if self.fail_bridge { Err(BridgeError::Netlink("bridge failed".into())) } else { Ok(()) }
+        fn bridge<'a>(&'a self, change: &'a DeviceToBridge) -> BoxFuture<'a, Result<(), BridgeError>> {
+            Box::pin(async move {
+                self.note(&format!("bridge {}->{}", change.device, change.bridge));
+                if self.fail_bridge {
+                    return Err(BridgeError::Netlink("bridge failed".into()));
+                }
+                NetworkBackend::bridge(&self.network, change).await
+            })
+        }
+        fn unbridge<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
+            NetworkBackend::unbridge(&self.network, device, bridge)
+        }
+        fn create_veth<'a>(
+            &'a self,
+            name: &'a str,
+            peer: &'a str,
+            bridge: &'a str,
+        ) -> BoxFuture<'a, Result<(), BridgeError>> {
+            NetworkBackend::create_veth(&self.network, name, peer, bridge)
+        }
+        fn create_tap<'a>(
+            &'a self,
+            name: &'a str,
+            bridge: &'a str,
+            mac: &'a str,
+            owner: Option<u32>,
+        ) -> BoxFuture<'a, Result<(), BridgeError>> {
+            NetworkBackend::create_tap(&self.network, name, bridge, mac, owner)
+        }
+        fn attach<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
+            NetworkBackend::attach(&self.network, device, bridge)
+        }
+        fn delete_owned<'a>(&'a self, name: &'a str, owner: Option<u32>) -> BoxFuture<'a, Result<(), BridgeError>> {
+            NetworkBackend::delete_owned(&self.network, name, owner)
+        }
+        fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
+            NetworkBackend::delete(&self.network, name)
         }
     }
 
     impl ObservedNetworkSink for FakeNetwork {
-        fn record(&self, observed: &[Device]) -> Result<(), String> {
-            self.note(&format!("record {}", observed.len()));
-            Ok(())
+        fn record<'a>(&'a self, observed: &'a [Device]) -> BoxFuture<'a, Result<(), String>> {
+            Box::pin(async move {
+                self.note(&format!("record {}", observed.len()));
+                Ok(())
+            })
         }
     }
 
@@ -244,7 +268,10 @@ mod tests {
             changes,
             [DeviceToBridge { device: "eth0".into(), bridge: "br-eth0".into(), mac: "00:16:3e:00:00:01".into() }]
         );
-        assert_eq!(network.events(), ["observe", "bridge eth0->br-eth0", "observe", "record 1"]);
+        // What was observed after bridging is the device and its new bridge.
+        assert_eq!(network.events(), ["observe", "bridge eth0->br-eth0", "observe", "record 2"]);
+        let bridged = network.network.devices();
+        assert_eq!(bridged.iter().find(|d| d.name == "eth0").and_then(|d| d.controller.as_deref()), Some("br-eth0"));
         assert!(lock.report(0).holder.is_none(), "released at the end");
     }
 

@@ -5,7 +5,6 @@ use super::host_preparer::{HostPreparer, PrepareError};
 use crate::bindings::{Instance, StartInstanceParams};
 use crate::capabilities::context::CallHooks;
 use crate::capabilities::machine_lock::{LockError, MachineLock};
-use crate::capabilities::network_bridge::netlink::Netlink;
 use crate::providers::{Registry, RegistryError};
 use crate::runtime::{HostCapabilities, Runtime, RuntimeError};
 use crate::sandbox::{Sandbox, SandboxConfig, UidAllocations};
@@ -107,18 +106,10 @@ impl Broker {
     }
 
     pub fn with_parts(runtime: Arc<Runtime>, store: Arc<Store>, machine_lock: MachineLock, host: HostConfig) -> Broker {
-        let capabilities = HostCapabilities {
-            kv: store.kv(),
-            machine_lock: Some(machine_lock.clone()),
-            data_dirs: store.data_dir().join(DATA_DIRS),
-            sandbox: Sandbox::new(host.sandbox.clone(), Some(store.clone() as Arc<dyn UidAllocations>)),
-            child_records: store.child_records(),
-            live_children: Arc::default(),
-            egress_world: Default::default(),
-            process_world: Default::default(),
-            network_world: Default::default(),
-            denials: Default::default(),
-        };
+        let sandbox = Sandbox::new(host.sandbox.clone(), Some(store.clone() as Arc<dyn UidAllocations>));
+        let on_host =
+            HostCapabilities::on_host(store.kv(), store.data_dir().join(DATA_DIRS), sandbox, store.child_records());
+        let capabilities = HostCapabilities { machine_lock: Some(machine_lock.clone()), ..on_host };
         Broker { registry: Registry::new(runtime, store.clone(), capabilities), store, machine_lock, host }
     }
 
@@ -188,10 +179,9 @@ impl Broker {
         if params.network_info.iter().all(|i| i.parent_interface_name.is_empty()) {
             return Ok(());
         }
-        let network = Netlink::connect().map_err(|e| PrepareError::Changes(e.to_string()))?;
         let preparer = HostPreparer {
             lock: &self.machine_lock,
-            network: &network,
+            network: &*self.registry.capabilities().network,
             sink: &*self.store,
             host_bridges: &self.host.bridges,
             lock_timeout: None,

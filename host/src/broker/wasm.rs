@@ -8,7 +8,7 @@ use crate::bindings::{
     BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
 };
 use crate::capabilities::context::{CallContext, CallHooks};
-use crate::capabilities::process::{PolicyError, ProcessPolicy, ProcessWorld};
+use crate::capabilities::process::{PolicyError, ProcessPolicy};
 use crate::providers::manifest::{Isolation, Manifest, ManifestError, Method};
 use crate::runtime::{HostCapabilities, HostState, LinkedCapabilities, ProviderCapabilities, Runtime, RuntimeError};
 use std::future::Future;
@@ -479,16 +479,19 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         let paths = [grants.paths.clone(), grants.paths_rw.clone()].concat();
         let grant_error = |source| LoadError::Grant { provider: provider.clone(), source };
         let sandbox_error = |source| LoadError::Sandbox { provider: provider.clone(), source };
-        let policy = match host.process_world {
-            ProcessWorld::Simulated(_) => ProcessPolicy::unresolved(&grants.process, &paths, &data_dir),
-            ProcessWorld::Host | ProcessWorld::Record(_) => ProcessPolicy::resolve(&grants.process, &paths, &data_dir),
+        // Only programs that really run are looked up on the host and confined.
+        let runs_programs = host.processes.runs_programs();
+        let policy = if runs_programs {
+            ProcessPolicy::resolve(&grants.process, &paths, &data_dir)
+        } else {
+            ProcessPolicy::unresolved(&grants.process, &paths, &data_dir)
         }
         .map_err(grant_error)?
         .with_env(&grants.env)
         .map_err(sandbox_error)?;
-        let policy = match host.process_world {
-            ProcessWorld::Simulated(_) => policy,
-            ProcessWorld::Host | ProcessWorld::Record(_) => {
+        let policy = match runs_programs {
+            false => policy,
+            true => {
                 let confinement = host
                     .sandbox
                     .confine(

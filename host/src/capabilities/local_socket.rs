@@ -8,14 +8,14 @@
 //! between check and connect changes nothing, and the 108-byte limit of
 //! socket paths does not apply to deep data dirs.
 //!
-//! In the conformance kit the sockets are those of simulated children
-//! ([`crate::capabilities::process::simulated`]), after the same checks.
+//! What a checked connect reaches is a [`SocketBackend`]: the host's sockets
+//! ([`HostSockets`]), or in the conformance kit those of simulated children
+//! (`process::SimProcesses`), or either recorded (`process::tape`).
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::local_socket as wit;
-use crate::capabilities::process::simulated::SimConnection;
-use crate::capabilities::process::tape::ConnectionId;
-use crate::capabilities::process::{ProcessTape, ProcessWorld};
+use crate::capabilities::denials::Denials;
+use futures_util::future::BoxFuture;
 use nix::errno::Errno;
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 use nix::sys::stat::{Mode, SFlag, fstat};
@@ -79,17 +79,44 @@ impl From<SocketError> for BrokerError {
     }
 }
 
-/// The host object behind a guest's `connection` handle.
-pub struct HeldConnection {
-    link: Link,
-    /// In a recorded run, where what passes is written down.
-    tape: Option<(Arc<ProcessTape>, ConnectionId)>,
+/// A socket a provider asked for, checked to be a plain path below its data dir.
+#[derive(Clone, Copy)]
+pub struct SocketAt<'a> {
+    pub provider: &'a str,
+    /// As the provider wrote it (`/data/run/vm.qmp`).
+    pub guest_path: &'a str,
+    /// The provider's data dir on the host, and the path below it.
+    pub data_dir: &'a Path,
+    pub relative: &'a Path,
 }
 
-enum Link {
-    Stream(StreamConnection),
-    Simulated(SimConnection),
+/// Where checked connections go.
+pub trait SocketBackend: Send + Sync + 'static {
+    fn connect<'a>(self: Arc<Self>, at: SocketAt<'a>) -> BoxFuture<'a, Result<Box<dyn Connection>, SocketError>>;
 }
+
+/// One open stream connection, read by lines.
+pub trait Connection: Send {
+    fn send<'a>(&'a mut self, data: &'a [u8]) -> BoxFuture<'a, Result<(), SocketError>>;
+    /// The next line, or `None` at the end of the stream.
+    fn receive_line(&mut self, timeout: Duration) -> BoxFuture<'_, Result<Option<String>, SocketError>>;
+}
+
+/// The host's unix sockets, reached beneath the data dir only.
+#[derive(Clone, Copy, Default)]
+pub struct HostSockets;
+
+impl SocketBackend for HostSockets {
+    fn connect<'a>(self: Arc<Self>, at: SocketAt<'a>) -> BoxFuture<'a, Result<Box<dyn Connection>, SocketError>> {
+        Box::pin(async move {
+            let stream = connect_beneath(at.data_dir, at.relative, at.guest_path).await?;
+            Ok(Box::new(StreamConnection { stream, pending: Vec::new(), closed: false }) as Box<dyn Connection>)
+        })
+    }
+}
+
+/// The host object behind a guest's `connection` handle.
+pub struct HeldConnection(Box<dyn Connection>);
 
 /// A real connection to a unix socket.
 struct StreamConnection {
@@ -103,16 +130,19 @@ pub struct LocalSocketCtx {
     provider: Arc<str>,
     /// `None` unless `local-sockets` is granted.
     data_dir: Option<PathBuf>,
-    /// Whose sockets these are: real children's, or simulated ones'.
-    world: ProcessWorld,
+    backend: Arc<dyn SocketBackend>,
     open: usize,
-    /// Where refusals are noted (set by the store that owns this).
-    pub denials: crate::capabilities::denials::Denials,
+    denials: Denials,
 }
 
 impl LocalSocketCtx {
-    pub fn new(provider: Arc<str>, data_dir: Option<PathBuf>, world: ProcessWorld) -> Self {
-        LocalSocketCtx { provider, data_dir, world, open: 0, denials: Default::default() }
+    pub fn new(
+        provider: Arc<str>,
+        data_dir: Option<PathBuf>,
+        backend: Arc<dyn SocketBackend>,
+        denials: Denials,
+    ) -> Self {
+        LocalSocketCtx { provider, data_dir, backend, open: 0, denials }
     }
 
     pub async fn connect(&mut self, guest_path: &str) -> Result<HeldConnection, SocketError> {
@@ -121,20 +151,11 @@ impl LocalSocketCtx {
             return Err(SocketError::TooMany);
         }
         let relative = inside_data_dir(guest_path)?;
-        let link = match &self.world {
-            ProcessWorld::Simulated(sim) => Link::Simulated(sim.connect(&self.provider, guest_path)?),
-            ProcessWorld::Host | ProcessWorld::Record(_) => {
-                let stream = connect_beneath(data_dir, relative, guest_path).await?;
-                Link::Stream(StreamConnection { stream, pending: Vec::new(), closed: false })
-            }
-        };
-        let tape = match &self.world {
-            ProcessWorld::Record(tape) => tape.connected(&self.provider, guest_path).map(|id| (tape.clone(), id)),
-            ProcessWorld::Host | ProcessWorld::Simulated(_) => None,
-        };
+        let at = SocketAt { provider: &self.provider, guest_path, data_dir, relative };
+        let connection = self.backend.clone().connect(at).await?;
         self.open += 1;
         tracing::debug!(provider = %self.provider, path = guest_path, "local socket connected");
-        Ok(HeldConnection { link, tape })
+        Ok(HeldConnection(connection))
     }
 
     fn closed_one(&mut self) {
@@ -183,26 +204,22 @@ async fn connect_beneath(data_dir: &Path, relative: &Path, guest_path: &str) -> 
 
 impl HeldConnection {
     pub async fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
-        match &mut self.link {
-            Link::Stream(stream) => stream.send(data).await?,
-            Link::Simulated(sim) => sim.send(data)?,
-        }
-        if let Some((tape, id)) = &self.tape {
-            tape.sent(*id, data);
-        }
-        Ok(())
+        self.0.send(data).await
     }
 
     /// The next line, or `None` at the end of the stream.
     pub async fn receive_line(&mut self, timeout: Duration) -> Result<Option<String>, SocketError> {
-        let line = match &mut self.link {
-            Link::Stream(stream) => stream.receive_line(timeout).await?,
-            Link::Simulated(sim) => sim.receive_line(timeout.as_millis() as u64)?,
-        };
-        if let (Some((tape, id)), Some(line)) = (&self.tape, &line) {
-            tape.received(*id, line);
-        }
-        Ok(line)
+        self.0.receive_line(timeout).await
+    }
+}
+
+impl Connection for StreamConnection {
+    fn send<'a>(&'a mut self, data: &'a [u8]) -> BoxFuture<'a, Result<(), SocketError>> {
+        Box::pin(StreamConnection::send(self, data))
+    }
+
+    fn receive_line(&mut self, timeout: Duration) -> BoxFuture<'_, Result<Option<String>, SocketError>> {
+        Box::pin(StreamConnection::receive_line(self, timeout))
     }
 }
 
@@ -312,7 +329,7 @@ mod tests {
     use tokio::net::UnixListener;
 
     fn granted(dir: &Path) -> LocalSocketCtx {
-        LocalSocketCtx::new("kvm".into(), Some(dir.to_owned()), ProcessWorld::Host)
+        LocalSocketCtx::new("kvm".into(), Some(dir.to_owned()), Arc::new(HostSockets), Denials::default())
     }
 
     /// A line-echo server on `path` that greets first, as QMP does.
@@ -371,7 +388,7 @@ mod tests {
         // Bound and then closed: the file stays, nobody listens (as between a server's bind and listen).
         drop(std::os::unix::net::UnixListener::bind(dir.path().join("dead.sock")).unwrap());
 
-        let mut ungranted = LocalSocketCtx::new("kvm".into(), None, ProcessWorld::Host);
+        let mut ungranted = LocalSocketCtx::new("kvm".into(), None, Arc::new(HostSockets), Denials::default());
         assert_eq!(ungranted.connect("/data/evil.sock").await.err(), Some(SocketError::NotGranted));
 
         let mut ctx = granted(dir.path());

@@ -82,7 +82,10 @@ impl Backend {
 
     pub async fn swap(&self, name: &str, component: &Path, check: bool) -> Result<SwapReport> {
         match self {
-            Backend::Embedded(broker) => Ok(broker.registry().swap(name, component, check).await?),
+            Backend::Embedded(broker) => {
+                let kit = crate::conformance::ConformanceCheck;
+                Ok(broker.registry().swap(name, component, check.then_some(&kit as _)).await?)
+            }
             Backend::Daemon(client) => {
                 let path = format!("/v1/providers/{}/swap", encode_component(name));
                 let body = json!({ "component": absolute(component)?, "check": check });

@@ -130,7 +130,7 @@ pub enum ProviderCommand {
         manifest: Option<PathBuf>,
         #[arg(long, value_enum, default_value_t = ReportFormat::Text)]
         format: ReportFormat,
-        /// The simulated world's script: HTTP answers, program runs and their
+        /// The script of simulated answers: HTTP answers, program runs and their
         /// output, children and what they answer on their sockets, host network
         /// devices (default: `<manifest stem>.script.json` beside the manifest).
         #[arg(long, value_name = "FILE", conflicts_with = "record")]
@@ -224,8 +224,8 @@ pub async fn run(cli: Cli) -> Result<u8> {
     if let Command::Provider(ProviderCommand::Test { component, manifest, format, script, record, strict }) =
         cli.command
     {
-        let worlds = TestWorlds { script, record, strict };
-        return provider_test(&cli.data_dir, &component, manifest.as_deref(), format, worlds, &mut stdout).await;
+        let answers = TestAnswers { script, record, strict };
+        return provider_test(&cli.data_dir, &component, manifest.as_deref(), format, answers, &mut stdout).await;
     }
     let socket = cli.socket.clone().unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
     if let Command::Serve { listen, token_file, providers_dir } = cli.command {
@@ -430,8 +430,8 @@ pub fn describe_event(event: &CallEvent) -> String {
     }
 }
 
-/// `broker provider test`'s choice of simulated (or recorded) worlds.
-struct TestWorlds {
+/// `broker provider test`'s choice of scripted (or recorded) answers.
+struct TestAnswers {
     script: Option<PathBuf>,
     record: Option<PathBuf>,
     strict: bool,
@@ -442,10 +442,10 @@ async fn provider_test(
     component: &std::path::Path,
     manifest: Option<&std::path::Path>,
     format: ReportFormat,
-    worlds: TestWorlds,
+    answers: TestAnswers,
     out: &mut impl Write,
 ) -> Result<u8> {
-    use crate::conformance::{KitOptions, Recording, World};
+    use crate::conformance::{Answers, KitOptions, Recording};
     use crate::providers::Manifest;
     let mut loaded = match manifest {
         Some(path) => Manifest::load(path).with_context(|| format!("cannot read manifest {}", path.display()))?,
@@ -459,25 +459,29 @@ async fn provider_test(
         }
     };
     loaded.component = component.to_owned();
-    let recording = worlds.record.as_ref().map(|_| std::sync::Arc::new(Recording::default()));
-    let mut options = match (&worlds.script, &recording) {
+    let recording = answers.record.as_ref().map(|_| std::sync::Arc::new(Recording::default()));
+    let mut options = match (&answers.script, &recording) {
         (_, Some(recording)) => {
-            KitOptions { world: World::Record(recording.clone()), strict: false, sandbox: Default::default() }
+            KitOptions { answers: Answers::Record(recording.clone()), strict: false, sandbox: Default::default() }
         }
         (Some(path), None) => {
             let script = crate::conformance::load_script(path).map_err(|e| UsageError(e.to_string()))?;
-            KitOptions { world: World::Script(std::sync::Arc::new(script)), strict: false, sandbox: Default::default() }
+            KitOptions {
+                answers: Answers::Script(std::sync::Arc::new(script)),
+                strict: false,
+                sandbox: Default::default(),
+            }
         }
         (None, None) => KitOptions::beside(&loaded).map_err(|e| UsageError(e.to_string()))?,
     };
-    options.strict = worlds.strict;
+    options.strict = answers.strict;
     // The machine's `[sandbox]` (bubblewrap, uid base) applies to a recording's programs too.
     options.sandbox =
         crate::broker::service::HostConfig::load(data_dir).map_err(|e| UsageError(e.to_string()))?.sandbox;
     let report = crate::conformance::run_with(&loaded, options)
         .await
         .with_context(|| format!("cannot load {} into the sandbox", component.display()))?;
-    if let (Some(path), Some(recording)) = (&worlds.record, &recording) {
+    if let (Some(path), Some(recording)) = (&answers.record, &recording) {
         let script = recording.script();
         std::fs::write(path, script.to_json())
             .with_context(|| format!("cannot write the recorded script {}", path.display()))?;

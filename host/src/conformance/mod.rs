@@ -4,7 +4,7 @@
 //! infrastructure and without trusting the component.
 //!
 //! Every capability the manifest grants is simulated from a script
-//! (`<manifest>.script.json` beside the manifest, or `--script`; see [`world`]):
+//! (`<manifest>.script.json` beside the manifest, or `--script`; see [`script`]):
 //! HTTP exchanges, programs run and their output, spawned children and what
 //! they answer on their sockets, the host's network devices. The grants still
 //! decide what may be asked; the script answers; nothing real is touched.
@@ -22,8 +22,8 @@
 //! shown under a failure.
 
 mod junit;
+pub mod script;
 mod trace;
-pub mod world;
 
 use crate::bindings::{BrokerError, Instance};
 use crate::broker::imports::ContractError;
@@ -33,19 +33,19 @@ use crate::broker::{CallError, WasmProvider, constraints, describe_broker_error}
 use crate::capabilities::context::CallEvent;
 use crate::capabilities::context::CallHooks;
 use crate::capabilities::denials::Denials;
-use crate::capabilities::http_egress::EgressWorld;
+use crate::capabilities::http_egress::RecordedEgress;
 use crate::capabilities::kv::MemoryKv;
+use crate::capabilities::local_socket::HostSockets;
 use crate::capabilities::machine_lock::MachineLock;
-use crate::capabilities::network_bridge::backend::NetworkWorld;
-use crate::capabilities::process::{LiveChildren, MemoryChildRecords, ProcessWorld};
+use crate::capabilities::process::{HostProcesses, LiveChildren, MemoryChildRecords, Recorded, RecordedSockets};
 use crate::providers::Manifest;
 use crate::providers::Method;
 use crate::runtime::{HostCapabilities, Runtime};
+pub use script::{Answers, Recording, Scripted};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
 pub use trace::HostCallLog;
-pub use world::{Recording, Scripted, World};
 
 /// One scenario's outcome.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -107,7 +107,8 @@ pub enum ConformanceError {
 }
 
 pub struct KitOptions {
-    pub world: World,
+    /// Where the granted capabilities' answers come from.
+    pub answers: Answers,
     /// A host call the script did not answer fails the case it happened in.
     pub strict: bool,
     /// `host.toml`'s `[sandbox]`: how a recording's real programs are confined
@@ -121,7 +122,7 @@ impl KitOptions {
     pub fn beside(manifest: &Manifest) -> Result<KitOptions, ConformanceError> {
         let path = script_path(&manifest.path);
         let script = if path.exists() { load_script(&path)? } else { Scripted::default() };
-        Ok(KitOptions { world: World::Script(Arc::new(script)), strict: false, sandbox: Default::default() })
+        Ok(KitOptions { answers: Answers::Script(Arc::new(script)), strict: false, sandbox: Default::default() })
     }
 }
 
@@ -134,6 +135,19 @@ pub fn load_script(path: &std::path::Path) -> Result<Scripted, ConformanceError>
     let error = |reason: String| ConformanceError::Script { path: path.display().to_string(), reason };
     let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
     Scripted::parse(&text).map_err(error)
+}
+
+/// `swap --check`: a candidate passes when every scenario does, with the
+/// script beside its manifest.
+pub struct ConformanceCheck;
+
+impl crate::providers::CandidateCheck for ConformanceCheck {
+    fn check<'a>(&'a self, manifest: &'a Manifest) -> futures_util::future::BoxFuture<'a, Result<Vec<String>, String>> {
+        Box::pin(async move {
+            let report = run(manifest).await.map_err(|e| e.to_string())?;
+            Ok(report.cases.iter().filter(|c| !c.passed).map(|c| format!("{}: {}", c.name, c.detail)).collect())
+        })
+    }
 }
 
 /// Run every scenario with the script beside the manifest.
@@ -152,36 +166,47 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     let lock = MachineLock::new(scratch.path(), "machine-lock", "broker-provider-test")
         .map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
     let manifest = manifest.clone();
-    let (egress_world, process_world, network_world, scripted) = match options.world {
-        World::Script(scripted) => (
-            EgressWorld::Replay(scripted.http.clone()),
-            ProcessWorld::Simulated(scripted.processes.clone()),
-            NetworkWorld::Simulated(scripted.network.clone()),
-            Some(scripted),
-        ),
-        World::Record(recording) => {
-            recording.note_devices(&manifest).await.map_err(ConformanceError::Sandbox)?;
-            let processes = ProcessWorld::Record(recording.processes.clone());
-            (EgressWorld::Record(recording.http.clone()), processes, NetworkWorld::Host, None)
-        }
-    };
     let live_children = Arc::new(LiveChildren::default());
     let (denials, denied) = Denials::collecting();
-    let caps = HostCapabilities {
-        kv: Arc::new(MemoryKv::default()),
-        machine_lock: Some(lock),
-        data_dirs: scratch.path().join("data"),
-        sandbox: crate::sandbox::Sandbox::new(options.sandbox.clone(), None),
-        child_records: Arc::new(MemoryChildRecords::default()),
-        live_children: live_children.clone(),
-        egress_world,
-        process_world,
-        network_world,
-        denials,
+    let on_host = HostCapabilities::on_host(
+        Arc::new(MemoryKv::default()),
+        scratch.path().join("data"),
+        crate::sandbox::Sandbox::new(options.sandbox.clone(), None),
+        Arc::new(MemoryChildRecords::default()),
+    );
+    // The sandbox is made of the backends it is given: scripted, or the host's recorded.
+    let (caps, scripted) = match options.answers {
+        Answers::Script(scripted) => {
+            let caps = HostCapabilities {
+                processes: scripted.processes.clone(),
+                sockets: scripted.processes.clone(),
+                egress: scripted.http.clone(),
+                network: scripted.network.clone(),
+                ..on_host
+            };
+            (caps, Some(scripted))
+        }
+        Answers::Record(recording) => {
+            recording.note_devices(&manifest).await.map_err(ConformanceError::Sandbox)?;
+            let records = Arc::new(MemoryChildRecords::default());
+            let host_processes = HostProcesses::new(records, live_children.clone());
+            let caps = HostCapabilities {
+                processes: Arc::new(Recorded::new(host_processes, recording.processes.clone())),
+                sockets: Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone())),
+                egress: Arc::new(RecordedEgress::new(on_host.egress.clone(), recording.http.clone())),
+                ..on_host
+            };
+            (caps, None)
+        }
     };
+    let caps = HostCapabilities { machine_lock: Some(lock), denials, ..caps };
     let config = manifest.config_json.clone();
     let name = manifest.name.clone();
-    let provider = match WasmProvider::load(runtime, manifest, caps) {
+    // Compiling is CPU-bound: off the async workers.
+    let loaded = tokio::task::spawn_blocking(move || WasmProvider::load(runtime, manifest, caps))
+        .await
+        .map_err(|e| ConformanceError::Sandbox(format!("loading the component: {e}")))?;
+    let provider = match loaded {
         Ok(provider) => provider,
         // Importing what the manifest does not grant is a finding about the component, not a kit failure.
         Err(crate::broker::wasm::LoadError::Contract { source: source @ ContractError::NotGranted { .. }, .. }) => {
@@ -222,7 +247,7 @@ const UNGRANTED: &str = "no call touches an ungranted capability";
 struct Kit {
     provider: WasmProvider,
     cases: Vec<Case>,
-    /// The simulated world, whose unanswered host calls each case reports.
+    /// The script, whose unanswered host calls each case reports.
     scripted: Option<Arc<Scripted>>,
     strict: bool,
     /// Host calls refused so far for want of a grant (whether or not the provider passed the refusal on).

@@ -181,8 +181,11 @@ async fn swap_provider(
     body: Result<Json<Swap>, JsonRejection>,
 ) -> ApiResult<Response> {
     let Json(request) = body?;
-    let swapped =
-        to_the_end(async move { broker.registry().swap(&name, &request.component, request.check).await }).await?;
+    let swapped = to_the_end(async move {
+        let kit = crate::conformance::ConformanceCheck;
+        broker.registry().swap(&name, &request.component, request.check.then_some(&kit as _)).await
+    })
+    .await?;
     Ok(Json(swapped).into_response())
 }
 

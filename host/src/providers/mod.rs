@@ -7,4 +7,4 @@ pub mod view;
 pub mod watch;
 
 pub use manifest::{Grants, Isolation, Limits, Manifest, ManifestError, Method};
-pub use registry::{Registry, RegistryError};
+pub use registry::{CandidateCheck, Registry, RegistryError};

@@ -6,6 +6,7 @@ use crate::broker::wasm::{LoadError, WasmProvider};
 use crate::providers::Manifest;
 use crate::runtime::{HostCapabilities, Runtime};
 use crate::store::{Event, ProviderRecord, Store, StoreError, records::now_rfc3339};
+use futures_util::future::BoxFuture;
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -59,6 +60,13 @@ pub struct SwapReport {
     pub checked: bool,
 }
 
+/// What a swap candidate must pass besides loading and `validate-config`
+/// (`swap --check`: the conformance kit, given by the caller).
+pub trait CandidateCheck: Send + Sync {
+    /// The failures, one line each (empty: it passed); `Err` if it could not run.
+    fn check<'a>(&'a self, manifest: &'a Manifest) -> BoxFuture<'a, Result<Vec<String>, String>>;
+}
+
 pub struct Registry {
     runtime: Arc<Runtime>,
     store: Arc<Store>,
@@ -107,6 +115,11 @@ pub struct SwapCounts {
 }
 
 impl Registry {
+    /// The host facilities every provider loaded here draws on.
+    pub fn capabilities(&self) -> &HostCapabilities {
+        &self.capabilities
+    }
+
     pub fn new(runtime: Arc<Runtime>, store: Arc<Store>, capabilities: HostCapabilities) -> Self {
         Registry {
             runtime,
@@ -253,16 +266,25 @@ impl Registry {
 
     /// Replace a provider's component while it serves: compile, link and
     /// type-check the candidate, run its `validate-config` on the live config
-    /// and, with `check`, the conformance scenarios in the sandbox; only then
-    /// swap it in. Calls in flight finish on the version they started on; new
-    /// calls get the candidate. A refused candidate changes nothing.
-    pub async fn swap(&self, name: &str, component: &Path, check: bool) -> Result<SwapReport, RegistryError> {
+    /// and, given a `check` (`swap --check`: the conformance kit), that too;
+    /// only then swap it in. Calls in flight finish on the version they
+    /// started on; new calls get the candidate. A refused candidate changes nothing.
+    pub async fn swap(
+        &self,
+        name: &str,
+        component: &Path,
+        check: Option<&dyn CandidateCheck>,
+    ) -> Result<SwapReport, RegistryError> {
         let _one_at_a_time = self.swapping.lock().await;
         let record = self.store.provider(name)?.ok_or_else(|| RegistryError::UnknownProvider(name.to_owned()))?;
         let serving = self.get(name).await?;
         crate::providers::data_dirs::check_loadable(component, &self.capabilities.data_dirs)
             .map_err(RegistryError::InDataDir)?;
-        let bytes = std::fs::read(component)
+        // Reading, hashing and keeping the candidate is file I/O: off the async workers.
+        let path = component.to_owned();
+        let bytes = tokio::task::spawn_blocking(move || std::fs::read(path))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)))
             .map_err(|source| RegistryError::Candidate { path: component.display().to_string(), source })?;
         let sha256 = hex::encode(Sha256::digest(&bytes));
         let mut refusal = Event::new("swap-refused", name);
@@ -297,15 +319,11 @@ impl Registry {
             Ok(info) => info,
             Err(e) => return Err(refuse(format!("describe: {e}")).await),
         };
-        if check {
-            let report = match crate::conformance::run(&manifest).await {
-                Ok(report) => report,
+        if let Some(check) = check {
+            match check.check(&manifest).await {
+                Ok(failed) if failed.is_empty() => {}
+                Ok(failed) => return Err(refuse(format!("check failed: {}", failed.join("; "))).await),
                 Err(e) => return Err(refuse(format!("check: {e}")).await),
-            };
-            if !report.passed() {
-                let failed: Vec<String> =
-                    report.cases.iter().filter(|c| !c.passed).map(|c| format!("{}: {}", c.name, c.detail)).collect();
-                return Err(refuse(format!("check failed: {}", failed.join("; "))).await);
             }
         }
 
@@ -327,7 +345,7 @@ impl Registry {
             new_sha256: sha256,
             old_version: record.version,
             new_version: info.version,
-            checked: check,
+            checked: check.is_some(),
         };
         let mut event = Event::new("swapped", name);
         event.old_sha256 = Some(report.old_sha256.clone());

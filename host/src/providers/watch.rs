@@ -170,7 +170,7 @@ impl ProvidersDir {
         if sha256 == record.component_sha256 {
             return None;
         }
-        Some(match registry.swap(&name, &manifest.component, false).await {
+        Some(match registry.swap(&name, &manifest.component, None).await {
             Ok(_) => Change::Swapped(name),
             // The registry has recorded the refusal with both hashes.
             Err(e @ RegistryError::SwapRefused { .. }) => Change::Refused(name, e.to_string()),

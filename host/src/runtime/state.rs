@@ -2,14 +2,17 @@
 
 use super::GuestLimiter;
 use crate::capabilities::context::ContextView;
-use crate::capabilities::http_egress::{EgressHooks, EgressWorld, HttpGrant};
+use crate::capabilities::denials::Denials;
+use crate::capabilities::http_egress::{EgressBackend, EgressHooks, HostEgress, HttpGrant};
 use crate::capabilities::kv::{KvBackend, KvCtx};
-use crate::capabilities::local_socket::{LocalSocketCtx, LocalSocketView};
+use crate::capabilities::local_socket::{HostSockets, LocalSocketCtx, LocalSocketView, SocketBackend};
 use crate::capabilities::log::LogCtx;
 use crate::capabilities::machine_lock::{MachineLock, MachineLockCtx, MachineLockView};
-use crate::capabilities::network_bridge::backend::NetworkWorld;
+use crate::capabilities::network_bridge::backend::{HostNetwork, NetworkBackend};
 use crate::capabilities::network_bridge::wit::{BridgeCtx, BridgeGrant};
-use crate::capabilities::process::{ChildRecords, LiveChildren, ProcessCtx, ProcessPolicy, ProcessView, ProcessWorld};
+use crate::capabilities::process::{
+    ChildRecords, HostProcesses, ProcessBackend, ProcessCtx, ProcessPolicy, ProcessView,
+};
 use crate::capabilities::wasi;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,6 +33,8 @@ pub struct HostState {
     pub http: WasiHttpCtx,
     pub egress: EgressHooks,
     pub limiter: GuestLimiter,
+    /// Where refusals outside any one capability (the filesystem's) are noted.
+    denials: Denials,
 }
 
 /// The host facilities a provider's stores draw on; each is handed to a
@@ -43,16 +48,40 @@ pub struct HostCapabilities {
     pub data_dirs: PathBuf,
     /// How granted programs are confined (bubblewrap, the sandbox users).
     pub sandbox: crate::sandbox::Sandbox,
-    pub child_records: Arc<dyn ChildRecords>,
-    pub live_children: Arc<LiveChildren>,
+    /// What process calls reach: the host's programs and children, or a recording or simulation.
+    pub processes: Arc<dyn ProcessBackend>,
+    /// What local-socket connections reach: the host's sockets, or simulated children's.
+    pub sockets: Arc<dyn SocketBackend>,
     /// Where granted `wasi:http` requests go: the real targets, or a recording or script.
-    pub egress_world: EgressWorld,
-    /// What process and local-socket calls reach: real programs, or a recording or simulation.
-    pub process_world: ProcessWorld,
-    /// What network-bridge calls reach: the host's kernel, or a simulated network.
-    pub network_world: NetworkWorld,
+    pub egress: Arc<dyn EgressBackend>,
+    /// What network-bridge calls (and HostPreparer) reach: the host's kernel, or a simulated network.
+    pub network: Arc<dyn NetworkBackend>,
     /// Where refused host calls are noted besides the log (the conformance kit collects them).
-    pub denials: crate::capabilities::denials::Denials,
+    pub denials: Denials,
+}
+
+impl HostCapabilities {
+    /// The host's own backends: real programs (their children recorded in
+    /// `child_records`), sockets, egress targets and network; no machine lock
+    /// and no denials collected until given.
+    pub fn on_host(
+        kv: Arc<dyn KvBackend>,
+        data_dirs: PathBuf,
+        sandbox: crate::sandbox::Sandbox,
+        child_records: Arc<dyn ChildRecords>,
+    ) -> Self {
+        HostCapabilities {
+            kv,
+            machine_lock: None,
+            data_dirs,
+            sandbox,
+            processes: Arc::new(HostProcesses::new(child_records, Arc::default())),
+            sockets: Arc::new(HostSockets),
+            egress: Arc::new(HostEgress),
+            network: Arc::new(HostNetwork),
+            denials: Denials::default(),
+        }
+    }
 }
 
 /// What one provider's stores get: the host capabilities narrowed to its grants.
@@ -73,38 +102,28 @@ pub struct ProviderCapabilities {
 impl HostState {
     pub fn new(provider: Arc<str>, caps: &ProviderCapabilities, memory_bytes: usize) -> Self {
         let host = &caps.host;
-        let mut state = HostState {
+        let denials = host.denials.for_provider(provider.clone());
+        let tap_owner = caps.process.as_ref().and_then(|p| p.confinement()).map(|c| c.uid());
+        HostState {
             table: ResourceTable::new(),
             wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir),
             kv: KvCtx::new(provider.clone(), host.kv.clone()),
             log: LogCtx::new(provider.clone()),
-            machine_lock: MachineLockCtx::new(host.machine_lock.clone()),
-            process: ProcessCtx::new(
-                &provider,
-                caps.process.clone(),
-                host.child_records.clone(),
-                host.live_children.clone(),
-                host.process_world.clone(),
-            ),
-            bridge: BridgeCtx::new(caps.bridge.clone(), host.network_world.clone()),
+            machine_lock: MachineLockCtx::new(host.machine_lock.clone(), denials.clone()),
+            process: ProcessCtx::new(&provider, caps.process.clone(), host.processes.clone(), denials.clone()),
+            bridge: BridgeCtx::new(caps.bridge.clone(), host.network.clone(), tap_owner, denials.clone()),
             local_socket: LocalSocketCtx::new(
                 provider.clone(),
                 caps.local_sockets.then(|| caps.data_dir.clone()),
-                host.process_world.clone(),
+                host.sockets.clone(),
+                denials.clone(),
             ),
             http: WasiHttpCtx::new(),
-            egress: EgressHooks::new(provider.clone(), caps.http.clone(), host.egress_world.clone()),
+            egress: EgressHooks::new(provider.clone(), caps.http.clone(), host.egress.clone(), denials.clone()),
             limiter: GuestLimiter::new(memory_bytes),
+            denials,
             provider,
-        };
-        let denials = host.denials.for_provider(state.provider.clone());
-        state.bridge.tap_owner = caps.process.as_ref().and_then(|p| p.confinement()).map(|c| c.uid());
-        state.machine_lock.denials = denials.clone();
-        state.process.denials = denials.clone();
-        state.bridge.denials = denials.clone();
-        state.local_socket.denials = denials.clone();
-        state.egress.denials = denials;
-        state
+        }
     }
 
     pub fn context_view(&mut self) -> ContextView<'_> {
@@ -128,7 +147,7 @@ impl HostState {
         // The path is the guest's: shown escaped and cut short.
         let shown: String = path.chars().take(64).collect();
         let message = format!("symlink-at {shown:?} refused: providers may not make symbolic links in /data");
-        self.process.denials.note("filesystem", &message);
+        self.denials.note("filesystem", &message);
     }
 
     /// Release what a call left behind (machine-lock guards).

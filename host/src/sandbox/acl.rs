@@ -110,8 +110,18 @@ fn read_acl(fd: impl AsFd, name: &str, mode: u32) -> std::io::Result<Vec<Entry>>
     }
 }
 
+/// An ACL change reads the list, adds an entry and writes the list back:
+/// two at once on one object (two providers given `/dev/net/tun`, or sharing
+/// a granted path) would lose one's entry. This host's changes go one at a time.
+static ACL_CHANGES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_change_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ACL_CHANGES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Give `uid` at least `perm` on the object behind `fd` (its access ACL).
 pub fn grant(fd: impl AsFd, uid: u32, perm: u16) -> std::io::Result<()> {
+    let _one = one_change_at_a_time();
     let stat = rustix::fs::fstat(&fd)?;
     let entries = read_acl(&fd, ACCESS, stat.st_mode)?;
     if user_perm(&entries, uid).is_some_and(|has| has & perm == perm) {
@@ -125,6 +135,7 @@ pub fn grant(fd: impl AsFd, uid: u32, perm: u16) -> std::io::Result<()> {
 /// Give `uid` read and write on a granted device node (by path: device
 /// nodes under /dev are the host's own).
 pub fn grant_device(path: &Path, uid: u32) -> std::io::Result<()> {
+    let _one = one_change_at_a_time();
     let stat = rustix::fs::stat(path)?;
     let mut buf = vec![0u8; 1024];
     let entries = match rustix::fs::getxattr(path, ACCESS, &mut buf[..]) {
@@ -176,6 +187,7 @@ fn has_default(fd: impl AsFd, uid: u32) -> std::io::Result<bool> {
 /// `rwx` now, and a default ACL every new file and directory inherits.
 fn share_dir(fd: impl AsFd, uid: u32) -> std::io::Result<()> {
     grant(&fd, uid, READ | WRITE | SEARCH)?;
+    let _one = one_change_at_a_time();
     let stat = rustix::fs::fstat(&fd)?;
     let mut default = from_mode(stat.st_mode);
     default[0].perm = 7; // the owner (root: the host writing for the guest) keeps rwx
@@ -338,5 +350,31 @@ mod tests {
         std::fs::write(data.join("new/file"), "z").unwrap();
         assert_eq!(perm_of(&data.join("new")), Some(7), "inherited from the default ACL");
         assert_eq!(perm_of(&data.join("new/file")), Some(READ | WRITE));
+    }
+
+    #[test]
+    fn providers_given_one_object_at_once_each_keep_their_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let uids: Vec<u32> = (0..8).map(|n| 50_000 + n).collect();
+        for round in 0..50 {
+            // A fresh object each round: every grant writes (none finds its entry there already).
+            let object = dir.path().join(format!("object-{round}"));
+            std::fs::write(&object, "x").unwrap();
+            std::thread::scope(|scope| {
+                for &uid in &uids {
+                    let object = &object;
+                    scope.spawn(move || {
+                        let fd = rustix::fs::open(object, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()).unwrap();
+                        grant(&fd, uid, READ).unwrap();
+                    });
+                }
+            });
+            let fd = rustix::fs::open(&object, OFlags::RDONLY, Mode::empty()).unwrap();
+            let stat = rustix::fs::fstat(&fd).unwrap();
+            let entries = read_acl(&fd, ACCESS, stat.st_mode).unwrap();
+            for &uid in &uids {
+                assert_eq!(user_perm(&entries, uid), Some(READ), "round {round}: uid {uid}'s entry was lost");
+            }
+        }
     }
 }

@@ -19,6 +19,7 @@ pub use writer::Pending;
 
 use crate::capabilities::network_bridge::Device;
 use crate::capabilities::process::{ChildRecord, ChildRecords, RecordsError};
+use futures_util::future::BoxFuture;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -276,16 +277,18 @@ fn records_error(err: impl std::fmt::Display) -> RecordsError {
 }
 
 impl ChildRecords for RedbChildren {
-    fn put(&self, record: &ChildRecord) -> Result<(), RecordsError> {
-        let bytes = serde_json::to_vec(record).map_err(records_error)?;
+    fn put(&self, record: &ChildRecord) -> BoxFuture<'static, Result<(), RecordsError>> {
+        let bytes = match serde_json::to_vec(record) {
+            Ok(bytes) => bytes,
+            Err(e) => return Box::pin(std::future::ready(Err(records_error(e)))),
+        };
         let (provider, name) = (record.provider.clone(), record.name.clone());
-        Pending::new(&self.writer, move |txn| {
+        let pending = Pending::new(&self.writer, move |txn| {
             let mut table = txn.open_table(CHILDREN).map_err(db_error)?;
             table.insert((provider.as_str(), name.as_str()), bytes.as_slice()).map_err(db_error)?;
             Ok(())
-        })
-        .wait()
-        .map_err(records_error)
+        });
+        Box::pin(async move { pending.await.map_err(records_error) })
     }
 
     fn get(&self, provider: &str, name: &str) -> Result<Option<ChildRecord>, RecordsError> {
@@ -295,14 +298,13 @@ impl ChildRecords for RedbChildren {
         value.map(|v| serde_json::from_slice(v.value()).map_err(records_error)).transpose()
     }
 
-    fn remove(&self, provider: &str, name: &str) -> Result<(), RecordsError> {
+    fn remove(&self, provider: &str, name: &str) -> BoxFuture<'static, Result<(), RecordsError>> {
         let (provider, name) = (provider.to_owned(), name.to_owned());
-        Pending::new(&self.writer, move |txn| {
+        let pending = Pending::new(&self.writer, move |txn| {
             txn.open_table(CHILDREN).map_err(db_error)?.remove((provider.as_str(), name.as_str())).map_err(db_error)?;
             Ok(())
-        })
-        .wait()
-        .map_err(records_error)
+        });
+        Box::pin(async move { pending.await.map_err(records_error) })
     }
 
     fn list(&self, provider: &str) -> Result<Vec<ChildRecord>, RecordsError> {
@@ -321,8 +323,9 @@ impl ChildRecords for RedbChildren {
 }
 
 impl crate::broker::host_preparer::ObservedNetworkSink for Store {
-    fn record(&self, observed: &[Device]) -> Result<(), String> {
-        self.put_observed_network(observed).wait().map_err(|e| e.to_string())
+    fn record<'a>(&'a self, observed: &'a [Device]) -> futures_util::future::BoxFuture<'a, Result<(), String>> {
+        let pending = self.put_observed_network(observed);
+        Box::pin(async move { pending.await.map_err(|e| e.to_string()) })
     }
 }
 

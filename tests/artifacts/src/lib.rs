@@ -24,3 +24,5 @@ pub fn manifest_text(guest_dir: &str) -> String {
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     text.replace("\"../target/wasm32-wasip2/release/", &format!("\"{}/", wasm_dir().display()))
 }
+
+include!(concat!(env!("OUT_DIR"), "/guests.rs"));

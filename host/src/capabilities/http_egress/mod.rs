@@ -10,6 +10,7 @@
 //! ec2 = "http://127.0.0.1:5000"
 //! ```
 
+use futures_util::future::BoxFuture;
 use http::uri::Scheme;
 use http_body_util::BodyExt;
 use serde::{Deserialize, Deserializer};
@@ -25,7 +26,7 @@ use wasmtime_wasi_http::io::TokioIo;
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpHooks, WasiHttpView};
 
 pub mod script;
-pub use script::{Exchange, Script, Tape};
+pub use script::{Exchange, RecordedEgress, Script, Tape};
 
 /// How long to wait for a connection and for the first response byte when the
 /// guest does not say; the call's own deadline bounds everything anyway.
@@ -177,17 +178,32 @@ impl EgressError {
     }
 }
 
-/// Where granted requests go. The grant is checked the same in every world;
-/// only what answers differs.
-#[derive(Clone, Default)]
-pub enum EgressWorld {
-    /// The granted targets.
-    #[default]
-    Real,
-    /// The granted targets, every exchange written to a tape (a real run becomes a script).
-    Record(Arc<Tape>),
-    /// A script answers, in order; nothing leaves the host (the conformance kit).
-    Replay(Arc<Script>),
+/// Where granted requests go. The grant is checked the same by every
+/// backend; only what answers differs: the granted targets ([`HostEgress`]),
+/// a script ([`Script`], nothing leaves the host), or any backend with every
+/// exchange written to a tape ([`RecordedEgress`]).
+pub trait EgressBackend: Send + Sync + 'static {
+    fn send(
+        self: Arc<Self>,
+        grant: Arc<HttpGrant>,
+        request: http::Request<WasiBody>,
+        options: Option<RequestOptions>,
+    ) -> BoxFuture<'static, Result<SendResult, EgressError>>;
+}
+
+/// The granted targets, over a fresh connection per request.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostEgress;
+
+impl EgressBackend for HostEgress {
+    fn send(
+        self: Arc<Self>,
+        grant: Arc<HttpGrant>,
+        request: http::Request<WasiBody>,
+        options: Option<RequestOptions>,
+    ) -> BoxFuture<'static, Result<SendResult, EgressError>> {
+        Box::pin(async move { send(&grant, request, options).await })
+    }
 }
 
 /// The `wasi:http` hooks of one provider's stores: its grant, its world, nothing else.
@@ -195,14 +211,18 @@ pub enum EgressWorld {
 pub struct EgressHooks {
     provider: Arc<str>,
     grant: Arc<HttpGrant>,
-    world: EgressWorld,
-    /// Where refusals are noted (set by the store that owns this).
-    pub denials: crate::capabilities::denials::Denials,
+    backend: Arc<dyn EgressBackend>,
+    denials: crate::capabilities::denials::Denials,
 }
 
 impl EgressHooks {
-    pub fn new(provider: Arc<str>, grant: Arc<HttpGrant>, world: EgressWorld) -> Self {
-        EgressHooks { provider, grant, world, denials: Default::default() }
+    pub fn new(
+        provider: Arc<str>,
+        grant: Arc<HttpGrant>,
+        backend: Arc<dyn EgressBackend>,
+        denials: crate::capabilities::denials::Denials,
+    ) -> Self {
+        EgressHooks { provider, grant, backend, denials }
     }
 }
 
@@ -235,16 +255,11 @@ impl WasiHttpHooks for EgressHooks {
             authority = request.uri().authority().map(|a| a.as_str()).unwrap_or_default(),
             path = request.uri().path(),
         );
-        let (provider, grant, world) = (self.provider.clone(), self.grant.clone(), self.world.clone());
-        let denials = self.denials.clone();
+        let (provider, denials) = (self.provider.clone(), self.denials.clone());
+        let sending = self.backend.clone().send(self.grant.clone(), request, options);
         Box::new(
             async move {
-                let sent = match &world {
-                    EgressWorld::Real => send(&grant, request, options).await,
-                    EgressWorld::Record(tape) => script::record(tape, &grant, request, options).await,
-                    EgressWorld::Replay(script) => script::replay(script, &grant, request).await,
-                };
-                match sent {
+                match sending.await {
                     Ok(sent) => sent,
                     Err(err) => {
                         if let EgressError::NotGranted { .. } = &err {

@@ -2,14 +2,16 @@
 //! a [`Tape`] records what a real run exchanged; a [`Script`] answers a run
 //! from such a recording, in order, and notes each request it has no answer
 //! for. Bodies are kept as text (the APIs providers speak are JSON or XML).
-//! The script file around them is the conformance kit's (`conformance::world`).
+//! The script file around them is the conformance kit's (`conformance::script`).
 
-use super::{EgressError, SendResult, granted, send};
+use super::{EgressBackend, EgressError, SendResult, granted};
 use crate::capabilities::http_egress::HttpGrant;
 use bytes::Bytes;
+use futures_util::future::BoxFuture;
 use http_body_util::{BodyExt, Full};
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::Mutex;
 use wasmtime_wasi_http::{RequestOptions, WasiBody};
 
@@ -101,10 +103,46 @@ fn answered(response: http::Response<WasiBody>) -> SendResult {
     Ok((response, Box::new(async { Ok(()) })))
 }
 
-/// Send for real, and write the exchange to the tape.
-pub(super) async fn record(
+/// Any egress backend, with every exchange written to a tape (a real run becomes a script).
+pub struct RecordedEgress {
+    inner: Arc<dyn EgressBackend>,
+    tape: Arc<Tape>,
+}
+
+impl RecordedEgress {
+    pub fn new(inner: Arc<dyn EgressBackend>, tape: Arc<Tape>) -> Self {
+        RecordedEgress { inner, tape }
+    }
+}
+
+impl EgressBackend for RecordedEgress {
+    fn send(
+        self: Arc<Self>,
+        grant: Arc<HttpGrant>,
+        request: http::Request<WasiBody>,
+        options: Option<RequestOptions>,
+    ) -> BoxFuture<'static, Result<SendResult, EgressError>> {
+        Box::pin(async move { record(self.inner.clone(), &self.tape, &grant, request, options).await })
+    }
+}
+
+/// Answer from the script; nothing leaves the host.
+impl EgressBackend for Script {
+    fn send(
+        self: Arc<Self>,
+        grant: Arc<HttpGrant>,
+        request: http::Request<WasiBody>,
+        _options: Option<RequestOptions>,
+    ) -> BoxFuture<'static, Result<SendResult, EgressError>> {
+        Box::pin(async move { replay(&self, &grant, request).await })
+    }
+}
+
+/// Send through `inner`, and write the exchange to the tape.
+async fn record(
+    inner: Arc<dyn EgressBackend>,
     tape: &Tape,
-    grant: &HttpGrant,
+    grant: &Arc<HttpGrant>,
     request: http::Request<WasiBody>,
     options: Option<RequestOptions>,
 ) -> Result<SendResult, EgressError> {
@@ -112,7 +150,8 @@ pub(super) async fn record(
     let (method, path) = (request.method().to_string(), path_of(&request));
     let (parts, body) = request.into_parts();
     let request_body = body_text(body).await?;
-    let sent = send(grant, http::Request::from_parts(parts, full(request_body.clone())), options).await?;
+    let forwarded = http::Request::from_parts(parts, full(request_body.clone()));
+    let sent = inner.send(grant.clone(), forwarded, options).await?;
     let (response, io) = match sent {
         Ok(sent) => sent,
         Err(code) => return Ok(Err(code)),
@@ -185,17 +224,17 @@ mod tests {
                 tokio::io::AsyncWriteExt::write_all(&mut stream, head.as_bytes()).await.unwrap();
             }
         });
-        let grant = HttpGrant::new([("lxd".to_owned(), EgressTarget::Unix(socket))]).unwrap();
-        let tape = Tape::default();
-        assert_eq!(text(record(&tape, &grant, get("http://lxd/1.0"), None).await).await, (200, "{\"n\":1}".into()));
-        assert_eq!(
-            text(record(&tape, &grant, get("http://lxd/1.0/x?p=1"), None).await).await,
-            (200, "{\"n\":2}".into())
-        );
+        let grant = Arc::new(HttpGrant::new([("lxd".to_owned(), EgressTarget::Unix(socket))]).unwrap());
+        let tape = Arc::new(Tape::default());
+        let recorded = Arc::new(RecordedEgress::new(Arc::new(super::super::HostEgress), tape.clone()));
+        let record = |request| recorded.clone().send(grant.clone(), request, None);
+        assert_eq!(text(record(get("http://lxd/1.0")).await).await, (200, "{\"n\":1}".into()));
+        assert_eq!(text(record(get("http://lxd/1.0/x?p=1")).await).await, (200, "{\"n\":2}".into()));
         server.await.unwrap();
 
         // The daemon is gone; the script answers the same run alone.
-        let script = Script::new(tape.exchanges());
+        let script = Arc::new(Script::new(tape.exchanges()));
+        let replay = |_: &Arc<Script>, _: &Arc<HttpGrant>, request| script.clone().send(grant.clone(), request, None);
         assert_eq!(script.remaining(), 2);
         assert_eq!(text(replay(&script, &grant, get("http://lxd/1.0")).await).await, (200, "{\"n\":1}".into()));
         let wrong = replay(&script, &grant, get("http://lxd/1.0/y")).await;

@@ -23,14 +23,13 @@ pub struct MachineLockCtx {
     lock: Option<MachineLock>,
     abort: Arc<AtomicBool>,
     handed_out: Vec<u32>,
-    /// Where refusals are noted (set by the store that owns this).
-    pub denials: crate::capabilities::denials::Denials,
+    denials: crate::capabilities::denials::Denials,
 }
 
 impl MachineLockCtx {
     /// `lock` is `None` when the manifest does not grant `machine-lock`.
-    pub fn new(lock: Option<MachineLock>) -> Self {
-        MachineLockCtx { lock, abort: Arc::default(), handed_out: Vec::new(), denials: Default::default() }
+    pub fn new(lock: Option<MachineLock>, denials: crate::capabilities::denials::Denials) -> Self {
+        MachineLockCtx { lock, abort: Arc::default(), handed_out: Vec::new(), denials }
     }
 
     /// The abort flag of the call about to run.
@@ -220,7 +219,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let shared = lock(dir.path());
         let mut table = ResourceTable::new();
-        let mut granted = MachineLockCtx::new(Some(shared.clone()));
+        let mut granted = MachineLockCtx::new(Some(shared.clone()), Default::default());
         let mut view = MachineLockView { ctx: &mut granted, table: &mut table };
         let forged = "uniter\n2023-11-14 22:13:20 broker: root (forged)";
         let cases: [(String, String, &str); 7] = [
@@ -282,13 +281,13 @@ mod tests {
     async fn guests_without_the_grant_get_access_denied_and_leaked_guards_are_released() {
         let dir = tempfile::tempdir().unwrap();
         let mut table = ResourceTable::new();
-        let mut ungranted = MachineLockCtx::new(None);
+        let mut ungranted = MachineLockCtx::new(None, Default::default());
         let mut view = MachineLockView { ctx: &mut ungranted, table: &mut table };
         let denied = view.acquire("w".into(), String::new(), 0).await.unwrap();
         assert!(matches!(denied, Err(BrokerError::AccessDenied(m)) if m.contains("machine-lock = true")));
 
         let shared = lock(dir.path());
-        let mut granted = MachineLockCtx::new(Some(shared.clone()));
+        let mut granted = MachineLockCtx::new(Some(shared.clone()), Default::default());
         let mut view = MachineLockView { ctx: &mut granted, table: &mut table };
         let handle = view.acquire("guest".into(), String::new(), 0).await.unwrap().unwrap();
         assert!(shared.report(0).holder.is_some());

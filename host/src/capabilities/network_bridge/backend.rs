@@ -1,95 +1,136 @@
-//! What bridging acts on: the host's kernel over netlink, or a simulated
-//! network (the conformance kit). Both behave alike; the grant is checked
-//! before either is reached.
+//! What bridging acts on, as one trait: the host's kernel over netlink
+//! ([`HostNetwork`]), or a simulated network ([`SimNetwork`], the conformance
+//! kit). Both behave alike; a grant is checked before either is reached. The
+//! bridge capability and HostPreparer both act through it.
 
 use super::netlink::Netlink;
 use super::simulated::SimNetwork;
 use super::{BridgeError, Device, DeviceToBridge};
-use std::sync::Arc;
+use futures_util::future::BoxFuture;
 
-/// Which network a provider's bridging calls reach.
-#[derive(Clone, Default)]
-pub enum NetworkWorld {
-    #[default]
-    Host,
-    Simulated(Arc<SimNetwork>),
-}
-
-/// One call's handle on the network of its world.
-pub enum Network {
-    Host(Netlink),
-    Simulated(Arc<SimNetwork>),
-}
-
-impl NetworkWorld {
-    /// A fresh netlink connection (in the host's network namespace), or the simulation.
-    pub fn open(&self) -> Result<Network, BridgeError> {
-        Ok(match self {
-            NetworkWorld::Host => Network::Host(Netlink::connect()?),
-            NetworkWorld::Simulated(network) => Network::Simulated(network.clone()),
-        })
-    }
-}
-
-impl Network {
-    pub async fn devices(&self) -> Result<Vec<Device>, BridgeError> {
-        match self {
-            Network::Host(nl) => nl.devices().await,
-            Network::Simulated(sim) => Ok(sim.devices()),
-        }
-    }
-
-    pub async fn device(&self, name: &str) -> Result<Option<Device>, BridgeError> {
-        Ok(self.devices().await?.into_iter().find(|d| d.name == name))
-    }
-
-    pub async fn bridge(&self, change: &DeviceToBridge) -> Result<(), BridgeError> {
-        match self {
-            Network::Host(nl) => nl.bridge(change).await,
-            Network::Simulated(sim) => sim.bridge(change),
-        }
-    }
-
-    pub async fn unbridge(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
-        match self {
-            Network::Host(nl) => nl.unbridge(device, bridge).await,
-            Network::Simulated(sim) => sim.unbridge(device, bridge),
-        }
-    }
-
-    pub async fn create_veth(&self, name: &str, peer: &str, bridge: &str) -> Result<(), BridgeError> {
-        match self {
-            Network::Host(nl) => nl.create_veth(name, peer, bridge).await,
-            Network::Simulated(sim) => sim.create_veth(name, peer, bridge),
-        }
-    }
-
-    pub async fn create_tap(&self, name: &str, bridge: &str, mac: &str, owner: Option<u32>) -> Result<(), BridgeError> {
-        match self {
-            Network::Host(nl) => nl.create_tap_owned(name, bridge, mac, owner).await,
-            Network::Simulated(sim) => sim.create_tap(name, bridge, mac),
-        }
-    }
-
-    pub async fn attach(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
-        match self {
-            Network::Host(nl) => nl.attach(device, bridge).await,
-            Network::Simulated(sim) => sim.attach(device, bridge),
-        }
-    }
-
+/// A host network's devices, and the changes bridging makes to them.
+pub trait NetworkBackend: Send + Sync + 'static {
+    /// Every device with its addresses, MAC, MTU and controller.
+    fn devices(&self) -> BoxFuture<'_, Result<Vec<Device>, BridgeError>>;
+    /// Move `change.device` into a new bridge (its MAC and addresses go with it).
+    fn bridge<'a>(&'a self, change: &'a DeviceToBridge) -> BoxFuture<'a, Result<(), BridgeError>>;
+    fn unbridge<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>>;
+    fn create_veth<'a>(
+        &'a self,
+        name: &'a str,
+        peer: &'a str,
+        bridge: &'a str,
+    ) -> BoxFuture<'a, Result<(), BridgeError>>;
+    /// A tap on `bridge`, owned by `owner` (root if `None`).
+    fn create_tap<'a>(
+        &'a self,
+        name: &'a str,
+        bridge: &'a str,
+        mac: &'a str,
+        owner: Option<u32>,
+    ) -> BoxFuture<'a, Result<(), BridgeError>>;
+    fn attach<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>>;
     /// Delete a veth, or a tap that is `owner`'s (root's if `None`) or no one's.
-    pub async fn delete_owned(&self, name: &str, owner: Option<u32>) -> Result<(), BridgeError> {
-        match self {
-            Network::Host(nl) => nl.delete_owned(name, owner).await,
-            Network::Simulated(sim) => sim.delete(name),
-        }
+    fn delete_owned<'a>(&'a self, name: &'a str, owner: Option<u32>) -> BoxFuture<'a, Result<(), BridgeError>>;
+    fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), BridgeError>>;
+
+    fn device<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<Device>, BridgeError>> {
+        Box::pin(async move { Ok(self.devices().await?.into_iter().find(|d| d.name == name)) })
+    }
+}
+
+/// The host's kernel, in the host's network namespace: each call on a fresh
+/// netlink connection, so nothing is held between a provider's calls.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostNetwork;
+
+impl NetworkBackend for HostNetwork {
+    fn devices(&self) -> BoxFuture<'_, Result<Vec<Device>, BridgeError>> {
+        Box::pin(async { Netlink::connect()?.devices().await })
     }
 
-    pub async fn delete(&self, name: &str) -> Result<(), BridgeError> {
-        match self {
-            Network::Host(nl) => nl.delete(name).await,
-            Network::Simulated(sim) => sim.delete(name),
-        }
+    fn bridge<'a>(&'a self, change: &'a DeviceToBridge) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { Netlink::connect()?.bridge(change).await })
+    }
+
+    fn unbridge<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { Netlink::connect()?.unbridge(device, bridge).await })
+    }
+
+    fn create_veth<'a>(
+        &'a self,
+        name: &'a str,
+        peer: &'a str,
+        bridge: &'a str,
+    ) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { Netlink::connect()?.create_veth(name, peer, bridge).await })
+    }
+
+    fn create_tap<'a>(
+        &'a self,
+        name: &'a str,
+        bridge: &'a str,
+        mac: &'a str,
+        owner: Option<u32>,
+    ) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { Netlink::connect()?.create_tap_owned(name, bridge, mac, owner).await })
+    }
+
+    fn attach<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { Netlink::connect()?.attach(device, bridge).await })
+    }
+
+    fn delete_owned<'a>(&'a self, name: &'a str, owner: Option<u32>) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { Netlink::connect()?.delete_owned(name, owner).await })
+    }
+
+    fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { Netlink::connect()?.delete(name).await })
+    }
+}
+
+/// The simulation answers at once; a tap's owner is not modelled.
+impl NetworkBackend for SimNetwork {
+    fn devices(&self) -> BoxFuture<'_, Result<Vec<Device>, BridgeError>> {
+        Box::pin(async { Ok(SimNetwork::devices(self)) })
+    }
+
+    fn bridge<'a>(&'a self, change: &'a DeviceToBridge) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { SimNetwork::bridge(self, change) })
+    }
+
+    fn unbridge<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { SimNetwork::unbridge(self, device, bridge) })
+    }
+
+    fn create_veth<'a>(
+        &'a self,
+        name: &'a str,
+        peer: &'a str,
+        bridge: &'a str,
+    ) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { SimNetwork::create_veth(self, name, peer, bridge) })
+    }
+
+    fn create_tap<'a>(
+        &'a self,
+        name: &'a str,
+        bridge: &'a str,
+        mac: &'a str,
+        _owner: Option<u32>,
+    ) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { SimNetwork::create_tap(self, name, bridge, mac) })
+    }
+
+    fn attach<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { SimNetwork::attach(self, device, bridge) })
+    }
+
+    fn delete_owned<'a>(&'a self, name: &'a str, _owner: Option<u32>) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { SimNetwork::delete(self, name) })
+    }
+
+    fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
+        Box::pin(async move { SimNetwork::delete(self, name) })
     }
 }

@@ -1,11 +1,13 @@
 //! `broker:provider/network-bridge` for guests: the netlink bridger, limited
 //! to the devices and bridges the manifest grants.
 
-use super::backend::{Network, NetworkWorld};
+use super::backend::NetworkBackend;
 use super::{BridgeError, Device, DeviceToBridge, names};
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::network_bridge::{self as wit};
+use crate::capabilities::denials::Denials;
 use serde::Deserialize;
+use std::sync::Arc;
 use wasmtime::component::{HasSelf, Linker};
 
 /// `[grants.bridge]`: names, or prefixes when they end in `*`.
@@ -55,17 +57,21 @@ impl BridgeGrant {
 pub struct BridgeCtx {
     /// `None` without a `[grants.bridge]`.
     grant: Option<BridgeGrant>,
-    world: NetworkWorld,
+    network: Arc<dyn NetworkBackend>,
     /// The sandbox user of the provider's programs, given the taps it makes
     /// (`TUNSETOWNER`), so its confined qemu may open them; `None`: root's.
-    pub tap_owner: Option<u32>,
-    /// Where refusals are noted (set by the store that owns this).
-    pub denials: crate::capabilities::denials::Denials,
+    tap_owner: Option<u32>,
+    denials: Denials,
 }
 
 impl BridgeCtx {
-    pub fn new(grant: Option<BridgeGrant>, world: NetworkWorld) -> Self {
-        BridgeCtx { grant, world, tap_owner: None, denials: Default::default() }
+    pub fn new(
+        grant: Option<BridgeGrant>,
+        network: Arc<dyn NetworkBackend>,
+        tap_owner: Option<u32>,
+        denials: Denials,
+    ) -> Self {
+        BridgeCtx { grant, network, tap_owner, denials }
     }
 
     fn grant(&self) -> Result<&BridgeGrant, BrokerError> {
@@ -108,13 +114,8 @@ fn to_wit(device: Device) -> wit::Device {
 
 type WitResult<T> = wasmtime::Result<Result<T, BrokerError>>;
 
-/// Run `op` on the network of the ctx's world.
-async fn with_network<T>(
-    world: &NetworkWorld,
-    op: impl AsyncFnOnce(&Network) -> Result<T, BridgeError>,
-) -> Result<T, BrokerError> {
-    let network = world.open().map_err(to_broker_error)?;
-    op(&network).await.map_err(to_broker_error)
+fn answered<T>(result: Result<T, BridgeError>) -> WitResult<T> {
+    Ok(result.map_err(to_broker_error))
 }
 
 impl wit::Host for BridgeCtx {
@@ -123,7 +124,7 @@ impl wit::Host for BridgeCtx {
             Ok(grant) => grant.clone(),
             Err(e) => return Ok(Err(self.denials.refuse("network-bridge", e))),
         };
-        let all = with_network(&self.world, async |net| net.devices().await).await;
+        let all = self.network.devices().await.map_err(to_broker_error);
         Ok(all.map(|devices| devices.into_iter().filter(|d| grant.covers(&d.name)).map(to_wit).collect()))
     }
 
@@ -138,21 +139,20 @@ impl wit::Host for BridgeCtx {
         if let Err(e) = checked {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        Ok(with_network(&self.world, async |net| {
-            for c in &changes {
-                net.bridge(&DeviceToBridge { device: c.device.clone(), bridge: c.bridge.clone(), mac: c.mac.clone() })
-                    .await?;
+        for c in changes {
+            let change = DeviceToBridge { device: c.device, bridge: c.bridge, mac: c.mac };
+            if let Err(e) = self.network.bridge(&change).await {
+                return answered(Err(e));
             }
-            Ok(())
-        })
-        .await)
+        }
+        Ok(Ok(()))
     }
 
     async fn unbridge(&mut self, device: String, bridge: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        Ok(with_network(&self.world, async |net| net.unbridge(&device, &bridge).await).await)
+        answered(self.network.unbridge(&device, &bridge).await)
     }
 
     async fn create_veth(&mut self, name: String, peer: String, bridge: String) -> WitResult<()> {
@@ -161,7 +161,7 @@ impl wit::Host for BridgeCtx {
         if let Err(e) = checked {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        Ok(with_network(&self.world, async |net| net.create_veth(&name, &peer, &bridge).await).await)
+        answered(self.network.create_veth(&name, &peer, &bridge).await)
     }
 
     async fn create_tap(&mut self, name: String, bridge: String, mac: String) -> WitResult<()> {
@@ -169,14 +169,14 @@ impl wit::Host for BridgeCtx {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
         let owner = self.tap_owner;
-        Ok(with_network(&self.world, async |net| net.create_tap(&name, &bridge, &mac, owner).await).await)
+        answered(self.network.create_tap(&name, &bridge, &mac, owner).await)
     }
 
     async fn attach(&mut self, device: String, bridge: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        Ok(with_network(&self.world, async |net| net.attach(&device, &bridge).await).await)
+        answered(self.network.attach(&device, &bridge).await)
     }
 
     async fn delete_link(&mut self, name: String) -> WitResult<()> {
@@ -184,12 +184,17 @@ impl wit::Host for BridgeCtx {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
         let owner = self.tap_owner;
-        Ok(with_network(&self.world, async |net| match net.device(&name).await? {
-            Some(device) if device.kind == "veth" || device.kind == "tun" => net.delete_owned(&name, owner).await,
-            Some(_) => Err(BridgeError::NotABridge(format!("{name} is not a veth or tap; nothing else is deleted"))),
-            None => Err(BridgeError::NoDevice(name.clone())),
-        })
-        .await)
+        let deleted = match self.network.device(&name).await {
+            Err(e) => Err(e),
+            Ok(Some(device)) if device.kind == "veth" || device.kind == "tun" => {
+                self.network.delete_owned(&name, owner).await
+            }
+            Ok(Some(_)) => {
+                Err(BridgeError::NotABridge(format!("{name} is not a veth or tap; nothing else is deleted")))
+            }
+            Ok(None) => Err(BridgeError::NoDevice(name.clone())),
+        };
+        answered(deleted)
     }
 }
 
@@ -204,6 +209,7 @@ pub fn add_to_linker<T: Send + 'static>(
 mod tests {
     use super::*;
     use crate::bindings::broker::provider::network_bridge::Host;
+    use crate::capabilities::network_bridge::backend::HostNetwork;
 
     #[test]
     fn grants_match_names_and_prefixes() {
@@ -218,11 +224,15 @@ mod tests {
 
     #[tokio::test]
     async fn without_the_grant_everything_is_access_denied_before_netlink() {
-        let mut ctx = BridgeCtx::new(None, NetworkWorld::Host);
+        let mut ctx = BridgeCtx::new(None, Arc::new(HostNetwork), None, Denials::default());
         let denied = ctx.devices().await.unwrap();
         assert!(matches!(denied, Err(BrokerError::AccessDenied(m)) if m.contains("[grants.bridge]")));
-        let mut partial =
-            BridgeCtx::new(Some(BridgeGrant { devices: vec!["eth0".into()], bridges: vec![] }), NetworkWorld::Host);
+        let mut partial = BridgeCtx::new(
+            Some(BridgeGrant { devices: vec!["eth0".into()], bridges: vec![] }),
+            Arc::new(HostNetwork),
+            None,
+            Denials::default(),
+        );
         let change = wit::DeviceToBridge { device: "eth0".into(), bridge: "br-eth0".into(), mac: String::new() };
         let denied = partial.bridge(vec![change]).await.unwrap();
         assert!(matches!(denied, Err(BrokerError::AccessDenied(m)) if m.contains("bridge \"br-eth0\"")));

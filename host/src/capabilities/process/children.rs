@@ -1,6 +1,7 @@
 //! Long-running children: the host's records of them (which survive a
 //! restart) and the live handles of the ones this process spawned.
 
+use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::process::Child;
@@ -24,11 +25,12 @@ pub struct ChildRecord {
 #[error("child records: {0}")]
 pub struct RecordsError(pub String);
 
-/// Storage of child records; the real one is in [`crate::store`].
+/// Storage of child records; the real one is in [`crate::store`]. A change
+/// is durable when its future is done; reads are served at once.
 pub trait ChildRecords: Send + Sync + 'static {
-    fn put(&self, record: &ChildRecord) -> Result<(), RecordsError>;
+    fn put(&self, record: &ChildRecord) -> BoxFuture<'static, Result<(), RecordsError>>;
     fn get(&self, provider: &str, name: &str) -> Result<Option<ChildRecord>, RecordsError>;
-    fn remove(&self, provider: &str, name: &str) -> Result<(), RecordsError>;
+    fn remove(&self, provider: &str, name: &str) -> BoxFuture<'static, Result<(), RecordsError>>;
     fn list(&self, provider: &str) -> Result<Vec<ChildRecord>, RecordsError>;
 }
 
@@ -44,16 +46,16 @@ impl MemoryChildRecords {
 }
 
 impl ChildRecords for MemoryChildRecords {
-    fn put(&self, record: &ChildRecord) -> Result<(), RecordsError> {
+    fn put(&self, record: &ChildRecord) -> BoxFuture<'static, Result<(), RecordsError>> {
         self.lock().insert((record.provider.clone(), record.name.clone()), record.clone());
-        Ok(())
+        Box::pin(std::future::ready(Ok(())))
     }
     fn get(&self, provider: &str, name: &str) -> Result<Option<ChildRecord>, RecordsError> {
         Ok(self.lock().get(&(provider.to_owned(), name.to_owned())).cloned())
     }
-    fn remove(&self, provider: &str, name: &str) -> Result<(), RecordsError> {
+    fn remove(&self, provider: &str, name: &str) -> BoxFuture<'static, Result<(), RecordsError>> {
         self.lock().remove(&(provider.to_owned(), name.to_owned()));
-        Ok(())
+        Box::pin(std::future::ready(Ok(())))
     }
     fn list(&self, provider: &str) -> Result<Vec<ChildRecord>, RecordsError> {
         Ok(self.lock().values().filter(|r| r.provider == provider).cloned().collect())

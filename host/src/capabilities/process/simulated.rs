@@ -6,10 +6,12 @@
 //!
 //! The grant is checked before any of this is reached, exactly as on a real host.
 
-use super::children::{ChildRecord, Liveness};
+use super::backend::{Launch, ProcessBackend};
+use super::children::{ChildRecord, Liveness, RecordsError};
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::process::Output;
-use crate::capabilities::local_socket::SocketError;
+use crate::capabilities::local_socket::{Connection, SocketAt, SocketBackend, SocketError};
+use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -229,7 +231,7 @@ impl SimProcesses {
 
     /// Connect to a socket a running child of `provider` serves: one whose
     /// arguments name `guest_path`.
-    pub fn connect(self: &Arc<Self>, provider: &str, guest_path: &str) -> Result<SimConnection, SocketError> {
+    pub fn connect_to(self: &Arc<Self>, provider: &str, guest_path: &str) -> Result<SimConnection, SocketError> {
         let table = self.lock();
         let mut serving = table
             .children
@@ -239,11 +241,70 @@ impl SimProcesses {
             return Err(SocketError::Missing(guest_path.to_owned()));
         };
         Ok(SimConnection {
-            world: self.clone(),
+            table: self.clone(),
             child: key.clone(),
             outbox: child.script.greeting.iter().cloned().collect(),
             partial: String::new(),
             closed: false,
+        })
+    }
+}
+
+/// Programs answer from the script and children are simulated; waiting on one
+/// cannot help, since it changes only when the provider acts.
+impl ProcessBackend for SimProcesses {
+    fn runs_programs(&self) -> bool {
+        false
+    }
+
+    fn run<'a>(
+        &'a self,
+        launch: Launch<'a>,
+        _stdin: Vec<u8>,
+        _timeout_ms: u64,
+    ) -> BoxFuture<'a, Result<Output, BrokerError>> {
+        Box::pin(async move { SimProcesses::run(self, launch.program, launch.guest_args) })
+    }
+
+    fn spawn<'a>(&'a self, launch: Launch<'a>, name: &'a str) -> BoxFuture<'a, Result<ChildRecord, BrokerError>> {
+        Box::pin(async move { SimProcesses::spawn(self, launch.provider, name, launch.program, launch.guest_args) })
+    }
+
+    fn adopt<'a>(
+        &'a self,
+        provider: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ChildRecord>, BrokerError>> {
+        Box::pin(async move { Ok(SimProcesses::adopt(self, provider, name)) })
+    }
+
+    fn liveness(&self, record: &ChildRecord) -> Liveness {
+        SimProcesses::liveness(self, record)
+    }
+
+    fn wait<'a>(&'a self, record: &'a ChildRecord, _timeout: std::time::Duration) -> BoxFuture<'a, Liveness> {
+        Box::pin(async move { SimProcesses::liveness(self, record) })
+    }
+
+    fn signal(&self, record: &ChildRecord, signal: nix::sys::signal::Signal) -> Result<(), BrokerError> {
+        SimProcesses::signal(self, record, signal as i32)
+    }
+
+    fn forget<'a>(&'a self, record: &'a ChildRecord) -> BoxFuture<'a, ()> {
+        Box::pin(async move { SimProcesses::forget(self, record) })
+    }
+
+    fn children(&self, provider: &str) -> Result<Vec<String>, RecordsError> {
+        Ok(SimProcesses::children(self, provider))
+    }
+}
+
+/// The sockets simulated children serve.
+impl SocketBackend for SimProcesses {
+    fn connect<'a>(self: Arc<Self>, at: SocketAt<'a>) -> BoxFuture<'a, Result<Box<dyn Connection>, SocketError>> {
+        Box::pin(async move {
+            let connection = self.connect_to(at.provider, at.guest_path)?;
+            Ok(Box::new(connection) as Box<dyn Connection>)
         })
     }
 }
@@ -256,7 +317,7 @@ pub(super) fn names_path(arg: &str, path: &str) -> bool {
 
 /// A connection to a simulated child's socket.
 pub struct SimConnection {
-    world: Arc<SimProcesses>,
+    table: Arc<SimProcesses>,
     child: (String, String),
     /// Lines the child has written that the provider has not read yet.
     outbox: VecDeque<String>,
@@ -282,7 +343,7 @@ impl SimConnection {
     }
 
     fn answer(&mut self, line: &str) {
-        let mut table = self.world.lock();
+        let mut table = self.table.lock();
         let Some(child) = table.children.get_mut(&self.child).filter(|c| c.state == Liveness::Running) else {
             self.closed = true;
             return;
@@ -294,7 +355,7 @@ impl SimConnection {
             drop(table);
             // The child hangs up on what it does not understand, so the provider fails at once.
             self.closed = true;
-            self.world.note_unexpected(&message);
+            self.table.note_unexpected(&message);
             return;
         };
         *asked += 1;
@@ -310,8 +371,18 @@ impl SimConnection {
         if let Some(line) = self.outbox.pop_front() {
             return Ok(Some(line));
         }
-        let running = self.world.liveness_of(&self.child) == Liveness::Running;
+        let running = self.table.liveness_of(&self.child) == Liveness::Running;
         if self.closed || !running { Ok(None) } else { Err(SocketError::Timeout(timeout_ms)) }
+    }
+}
+
+impl Connection for SimConnection {
+    fn send<'a>(&'a mut self, data: &'a [u8]) -> BoxFuture<'a, Result<(), SocketError>> {
+        Box::pin(async move { SimConnection::send(self, data) })
+    }
+
+    fn receive_line(&mut self, timeout: std::time::Duration) -> BoxFuture<'_, Result<Option<String>, SocketError>> {
+        Box::pin(async move { SimConnection::receive_line(self, timeout.as_millis() as u64) })
     }
 }
 
@@ -372,10 +443,10 @@ mod tests {
         assert!(sim.spawn("kvm", "vm1", "qemu", &args).is_err(), "the name is taken while it runs");
         assert_eq!(sim.children("kvm"), ["vm1"]);
         assert!(sim.children("other").is_empty());
-        assert!(matches!(sim.connect("kvm", "/data/run/2.qmp"), Err(SocketError::Missing(_))));
-        assert!(matches!(sim.connect("other", "/data/run/1.qmp"), Err(SocketError::Missing(_))));
+        assert!(matches!(sim.connect_to("kvm", "/data/run/2.qmp"), Err(SocketError::Missing(_))));
+        assert!(matches!(sim.connect_to("other", "/data/run/1.qmp"), Err(SocketError::Missing(_))));
 
-        let mut connection = sim.connect("kvm", "/data/run/1.qmp").unwrap();
+        let mut connection = sim.connect_to("kvm", "/data/run/1.qmp").unwrap();
         assert_eq!(connection.receive_line(5).unwrap().as_deref(), Some("{\"QMP\":{}}"));
         assert_eq!(connection.receive_line(5), Err(SocketError::Timeout(5)), "nothing more until asked");
         // Two lines in one write, the second in two pieces.
@@ -389,7 +460,7 @@ mod tests {
         assert_eq!(connection.receive_line(5).unwrap().as_deref(), Some("bye"));
         assert_eq!(connection.receive_line(5).unwrap(), None, "it ended after its answer");
         assert_eq!(sim.liveness(&record), Liveness::Exited(0));
-        assert!(matches!(sim.connect("kvm", "/data/run/1.qmp"), Err(SocketError::Missing(_))));
+        assert!(matches!(sim.connect_to("kvm", "/data/run/1.qmp"), Err(SocketError::Missing(_))));
         assert!(sim.signal(&record, 15).is_err(), "an ended child takes no signal");
         assert_eq!(sim.adopt("kvm", "vm1"), Some(record.clone()), "ended but not forgotten");
         sim.forget(&record);
@@ -397,7 +468,7 @@ mod tests {
 
         // The second scripted child: killed, and what it does not understand hangs up.
         let record = sim.spawn("kvm", "vm1", "qemu", &args).unwrap();
-        let mut connection = sim.connect("kvm", "/data/run/1.qmp").unwrap();
+        let mut connection = sim.connect_to("kvm", "/data/run/1.qmp").unwrap();
         connection.receive_line(5).unwrap();
         connection.send(b"reboot\n").unwrap();
         assert_eq!(connection.receive_line(5).unwrap(), None);
@@ -445,7 +516,7 @@ mod tests {
         assert!(runs.is_empty());
         let sim = Arc::new(SimProcesses::new(runs, children));
         sim.spawn("kvm", "vm1", "qemu", &args).unwrap();
-        let mut again = sim.connect("kvm", "/data/q.sock").unwrap();
+        let mut again = sim.connect_to("kvm", "/data/q.sock").unwrap();
         let mut heard = Vec::new();
         for line in ["status\n", "quit\n"] {
             heard.push(again.receive_line(5).unwrap().unwrap());
@@ -465,6 +536,6 @@ mod tests {
         let sim = Arc::new(SimProcesses::new(Vec::new(), tape.script().1));
         let replayed = sim.spawn("kvm", "vm1", "qemu", &args).unwrap();
         assert_eq!(sim.liveness(&replayed), Liveness::Exited(1));
-        assert!(matches!(sim.connect("kvm", "/data/q.sock"), Err(SocketError::Missing(_))), "it serves nothing");
+        assert!(matches!(sim.connect_to("kvm", "/data/q.sock"), Err(SocketError::Missing(_))), "it serves nothing");
     }
 }

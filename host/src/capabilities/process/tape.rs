@@ -8,8 +8,11 @@
 use super::children::{ChildRecord, Liveness};
 use super::simulated::{Answer, ScriptedChild, ScriptedRun};
 use crate::bindings::broker::provider::process::Output;
+use crate::capabilities::local_socket::{Connection, SocketAt, SocketBackend, SocketError};
+use futures_util::future::BoxFuture;
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 #[derive(Default)]
 struct Recorded {
@@ -17,13 +20,13 @@ struct Recorded {
     children: Vec<ScriptedChild>,
     /// (provider, child name) → its entry in `children` and its arguments as the provider wrote them.
     live: BTreeMap<(String, String), (usize, Vec<String>)>,
-    connections: Vec<Connection>,
+    connections: Vec<Conversation>,
     /// Children whose end is accounted for (signalled, or already seen ended).
     settled: Vec<(String, String)>,
 }
 
 #[derive(Clone, Copy)]
-struct Connection {
+struct Conversation {
     /// The child entry it talks to.
     entry: usize,
     /// The answer being filled: to the last line sent.
@@ -77,7 +80,7 @@ impl ProcessTape {
             .find(|(_, (_, args))| args.iter().any(|a| super::simulated::names_path(a, guest_path)))
             .map(|(_, (entry, _))| *entry)?;
         let first = !recorded.connections.iter().any(|c| c.entry == entry);
-        recorded.connections.push(Connection { entry, answering: None, first });
+        recorded.connections.push(Conversation { entry, answering: None, first });
         Some(ConnectionId(recorded.connections.len() - 1))
     }
 
@@ -94,7 +97,7 @@ impl ProcessTape {
 
     pub fn received(&self, connection: ConnectionId, line: &str) {
         let mut recorded = self.lock();
-        let Connection { entry, answering, first } = recorded.connections[connection.0];
+        let Conversation { entry, answering, first } = recorded.connections[connection.0];
         let child = &mut recorded.children[entry];
         match answering {
             Some(at) => child.answers[at].reply.push(line.to_owned()),
@@ -135,5 +138,57 @@ impl ProcessTape {
     pub fn script(&self) -> (Vec<ScriptedRun>, Vec<ScriptedChild>) {
         let recorded = self.lock();
         (recorded.runs.clone(), recorded.children.clone())
+    }
+}
+
+/// Any socket backend, with what passes on each connection to a recorded
+/// child written to the tape.
+pub struct RecordedSockets<B> {
+    inner: Arc<B>,
+    tape: Arc<ProcessTape>,
+}
+
+impl<B: SocketBackend> RecordedSockets<B> {
+    pub fn new(inner: B, tape: Arc<ProcessTape>) -> Self {
+        RecordedSockets { inner: Arc::new(inner), tape }
+    }
+}
+
+impl<B: SocketBackend> SocketBackend for RecordedSockets<B> {
+    fn connect<'a>(self: Arc<Self>, at: SocketAt<'a>) -> BoxFuture<'a, Result<Box<dyn Connection>, SocketError>> {
+        Box::pin(async move {
+            let inner = self.inner.clone().connect(at).await?;
+            Ok(match self.tape.connected(at.provider, at.guest_path) {
+                Some(id) => Box::new(RecordedConnection { inner, tape: self.tape.clone(), id }) as Box<dyn Connection>,
+                // No recorded child serves it: nothing to replay it against.
+                None => inner,
+            })
+        })
+    }
+}
+
+struct RecordedConnection {
+    inner: Box<dyn Connection>,
+    tape: Arc<ProcessTape>,
+    id: ConnectionId,
+}
+
+impl Connection for RecordedConnection {
+    fn send<'a>(&'a mut self, data: &'a [u8]) -> BoxFuture<'a, Result<(), SocketError>> {
+        Box::pin(async move {
+            self.inner.send(data).await?;
+            self.tape.sent(self.id, data);
+            Ok(())
+        })
+    }
+
+    fn receive_line(&mut self, timeout: Duration) -> BoxFuture<'_, Result<Option<String>, SocketError>> {
+        Box::pin(async move {
+            let line = self.inner.receive_line(timeout).await?;
+            if let Some(line) = &line {
+                self.tape.received(self.id, line);
+            }
+            Ok(line)
+        })
     }
 }

@@ -1,8 +1,6 @@
 //! The providers directory a daemon watches, rescanned by hand on a real
 //! broker: drop-in, swap, reload, pin, garbage, removal and its drain.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use broker_host::broker::Broker;
 use broker_host::broker::service::empty_params;
 use broker_host::capabilities::context::CallHooks;
@@ -221,7 +219,7 @@ async fn a_provider_cannot_register_or_widen_itself_through_its_data_dir() {
         let err = broker.registry().add(&planted).await.unwrap_err().to_string();
         assert!(err.contains("data dirs"), "{err}");
     }
-    let err = broker.registry().swap("hostile", &data_dir.join("evil.wasm"), false).await.unwrap_err().to_string();
+    let err = broker.registry().swap("hostile", &data_dir.join("evil.wasm"), None).await.unwrap_err().to_string();
     assert!(err.contains("data dirs"), "{err}");
 
     // Widening the deployed manifest (as anyone but the operator's `provider add`

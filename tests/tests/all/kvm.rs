@@ -3,8 +3,6 @@
 //! The VMs boot Debian's kernel with a busybox initramfs (scripts/vm-payload.sh)
 //! whose init prints `BROKER-VM-UP mem_kb=… cpus=… mac=…` on the serial console.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use broker_host::bindings::InstanceStatus;
 use broker_host::broker::service::{interface_on, params_with};
 use broker_host::broker::{Broker, BrokerServiceError, constraints};
@@ -128,7 +126,7 @@ impl Drop for KillQemusUnder {
 }
 
 #[test]
-fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() {
+pub(crate) fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() {
     let payload = vm_payload();
     in_netns(move || async move {
         make_nic("ethk", [0x00, 0x16, 0x3e, 0x10, 0x20, 0x30], "10.60.0.2/24").await;
@@ -373,7 +371,7 @@ fn qemu_running_with(needle: &str) -> bool {
 #[test]
 fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
     use broker_host::capabilities::network_bridge::DeviceToBridge;
-    use broker_host::conformance::{self, KitOptions, Recording, Scripted, World};
+    use broker_host::conformance::{self, Answers, KitOptions, Recording, Scripted};
     use broker_host::providers::Manifest;
     use std::sync::Arc;
 
@@ -389,7 +387,7 @@ fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
         // Real qemu-img, genisoimage and qemu, every call and QMP line on tape.
         let recording = Arc::new(Recording::default());
         let options =
-            KitOptions { world: World::Record(recording.clone()), strict: false, sandbox: Default::default() };
+            KitOptions { answers: Answers::Record(recording.clone()), strict: false, sandbox: Default::default() };
         let recorded = conformance::run_with(&manifest, options).await.unwrap();
         assert!(recorded.passed(), "{}", recorded.text());
         let script = recording.script();
@@ -408,7 +406,8 @@ fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
 
         // The same run on the script alone: the same outcomes, strictly, and no qemu.
         let replay = Arc::new(Scripted::parse(&recording.to_script_json()).unwrap());
-        let options = KitOptions { world: World::Script(replay.clone()), strict: true, sandbox: Default::default() };
+        let options =
+            KitOptions { answers: Answers::Script(replay.clone()), strict: true, sandbox: Default::default() };
         let replayed = conformance::run_with(&manifest, options).await.unwrap();
         let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
         assert_eq!(outcome(&replayed), outcome(&recorded), "{}", replayed.text());

@@ -1,11 +1,7 @@
 //! `broker serve` end to end: the real binary as a daemon, spoken to over its
 //! unix socket with plain HTTP/1.1.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod common;
-
-use common::{Daemon, exchange, fake_manifest, request};
+use crate::common::{Daemon, exchange, fake_manifest, request};
 use serde_json::Value;
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;

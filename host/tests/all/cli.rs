@@ -1,10 +1,6 @@
 //! The `broker` binary end to end, on the bundled fake provider.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod common;
-
-use common::broker;
+use crate::common::broker;
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;

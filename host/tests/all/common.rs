@@ -1,9 +1,6 @@
 //! What the daemon's tests share: the real binary as a daemon, and plain
 //! HTTP/1.1 on its unix socket.
 
-// Each test crate that includes this module uses a different part of it.
-#![allow(dead_code)]
-
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;

@@ -1,4 +1,4 @@
-//! The worlds a kit run can happen in: a scripted one, where every capability
+//! Where a kit run's answers come from: a script, where every capability
 //! the manifest grants is simulated and answers from a script file, or the
 //! real one, recorded into such a file.
 //!
@@ -12,7 +12,7 @@
 
 use crate::capabilities::http_egress::{Exchange, Script, Tape};
 use crate::capabilities::network_bridge::Device;
-use crate::capabilities::network_bridge::backend::NetworkWorld;
+use crate::capabilities::network_bridge::backend::{HostNetwork, NetworkBackend};
 use crate::capabilities::network_bridge::simulated::SimNetwork;
 use crate::capabilities::process::simulated::{ScriptedChild, ScriptedRun};
 use crate::capabilities::process::{ProcessTape, SimProcesses};
@@ -39,7 +39,7 @@ impl ScriptFile {
     }
 }
 
-/// A simulated world built from a script file.
+/// The simulations a script file sets up.
 #[derive(Default)]
 pub struct Scripted {
     pub http: Arc<Script>,
@@ -88,8 +88,7 @@ impl Recording {
     /// see, as they are before the run (the simulated network starts there).
     pub async fn note_devices(&self, manifest: &Manifest) -> Result<(), String> {
         let Some(grant) = &manifest.grants.bridge else { return Ok(()) };
-        let network = NetworkWorld::Host.open().map_err(|e| e.to_string())?;
-        let found = network.devices().await.map_err(|e| e.to_string())?;
+        let found = HostNetwork.devices().await.map_err(|e| e.to_string())?;
         *self.devices.lock().unwrap_or_else(|p| p.into_inner()) =
             found.into_iter().filter(|d| grant.covers(&d.name)).collect();
         Ok(())
@@ -107,7 +106,7 @@ impl Recording {
 }
 
 /// Where a kit run's host calls go.
-pub enum World {
+pub enum Answers {
     /// Scripted answers; nothing real is touched.
     Script(Arc<Scripted>),
     /// The real granted capabilities, every call written down.

@@ -2,12 +2,10 @@
 //! for itself (`unshare(CLONE_NEWNET)` on a thread of its own), with veth
 //! devices standing in for the host's NICs (this kernel has no `dummy` driver).
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use broker_host::broker::Broker;
 use broker_host::broker::service::{empty_params, interface_on};
 use broker_host::capabilities::context::CallHooks;
-use broker_host::capabilities::network_bridge::backend::Network;
+use broker_host::capabilities::network_bridge::backend::NetworkBackend;
 use broker_host::capabilities::network_bridge::names::bridge_name;
 use broker_host::capabilities::network_bridge::netlink::Netlink;
 use broker_host::capabilities::network_bridge::{BridgeError, Device, DeviceToBridge};
@@ -240,7 +238,7 @@ fn a_guest_bridges_only_granted_devices() {
 /// What the simulated network must agree with the kernel on, for the devices
 /// a sequence touches: kind, bridge, state, addresses (not link-local), and
 /// the MAC where it was chosen (a bridge's, and `kt1`'s, given by its step).
-async fn view(network: &Network, names: &[&str]) -> Vec<String> {
+async fn view(network: &dyn NetworkBackend, names: &[&str]) -> Vec<String> {
     let devices = network.devices().await.unwrap();
     names
         .iter()
@@ -266,7 +264,7 @@ enum Op {
 impl Op {
     /// The outcome; an error as its text, but a netlink error only as such
     /// (the kernel's words are not the simulation's).
-    async fn apply(&self, network: &Network) -> Result<(), String> {
+    async fn apply(&self, network: &dyn NetworkBackend) -> Result<(), String> {
         let done = match *self {
             Op::Bridge(device, bridge) => {
                 let change = DeviceToBridge { device: device.into(), bridge: bridge.into(), mac: String::new() };
@@ -287,14 +285,14 @@ impl Op {
 
 #[test]
 fn the_simulated_network_behaves_as_the_kernel_does() {
-    use broker_host::capabilities::network_bridge::backend::NetworkWorld;
+    use broker_host::capabilities::network_bridge::backend::HostNetwork;
     use broker_host::capabilities::network_bridge::simulated::SimNetwork;
     in_netns(|| async {
         make_nic("eth0", [0x00, 0x16, 0x3e, 0x44, 0x55, 0x66], "10.20.0.2/24").await;
-        let real = NetworkWorld::Host.open().unwrap();
+        let real = HostNetwork;
         // The simulation starts from the host as a recording would find it.
         let found: Vec<Device> = real.devices().await.unwrap().into_iter().filter(|d| d.name != "lo").collect();
-        let simulated = NetworkWorld::Simulated(std::sync::Arc::new(SimNetwork::new(found))).open().unwrap();
+        let simulated = SimNetwork::new(found);
         let names = ["eth0", "eth0p", "br-eth0", "kt1", "kt3", "vh1", "vh1p", "vh3", "vh3p"];
         let steps = [
             ("bridge eth0", Op::Bridge("eth0", "br-eth0")),

@@ -1,8 +1,6 @@
 //! Containment: hostile guests trap, loop and hog memory; each gets its typed
 //! error, the bad instance is never reused, and the host serves the next call.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use broker_host::broker::method_stats::Outcome;
 use broker_host::broker::{CallError, WasmProvider};
 use broker_host::capabilities::context::CallHooks;
@@ -79,7 +77,7 @@ async fn pooled_instances_retire_after_max_calls_and_max_age() {
 }
 
 #[tokio::test]
-async fn trap_gives_typed_error_and_the_instance_is_never_reused() {
+pub(crate) async fn trap_gives_typed_error_and_the_instance_is_never_reused() {
     let h = hostile("pooled");
     assert_eq!(h.served().await, 1);
     h.mode("trap");

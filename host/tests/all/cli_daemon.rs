@@ -1,11 +1,7 @@
 //! The CLI with a daemon serving on its data dir: every command goes through
 //! the daemon's API and prints what it prints without one.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod common;
-
-use common::{Daemon, broker};
+use crate::common::{Daemon, broker};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;

@@ -1,7 +1,5 @@
 //! Manifest refusals and the persistent state, through the broker service.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use broker_host::broker::Broker;
 use broker_host::broker::service::empty_params;
 use broker_host::capabilities::context::CallHooks;

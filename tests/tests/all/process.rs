@@ -1,14 +1,12 @@
 //! The process capability: host implementation called directly (no wasm), and
 //! through a real guest with and without its grant.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use broker_host::bindings::BrokerError;
 use broker_host::bindings::broker::provider::process::{ChildStatus, Host, HostChild};
 use broker_host::capabilities::context::CallHooks;
 use broker_host::capabilities::kv::{KvBackend, MemoryKv};
 use broker_host::capabilities::process::{
-    ChildRecord, ChildRecords, LiveChildren, MAX_OUTPUT_BYTES, MemoryChildRecords, ProcessCtx, ProcessPolicy,
+    ChildRecord, ChildRecords, HostProcesses, MAX_OUTPUT_BYTES, MemoryChildRecords, ProcessCtx, ProcessPolicy,
     ProcessView, proc_stat,
 };
 use broker_host::sandbox::{Grants, Sandbox};
@@ -47,7 +45,7 @@ impl ProcessHost {
         let every_path: Vec<PathBuf> = paths.iter().chain(&paths_rw).cloned().collect();
         let policy = Arc::new(ProcessPolicy::resolve(&programs, &every_path, data_dir).unwrap().confined(confinement));
         ProcessHost {
-            ctx: ProcessCtx::new("p", Some(policy), records, Arc::new(LiveChildren::default()), Default::default()),
+            ctx: ProcessCtx::new("p", Some(policy), host_processes(records), Default::default()),
             table: ResourceTable::new(),
         }
     }
@@ -55,6 +53,11 @@ impl ProcessHost {
     fn view(&mut self) -> ProcessView<'_> {
         ProcessView { ctx: &mut self.ctx, table: &mut self.table }
     }
+}
+
+/// The host's real process backend over `records`, with live handles of its own.
+fn host_processes(records: Arc<dyn ChildRecords>) -> Arc<HostProcesses> {
+    Arc::new(HostProcesses::new(records, Arc::default()))
 }
 
 fn strings(items: &[&str]) -> Vec<String> {
@@ -110,7 +113,7 @@ async fn granted_programs_run_verbatim_and_others_are_denied() {
     assert!(dir.path().join("made-by-touch").exists());
 
     let mut ungranted =
-        ProcessCtx::new("p", None, Arc::new(MemoryChildRecords::default()), Arc::default(), Default::default());
+        ProcessCtx::new("p", None, host_processes(Arc::new(MemoryChildRecords::default())), Default::default());
     let mut table = ResourceTable::new();
     let mut view = ProcessView { ctx: &mut ungranted, table: &mut table };
     let none = view.run("sh".into(), vec![], vec![], vec![], 1000).await.unwrap();
@@ -192,6 +195,7 @@ async fn a_recycled_pid_is_never_mistaken_for_the_child() {
             args: vec![],
             log: String::new(),
         })
+        .await
         .unwrap();
     let mut host = ProcessHost::new(dir.path(), &["sleep"], &[], records);
     assert!(host.view().adopt("old-vm".into()).await.unwrap().unwrap().is_none());

@@ -3,8 +3,6 @@
 //! socket. Each test starts its own incusd in namespaces of its own
 //! (broker_tests::incus) and stops it by pid at the end.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use broker_host::bindings::InstanceStatus;
 use broker_host::broker::service::{interface_on, params_with};
 use broker_host::broker::{Broker, constraints};
@@ -58,7 +56,7 @@ fn exec(daemon: &IncusDaemon, name: &str, command: &[&str]) -> String {
 }
 
 #[test]
-fn three_containers_run_with_their_limits_a_nic_on_the_bridge_and_stop_cleanly() {
+pub(crate) fn three_containers_run_with_their_limits_a_nic_on_the_bridge_and_stop_cleanly() {
     let daemon = IncusDaemon::start("br-lxdtest");
     let daemon_pid = daemon.pid();
     let daemon = Arc::new(daemon);
@@ -258,7 +256,7 @@ fn maintain_checks_nics_a_foreign_container_is_never_taken_over_and_a_failed_sta
 
 #[test]
 fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
-    use broker_host::conformance::{self, KitOptions, Recording, Scripted, World};
+    use broker_host::conformance::{self, Answers, KitOptions, Recording, Scripted};
     use broker_host::providers::Manifest;
 
     let daemon = IncusDaemon::start("br-lxdkit");
@@ -270,7 +268,7 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
     let recording = Arc::new(Recording::default());
     let recorded = runtime.block_on(conformance::run_with(
         &manifest,
-        KitOptions { world: World::Record(recording.clone()), strict: false, sandbox: Default::default() },
+        KitOptions { answers: Answers::Record(recording.clone()), strict: false, sandbox: Default::default() },
     ));
     let recorded = recorded.unwrap();
     assert!(recorded.passed(), "{}", recorded.text());
@@ -284,7 +282,7 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
 
     // The daemon is gone; the script alone gives the same result, strictly.
     let replay = Arc::new(Scripted::parse(&script).unwrap());
-    let options = KitOptions { world: World::Script(replay.clone()), strict: true, sandbox: Default::default() };
+    let options = KitOptions { answers: Answers::Script(replay.clone()), strict: true, sandbox: Default::default() };
     let replayed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
     let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
     assert_eq!(outcome(&replayed), outcome(&recorded), "{}", replayed.text());
@@ -295,7 +293,7 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
     let http = short["http"].as_array_mut().unwrap();
     http.truncate(http.len() - 3);
     let options = KitOptions {
-        world: World::Script(Arc::new(Scripted::parse(&short.to_string()).unwrap())),
+        answers: Answers::Script(Arc::new(Scripted::parse(&short.to_string()).unwrap())),
         strict: true,
         sandbox: Default::default(),
     };

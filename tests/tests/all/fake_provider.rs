@@ -1,8 +1,6 @@
 //! The fake provider's behaviour (Juju's dummy broker), run in both isolation
 //! modes: it must be correct whether its wasm instance is reused or fresh.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use broker_host::bindings::*;
 use broker_host::broker::service::{empty_params, params_with};
 use broker_host::broker::{CallError, WasmProvider, constraints};
@@ -90,7 +88,7 @@ async fn zones(isolation: &str) {
 }
 
 #[tokio::test]
-async fn lifecycle_pooled() {
+pub(crate) async fn lifecycle_pooled() {
     lifecycle("pooled").await;
 }
 

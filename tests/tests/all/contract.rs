@@ -1,8 +1,6 @@
 //! Every field of StartInstanceParams and StartInstanceResult crosses the
 //! boundary intact, through the real fake component, in both isolation modes.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use broker_host::bindings::*;
 use broker_host::broker::constraints;
 use broker_host::capabilities::context::{CallEvent, CallHooks};

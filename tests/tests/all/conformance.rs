@@ -2,8 +2,6 @@
 //! isolation modes, the bundled LXD provider passes on its own script (no
 //! daemon anywhere), and the hostile guest fails exactly the scenarios it breaks.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use broker_host::conformance;
 use broker_host::providers::Manifest;
 use broker_tests::{bundled_manifest, fake_manifest_extra, write_manifest};
@@ -36,15 +34,17 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
 
     // Recorded, the fake writes down nothing (its kv is the kit's own), and the
     // empty script replays to the same result, strictly.
-    use broker_host::conformance::{KitOptions, Recording, Scripted, World};
+    use broker_host::conformance::{Answers, KitOptions, Recording, Scripted};
     let recording = std::sync::Arc::new(Recording::default());
-    let options = KitOptions { world: World::Record(recording.clone()), strict: false, sandbox: Default::default() };
+    let options =
+        KitOptions { answers: Answers::Record(recording.clone()), strict: false, sandbox: Default::default() };
     let recorded = conformance::run_with(&bundled, options).await.unwrap();
     let script = recording.to_script_json();
     assert_eq!(script.trim(), "{}");
-    let world = World::Script(std::sync::Arc::new(Scripted::parse(&script).unwrap()));
-    let replayed =
-        conformance::run_with(&bundled, KitOptions { world, strict: true, sandbox: Default::default() }).await.unwrap();
+    let answers = Answers::Script(std::sync::Arc::new(Scripted::parse(&script).unwrap()));
+    let replayed = conformance::run_with(&bundled, KitOptions { answers, strict: true, sandbox: Default::default() })
+        .await
+        .unwrap();
     let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
     assert_eq!(outcome(&replayed), outcome(&recorded));
     assert!(replayed.passed(), "{}", replayed.text());
@@ -52,7 +52,7 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
 
 #[tokio::test]
 async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_without_one() {
-    use broker_host::conformance::{KitOptions, World};
+    use broker_host::conformance::{Answers, KitOptions};
     let bundled = Manifest::load(&bundled_manifest("lxd")).unwrap();
     assert!(conformance::script_path(&bundled.path).exists(), "guests/lxd ships provider.script.json");
     let mut options = KitOptions::beside(&bundled).unwrap();
@@ -66,7 +66,8 @@ async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_witho
     let elsewhere = dir.path().join("lxd.toml");
     std::fs::write(&elsewhere, broker_tests::bundled_manifest_text("lxd")).unwrap();
     let manifest = Manifest::load(&elsewhere).unwrap();
-    let options = KitOptions { world: World::Script(Default::default()), strict: true, sandbox: Default::default() };
+    let options =
+        KitOptions { answers: Answers::Script(Default::default()), strict: true, sandbox: Default::default() };
     let report = conformance::run_with(&manifest, options).await.unwrap();
     let start = report.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
     assert!(!start.passed);
@@ -75,13 +76,13 @@ async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_witho
 
 #[tokio::test]
 async fn the_kvm_provider_passes_strictly_on_its_script_without_running_anything() {
-    use broker_host::conformance::{KitOptions, World};
+    use broker_host::conformance::{Answers, KitOptions};
     let bundled = Manifest::load(&bundled_manifest("kvm")).unwrap();
-    let KitOptions { world: World::Script(scripted), .. } = KitOptions::beside(&bundled).unwrap() else {
+    let KitOptions { answers: Answers::Script(scripted), .. } = KitOptions::beside(&bundled).unwrap() else {
         panic!("the bundled kvm provider ships a script");
     };
     assert!(scripted.remaining() >= 3, "qemu-img, genisoimage and one qemu child are scripted");
-    let options = KitOptions { world: World::Script(scripted.clone()), strict: true, sandbox: Default::default() };
+    let options = KitOptions { answers: Answers::Script(scripted.clone()), strict: true, sandbox: Default::default() };
     let report = conformance::run_with(&bundled, options).await.unwrap();
     assert!(report.passed(), "{}", report.text());
     assert_eq!(report.cases.len(), 15, "{}", report.text());
@@ -116,7 +117,7 @@ async fn the_kvm_provider_passes_strictly_on_its_script_without_running_anything
         edit(&mut script);
         let scripted = conformance::Scripted::parse(&script.to_string()).unwrap();
         let options = KitOptions {
-            world: World::Script(std::sync::Arc::new(scripted)),
+            answers: Answers::Script(std::sync::Arc::new(scripted)),
             strict: true,
             sandbox: Default::default(),
         };
@@ -156,7 +157,7 @@ fn broken_manifest(dir: &std::path::Path, guest: &str, breaks: &str) -> Manifest
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why() {
+pub(crate) async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why() {
     let dir = tempfile::tempdir().unwrap();
     let intact = conformance::run(&broken_manifest(dir.path(), "test-broken", "")).await.unwrap();
     assert!(intact.passed(), "unbroken, it is the fake:\n{}", intact.text());

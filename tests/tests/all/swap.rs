@@ -1,8 +1,6 @@
 //! Hot swap: a provider's component replaced while clients call it, between
 //! the fake (0.1.0) and the same source built as 0.2.0 (`guests/fake-next`).
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use broker_host::broker::service::empty_params;
 use broker_host::broker::{Broker, WasmProvider};
 use broker_host::capabilities::context::CallHooks;
@@ -35,7 +33,7 @@ async fn serving(broker: &Broker) -> Arc<WasmProvider> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn swapping_under_load_loses_no_call_and_no_instance() {
+pub(crate) async fn swapping_under_load_loses_no_call_and_no_instance() {
     let dir = tempfile::tempdir().unwrap();
     let broker = Arc::new(Broker::open(dir.path()).unwrap());
     broker.registry().add(&fake_manifest(dir.path(), "")).await.unwrap();
@@ -91,7 +89,7 @@ async fn swapping_under_load_loses_no_call_and_no_instance() {
     for round in 0..24 {
         tokio::time::sleep(Duration::from_millis(15)).await;
         let next = if round % 2 == 0 { "fake_next" } else { "fake" };
-        let report = broker.registry().swap("fake", &wasm(next), false).await.unwrap();
+        let report = broker.registry().swap("fake", &wasm(next), None).await.unwrap();
         assert_ne!(report.old_version, report.new_version);
         versions_loaded.push(serving(&broker).await);
         swaps += 1;
@@ -137,7 +135,7 @@ async fn a_call_in_flight_finishes_on_the_version_it_started_on() {
         tokio::spawn(async move { provider.start_instance(&CallHooks::default(), &empty_params()).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let report = broker.registry().swap("fake", &wasm("fake_next"), false).await.unwrap();
+    let report = broker.registry().swap("fake", &wasm("fake_next"), None).await.unwrap();
     assert_eq!((report.old_version.as_str(), report.new_version.as_str()), ("0.1.0", "0.2.0"));
     let fresh = serving(&broker).await.start_instance(&CallHooks::default(), &empty_params()).await.unwrap();
     assert_eq!(version_of(&fresh), "0.2.0");
@@ -169,7 +167,8 @@ async fn refused_candidates_leave_the_old_version_serving() {
         (&hostile, true, "check failed"),
     ];
     for (candidate, check, needle) in &cases {
-        let err = broker.registry().swap("fake", candidate, *check).await.unwrap_err();
+        let kit = broker_host::conformance::ConformanceCheck;
+        let err = broker.registry().swap("fake", candidate, check.then_some(&kit as _)).await.unwrap_err();
         assert!(matches!(err, RegistryError::SwapRefused { .. }), "{err:?}");
         assert!(err.to_string().contains(needle), "{}: {err}", candidate.display());
         assert_eq!(serving(&broker).await.sha256(), original);
@@ -182,7 +181,7 @@ async fn refused_candidates_leave_the_old_version_serving() {
     let dir2 = tempfile::tempdir().unwrap();
     let broker2 = Broker::open(dir2.path()).unwrap();
     broker2.registry().add(&fake_manifest(dir2.path(), "prefix = \"trap-validate\"")).await.unwrap();
-    let err = broker2.registry().swap("fake", &wasm("test_hostile"), false).await.unwrap_err();
+    let err = broker2.registry().swap("fake", &wasm("test_hostile"), None).await.unwrap_err();
     assert!(err.to_string().contains("validate-config"), "{err}");
     assert_eq!(broker2.registry().get("fake").await.unwrap().describe().await.unwrap().version, "0.1.0");
 

@@ -1,8 +1,6 @@
 //! The machine lock across real processes: `broker lock run` contending,
 //! a holder killed with SIGKILL, timeouts, exit statuses and the report.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};

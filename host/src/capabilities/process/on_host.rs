@@ -1,0 +1,257 @@
+//! The host's process backend: granted programs run confined (bubblewrap, the
+//! provider's own user), with a session and process group each, output capped
+//! and a timeout that kills the whole group; children are recorded in the
+//! store so they outlive the host and are found again after a restart.
+
+use super::backend::{Launch, ProcessBackend};
+use super::children::{ChildRecord, ChildRecords, LiveChildren, Liveness, RecordsError, proc_stat};
+use super::policy::{PolicyError, ProcessPolicy};
+use crate::bindings::BrokerError;
+use crate::bindings::broker::provider::process::Output;
+use futures_util::future::BoxFuture;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+
+/// Each of stdout and stderr of `run` is cut at this size.
+pub const MAX_OUTPUT_BYTES: usize = 1 << 20;
+/// How often `wait` looks at a child that is not ours to wait on.
+const WAIT_POLL: Duration = Duration::from_millis(10);
+
+/// Real programs and children, recorded in `records`.
+pub struct HostProcesses {
+    records: Arc<dyn ChildRecords>,
+    live: Arc<LiveChildren>,
+}
+
+impl HostProcesses {
+    pub fn new(records: Arc<dyn ChildRecords>, live: Arc<LiveChildren>) -> Self {
+        HostProcesses { records, live }
+    }
+}
+
+fn records_failed(err: RecordsError) -> BrokerError {
+    BrokerError::Provider(err.0)
+}
+
+/// The confined command for a granted program: a program never runs on the host unconfined.
+fn confined_command(
+    policy: &ProcessPolicy,
+    path: &std::path::Path,
+    args: &[String],
+    env: &[(String, String)],
+    lifetime: crate::sandbox::Lifetime,
+) -> Result<std::process::Command, BrokerError> {
+    let confinement =
+        policy.confinement().ok_or_else(|| BrokerError::AccessDenied(PolicyError::Unconfined.to_string()))?;
+    Ok(confinement.command(path, args, env, lifetime))
+}
+
+/// Kills a process group when dropped, unless disarmed: a timed-out or
+/// abandoned `run` takes its grandchildren with it.
+struct GroupKiller(Option<i32>);
+
+impl Drop for GroupKiller {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.0 {
+            let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+        }
+    }
+}
+
+/// Read all of `stream`, keeping at most `cap` bytes.
+async fn read_capped(mut stream: impl AsyncRead + Unpin, cap: usize) -> (Vec<u8>, bool) {
+    let mut kept = Vec::new();
+    let mut truncated = false;
+    let mut buf = [0u8; 8192];
+    loop {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return (kept, truncated),
+            Ok(n) => {
+                let room = cap.saturating_sub(kept.len());
+                kept.extend_from_slice(&buf[..n.min(room)]);
+                truncated |= n > room;
+            }
+        }
+    }
+}
+
+impl HostProcesses {
+    async fn run_confined(&self, launch: Launch<'_>, stdin: Vec<u8>, timeout_ms: u64) -> Result<Output, BrokerError> {
+        let path = launch.path;
+        // A session and process group of its own (set up before exec): the group killer reaches it all.
+        let command = confined_command(launch.policy, path, launch.args, launch.env, crate::sandbox::Lifetime::Call)?;
+        let mut command = tokio::process::Command::from(command);
+        command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
+        let mut child =
+            command.spawn().map_err(|e| BrokerError::Provider(format!("cannot run {}: {e}", path.display())))?;
+        let mut group = GroupKiller(child.id().map(|pid| pid as i32));
+        tracing::debug!(provider = launch.provider, program = %path.display(), pid = ?child.id(), "run");
+
+        let mut input = child.stdin.take();
+        let feed = async move {
+            if let Some(input) = input.as_mut() {
+                let _ = input.write_all(&stdin).await;
+            }
+            drop(input);
+        };
+        let stdout = read_capped(child.stdout.take().expect("piped"), MAX_OUTPUT_BYTES);
+        let stderr = read_capped(child.stderr.take().expect("piped"), MAX_OUTPUT_BYTES);
+        let finish = async { tokio::join!(feed, stdout, stderr, child.wait()) };
+        let outcome = if timeout_ms == 0 {
+            Ok(finish.await)
+        } else {
+            tokio::time::timeout(Duration::from_millis(timeout_ms), finish).await
+        };
+        match outcome {
+            Ok((_, (stdout, out_cut), (stderr, err_cut), status)) => {
+                group.0 = None;
+                let status =
+                    status.map_err(|e| BrokerError::Provider(format!("waiting for {}: {e}", path.display())))?;
+                use std::os::unix::process::ExitStatusExt;
+                Ok(Output {
+                    exit_code: status.code(),
+                    signal: status.signal(),
+                    stdout,
+                    stderr,
+                    truncated: out_cut || err_cut,
+                    timed_out: false,
+                })
+            }
+            Err(_elapsed) => {
+                drop(group); // SIGKILL to the whole group
+                Ok(Output {
+                    exit_code: None,
+                    signal: Some(Signal::SIGKILL as i32),
+                    stdout: Vec::new(),
+                    stderr: Vec::new(),
+                    truncated: false,
+                    timed_out: true,
+                })
+            }
+        }
+    }
+
+    async fn spawn_confined(&self, launch: Launch<'_>, name: &str) -> Result<ChildRecord, BrokerError> {
+        let (provider, policy, path) = (launch.provider, launch.policy, launch.path);
+        self.live.reap();
+        if let Some(existing) = self.records.get(provider, name).map_err(records_failed)?
+            && self.live.liveness(&existing) == Liveness::Running
+        {
+            return Err(BrokerError::InvalidParams(format!("a child named {name:?} is still running")));
+        }
+        // The provider may have planted links in its data dir: the log is opened beneath it, following none.
+        let logs = policy.data_dir().join("logs");
+        let log_path = logs.join(format!("{name}.log"));
+        let log = crate::sandbox::beneath::dir(policy.data_dir(), std::path::Path::new("logs"))
+            .and_then(|dir| crate::sandbox::beneath::append(&dir, &logs, &format!("{name}.log")))
+            .map_err(|e| match e {
+                // A link where the log goes is the provider's doing: refused, and noted as such.
+                crate::sandbox::beneath::BeneathError::Escapes { .. } => {
+                    BrokerError::AccessDenied(format!("cannot open the child's log: {e}"))
+                }
+                crate::sandbox::beneath::BeneathError::Io { .. } => {
+                    BrokerError::Provider(format!("cannot open the child's log: {e}"))
+                }
+            })?;
+        let log_err = log.try_clone().map_err(|e| BrokerError::Provider(e.to_string()))?;
+        // A session and process group of its own: signals go to the whole group,
+        // and the host's own signals (Ctrl-C) and terminal do not reach it.
+        let child = confined_command(policy, path, launch.args, launch.env, crate::sandbox::Lifetime::Detached)?
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .spawn()
+            .map_err(|e| BrokerError::Provider(format!("cannot spawn {}: {e}", path.display())))?;
+        let pid = child.id();
+        let start_time = proc_stat(pid).map(|(start, _)| start).unwrap_or(0);
+        let record = ChildRecord {
+            provider: provider.to_owned(),
+            name: name.to_owned(),
+            pid,
+            start_time,
+            program: path.display().to_string(),
+            args: launch.args.to_vec(),
+            log: log_path.display().to_string(),
+        };
+        self.live.insert(provider, name, child);
+        self.records.put(&record).await.map_err(records_failed)?;
+        tracing::info!(provider, child = name, pid, "spawned child");
+        Ok(record)
+    }
+}
+
+impl ProcessBackend for HostProcesses {
+    fn runs_programs(&self) -> bool {
+        true
+    }
+
+    fn run<'a>(
+        &'a self,
+        launch: Launch<'a>,
+        stdin: Vec<u8>,
+        timeout_ms: u64,
+    ) -> BoxFuture<'a, Result<Output, BrokerError>> {
+        Box::pin(self.run_confined(launch, stdin, timeout_ms))
+    }
+
+    fn spawn<'a>(&'a self, launch: Launch<'a>, name: &'a str) -> BoxFuture<'a, Result<ChildRecord, BrokerError>> {
+        Box::pin(self.spawn_confined(launch, name))
+    }
+
+    fn adopt<'a>(
+        &'a self,
+        provider: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ChildRecord>, BrokerError>> {
+        Box::pin(async move {
+            let Some(record) = self.records.get(provider, name).map_err(records_failed)? else {
+                return Ok(None);
+            };
+            if self.live.liveness(&record) == Liveness::Gone {
+                // Gone for good (or its pid was recycled): forget it.
+                self.records.remove(provider, name).await.map_err(records_failed)?;
+                self.live.remove(provider, name);
+                return Ok(None);
+            }
+            Ok(Some(record))
+        })
+    }
+
+    fn liveness(&self, record: &ChildRecord) -> Liveness {
+        self.live.liveness(record)
+    }
+
+    fn wait<'a>(&'a self, record: &'a ChildRecord, timeout: Duration) -> BoxFuture<'a, Liveness> {
+        Box::pin(async move {
+            let until = Instant::now() + timeout;
+            loop {
+                let liveness = self.live.liveness(record);
+                if liveness != Liveness::Running || Instant::now() >= until {
+                    return liveness;
+                }
+                tokio::time::sleep(WAIT_POLL).await;
+            }
+        })
+    }
+
+    fn signal(&self, record: &ChildRecord, signal: Signal) -> Result<(), BrokerError> {
+        killpg(Pid::from_raw(record.pid as i32), signal)
+            .map_err(|e| BrokerError::Provider(format!("signal {signal} to child {:?}: {e}", record.name)))
+    }
+
+    fn forget<'a>(&'a self, record: &'a ChildRecord) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let _ = self.records.remove(&record.provider, &record.name).await;
+            self.live.remove(&record.provider, &record.name);
+        })
+    }
+
+    fn children(&self, provider: &str) -> Result<Vec<String>, RecordsError> {
+        self.live.reap();
+        Ok(self.records.list(provider)?.into_iter().map(|r| r.name).collect())
+    }
+}

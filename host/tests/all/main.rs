@@ -1,0 +1,12 @@
+//! The host crate's end-to-end tests, one binary (wasmtime and cranelift are
+//! linked once): the `broker` binary as a CLI and as a daemon, the machine
+//! lock across processes, and the providers directory.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod cli;
+mod cli_daemon;
+mod common;
+mod daemon;
+mod lock;
+mod providers_dir;
