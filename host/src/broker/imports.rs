@@ -78,15 +78,13 @@ fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
     if !compatible(version, CONTRACT_VERSION) {
         return Err(unsupported(&format!(" (this host speaks {CONTRACT_PACKAGE}@{CONTRACT_VERSION})")));
     }
-    let not_granted = |grant| ContractError::NotGranted { import: import.to_owned(), grant };
-    match interface {
-        // Linked for everyone; without the grant its calls answer access-denied.
-        "types" | "context" | "machine-lock" | "process" | "network-bridge" | "local-socket" => Ok(()),
-        "kv" if grants.kv => Ok(()),
-        "kv" => Err(not_granted("kv")),
-        "log" if grants.log => Ok(()),
-        "log" => Err(not_granted("log")),
-        _ => Err(unsupported("")),
+    if interface == "types" {
+        return Ok(());
+    }
+    match crate::runtime::rooms::room(interface) {
+        Some(room) if room.linked_for(grants) => Ok(()),
+        Some(room) => Err(ContractError::NotGranted { import: import.to_owned(), grant: room.grant }),
+        None => Err(unsupported("")),
     }
 }
 

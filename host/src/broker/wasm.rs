@@ -10,7 +10,7 @@ use crate::bindings::{
 use crate::capabilities::context::{CallContext, CallHooks};
 use crate::capabilities::process::{PolicyError, ProcessPolicy};
 use crate::providers::manifest::{Isolation, Manifest, ManifestError, Method};
-use crate::runtime::{HostCapabilities, HostState, LinkedCapabilities, ProviderCapabilities, Runtime, RuntimeError};
+use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -138,7 +138,7 @@ impl WasmProvider {
         imports::check(runtime.engine(), &component, &manifest.grants)
             .map_err(|source| LoadError::Contract { provider: provider.clone(), source })?;
         let linker = runtime
-            .linker(LinkedCapabilities { kv: manifest.grants.kv, log: manifest.grants.log })
+            .linker(&manifest.grants)
             .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
         let instance_pre = linker
             .instantiate_pre(&component)

@@ -8,6 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
 
+/// Its interface in the contract package.
+pub const INTERFACE: &str = "context";
+
 /// What a guest reports during a call.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[serde(tag = "event", rename_all = "kebab-case")]

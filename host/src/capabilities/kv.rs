@@ -9,6 +9,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use wasmtime::component::{HasSelf, Linker};
 
+/// Its interface in the contract package.
+pub const INTERFACE: &str = "kv";
+
 /// Keys longer than this are refused.
 pub const MAX_KEY_BYTES: usize = 1024;
 /// Values larger than this are refused.

@@ -27,6 +27,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
 
+/// Its interface in the contract package.
+pub const INTERFACE: &str = "local-socket";
+
 /// A line longer than this is refused rather than buffered without end.
 pub const MAX_LINE_BYTES: usize = 1 << 20;
 /// Open connections one store may hold at once.

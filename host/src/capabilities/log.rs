@@ -4,6 +4,9 @@ use crate::bindings::broker::provider::log::{self as wit, Level};
 use std::sync::Arc;
 use wasmtime::component::{HasSelf, Linker};
 
+/// Its interface in the contract package.
+pub const INTERFACE: &str = "log";
+
 /// Longest message kept; the rest is cut so a guest cannot flood the logs with one line.
 const MAX_MESSAGE_BYTES: usize = 4096;
 

@@ -33,10 +33,11 @@ use crate::broker::{CallError, WasmProvider, constraints, describe_broker_error}
 use crate::capabilities::context::CallEvent;
 use crate::capabilities::context::CallHooks;
 use crate::capabilities::denials::Denials;
-use crate::capabilities::http_egress::RecordedEgress;
+use crate::capabilities::http_egress::{HostEgress, RecordedEgress};
 use crate::capabilities::kv::MemoryKv;
 use crate::capabilities::local_socket::HostSockets;
 use crate::capabilities::machine_lock::MachineLock;
+use crate::capabilities::network_bridge::backend::HostNetwork;
 use crate::capabilities::process::{HostProcesses, LiveChildren, MemoryChildRecords, Recorded, RecordedSockets};
 use crate::providers::Manifest;
 use crate::providers::Method;
@@ -168,21 +169,22 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     let manifest = manifest.clone();
     let live_children = Arc::new(LiveChildren::default());
     let (denials, denied) = Denials::collecting();
-    let on_host = HostCapabilities::on_host(
-        Arc::new(MemoryKv::default()),
-        scratch.path().join("data"),
-        crate::sandbox::Sandbox::new(options.sandbox.clone(), None),
-        Arc::new(MemoryChildRecords::default()),
-    );
-    // The sandbox is made of the backends it is given: scripted, or the host's recorded.
+    let (kv, data_dirs) = (Arc::new(MemoryKv::default()), scratch.path().join("data"));
+    let sandbox = crate::sandbox::Sandbox::new(options.sandbox.clone(), None);
+    // The sandbox is made of the backends it is given, each named here (no field
+    // defaults to the host's): scripted, or the host's own recorded.
     let (caps, scripted) = match options.answers {
         Answers::Script(scripted) => {
             let caps = HostCapabilities {
+                kv,
+                machine_lock: Some(lock),
+                data_dirs,
+                sandbox,
                 processes: scripted.processes.clone(),
                 sockets: scripted.processes.clone(),
                 egress: scripted.http.clone(),
                 network: scripted.network.clone(),
-                ..on_host
+                denials,
             };
             (caps, Some(scripted))
         }
@@ -191,15 +193,19 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
             let records = Arc::new(MemoryChildRecords::default());
             let host_processes = HostProcesses::new(records, live_children.clone());
             let caps = HostCapabilities {
+                kv,
+                machine_lock: Some(lock),
+                data_dirs,
+                sandbox,
                 processes: Arc::new(Recorded::new(host_processes, recording.processes.clone())),
                 sockets: Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone())),
-                egress: Arc::new(RecordedEgress::new(on_host.egress.clone(), recording.http.clone())),
-                ..on_host
+                egress: Arc::new(RecordedEgress::new(Arc::new(HostEgress), recording.http.clone())),
+                network: Arc::new(HostNetwork),
+                denials,
             };
             (caps, None)
         }
     };
-    let caps = HostCapabilities { machine_lock: Some(lock), denials, ..caps };
     let config = manifest.config_json.clone();
     let name = manifest.name.clone();
     // Compiling is CPU-bound: off the async workers.

@@ -280,18 +280,25 @@ impl Registry {
         let serving = self.get(name).await?;
         crate::providers::data_dirs::check_loadable(component, &self.capabilities.data_dirs)
             .map_err(RegistryError::InDataDir)?;
-        // Reading, hashing and keeping the candidate is file I/O: off the async workers.
-        let path = component.to_owned();
-        let bytes = tokio::task::spawn_blocking(move || std::fs::read(path))
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e)))
-            .map_err(|source| RegistryError::Candidate { path: component.display().to_string(), source })?;
-        let sha256 = hex::encode(Sha256::digest(&bytes));
+        // Reading, hashing and keeping the candidate: file I/O and CPU, off the async workers.
+        let (path, components) = (component.to_owned(), self.store.data_dir().join("components"));
+        let owned = name.to_owned();
+        let (sha256, kept) = tokio::task::spawn_blocking(move || {
+            let bytes = std::fs::read(&path)
+                .map_err(|source| RegistryError::Candidate { path: path.display().to_string(), source })?;
+            let sha256 = hex::encode(Sha256::digest(&bytes));
+            let kept = keep_component(&components, &owned, &sha256, &bytes)?;
+            Ok::<_, RegistryError>((sha256, kept))
+        })
+        .await
+        .map_err(|e| RegistryError::Candidate {
+            path: component.display().to_string(),
+            source: std::io::Error::other(e),
+        })??;
         let mut refusal = Event::new("swap-refused", name);
         refusal.old_sha256 = Some(serving.sha256().to_owned());
         refusal.new_sha256 = Some(sha256.clone());
         refusal.old_version = Some(record.version.clone());
-        let kept = self.keep_component(name, &sha256, &bytes)?;
         let refuse = async |reason: String| {
             // wasmtime's messages can span lines; an event is one line.
             let reason = reason.split_whitespace().collect::<Vec<_>>().join(" ");
@@ -368,21 +375,6 @@ impl Registry {
         }
         tracing::info!(provider = name, old_sha256 = %report.old_sha256, new_sha256 = %report.new_sha256, "provider swapped");
         Ok(report)
-    }
-
-    /// A candidate's bytes, kept in the data dir under their hash, so the
-    /// swapped-in version is what loads after a restart.
-    fn keep_component(&self, name: &str, sha256: &str, bytes: &[u8]) -> Result<PathBuf, RegistryError> {
-        let dir = self.store.data_dir().join("components");
-        // `sha256` was computed here from the bytes: 64 hex digits.
-        let path = dir.join(format!("{name}-{}.wasm", &sha256[..16]));
-        let io = |source| RegistryError::Candidate { path: path.display().to_string(), source };
-        if !path.exists() {
-            std::fs::create_dir_all(&dir).map_err(io)?;
-            let staging = dir.join(format!(".{name}-{}.tmp", &sha256[..16]));
-            std::fs::write(&staging, bytes).and_then(|_| std::fs::rename(&staging, &path)).map_err(io)?;
-        }
-        Ok(path)
     }
 
     /// A registered provider's manifest, with a swapped-in component in place of its own.
@@ -518,4 +510,18 @@ impl Drop for Draining<'_> {
     fn drop(&mut self) {
         self.slots.lock().unwrap_or_else(|p| p.into_inner()).draining.remove(&self.name);
     }
+}
+
+/// A candidate's bytes, kept in the data dir's `components/` under their hash,
+/// so the swapped-in version is what loads after a restart.
+fn keep_component(dir: &Path, name: &str, sha256: &str, bytes: &[u8]) -> Result<PathBuf, RegistryError> {
+    // `sha256` was computed here from the bytes: 64 hex digits.
+    let path = dir.join(format!("{name}-{}.wasm", &sha256[..16]));
+    let io = |source| RegistryError::Candidate { path: path.display().to_string(), source };
+    if !path.exists() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let staging = dir.join(format!(".{name}-{}.tmp", &sha256[..16]));
+        std::fs::write(&staging, bytes).and_then(|_| std::fs::rename(&staging, &path)).map_err(io)?;
+    }
+    Ok(path)
 }

@@ -3,10 +3,12 @@
 //! the linker built from a provider's grants.
 
 mod limits;
+pub mod rooms;
 mod state;
 mod ticker;
 
 pub use limits::GuestLimiter;
+pub use rooms::{Linking, ROOMS, Room};
 pub use state::{HostCapabilities, HostState, ProviderCapabilities};
 
 use crate::capabilities;
@@ -30,13 +32,6 @@ pub enum RuntimeError {
     Compile { path: String, reason: String },
     #[error("cannot start the epoch thread, without which no guest deadline holds: {0}")]
     Ticker(#[source] std::io::Error),
-}
-
-/// Which host interfaces a store's linker provides.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LinkedCapabilities {
-    pub kv: bool,
-    pub log: bool,
 }
 
 /// Shared by every provider of one host.
@@ -76,23 +71,15 @@ impl Runtime {
             .map_err(|e| RuntimeError::Compile { path: path.display().to_string(), reason: format!("{e:#}") })
     }
 
-    /// A linker with WASI (nothing ambient) and exactly the granted host interfaces.
-    pub fn linker(&self, capabilities: LinkedCapabilities) -> wasmtime::Result<Linker<HostState>> {
+    /// A linker with WASI (nothing ambient), `wasi:http` (each request checked
+    /// against the grant) and the registered capabilities `grants` links ([`ROOMS`]).
+    pub fn linker(&self, grants: &crate::providers::Grants) -> wasmtime::Result<Linker<HostState>> {
         let mut linker = Linker::new(&self.engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         capabilities::wasi::refuse_symlinks(&mut linker, HostState::symlink_refused)?;
-        capabilities::context::add_to_linker(&mut linker, HostState::context_view)?;
-        // Always linked: without the grant, calls answer access-denied.
-        capabilities::machine_lock::add_to_linker(&mut linker, HostState::machine_lock_view)?;
-        capabilities::process::add_to_linker(&mut linker, HostState::process_view)?;
-        capabilities::network_bridge::wit::add_to_linker(&mut linker, |s| &mut s.bridge)?;
-        capabilities::local_socket::add_to_linker(&mut linker, HostState::local_socket_view)?;
         capabilities::http_egress::add_to_linker(&mut linker)?;
-        if capabilities.kv {
-            capabilities::kv::add_to_linker(&mut linker, |s| &mut s.kv)?;
-        }
-        if capabilities.log {
-            capabilities::log::add_to_linker(&mut linker, |s| &mut s.log)?;
+        for room in ROOMS.iter().filter(|room| room.linked_for(grants)) {
+            (room.add_to_linker)(&mut linker)?;
         }
         Ok(linker)
     }

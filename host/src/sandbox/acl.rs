@@ -189,8 +189,17 @@ fn share_dir(fd: impl AsFd, uid: u32) -> std::io::Result<()> {
     grant(&fd, uid, READ | WRITE | SEARCH)?;
     let _one = one_change_at_a_time();
     let stat = rustix::fs::fstat(&fd)?;
-    let mut default = from_mode(stat.st_mode);
-    default[0].perm = 7; // the owner (root: the host writing for the guest) keeps rwx
+    // Another provider granted the same dir keeps its default entry: added to, not replaced.
+    let mut buf = vec![0u8; 1024];
+    let default = match rustix::fs::fgetxattr(&fd, DEFAULT, &mut buf[..]) {
+        Ok(n) => decode(&buf[..n]).ok_or_else(|| std::io::Error::other(format!("unreadable {DEFAULT}")))?,
+        Err(rustix::io::Errno::NODATA) => {
+            let mut fresh = from_mode(stat.st_mode);
+            fresh[0].perm = 7; // the owner (root: the host writing for the guest) keeps rwx
+            fresh
+        }
+        Err(e) => return Err(e.into()),
+    };
     rustix::fs::fsetxattr(&fd, DEFAULT, &encode(&with_user(default, uid, 7)), XattrFlags::empty())?;
     Ok(())
 }
@@ -376,5 +385,23 @@ mod tests {
                 assert_eq!(user_perm(&entries, uid), Some(READ), "round {round}: uid {uid}'s entry was lost");
             }
         }
+    }
+
+    #[test]
+    fn two_providers_granted_one_rw_dir_both_keep_their_default_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = dir.path().join("images");
+        std::fs::create_dir(&shared).unwrap();
+        share_granted(&shared, 4242, true).unwrap();
+        share_granted(&shared, 4343, true).unwrap();
+        let fd = rustix::fs::open(&shared, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty()).unwrap();
+        assert!(has_default(&fd, 4242).unwrap(), "the first provider's default entry was replaced");
+        assert!(has_default(&fd, 4343).unwrap());
+        // What is made there later is both providers' to use.
+        std::fs::write(shared.join("new"), "x").unwrap();
+        let file = rustix::fs::open(shared.join("new"), OFlags::RDONLY, Mode::empty()).unwrap();
+        let stat = rustix::fs::fstat(&file).unwrap();
+        let entries = read_acl(&file, ACCESS, stat.st_mode).unwrap();
+        assert!(user_perm(&entries, 4242).is_some() && user_perm(&entries, 4343).is_some(), "{entries:?}");
     }
 }

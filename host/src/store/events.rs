@@ -52,7 +52,7 @@ pub(super) fn append(txn: &redb::WriteTransaction, event: &Event) -> Result<u64,
     let mut table = txn.open_table(EVENTS).map_err(db_error)?;
     let next = table.last().map_err(db_error)?.map_or(1, |(k, _)| k.value() + 1);
     let stored = Event { seq: next, ..event.clone() };
-    let bytes = serde_json::to_vec(&stored).map_err(|e| StoreError::Db(e.to_string()))?;
+    let bytes = super::encoded("event", &stored)?;
     table.insert(next, bytes.as_slice()).map_err(db_error)?;
     Ok(next)
 }

@@ -38,18 +38,41 @@ const CHILDREN: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("chi
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
-    #[error("state database {path}: {reason}")]
-    Open { path: String, reason: String },
+    #[error("state database {path}: {source}")]
+    Open {
+        path: String,
+        #[source]
+        source: Arc<redb::Error>,
+    },
     #[error("state database: {0}")]
-    Db(String),
-    #[error("state database holds a corrupt {what} record: {reason}")]
-    Corrupt { what: &'static str, reason: String },
+    Db(#[source] Arc<redb::Error>),
+    #[error("cannot encode a {what} record: {source}")]
+    Encode {
+        what: &'static str,
+        #[source]
+        source: Arc<serde_json::Error>,
+    },
+    #[error("state database holds a corrupt {what} record: {source}")]
+    Corrupt {
+        what: &'static str,
+        #[source]
+        source: Arc<serde_json::Error>,
+    },
+    /// A write that panicked fails alone; the writer serves on.
+    #[error("state database: a write panicked while it was applied")]
+    WritePanicked,
     #[error("state database is closed")]
     Closed,
 }
 
+// Causes are shared (`Arc`): one failed commit answers every write in its batch.
 fn db_error(err: impl Into<redb::Error>) -> StoreError {
-    StoreError::Db(err.into().to_string())
+    StoreError::Db(Arc::new(err.into()))
+}
+
+/// A record as JSON, or why it cannot be (kept until a write needs it).
+fn encoded(what: &'static str, value: &impl serde::Serialize) -> Result<Vec<u8>, StoreError> {
+    serde_json::to_vec(value).map_err(|e| StoreError::Encode { what, source: Arc::new(e) })
 }
 
 pub struct Store {
@@ -65,10 +88,12 @@ pub struct Store {
 impl Store {
     /// Open (or create) the state file; the data dir is created if missing.
     pub fn open(data_dir: &Path) -> Result<Store, StoreError> {
-        let open_error =
-            |reason: String| StoreError::Open { path: data_dir.join("state.redb").display().to_string(), reason };
-        std::fs::create_dir_all(data_dir).map_err(|e| open_error(e.to_string()))?;
-        let db = Database::create(data_dir.join("state.redb")).map_err(|e| open_error(e.to_string()))?;
+        let open_error = |source: redb::Error| StoreError::Open {
+            path: data_dir.join("state.redb").display().to_string(),
+            source: Arc::new(source),
+        };
+        std::fs::create_dir_all(data_dir).map_err(|e| open_error(redb::Error::Io(e)))?;
+        let db = Database::create(data_dir.join("state.redb")).map_err(|e| open_error(e.into()))?;
         let txn = db.begin_write().map_err(db_error)?;
         txn.open_table(PROVIDERS).map_err(db_error)?;
         txn.open_table(INSTANCES).map_err(db_error)?;
@@ -79,7 +104,7 @@ impl Store {
         index_instance_ids(&txn)?;
         txn.commit().map_err(db_error)?;
         let db = Arc::new(db);
-        let writer = Arc::new(writer::Writer::start(db.clone()).map_err(|e| open_error(e.to_string()))?);
+        let writer = Arc::new(writer::Writer::start(db.clone()).map_err(|e| open_error(redb::Error::Io(e)))?);
         let kv = Arc::new(RedbKv::new(db.clone(), writer.clone()));
         Ok(Store { kv, writer, db, data_dir: data_dir.to_owned() })
     }
@@ -100,9 +125,9 @@ impl Store {
     /// Record the host network HostPreparer observed after bridging.
     pub fn put_observed_network(&self, devices: &[Device]) -> Pending<()> {
         let record = ObservedNetwork { observed: records::now_rfc3339(), devices: devices.to_vec() };
-        let bytes = serde_json::to_vec(&record);
+        let bytes = encoded("observed network", &record);
         self.write(move |txn| {
-            let bytes = bytes.as_ref().map_err(|e| StoreError::Db(e.to_string()))?;
+            let bytes = bytes.as_ref().map_err(Clone::clone)?;
             txn.open_table(OBSERVED_NETWORK).map_err(db_error)?.insert("host", bytes.as_slice()).map_err(db_error)?;
             Ok(())
         })
@@ -128,9 +153,9 @@ impl Store {
     /// Register (or update) a provider, and note it as `event` in the same
     /// commit: the event log never misses a change, nor tells of one not made.
     pub fn put_provider(&self, record: &ProviderRecord, event: &Event) -> Pending<()> {
-        let (name, bytes, event) = (record.name.clone(), serde_json::to_vec(record), event.clone());
+        let (name, bytes, event) = (record.name.clone(), encoded("provider", record), event.clone());
         self.write(move |txn| {
-            let bytes = bytes.as_ref().map_err(|e| StoreError::Db(e.to_string()))?;
+            let bytes = bytes.as_ref().map_err(Clone::clone)?;
             txn.open_table(PROVIDERS).map_err(db_error)?.insert(name.as_str(), bytes.as_slice()).map_err(db_error)?;
             events::append(txn, &event).map(drop)
         })
@@ -173,9 +198,9 @@ impl Store {
     /// starts cannot both take one id. Returns that other provider, and then
     /// writes nothing.
     pub fn put_new_instance(&self, record: &InstanceRecord) -> Pending<Option<String>> {
-        let (provider, id, bytes) = (record.provider.clone(), record.id.clone(), serde_json::to_vec(record));
+        let (provider, id, bytes) = (record.provider.clone(), record.id.clone(), encoded("instance", record));
         self.write(move |txn| {
-            let bytes = bytes.as_ref().map_err(|e| StoreError::Db(e.to_string()))?;
+            let bytes = bytes.as_ref().map_err(Clone::clone)?;
             let mut ids = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
             if let Some(owner) = ids.get(id.as_str()).map_err(db_error)?.map(|owner| owner.value().to_owned())
                 && owner != provider
@@ -263,7 +288,7 @@ fn index_instance_ids(txn: &redb::WriteTransaction) -> Result<(), StoreError> {
 }
 
 fn decode<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, StoreError> {
-    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt { what, reason: e.to_string() })
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt { what, source: Arc::new(e) })
 }
 
 /// Child records in the `children` table.

@@ -223,7 +223,7 @@ fn apply_all(db: &Database, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError
         // A job that panics fails (its batch, then itself alone), not the writer:
         // the writer serves every provider. Dropping the transaction aborts it.
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.apply(&txn)))
-            .unwrap_or_else(|_| Err(StoreError::Db("a write panicked while it was applied".into())))?;
+            .unwrap_or_else(|_| Err(StoreError::WritePanicked))?;
     }
     txn.commit().map_err(super::db_error)
 }
@@ -245,7 +245,8 @@ mod tests {
     fn put(key: u64, value: u64) -> impl FnMut(&WriteTransaction) -> Result<u64, StoreError> + Send + 'static {
         move |txn| {
             if value == u64::MAX {
-                return Err(StoreError::Db("refused on purpose".into()));
+                let refusal = serde_json::from_str::<u64>("refused on purpose").unwrap_err();
+                return Err(StoreError::Encode { what: "test", source: std::sync::Arc::new(refusal) });
             }
             txn.open_table(T).map_err(super::super::db_error)?.insert(key, value).map_err(super::super::db_error)?;
             Ok(key)
@@ -275,7 +276,7 @@ mod tests {
         for (n, task) in tasks.into_iter().enumerate() {
             let answer = task.await.unwrap();
             if n % 50 == 7 {
-                assert!(matches!(answer, Err(StoreError::Db(ref m)) if m == "refused on purpose"), "{answer:?}");
+                assert!(matches!(answer, Err(StoreError::Encode { what: "test", .. })), "{answer:?}");
             } else {
                 assert_eq!(answer.unwrap(), n as u64);
             }
@@ -287,7 +288,7 @@ mod tests {
         assert_eq!(Pending::new(&writer, put(1000, 1)).wait().unwrap(), 1000);
         // A write that panics fails alone; the writer serves on.
         let panicked = Pending::new(&writer, |_: &WriteTransaction| -> Result<(), StoreError> { panic!("on purpose") });
-        assert!(matches!(panicked.wait(), Err(StoreError::Db(m)) if m.contains("panicked")));
+        assert!(matches!(panicked.wait(), Err(StoreError::WritePanicked)));
         assert_eq!(Pending::new(&writer, put(1003, 3)).await.unwrap(), 1003);
         assert_eq!(value(&db, 1003), Some(3));
         // Made, then dropped unused: nothing is written.

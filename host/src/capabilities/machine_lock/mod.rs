@@ -14,6 +14,9 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
 
+/// Its interface in the contract package.
+pub const INTERFACE: &str = "machine-lock";
+
 /// The host object behind a guest's `lock-guard`.
 pub struct HeldLock(LockGuard);
 

@@ -14,6 +14,9 @@ pub mod wit;
 use serde::{Deserialize, Serialize};
 use std::net::IpAddr;
 
+/// Its interface in the contract package.
+pub const INTERFACE: &str = "network-bridge";
+
 /// Juju's `network.DeviceToBridge`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceToBridge {

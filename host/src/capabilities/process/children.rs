@@ -26,7 +26,8 @@ pub struct ChildRecord {
 pub struct RecordsError(pub String);
 
 /// Storage of child records; the real one is in [`crate::store`]. A change
-/// is durable when its future is done; reads are served at once.
+/// is made when it is asked for (a future dropped unpolled still makes it)
+/// and is durable when its future is done; reads are served at once.
 pub trait ChildRecords: Send + Sync + 'static {
     fn put(&self, record: &ChildRecord) -> BoxFuture<'static, Result<(), RecordsError>>;
     fn get(&self, provider: &str, name: &str) -> Result<Option<ChildRecord>, RecordsError>;

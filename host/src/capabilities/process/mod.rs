@@ -27,6 +27,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
 
+/// Its interface in the contract package.
+pub const INTERFACE: &str = "process";
+
 /// The host object behind a guest's `child` handle.
 pub struct HeldChild {
     record: ChildRecord,

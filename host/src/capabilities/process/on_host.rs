@@ -212,9 +212,10 @@ impl ProcessBackend for HostProcesses {
                 return Ok(None);
             };
             if self.live.liveness(&record) == Liveness::Gone {
-                // Gone for good (or its pid was recycled): forget it.
-                self.records.remove(provider, name).await.map_err(records_failed)?;
+                // Gone for good (or its pid was recycled): forget it. The handle
+                // goes first, so a call dropped while the removal commits keeps none.
                 self.live.remove(provider, name);
+                self.records.remove(provider, name).await.map_err(records_failed)?;
                 return Ok(None);
             }
             Ok(Some(record))
@@ -245,8 +246,8 @@ impl ProcessBackend for HostProcesses {
 
     fn forget<'a>(&'a self, record: &'a ChildRecord) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            let _ = self.records.remove(&record.provider, &record.name).await;
             self.live.remove(&record.provider, &record.name);
+            let _ = self.records.remove(&record.provider, &record.name).await;
         })
     }
 
