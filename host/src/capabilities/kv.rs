@@ -150,9 +150,7 @@ impl MemoryKv {
     fn lock(&self) -> MutexGuard<'_, HashMap<String, BTreeMap<String, Vec<u8>>>> {
         self.namespaces.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
-}
 
-impl MemoryKv {
     fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
         change.check(key)?;
         let mut namespaces = self.lock();

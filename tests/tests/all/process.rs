@@ -388,14 +388,8 @@ async fn qemu_img_cannot_be_pointed_at_host_files() {
         .unwrap();
     assert_eq!(made.exit_code, Some(0), "{}", String::from_utf8_lossy(&made.stderr));
     // Point the backing file at the host secret by rewriting the header, as a guest could.
-    let mut image = std::fs::read(data.join("evil.qcow2")).unwrap();
-    let at = image.windows(12).position(|w| w == b"evil-backing").unwrap();
-    let target = secret.display().to_string();
-    let mut header = image[..at].to_vec();
-    header[8..16].copy_from_slice(&(at as u64).to_be_bytes());
-    header[16..20].copy_from_slice(&(target.len() as u32).to_be_bytes());
-    header.extend_from_slice(target.as_bytes());
-    image.splice(..at + 12, header);
+    let image = std::fs::read(data.join("evil.qcow2")).unwrap();
+    let image = crate::sandbox::qcow2_backed_by(&image, &secret.display().to_string());
     std::fs::write(data.join("evil.qcow2"), &image).unwrap();
     let out = host
         .view()

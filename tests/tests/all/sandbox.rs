@@ -478,7 +478,7 @@ async fn a_guest_with_only_qemu_img_cannot_reach_host_files() {
 
 /// A qcow2 image (as `qemu-img create -b evil-backing` made it) with its backing
 /// file name rewritten to `target`, as a guest can write it byte by byte.
-fn qcow2_backed_by(image: &[u8], target: &str) -> Vec<u8> {
+pub(crate) fn qcow2_backed_by(image: &[u8], target: &str) -> Vec<u8> {
     let at = image.windows(12).position(|w| w == b"evil-backing").unwrap();
     let mut out = image[..at].to_vec();
     out[8..16].copy_from_slice(&(at as u64).to_be_bytes());
