@@ -51,7 +51,7 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
 }
 
 #[tokio::test]
-async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_without_one() {
+pub(crate) async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_without_one() {
     use broker_host::conformance::{Answers, KitOptions};
     let bundled = Manifest::load(&bundled_manifest("lxd")).unwrap();
     assert!(conformance::script_path(&bundled.path).exists(), "guests/lxd ships provider.script.json");
@@ -75,7 +75,7 @@ async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_witho
 }
 
 #[tokio::test]
-async fn the_kvm_provider_passes_strictly_on_its_script_without_running_anything() {
+pub(crate) async fn the_kvm_provider_passes_strictly_on_its_script_without_running_anything() {
     use broker_host::conformance::{Answers, KitOptions};
     let bundled = Manifest::load(&bundled_manifest("kvm")).unwrap();
     let KitOptions { answers: Answers::Script(scripted), .. } = KitOptions::beside(&bundled).unwrap() else {

@@ -1,5 +1,7 @@
 //! The end-to-end tests across the host and the built guests, one binary
-//! (wasmtime and cranelift are linked once). Each module is one subject;
+//! (wasmtime and cranelift are linked once), but for the real-VM and
+//! real-container tests (`tests/kvm.rs`, `tests/lxd.rs`), which run alone.
+//! Each module is one subject;
 //! `guest_tests` names a test of each guest the guest build makes, so a guest
 //! added without a test does not compile.
 
@@ -9,8 +11,6 @@ mod bridge;
 mod conformance;
 mod contract;
 mod fake_provider;
-mod kvm;
-mod lxd;
 mod process;
 mod sandbox;
 mod state;
@@ -20,9 +20,9 @@ mod swap;
 mod guest_tests {
     pub(crate) use crate::conformance::each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why as test_broken;
     pub(crate) use crate::conformance::each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why as test_broken_describe;
+    pub(crate) use crate::conformance::the_kvm_provider_passes_strictly_on_its_script_without_running_anything as kvm;
+    pub(crate) use crate::conformance::the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_without_one as lxd;
     pub(crate) use crate::fake_provider::lifecycle_pooled as fake;
-    pub(crate) use crate::kvm::three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart as kvm;
-    pub(crate) use crate::lxd::three_containers_run_with_their_limits_a_nic_on_the_bridge_and_stop_cleanly as lxd;
     pub(crate) use crate::sandbox::trap_gives_typed_error_and_the_instance_is_never_reused as test_hostile;
     pub(crate) use crate::swap::swapping_under_load_loses_no_call_and_no_instance as fake_next;
 }

@@ -206,7 +206,7 @@ impl EgressBackend for HostEgress {
     }
 }
 
-/// The `wasi:http` hooks of one provider's stores: its grant, its world, nothing else.
+/// The `wasi:http` hooks of one provider's stores: its grant and its egress backend, nothing else.
 #[derive(Clone)]
 pub struct EgressHooks {
     provider: Arc<str>,

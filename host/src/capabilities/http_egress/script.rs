@@ -1,4 +1,4 @@
-//! Scripted HTTP worlds, for testing providers without their real endpoints:
+//! Scripted HTTP answers, for testing providers without their real endpoints:
 //! a [`Tape`] records what a real run exchanged; a [`Script`] answers a run
 //! from such a recording, in order, and notes each request it has no answer
 //! for. Bodies are kept as text (the APIs providers speak are JSON or XML).

@@ -3,6 +3,11 @@
 //! The VMs boot Debian's kernel with a busybox initramfs (scripts/vm-payload.sh)
 //! whose init prints `BROKER-VM-UP mem_kb=… cpus=… mac=…` on the serial console.
 
+// A test binary of its own, as lxd.rs: real VMs and containers share no process
+// and no test threads with the rest of the suite (in one binary with it, a VM
+// here twice failed to boot within its deadline; cause not yet found).
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
 use broker_host::bindings::InstanceStatus;
 use broker_host::broker::service::{interface_on, params_with};
 use broker_host::broker::{Broker, BrokerServiceError, constraints};
@@ -126,7 +131,7 @@ impl Drop for KillQemusUnder {
 }
 
 #[test]
-pub(crate) fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() {
+fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() {
     let payload = vm_payload();
     in_netns(move || async move {
         make_nic("ethk", [0x00, 0x16, 0x3e, 0x10, 0x20, 0x30], "10.60.0.2/24").await;
