@@ -190,16 +190,10 @@ fn share_dir(fd: impl AsFd, uid: u32) -> std::io::Result<()> {
     let _one = one_change_at_a_time();
     let stat = rustix::fs::fstat(&fd)?;
     // Another provider granted the same dir keeps its default entry: added to, not replaced.
-    let mut buf = vec![0u8; 1024];
-    let default = match rustix::fs::fgetxattr(&fd, DEFAULT, &mut buf[..]) {
-        Ok(n) => decode(&buf[..n]).ok_or_else(|| std::io::Error::other(format!("unreadable {DEFAULT}")))?,
-        Err(rustix::io::Errno::NODATA) => {
-            let mut fresh = from_mode(stat.st_mode);
-            fresh[0].perm = 7; // the owner (root: the host writing for the guest) keeps rwx
-            fresh
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let mut default = read_acl(&fd, DEFAULT, stat.st_mode)?;
+    for owner in default.iter_mut().filter(|e| e.tag == USER_OBJ) {
+        owner.perm = 7; // the owner (root: the host writing for the guest) keeps rwx
+    }
     rustix::fs::fsetxattr(&fd, DEFAULT, &encode(&with_user(default, uid, 7)), XattrFlags::empty())?;
     Ok(())
 }
