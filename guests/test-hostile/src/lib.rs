@@ -4,6 +4,8 @@
 //!   this wasm instance has served — it tells a reused instance from a fresh one;
 //! - `trap`: panics (a wasm trap);
 //! - `loop`: spins forever (only the deadline stops it);
+//! - `write-loop`: sets kv `written` to `yes`, then `written-next` to `yes`, then
+//!   spins as `loop` does;
 //! - `memhog`: allocates until memory runs out;
 //! - `print`: writes a line to stdout and one to stderr;
 //! - `lock`: takes the machine lock and releases it, returning instance `locked`;
@@ -102,6 +104,14 @@ impl Guest for Hostile {
         match mode().as_str() {
             "trap" => panic!("hostile guest traps on purpose"),
             "loop" => {
+                let mut spins: u64 = 0;
+                loop {
+                    spins = std::hint::black_box(spins.wrapping_add(1));
+                }
+            }
+            "write-loop" => {
+                host_kv::set("written", b"yes")?;
+                host_kv::set("written-next", b"yes")?;
                 let mut spins: u64 = 0;
                 loop {
                     spins = std::hint::black_box(spins.wrapping_add(1));

@@ -17,6 +17,15 @@ pub enum CallError {
     Limit { provider: String, method: Method, limit: String },
     #[error("provider {provider}: {method}: cannot instantiate the component: {reason}")]
     Instantiate { provider: String, method: Method, reason: String },
+    /// The host could not make the call's kv changes durable (the host's
+    /// storage failed, not the provider).
+    #[error("provider {provider}: {method}: the host could not make its kv changes durable: {source}")]
+    Storage {
+        provider: String,
+        method: Method,
+        #[source]
+        source: crate::capabilities::kv::KvError,
+    },
     /// Half-open after repeated crashes, and its `all-instances` re-observe failed.
     #[error("provider {provider}: {method} refused: the provider is half-open ({reason})")]
     Unavailable { provider: String, method: Method, reason: String },

@@ -24,10 +24,12 @@ pub enum Outcome {
     Instantiate,
     /// Refused by the crash policy (half-open).
     Unavailable,
+    /// The host's storage failed to make the call's kv changes durable.
+    Storage,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 7] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::Ok,
         Outcome::Error,
         Outcome::Trap,
@@ -35,6 +37,7 @@ impl Outcome {
         Outcome::Limit,
         Outcome::Instantiate,
         Outcome::Unavailable,
+        Outcome::Storage,
     ];
 
     pub fn name(self) -> &'static str {
@@ -46,6 +49,7 @@ impl Outcome {
             Outcome::Limit => "limit",
             Outcome::Instantiate => "instantiate",
             Outcome::Unavailable => "unavailable",
+            Outcome::Storage => "storage",
         }
     }
 
@@ -58,6 +62,7 @@ impl Outcome {
             Err(CallError::Limit { .. }) => Outcome::Limit,
             Err(CallError::Instantiate { .. }) => Outcome::Instantiate,
             Err(CallError::Unavailable { .. }) => Outcome::Unavailable,
+            Err(CallError::Storage { .. }) => Outcome::Storage,
         }
     }
 }
@@ -65,7 +70,7 @@ impl Outcome {
 /// One method's counters.
 #[derive(Debug, Default)]
 pub struct MethodStats {
-    outcomes: [AtomicU64; 7],
+    outcomes: [AtomicU64; Outcome::ALL.len()],
     /// Non-cumulative counts per bucket; the last slot is beyond the last bound.
     buckets: [AtomicU64; 13],
     sum_micros: AtomicU64,

@@ -4,6 +4,7 @@ use super::CallError;
 use super::host_preparer::{HostPreparer, PrepareError};
 use crate::bindings::{Instance, StartInstanceParams};
 use crate::capabilities::context::CallHooks;
+use crate::capabilities::kv::KvWrites;
 use crate::capabilities::machine_lock::{LockError, MachineLock};
 use crate::providers::{Registry, RegistryError};
 use crate::runtime::{HostCapabilities, Runtime, RuntimeError};
@@ -135,11 +136,13 @@ impl Broker {
     ) -> Result<InstanceRecord, BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
         self.prepare_host(params, hooks).await?;
-        let result = wasm.start_instance(hooks, params).await?;
+        // A kv-only provider's changes are left to commit with the record below.
+        let (result, writes) = wasm.start_instance_leaving_writes(hooks, params).await?;
         let instance = &result.instance;
         if let Some(reason) = instance_id_problem(&instance.id) {
             // An instance the host cannot record is stopped, as below; the provider
             // gets back the id it chose.
+            self.persist_unrecorded(provider, writes).await;
             let _ = wasm.stop_instances(&CallHooks::default(), std::slice::from_ref(&instance.id)).await;
             let (provider, id) = (provider.to_owned(), id_for_message(&instance.id));
             return Err(BrokerServiceError::InvalidInstanceId { provider, id, reason });
@@ -157,7 +160,9 @@ impl Broker {
             created: now_rfc3339(),
             params: Some(params.clone()),
         };
-        match self.store.put_new_instance(&record).await {
+        // One commit: the provider's state of the instance and the host's record
+        // of it are durable together (a crash between them cannot orphan it).
+        match self.store.put_started_instance(&record, writes).await {
             Ok(None) => Ok(record),
             // Not stopped: the id may well name the other provider's instance (two
             // providers over one backend), and stopping it there would be worse.
@@ -171,6 +176,13 @@ impl Broker {
                 let _ = wasm.stop_instances(&CallHooks::default(), std::slice::from_ref(&record.id)).await;
                 Err(BrokerServiceError::RecordFailed { provider: provider.to_owned(), id: record.id, source })
             }
+        }
+    }
+
+    /// Persist a start's kv changes that no record will carry.
+    async fn persist_unrecorded(&self, provider: &str, writes: KvWrites) {
+        if let Err(error) = self.registry.capabilities().kv.persist(writes).await {
+            tracing::error!(provider, %error, "kv changes of a refused start not persisted");
         }
     }
 

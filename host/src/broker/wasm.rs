@@ -8,6 +8,7 @@ use crate::bindings::{
     BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
 };
 use crate::capabilities::context::{CallContext, CallHooks};
+use crate::capabilities::kv::KvWrites;
 use crate::capabilities::process::{PolicyError, ProcessPolicy};
 use crate::providers::manifest::{Isolation, Manifest, ManifestError, Method};
 use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
@@ -38,6 +39,15 @@ pub enum LoadError {
     InDataDir { provider: String, reason: String },
     #[error("provider {provider}: sandbox: {source}")]
     Sandbox { provider: String, source: crate::sandbox::SandboxError },
+}
+
+/// Who persists the kv changes a call leaves for its end.
+#[derive(Clone, Copy)]
+enum Writes {
+    /// The call, before it answers.
+    Persist,
+    /// The caller, if the call succeeds (else the call, as with `Persist`).
+    LeaveToCaller,
 }
 
 /// A warm guest instance.
@@ -236,9 +246,32 @@ impl WasmProvider {
         hooks: &CallHooks,
         params: &StartInstanceParams,
     ) -> Result<StartInstanceResult, CallError> {
+        self.start(hooks, params, Writes::Persist).await.map(|(started, _)| started)
+    }
+
+    /// As [`WasmProvider::start_instance`], but a start that succeeds leaves
+    /// its kv changes for the caller to persist (they are applied: every read
+    /// sees them), so that they can commit with the host's record of the
+    /// instance. Only [`KvDurability::CallEnd`] providers leave any.
+    ///
+    /// [`KvDurability::CallEnd`]: crate::capabilities::kv::KvDurability::CallEnd
+    pub async fn start_instance_leaving_writes(
+        &self,
+        hooks: &CallHooks,
+        params: &StartInstanceParams,
+    ) -> Result<(StartInstanceResult, KvWrites), CallError> {
+        self.start(hooks, params, Writes::LeaveToCaller).await
+    }
+
+    async fn start(
+        &self,
+        hooks: &CallHooks,
+        params: &StartInstanceParams,
+        writes: Writes,
+    ) -> Result<(StartInstanceResult, KvWrites), CallError> {
         // Owned copies: the call future may only borrow the store.
         let params = params.clone();
-        self.call(Method::StartInstance, hooks, move |store, exports, ctx| {
+        self.call_then(Method::StartInstance, hooks, writes, move |store, exports, ctx| {
             Box::pin(
                 async move { exports.broker_provider_instance_broker().call_start_instance(store, ctx, &params).await },
             )
@@ -278,8 +311,24 @@ impl WasmProvider {
         .await
     }
 
-    /// Run one export on a warm or fresh instance under the method's deadline.
+    /// Run one export on a warm or fresh instance under the method's deadline;
+    /// what it changed in its kv is durable before the answer.
     async fn call<R, F>(&self, method: Method, hooks: &CallHooks, invoke: F) -> Result<R, CallError>
+    where
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+    {
+        self.call_then(method, hooks, Writes::Persist, invoke).await.map(|(value, _)| value)
+    }
+
+    /// As [`WasmProvider::call`]; with [`Writes::LeaveToCaller`], a call that
+    /// succeeds hands back the kv changes it left unpersisted.
+    async fn call_then<R, F>(
+        &self,
+        method: Method,
+        hooks: &CallHooks,
+        writes: Writes,
+        invoke: F,
+    ) -> Result<(R, KvWrites), CallError>
     where
         F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
     {
@@ -291,9 +340,40 @@ impl WasmProvider {
             self.observe(method, Outcome::Unavailable, began);
             return Err(refused);
         }
-        let result = self.run_call(method, hooks, invoke).instrument(span).await;
+        let result = async {
+            let (result, unpersisted) = self.run_call(method, hooks, invoke).await;
+            match (result, writes) {
+                (Ok(value), Writes::LeaveToCaller) => Ok((value, unpersisted)),
+                // Whatever the outcome: every reader already sees these changes.
+                (result, _) => {
+                    // A failed persist is the answer, whatever the call's own was:
+                    // the call's changes are seen but may not survive the host.
+                    if let Err(failed) = self.persist(method, unpersisted).await {
+                        if let Err(own) = &result {
+                            tracing::warn!(provider = &*self.name, error = %own, "the call's own outcome, superseded");
+                        }
+                        return Err(failed);
+                    }
+                    result.map(|value| (value, KvWrites::new(self.name.clone())))
+                }
+            }
+        }
+        .instrument(span)
+        .await;
         self.observe(method, Outcome::of(&result), began);
         result
+    }
+
+    /// Make a call's kv changes durable.
+    async fn persist(&self, method: Method, writes: KvWrites) -> Result<(), CallError> {
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let keys = writes.keys.len();
+        self.capabilities.host.kv.persist(writes).await.map_err(|source| {
+            tracing::error!(provider = &*self.name, method = method.name(), keys, error = %source, "kv changes not persisted");
+            CallError::Storage { provider: self.name.to_string(), method, source }
+        })
     }
 
     fn observe(&self, method: Method, outcome: Outcome, began: Instant) {
@@ -308,13 +388,17 @@ impl WasmProvider {
     async fn reobserve(&self, method: Method) -> Result<(), CallError> {
         let probe = || async {
             let began = Instant::now();
-            let probe = self
+            let (probe, unpersisted) = self
                 .run_call(Method::AllInstances, &CallHooks::default(), |store, exports, ctx| {
                     Box::pin(
                         async move { exports.broker_provider_instance_broker().call_all_instances(store, ctx).await },
                     )
                 })
                 .await;
+            let probe = match self.persist(Method::AllInstances, unpersisted).await {
+                Ok(()) => probe,
+                Err(failed) => Err(failed),
+            };
             self.stats.methods.get(Method::AllInstances).observe(Outcome::of(&probe), began.elapsed());
             if probe.is_ok() {
                 tracing::info!(provider = &*self.name, "all-instances re-observe passed; serving again");
@@ -333,7 +417,23 @@ impl WasmProvider {
         (self.breaker.is_half_open(), self.breaker.trips())
     }
 
-    async fn run_call<R, F>(&self, method: Method, hooks: &CallHooks, invoke: F) -> Result<R, CallError>
+    /// One call, and the kv changes its store left to persist at its end.
+    async fn run_call<R, F>(&self, method: Method, hooks: &CallHooks, invoke: F) -> (Result<R, CallError>, KvWrites)
+    where
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+    {
+        let mut unpersisted = KvWrites::new(self.name.clone());
+        let result = self.run_on_instance(method, hooks, invoke, &mut unpersisted).await;
+        (result, unpersisted)
+    }
+
+    async fn run_on_instance<R, F>(
+        &self,
+        method: Method,
+        hooks: &CallHooks,
+        invoke: F,
+        unpersisted: &mut KvWrites,
+    ) -> Result<R, CallError>
     where
         F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
     {
@@ -360,6 +460,8 @@ impl WasmProvider {
         };
         let _ = warm.store.data_mut().table.delete(handle);
         warm.store.data_mut().end_call();
+        // Taken whatever the outcome (a trap or deadline too): reads already see them.
+        *unpersisted = warm.store.data_mut().kv.take_unpersisted();
         warm.calls += 1;
         tracing::debug!(elapsed_us = started.elapsed().as_micros() as u64, "call finished");
         match outcome {
@@ -511,6 +613,12 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         Some(Arc::new(policy))
     };
     let host = HostCapabilities { machine_lock: host.machine_lock.filter(|_| grants.machine_lock), ..host };
+    let kv_durability = ProviderCapabilities::kv_durability_for(
+        process.is_some(),
+        grants.bridge.is_some(),
+        grants.local_sockets,
+        &grants.http,
+    );
     Ok(ProviderCapabilities {
         host,
         data_dir,
@@ -518,5 +626,6 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         bridge: grants.bridge.clone(),
         local_sockets: grants.local_sockets,
         http: Arc::new(grants.http.clone()),
+        kv_durability,
     })
 }

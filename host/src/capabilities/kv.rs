@@ -5,7 +5,7 @@
 
 use crate::bindings::broker::provider::kv::{self as wit};
 use futures_util::future::BoxFuture;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use wasmtime::component::{HasSelf, Linker};
 
@@ -67,21 +67,54 @@ impl KvChange {
     }
 }
 
+/// Keys of one namespace whose changes are applied (every reader sees them)
+/// but not yet known to be durable: what [`KvBackend::persist`] makes durable.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvWrites {
+    pub namespace: Arc<str>,
+    pub keys: BTreeSet<String>,
+}
+
+impl KvWrites {
+    pub fn new(namespace: Arc<str>) -> Self {
+        KvWrites { namespace, keys: BTreeSet::new() }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+}
+
 /// Storage of provider namespaces. `scan` returns entries in key order.
 ///
-/// Reads answer from memory. A change is durable once [`KvBackend::change`]
-/// resolves; host functions await it (the real backend commits on the store's
-/// writer thread, never on the executor). The blocking forms are for tests and
-/// tools, which are not async.
+/// A change is applied at once: every later read, in any call, sees it. It is
+/// durable once [`KvBackend::persist`] of its key resolves (the real backend
+/// writes the key's value *at that moment*, so a later change to it is never
+/// overwritten by an earlier one, and commits on the store's writer thread,
+/// never on the executor). The blocking forms are for tests and tools, which
+/// are not async.
 pub trait KvBackend: Send + Sync + 'static {
     fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError>;
     /// Entries under `prefix`, already packed as `scan` returns them to guests.
     fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError>;
-    /// Apply one change; resolves once it is durable.
-    fn change(&self, namespace: &str, key: &str, change: KvChange) -> BoxFuture<'static, Result<KvChanged, KvError>>;
-    /// As [`KvBackend::change`], waiting on this thread.
-    fn change_blocking(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError>;
+    /// Apply one change; durable once its key is persisted.
+    fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError>;
+    /// Make the current values of `writes.keys` durable; resolves once they are.
+    fn persist(&self, writes: KvWrites) -> BoxFuture<'static, Result<(), KvError>>;
+    /// As [`KvBackend::persist`], waiting on this thread.
+    fn persist_blocking(&self, writes: KvWrites) -> Result<(), KvError>;
+    /// As [`KvBackend::persist`], waiting for nobody: for changes whose call
+    /// went away before persisting them (a failure is only logged).
+    fn persist_detached(&self, writes: KvWrites);
 
+    /// Apply one change and wait until it is durable.
+    fn change_blocking(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
+        let answer = self.apply(namespace, key, change)?;
+        let mut writes = KvWrites::new(namespace.into());
+        writes.keys.insert(key.to_owned());
+        self.persist_blocking(writes)?;
+        Ok(answer)
+    }
     fn set(&self, namespace: &str, key: &str, value: &[u8]) -> Result<(), KvError> {
         self.change_blocking(namespace, key, KvChange::Set(value.to_vec())).map(drop)
     }
@@ -97,6 +130,30 @@ pub trait KvBackend: Send + Sync + 'static {
         match self.change_blocking(namespace, key, KvChange::Increment(delta))? {
             KvChanged::Counter(next) => Ok(next),
             other => Err(KvError::Storage(format!("increment answered {other:?}"))),
+        }
+    }
+}
+
+/// Apply `change` to one namespace's entries, as every backend does.
+pub fn apply_change(
+    entries: &mut BTreeMap<String, Vec<u8>>,
+    key: &str,
+    change: KvChange,
+) -> Result<KvChanged, KvError> {
+    change.check(key)?;
+    match change {
+        KvChange::Set(value) => {
+            entries.insert(key.to_owned(), value);
+            Ok(KvChanged::Set)
+        }
+        KvChange::Delete => Ok(KvChanged::Deleted(entries.remove(key).is_some())),
+        KvChange::Increment(delta) => {
+            let current = entries.get(key).map(|v| decode_counter(v)).transpose()?.unwrap_or(0);
+            let next = current
+                .checked_add(delta)
+                .ok_or_else(|| KvError::Invalid(format!("increment of {key:?} overflows")))?;
+            entries.insert(key.to_owned(), next.to_le_bytes().to_vec());
+            Ok(KvChanged::Counter(next))
         }
     }
 }
@@ -150,27 +207,6 @@ impl MemoryKv {
     fn lock(&self) -> MutexGuard<'_, HashMap<String, BTreeMap<String, Vec<u8>>>> {
         self.namespaces.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
-
-    fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
-        change.check(key)?;
-        let mut namespaces = self.lock();
-        let ns = namespaces.entry(namespace.to_owned()).or_default();
-        match change {
-            KvChange::Set(value) => {
-                ns.insert(key.to_owned(), value);
-                Ok(KvChanged::Set)
-            }
-            KvChange::Delete => Ok(KvChanged::Deleted(ns.remove(key).is_some())),
-            KvChange::Increment(delta) => {
-                let current = ns.get(key).map(|v| decode_counter(v)).transpose()?.unwrap_or(0);
-                let next = current
-                    .checked_add(delta)
-                    .ok_or_else(|| KvError::Invalid(format!("increment of {key:?} overflows")))?;
-                ns.insert(key.to_owned(), next.to_le_bytes().to_vec());
-                Ok(KvChanged::Counter(next))
-            }
-        }
-    }
 }
 
 impl KvBackend for MemoryKv {
@@ -180,33 +216,91 @@ impl KvBackend for MemoryKv {
     fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
         Ok(self.lock().get(namespace).map(|ns| pack_prefix(ns, prefix)).unwrap_or_default())
     }
-    fn change(&self, namespace: &str, key: &str, change: KvChange) -> BoxFuture<'static, Result<KvChanged, KvError>> {
-        Box::pin(std::future::ready(self.apply(namespace, key, change)))
+    fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
+        apply_change(self.lock().entry(namespace.to_owned()).or_default(), key, change)
     }
-    fn change_blocking(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
-        self.apply(namespace, key, change)
+    /// Memory is as durable as it gets.
+    fn persist(&self, _writes: KvWrites) -> BoxFuture<'static, Result<(), KvError>> {
+        Box::pin(std::future::ready(Ok(())))
     }
+    fn persist_blocking(&self, _writes: KvWrites) -> Result<(), KvError> {
+        Ok(())
+    }
+    fn persist_detached(&self, _writes: KvWrites) {}
 }
 
-/// Per-store context: which namespace this guest may touch, and where it lives.
+/// When a store's kv changes are made durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDurability {
+    /// Before the host function returns to the guest: for providers that act
+    /// outside the store (programs, sockets, bridges, outgoing HTTP), whose
+    /// state must be durable before the effect it describes happens.
+    EachChange,
+    /// When the call returns, in one commit (together with the host's record
+    /// of a started instance): for providers whose only effect is their kv.
+    CallEnd,
+}
+
+/// Keys a call may leave to be persisted at its end; past this many, the
+/// changes so far are persisted at once (the set stays bounded).
+pub const MAX_UNPERSISTED_KEYS: usize = 1024;
+
+/// Per-store context: which namespace this guest may touch, where it lives,
+/// and what its calls changed but have not persisted yet.
 pub struct KvCtx {
-    namespace: Arc<str>,
     backend: Arc<dyn KvBackend>,
+    durability: KvDurability,
+    unpersisted: KvWrites,
 }
 
 impl KvCtx {
-    pub fn new(namespace: Arc<str>, backend: Arc<dyn KvBackend>) -> Self {
-        KvCtx { namespace, backend }
+    pub fn new(namespace: Arc<str>, backend: Arc<dyn KvBackend>, durability: KvDurability) -> Self {
+        KvCtx { backend, durability, unpersisted: KvWrites::new(namespace) }
+    }
+
+    fn namespace(&self) -> &str {
+        &self.unpersisted.namespace
+    }
+
+    /// What the calls so far changed and left to be persisted (emptied here):
+    /// the caller persists it before the call's answer goes out.
+    pub fn take_unpersisted(&mut self) -> KvWrites {
+        let namespace = self.unpersisted.namespace.clone();
+        std::mem::replace(&mut self.unpersisted, KvWrites::new(namespace))
+    }
+
+    async fn change(&mut self, key: String, change: KvChange) -> Result<KvChanged, wit::KvError> {
+        let answer = self.backend.apply(self.namespace(), &key, change)?;
+        self.unpersisted.keys.insert(key);
+        if self.durability == KvDurability::EachChange || self.unpersisted.keys.len() >= MAX_UNPERSISTED_KEYS {
+            // The keys stay noted until their commit is known: a call stopped
+            // while it waits (its deadline), or a failed commit, leaves them to
+            // the call's end, which persists them before the call answers.
+            self.backend.persist(self.unpersisted.clone()).await.map_err(|refused| match refused {
+                KvError::Storage(why) => {
+                    KvError::Storage(format!("the change is applied but not yet durable (retried): {why}"))
+                }
+                other => other,
+            })?;
+            self.unpersisted.keys.clear();
+        }
+        Ok(answer)
+    }
+}
+
+impl Drop for KvCtx {
+    /// A store dropped with changes not persisted (its call's future was
+    /// dropped: a cancelled caller) hands them to the backend anyway: every
+    /// reader already sees them, so the file must come to hold them too.
+    fn drop(&mut self) {
+        if !self.unpersisted.is_empty() {
+            let writes = self.take_unpersisted();
+            self.backend.persist_detached(writes);
+        }
     }
 }
 
 type WitResult<T> = wasmtime::Result<Result<T, wit::KvError>>;
-
-impl KvCtx {
-    async fn change(&self, key: String, change: KvChange) -> Result<KvChanged, wit::KvError> {
-        self.backend.change(&self.namespace, &key, change).await.map_err(Into::into)
-    }
-}
 
 /// A backend that answered a change with what another change answers.
 fn mismatched(answer: KvChanged) -> wit::KvError {
@@ -215,7 +309,7 @@ fn mismatched(answer: KvChanged) -> wit::KvError {
 
 impl wit::Host for KvCtx {
     async fn get(&mut self, key: String) -> WitResult<Option<Vec<u8>>> {
-        Ok(self.backend.get(&self.namespace, &key).map_err(Into::into))
+        Ok(self.backend.get(self.namespace(), &key).map_err(Into::into))
     }
     async fn set(&mut self, key: String, value: Vec<u8>) -> WitResult<()> {
         Ok(self.change(key, KvChange::Set(value)).await.map(drop))
@@ -233,7 +327,7 @@ impl wit::Host for KvCtx {
         }))
     }
     async fn scan(&mut self, prefix: String) -> WitResult<Vec<u8>> {
-        Ok(self.backend.scan_packed(&self.namespace, &prefix).map_err(Into::into))
+        Ok(self.backend.scan_packed(self.namespace(), &prefix).map_err(Into::into))
     }
 }
 
@@ -250,7 +344,129 @@ mod tests {
     use crate::bindings::broker::provider::kv::Host;
 
     fn ctx(ns: &str, backend: &Arc<MemoryKv>) -> KvCtx {
-        KvCtx::new(ns.into(), backend.clone())
+        KvCtx::new(ns.into(), backend.clone(), KvDurability::EachChange)
+    }
+
+    /// A memory kv that notes what it is asked to persist.
+    #[derive(Default)]
+    struct Persisted {
+        kv: MemoryKv,
+        persisted: Mutex<Vec<KvWrites>>,
+        detached: Mutex<Vec<KvWrites>>,
+    }
+
+    impl KvBackend for Persisted {
+        fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError> {
+            self.kv.get(namespace, key)
+        }
+        fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
+            self.kv.scan_packed(namespace, prefix)
+        }
+        fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
+            self.kv.apply(namespace, key, change)
+        }
+        fn persist(&self, writes: KvWrites) -> BoxFuture<'static, Result<(), KvError>> {
+            Box::pin(std::future::ready(self.persist_blocking(writes)))
+        }
+        fn persist_blocking(&self, writes: KvWrites) -> Result<(), KvError> {
+            self.persisted.lock().unwrap().push(writes);
+            Ok(())
+        }
+        fn persist_detached(&self, writes: KvWrites) {
+            self.detached.lock().unwrap().push(writes);
+        }
+    }
+
+    fn keys(writes: &KvWrites) -> Vec<&str> {
+        writes.keys.iter().map(String::as_str).collect()
+    }
+
+    /// Each change is persisted before the host function returns, or all of a
+    /// call's at its end, as the durability says; reads see a change at once either way.
+    #[tokio::test]
+    async fn changes_persist_per_change_or_at_the_call_end() {
+        let backend = Arc::new(Persisted::default());
+        let mut each = KvCtx::new("p".into(), backend.clone(), KvDurability::EachChange);
+        each.set("a".into(), b"1".to_vec()).await.unwrap().unwrap();
+        assert_eq!(each.increment("n".into(), 2).await.unwrap().unwrap(), 2);
+        assert!(matches!(each.increment("a".into(), 1).await.unwrap(), Err(wit::KvError::Invalid(_))));
+        {
+            let persisted = backend.persisted.lock().unwrap();
+            assert_eq!(
+                persisted.iter().map(keys).collect::<Vec<_>>(),
+                [["a"], ["n"]],
+                "a refused change persists nothing"
+            );
+        }
+        assert!(each.take_unpersisted().is_empty());
+
+        backend.persisted.lock().unwrap().clear();
+        let mut at_end = KvCtx::new("p".into(), backend.clone(), KvDurability::CallEnd);
+        at_end.set("b".into(), b"2".to_vec()).await.unwrap().unwrap();
+        assert!(at_end.delete("a".into()).await.unwrap().unwrap());
+        assert_eq!(at_end.increment("n".into(), 1).await.unwrap().unwrap(), 3);
+        assert_eq!(each.get("b".into()).await.unwrap().unwrap(), Some(b"2".to_vec()), "applied at once");
+        assert!(backend.persisted.lock().unwrap().is_empty(), "nothing persisted during the call");
+        let unpersisted = at_end.take_unpersisted();
+        assert_eq!((&*unpersisted.namespace, keys(&unpersisted)), ("p", vec!["a", "b", "n"]));
+        assert!(at_end.take_unpersisted().is_empty(), "taken once");
+        // A store dropped with changes left (its call was cancelled) hands them on.
+        at_end.set("c".into(), b"3".to_vec()).await.unwrap().unwrap();
+        drop((at_end, each));
+        let detached = backend.detached.lock().unwrap();
+        assert_eq!(detached.iter().map(keys).collect::<Vec<_>>(), [["c"]]);
+    }
+
+    /// A kv whose commits fail: every persist is refused.
+    #[derive(Default)]
+    struct Failing(Persisted);
+
+    impl KvBackend for Failing {
+        fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError> {
+            self.0.get(namespace, key)
+        }
+        fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
+            self.0.scan_packed(namespace, prefix)
+        }
+        fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
+            self.0.apply(namespace, key, change)
+        }
+        fn persist(&self, _writes: KvWrites) -> BoxFuture<'static, Result<(), KvError>> {
+            Box::pin(std::future::ready(Err(KvError::Storage("disk full".into()))))
+        }
+        fn persist_blocking(&self, _writes: KvWrites) -> Result<(), KvError> {
+            Err(KvError::Storage("disk full".into()))
+        }
+        fn persist_detached(&self, writes: KvWrites) {
+            self.0.persist_detached(writes)
+        }
+    }
+
+    /// A change whose commit fails is reported to the guest as applied but not
+    /// durable, and stays noted, so the call's end (or a drop) tries it again.
+    #[tokio::test]
+    async fn a_failed_persist_is_reported_and_kept_for_the_call_end() {
+        let backend = Arc::new(Failing::default());
+        let mut kv = KvCtx::new("p".into(), backend.clone(), KvDurability::EachChange);
+        let refused = kv.set("a".into(), b"1".to_vec()).await.unwrap().unwrap_err();
+        assert!(
+            matches!(&refused, wit::KvError::Storage(m) if m.contains("not yet durable") && m.contains("disk full"))
+        );
+        assert_eq!(keys(&kv.take_unpersisted()), ["a"]);
+    }
+
+    /// A call that changes many keys persists them in bounded chunks as it
+    /// goes, so what it leaves for its end never grows past the bound.
+    #[tokio::test]
+    async fn a_call_end_durability_persists_in_bounded_chunks() {
+        let backend = Arc::new(Persisted::default());
+        let mut kv = KvCtx::new("p".into(), backend.clone(), KvDurability::CallEnd);
+        for n in 0..(MAX_UNPERSISTED_KEYS * 2 + 5) {
+            kv.set(format!("k/{n}"), vec![]).await.unwrap().unwrap();
+        }
+        let chunks: Vec<usize> = backend.persisted.lock().unwrap().iter().map(|w| w.keys.len()).collect();
+        assert_eq!(chunks, [MAX_UNPERSISTED_KEYS, MAX_UNPERSISTED_KEYS]);
+        assert_eq!(kv.take_unpersisted().keys.len(), 5);
     }
 
     #[tokio::test]

@@ -79,6 +79,8 @@ impl From<BrokerServiceError> for ApiError {
                 StatusCode::BAD_GATEWAY
             }
             BrokerServiceError::Call(CallError::Unavailable { .. }) => StatusCode::SERVICE_UNAVAILABLE,
+            // This host's storage failed, not the provider.
+            BrokerServiceError::Call(CallError::Storage { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
             BrokerServiceError::Call(call) => match call.broker_error() {
                 Some(BrokerError::InvalidParams(_)) => StatusCode::BAD_REQUEST,
                 Some(BrokerError::NotFound(_)) => StatusCode::NOT_FOUND,

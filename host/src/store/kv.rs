@@ -1,29 +1,28 @@
-//! The real kv backend: redb, written through the store's one writer (group
-//! commit), with an in-memory mirror per namespace so guest reads (the hot
-//! path) never open a transaction. A change reaches the mirror only once it is
-//! committed, and in commit order: the writer thread applies it there before
-//! it answers the caller. (A first load of a large namespace holds the
-//! writer back while it reads: namespaces are bounded by the quotas issue.)
+//! The real kv backend: an in-memory mirror per namespace, which every read
+//! answers from and every change is applied to at once, and redb behind it,
+//! written through the store's one writer (group commit).
+//!
+//! Persisting a set of keys writes each key's value *as the mirror holds it
+//! when the writer applies the write*, not the value a change once set: two
+//! calls persisting one key in either order leave the newest value on disk.
+//! The mirror is loaded from the file on a namespace's first use, and every
+//! change goes through it, so a namespace not loaded yet has nothing waiting
+//! to be persisted. (Namespaces are bounded by the quotas issue.)
 
 use super::writer::{Job, Pending, Reply, Writer};
 use super::{KV, StoreError, db_error};
-use crate::capabilities::kv::{KvBackend, KvChange, KvChanged, KvError, decode_counter, pack_prefix};
-use redb::{Database, ReadableDatabase, ReadableTable, WriteTransaction};
+use crate::capabilities::kv::{KvBackend, KvChange, KvChanged, KvError, KvWrites, apply_change, pack_prefix};
+use redb::{Database, ReadableDatabase, WriteTransaction};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 
 type Namespace = Arc<RwLock<BTreeMap<String, Vec<u8>>>>;
 
-/// Loaded namespaces; a namespace is read from disk once, on first use.
-#[derive(Default)]
-struct Mirror {
-    namespaces: RwLock<HashMap<String, Namespace>>,
-}
-
 pub struct RedbKv {
     db: Arc<Database>,
     writer: Arc<Writer>,
-    mirror: Arc<Mirror>,
+    /// Loaded namespaces; a namespace is read from disk once, on first use.
+    mirror: RwLock<HashMap<String, Namespace>>,
 }
 
 fn storage(err: StoreError) -> KvError {
@@ -32,18 +31,14 @@ fn storage(err: StoreError) -> KvError {
 
 impl RedbKv {
     pub(crate) fn new(db: Arc<Database>, writer: Arc<Writer>) -> Self {
-        RedbKv { db, writer, mirror: Arc::default() }
+        RedbKv { db, writer, mirror: RwLock::default() }
     }
 
     fn namespace(&self, name: &str) -> Result<Namespace, KvError> {
-        if let Some(ns) = self.mirror.namespaces.read().unwrap_or_else(|p| p.into_inner()).get(name) {
+        if let Some(ns) = self.mirror.read().unwrap_or_else(|p| p.into_inner()).get(name) {
             return Ok(ns.clone());
         }
-        // Loaded under the writer's fence: a load sees a batch either before its
-        // commit (and its answers apply it here after) or whole, never half
-        // answered (a value going back as the batch's earlier writes answer).
-        let _fence = self.writer.fence().write().unwrap_or_else(|p| p.into_inner());
-        let mut namespaces = self.mirror.namespaces.write().unwrap_or_else(|p| p.into_inner());
+        let mut namespaces = self.mirror.write().unwrap_or_else(|p| p.into_inner());
         if let Some(ns) = namespaces.get(name) {
             return Ok(ns.clone());
         }
@@ -67,78 +62,76 @@ impl RedbKv {
         Ok(entries)
     }
 
-    fn pending(&self, namespace: &str, key: &str, change: KvChange) -> Pending<Result<KvChanged, KvError>> {
-        let (namespace, key, mirror) = (namespace.to_owned(), key.to_owned(), self.mirror.clone());
-        Pending::with_job(&self.writer, move |reply| {
-            Box::new(KvWrite { namespace, key, change, mirror, written: None, answer: None, reply })
-        })
+    /// What the state file holds under `key`, whatever the mirror shows: the
+    /// durable value (for tools and tests; guests read the mirror).
+    pub fn committed(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError> {
+        let read = || -> Result<Option<Vec<u8>>, StoreError> {
+            let txn = self.db.begin_read().map_err(db_error)?;
+            let table = txn.open_table(KV).map_err(db_error)?;
+            Ok(table.get((namespace, key)).map_err(db_error)?.map(|v| v.value().to_vec()))
+        };
+        read().map_err(storage)
+    }
+
+    /// The writer's job that persists `writes`, to commit in the transaction
+    /// of another write (the host's record of the instance they describe);
+    /// `None` if there is nothing to persist. (A namespace not loaded has no
+    /// change waiting: every change is applied to the mirror first.)
+    pub(crate) fn persist_job(&self, writes: KvWrites) -> Option<Box<dyn Job>> {
+        if writes.is_empty() {
+            return None;
+        }
+        let loaded = self.mirror.read().unwrap_or_else(|p| p.into_inner()).get(&*writes.namespace).cloned();
+        let Some(namespace) = loaded else {
+            // Changes are applied here first, so they would be loaded: these came
+            // through another backend, whose own persist is what makes them durable.
+            tracing::warn!(namespace = %writes.namespace, keys = writes.keys.len(), "kv changes of a namespace this store never loaded");
+            return None;
+        };
+        Some(Box::new(Persist { namespace, writes, reply: None }))
+    }
+
+    fn pending(&self, writes: KvWrites) -> Result<Pending<()>, KvError> {
+        let namespace = self.namespace(&writes.namespace)?;
+        Ok(Pending::with_job(&self.writer, move |reply| Box::new(Persist { namespace, writes, reply: Some(reply) })))
     }
 }
 
-/// One kv change as a job of the store's writer.
-struct KvWrite {
-    namespace: String,
-    key: String,
-    change: KvChange,
-    mirror: Arc<Mirror>,
-    /// The key's value after this change (`None`: deleted), once applied.
-    written: Option<Option<Vec<u8>>>,
-    answer: Option<Result<KvChanged, KvError>>,
-    reply: Reply<Result<Result<KvChanged, KvError>, StoreError>>,
+/// Keys of one namespace, written with their values as the mirror holds them now.
+struct Persist {
+    namespace: Namespace,
+    writes: KvWrites,
+    reply: Option<Reply<Result<(), StoreError>>>,
 }
 
-impl Job for KvWrite {
+impl Job for Persist {
     fn apply(&mut self, txn: &WriteTransaction) -> Result<(), StoreError> {
         let mut table = txn.open_table(KV).map_err(db_error)?;
-        let at = (self.namespace.as_str(), self.key.as_str());
-        // Read in the batch's transaction: it holds the batch's earlier writes.
-        let current = table.get(at).map_err(db_error)?.map(|v| v.value().to_vec());
-        let (written, answer) = match &self.change {
-            KvChange::Set(value) => (Some(Some(value.clone())), Ok(KvChanged::Set)),
-            KvChange::Delete => match current {
-                Some(_) => (Some(None), Ok(KvChanged::Deleted(true))),
-                None => (None, Ok(KvChanged::Deleted(false))),
-            },
-            KvChange::Increment(delta) => {
-                match current.map(|v| decode_counter(&v)).transpose().map(Option::unwrap_or_default) {
-                    Ok(now) => match now.checked_add(*delta) {
-                        Some(next) => (Some(Some(next.to_le_bytes().to_vec())), Ok(KvChanged::Counter(next))),
-                        None => (None, Err(KvError::Invalid(format!("increment of {:?} overflows", self.key)))),
-                    },
-                    // Refused, not a storage failure: the batch goes on without it.
-                    Err(refused) => (None, Err(refused)),
-                }
+        let name = &*self.writes.namespace;
+        for key in &self.writes.keys {
+            // The value as the mirror holds it now, read under the lock one key
+            // at a time (a guest's change is never held up by a whole job); a
+            // change after this read waits for the next persist of its key.
+            let value = self.namespace.read().unwrap_or_else(|p| p.into_inner()).get(key).cloned();
+            match value {
+                Some(value) => drop(table.insert((name, key.as_str()), value.as_slice()).map_err(db_error)?),
+                None => drop(table.remove((name, key.as_str())).map_err(db_error)?),
             }
-        };
-        match &written {
-            Some(Some(value)) => drop(table.insert(at, value.as_slice()).map_err(db_error)?),
-            Some(None) => drop(table.remove(at).map_err(db_error)?),
-            None => {}
         }
-        self.written = written;
-        self.answer = Some(answer);
         Ok(())
     }
 
     fn finish(self: Box<Self>, committed: Result<(), StoreError>) {
-        let KvWrite { namespace, key, mirror, written, answer, reply, .. } = *self;
-        if let (Ok(()), Some(written)) = (&committed, written) {
-            let namespaces = mirror.namespaces.read().unwrap_or_else(|p| p.into_inner());
-            // A namespace not loaded yet reads the committed value from the file.
-            if let Some(ns) = namespaces.get(&namespace) {
-                let mut entries = ns.write().unwrap_or_else(|p| p.into_inner());
-                match written {
-                    Some(value) => entries.insert(key, value),
-                    None => entries.remove(&key),
-                };
+        match self.reply {
+            Some(reply) => reply.send(committed),
+            None => {
+                if let Err(error) = committed {
+                    let (namespace, keys) = (&self.writes.namespace, self.writes.keys.len());
+                    tracing::error!(%namespace, keys, %error, "kv changes were not persisted");
+                }
             }
         }
-        reply.send(committed.and_then(|()| answer.ok_or(StoreError::Closed)));
     }
-}
-
-fn flatten(answer: Result<Result<KvChanged, KvError>, StoreError>) -> Result<KvChanged, KvError> {
-    answer.map_err(storage)?
 }
 
 impl KvBackend for RedbKv {
@@ -154,29 +147,41 @@ impl KvBackend for RedbKv {
         Ok(pack_prefix(&entries, prefix))
     }
 
-    fn change(
-        &self,
-        namespace: &str,
-        key: &str,
-        change: KvChange,
-    ) -> futures_util::future::BoxFuture<'static, Result<KvChanged, KvError>> {
-        if let Err(refused) = change.check(key) {
-            return Box::pin(std::future::ready(Err(refused)));
-        }
-        let pending = self.pending(namespace, key, change);
-        Box::pin(async move { flatten(pending.await) })
+    fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
+        change.check(key)?;
+        let ns = self.namespace(namespace)?;
+        let mut entries = ns.write().unwrap_or_else(|p| p.into_inner());
+        apply_change(&mut entries, key, change)
     }
 
-    fn change_blocking(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
-        change.check(key)?;
-        flatten(self.pending(namespace, key, change).wait())
+    fn persist(&self, writes: KvWrites) -> futures_util::future::BoxFuture<'static, Result<(), KvError>> {
+        if writes.is_empty() {
+            return Box::pin(std::future::ready(Ok(())));
+        }
+        match self.pending(writes) {
+            Ok(pending) => Box::pin(async move { pending.await.map_err(storage) }),
+            Err(refused) => Box::pin(std::future::ready(Err(refused))),
+        }
+    }
+
+    fn persist_blocking(&self, writes: KvWrites) -> Result<(), KvError> {
+        if writes.is_empty() {
+            return Ok(());
+        }
+        self.pending(writes)?.wait().map_err(storage)
+    }
+
+    fn persist_detached(&self, writes: KvWrites) {
+        if let Some(persist) = self.persist_job(writes) {
+            self.writer.submit(persist);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::Store;
-    use crate::capabilities::kv::{KvBackend, KvChange, KvChanged, KvError, MemoryKv};
+    use crate::capabilities::kv::{KvBackend, KvChange, KvChanged, KvError, KvWrites, MemoryKv};
 
     /// The real backend and the in-memory fake agree, and the real one persists.
     #[test]
@@ -204,9 +209,9 @@ mod tests {
         assert_eq!(reopened.increment("p", "n", 1).unwrap(), 4);
     }
 
-    /// Concurrent increments of one counter, committed in shared batches: each
-    /// sees the one before it, none is lost, and what a caller is answered is
-    /// in the mirror and in the file.
+    /// Concurrent increments of one counter, each persisted in shared batches:
+    /// each sees the one before it, none is lost, and the file ends with the
+    /// newest value whatever order the persists were applied in.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_changes_batch_without_losing_one() {
         let dir = tempfile::tempdir().unwrap();
@@ -216,8 +221,12 @@ mod tests {
             .map(|n| {
                 let kv = kv.clone();
                 tokio::spawn(async move {
-                    let counted = kv.change("p", "n", KvChange::Increment(1)).await.unwrap();
-                    kv.change("p", &format!("k/{n}"), KvChange::Set(vec![n as u8])).await.unwrap();
+                    let counted = kv.apply("p", "n", KvChange::Increment(1)).unwrap();
+                    let key = format!("k/{n}");
+                    kv.apply("p", &key, KvChange::Set(vec![n as u8])).unwrap();
+                    let mut writes = KvWrites::new("p".into());
+                    writes.keys.extend(["n".to_owned(), key]);
+                    kv.persist(writes).await.unwrap();
                     counted
                 })
             })
@@ -237,5 +246,30 @@ mod tests {
         let expected: std::collections::BTreeMap<String, Vec<u8>> =
             (0..400).map(|n| (format!("k/{n}"), vec![n as u8])).collect();
         assert_eq!(reopened.scan_packed("p", "k/").unwrap(), crate::capabilities::kv::pack_prefix(&expected, "k/"));
+    }
+
+    /// A change is visible at once and reaches the file only when its key is
+    /// persisted; one never persisted is gone after a reopen.
+    #[test]
+    fn a_change_is_durable_once_persisted_and_not_before() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = Store::open(dir.path()).unwrap();
+            let kv = store.kv();
+            kv.apply("p", "kept", KvChange::Set(b"1".to_vec())).unwrap();
+            kv.apply("p", "lost", KvChange::Set(b"2".to_vec())).unwrap();
+            assert_eq!(kv.get("p", "lost").unwrap(), Some(b"2".to_vec()), "applied at once");
+            let mut writes = KvWrites::new("p".into());
+            writes.keys.insert("kept".into());
+            kv.persist_blocking(writes).unwrap();
+            // A key persisted after a later change holds the later value.
+            kv.apply("p", "kept", KvChange::Set(b"3".to_vec())).unwrap();
+            let mut writes = KvWrites::new("p".into());
+            writes.keys.insert("kept".into());
+            kv.persist_blocking(writes).unwrap();
+        }
+        let reopened = Store::open(dir.path()).unwrap().kv();
+        assert_eq!(reopened.get("p", "kept").unwrap(), Some(b"3".to_vec()));
+        assert_eq!(reopened.get("p", "lost").unwrap(), None);
     }
 }

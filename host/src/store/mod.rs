@@ -17,6 +17,7 @@ pub use kv::RedbKv;
 pub use records::{InstanceRecord, ObservedNetwork, ProviderRecord};
 pub use writer::Pending;
 
+use crate::capabilities::kv::KvWrites;
 use crate::capabilities::network_bridge::Device;
 use crate::capabilities::process::{ChildRecord, ChildRecords, RecordsError};
 use futures_util::future::BoxFuture;
@@ -212,6 +213,17 @@ impl Store {
             table.insert((provider.as_str(), id.as_str()), bytes.as_slice()).map_err(db_error)?;
             Ok(None)
         })
+    }
+
+    /// As [`Store::put_new_instance`], committing in the same transaction the
+    /// kv changes of the call that started the instance: the provider's own
+    /// state and the host's record of it are durable together or not at all.
+    pub fn put_started_instance(&self, record: &InstanceRecord, writes: KvWrites) -> Pending<Option<String>> {
+        let put = self.put_new_instance(record);
+        match self.kv.persist_job(writes) {
+            Some(persist) => put.joined(persist),
+            None => put,
+        }
     }
 
     /// Remove records in one transaction; unknown ids are ignored.

@@ -10,8 +10,8 @@
 
 use super::StoreError;
 use redb::{Database, WriteTransaction};
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
-use std::sync::{Arc, RwLock};
 
 /// Writes applied in one transaction at most; the rest wait for the next.
 const MAX_BATCH: usize = 1024;
@@ -92,6 +92,13 @@ impl<T: Send + 'static> Pending<T> {
         Pending { writer: writer.clone(), job: Box::new(job) }
     }
 
+    /// This write with `first`'s in one transaction: both commit or neither.
+    /// (`first`'s answer, if it has one, is sent first.)
+    pub(crate) fn joined(self, first: Box<dyn Job>) -> Pending<T> {
+        let Pending { writer, job } = self;
+        Pending { writer, job: Box::new(move |reply| Box::new(Joined { first, then: job(reply) })) }
+    }
+
     /// Wait on this thread until the write is committed: for callers that are
     /// not async (opening the store, tools, tests), never for a host function.
     pub fn wait(self) -> Result<T, StoreError> {
@@ -114,6 +121,24 @@ impl<T: Send + 'static> std::future::IntoFuture for Pending<T> {
     }
 }
 
+/// Two jobs applied in one transaction, in order.
+struct Joined {
+    first: Box<dyn Job>,
+    then: Box<dyn Job>,
+}
+
+impl Job for Joined {
+    fn apply(&mut self, txn: &WriteTransaction) -> Result<(), StoreError> {
+        self.first.apply(txn)?;
+        self.then.apply(txn)
+    }
+
+    fn finish(self: Box<Self>, committed: Result<(), StoreError>) {
+        self.first.finish(committed.clone());
+        self.then.finish(committed);
+    }
+}
+
 enum Message {
     Job(Box<dyn Job>),
     Stop,
@@ -124,25 +149,13 @@ enum Message {
 pub(crate) struct Writer {
     queue: std::sync::Mutex<Option<Sender<Message>>>,
     thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
-    fence: Arc<RwLock<()>>,
 }
 
 impl Writer {
     pub(crate) fn start(db: Arc<Database>) -> std::io::Result<Writer> {
         let (queue, jobs) = std::sync::mpsc::channel();
-        let fence = Arc::new(RwLock::new(()));
-        let held = fence.clone();
-        let thread =
-            std::thread::Builder::new().name("broker-store-writer".into()).spawn(move || run(&db, &held, &jobs))?;
-        Ok(Writer { queue: std::sync::Mutex::new(Some(queue)), thread: std::sync::Mutex::new(Some(thread)), fence })
-    }
-
-    /// Held (shared) by the writer from a batch's commit until every job of it
-    /// is answered. Whoever takes it exclusively sees no batch half answered:
-    /// the kv loads a namespace under it, so a load sees a batch either before
-    /// its commit (and the answers apply it after) or with all of it applied.
-    pub(crate) fn fence(&self) -> &RwLock<()> {
-        &self.fence
+        let thread = std::thread::Builder::new().name("broker-store-writer".into()).spawn(move || run(&db, &jobs))?;
+        Ok(Writer { queue: std::sync::Mutex::new(Some(queue)), thread: std::sync::Mutex::new(Some(thread)) })
     }
 
     /// Queue a job; it is answered (with [`StoreError::Closed`] once the store is closed).
@@ -177,7 +190,7 @@ impl Drop for Writer {
     }
 }
 
-fn run(db: &Database, fence: &RwLock<()>, jobs: &Receiver<Message>) {
+fn run(db: &Database, jobs: &Receiver<Message>) {
     let mut batch: Vec<Box<dyn Job>> = Vec::new();
     let mut stopping = false;
     while !stopping {
@@ -195,15 +208,14 @@ fn run(db: &Database, fence: &RwLock<()>, jobs: &Receiver<Message>) {
                 Err(_) => break,
             }
         }
-        commit(db, fence, std::mem::take(&mut batch));
+        commit(db, std::mem::take(&mut batch));
     }
 }
 
 /// Apply and commit a batch; on a failure, each job again in its own
-/// transaction. Commit and answers happen under the fence (see [`Writer::fence`]).
-fn commit(db: &Database, fence: &RwLock<()>, mut batch: Vec<Box<dyn Job>>) {
+/// transaction.
+fn commit(db: &Database, mut batch: Vec<Box<dyn Job>>) {
     let _span = tracing::debug_span!("store_commit", writes = batch.len()).entered();
-    let _fence = fence.read().unwrap_or_else(|p| p.into_inner());
     let outcome = apply_all(db, &mut batch);
     if outcome.is_ok() || batch.len() == 1 {
         for job in batch {
@@ -297,5 +309,26 @@ mod tests {
         assert!(matches!(Pending::new(&writer, put(1001, 1)).await, Err(StoreError::Closed)));
         assert_eq!(value(&db, 1002), None);
         assert_eq!(value(&db, 1001), None);
+    }
+
+    /// A job joined to a write commits with it or not at all, and each is answered.
+    #[test]
+    fn joined_writes_commit_together_or_not_at_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Arc::new(Database::create(dir.path().join("db")).unwrap());
+        let writer = Arc::new(Writer::start(db.clone()).unwrap());
+        let first = |key| -> (Box<dyn Job>, std::sync::mpsc::Receiver<Result<u64, StoreError>>) {
+            let (reply, answer) = std::sync::mpsc::sync_channel(1);
+            (Box::new(Op { op: put(key, 1), result: None, reply: Reply::Thread(reply) }), answer)
+        };
+        let (job, first_answer) = first(1);
+        assert_eq!(Pending::new(&writer, put(2, 2)).joined(job).wait().unwrap(), 2);
+        assert_eq!(first_answer.recv().unwrap().unwrap(), 1);
+        assert_eq!((value(&db, 1), value(&db, 2)), (Some(1), Some(2)));
+        // The second fails: the first, applied in the same transaction, is not committed.
+        let (job, first_answer) = first(3);
+        assert!(Pending::new(&writer, put(4, u64::MAX)).joined(job).wait().is_err());
+        assert!(first_answer.recv().unwrap().is_err());
+        assert_eq!((value(&db, 3), value(&db, 4)), (None, None));
     }
 }

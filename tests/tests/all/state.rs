@@ -1,10 +1,13 @@
 //! Manifest refusals and the persistent state, through the broker service.
 
 use broker_host::broker::Broker;
+use broker_host::broker::CallError;
 use broker_host::broker::service::empty_params;
 use broker_host::capabilities::context::CallHooks;
+use broker_host::capabilities::kv::KvBackend;
 use broker_host::providers::Manifest;
-use broker_tests::{bundled_manifest, fake_manifest_extra, wasm, write_manifest};
+use broker_host::store::Store;
+use broker_tests::{bundled_manifest, fake_manifest_extra, load_provider, wasm, write_manifest};
 use sha2::{Digest, Sha256};
 
 async fn add_error(extra: &str, guest: &str) -> String {
@@ -83,4 +86,68 @@ async fn state_survives_a_restart() {
     assert!(listed.iter().all(|r| r.status == "running" && !r.created.is_empty()));
     let next = broker.start_instance("fake", &empty_params(), &CallHooks::default()).await.unwrap();
     assert_eq!(next.id, "fake-3", "the provider's id sequence lives in kv, so it continues");
+}
+
+/// When a kv change reaches the state file: for a provider granted only kv, at
+/// the end of the call that made it, even one stopped at its deadline; for one
+/// granted a program (an effect outside the store), before the host function
+/// returns to the guest. Seen from outside while the guest still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_changes_are_durable_at_the_call_end_or_at_once_for_providers_that_act_outside_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("state")).unwrap();
+    let runtime = broker_tests::runtime();
+    let deadline = "[limits.deadlines]\ndefault = \"3s\"\n[grants]\nkv = true\n";
+    for (grants, durable_during_the_call) in [("", false), ("process = [\"echo\"]\n", true)] {
+        let kv = store.kv();
+        let extra = format!("{deadline}{grants}");
+        let provider = load_provider(&runtime, kv.clone(), dir.path(), "hostile", "test-hostile", &extra).unwrap();
+        kv.delete("hostile", "written").unwrap();
+        kv.delete("hostile", "written-next").unwrap();
+        kv.set("hostile", "mode", b"write-loop").unwrap();
+        let call = tokio::spawn(async move { provider.all_instances(&CallHooks::default()).await });
+        let waiting = std::time::Instant::now();
+        // The second write is seen: the guest's `set` of the first has returned.
+        while kv.get("hostile", "written-next").unwrap().is_none() {
+            assert!(waiting.elapsed() < std::time::Duration::from_secs(5), "the guest never wrote");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        // The guest spins now, until its deadline.
+        let on_disk = kv.committed("hostile", "written").unwrap();
+        assert_eq!(on_disk.is_some(), durable_during_the_call, "grants {grants:?}: in the file during the call");
+        let err = call.await.unwrap().unwrap_err();
+        assert!(matches!(err, CallError::Deadline { .. }), "{err}");
+        let on_disk = kv.committed("hostile", "written").unwrap();
+        assert_eq!(on_disk.as_deref(), Some(&b"yes"[..]), "grants {grants:?}: in the file once the call ended");
+    }
+}
+
+/// A start of a kv-only provider commits its kv changes with the host's record:
+/// after the start returns, both are in the file. (Each change was durable on
+/// its own before kv changes were left to the call's end, so this passed then
+/// too: it guards the joined commit, whose atomicity `store::writer`'s tests show.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_only_start_is_in_the_file_with_its_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::open(&dir.path().join("data")).unwrap();
+    let manifest = write_manifest(dir.path(), "fake", "fake", &fake_manifest_extra("pooled"));
+    broker.registry().add(&manifest).await.unwrap();
+    let record = broker.start_instance("fake", &empty_params(), &CallHooks::default()).await.unwrap();
+    let kv = broker.store().kv();
+    let packed = kv.scan_packed("fake", "").unwrap();
+    assert!(!packed.is_empty(), "the fake keeps its instances in kv");
+    let mut offset = 0;
+    let mut keys = 0;
+    while offset < packed.len() {
+        let key_len = u32::from_le_bytes(packed[offset..offset + 4].try_into().unwrap()) as usize;
+        let key = std::str::from_utf8(&packed[offset + 4..offset + 4 + key_len]).unwrap().to_owned();
+        offset += 4 + key_len;
+        let value_len = u32::from_le_bytes(packed[offset..offset + 4].try_into().unwrap()) as usize;
+        let value = packed[offset + 4..offset + 4 + value_len].to_vec();
+        offset += 4 + value_len;
+        assert_eq!(kv.committed("fake", &key).unwrap(), Some(value), "kv {key:?} is in the file");
+        keys += 1;
+    }
+    assert!(keys >= 2, "the sequence and the instance: {keys}");
+    assert_eq!(broker.store().instance("fake", &record.id).unwrap().map(|r| r.id), Some(record.id));
 }
