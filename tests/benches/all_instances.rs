@@ -7,10 +7,10 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
 use broker_host::bindings::{Instance, InstanceStatus};
-use broker_host::broker::WasmProvider;
-use broker_host::broker::service::empty_params;
 use broker_host::capabilities::context::CallHooks;
 use broker_host::capabilities::kv::MemoryKv;
+use broker_host::contract::empty_params;
+use broker_host::version::ProviderVersion;
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use serde::Deserialize;
@@ -97,7 +97,11 @@ impl Drop for RpcClient {
     }
 }
 
-fn wasm_provider(isolation: &str, instances: usize, rt: &tokio::runtime::Runtime) -> (tempfile::TempDir, WasmProvider) {
+fn wasm_provider(
+    isolation: &str,
+    instances: usize,
+    rt: &tokio::runtime::Runtime,
+) -> (tempfile::TempDir, ProviderVersion) {
     let dir = tempfile::tempdir().unwrap();
     let provider = load_provider(
         &runtime(),

@@ -1,11 +1,11 @@
 //! Helpers for the end-to-end tests and benchmarks: providers loaded from the
 //! built guests with manifests written on the fly.
 
-use broker_host::broker::WasmProvider;
 use broker_host::capabilities::kv::KvBackend;
 use broker_host::capabilities::process::MemoryChildRecords;
-use broker_host::providers::Manifest;
+use broker_host::manifest::Manifest;
 use broker_host::runtime::{HostCapabilities, Runtime};
+use broker_host::version::ProviderVersion;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -31,7 +31,7 @@ pub fn load_provider(
     name: &str,
     guest_crate: &str,
     extra: &str,
-) -> Result<WasmProvider, broker_host::broker::wasm::LoadError> {
+) -> Result<ProviderVersion, broker_host::version::LoadError> {
     load_provider_with(runtime, host_capabilities(dir, kv), dir, name, guest_crate, extra)
 }
 
@@ -48,9 +48,9 @@ pub fn load_provider_with(
     name: &str,
     guest_crate: &str,
     extra: &str,
-) -> Result<WasmProvider, broker_host::broker::wasm::LoadError> {
+) -> Result<ProviderVersion, broker_host::version::LoadError> {
     let manifest = Manifest::load(&write_manifest(dir, name, guest_crate, extra))?;
-    WasmProvider::load(runtime.clone(), manifest, capabilities)
+    ProviderVersion::load(runtime.clone(), manifest, capabilities)
 }
 
 /// Grants and config of the bundled fake, with a chosen isolation.

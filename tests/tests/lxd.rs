@@ -9,9 +9,10 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
 use broker_host::bindings::InstanceStatus;
-use broker_host::broker::service::{interface_on, params_with};
-use broker_host::broker::{Broker, constraints};
+use broker_host::broker::Broker;
 use broker_host::capabilities::context::CallHooks;
+use broker_host::contract::constraints;
+use broker_host::contract::{interface_on, params_with};
 use broker_tests::incus::{IncusDaemon, lxd_manifest_text};
 use broker_tests::netns::in_netns_of;
 use broker_tests::recording_hooks;
@@ -262,7 +263,7 @@ fn maintain_checks_nics_a_foreign_container_is_never_taken_over_and_a_failed_sta
 #[test]
 fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
     use broker_host::conformance::{self, Answers, KitOptions, Recording, Scripted};
-    use broker_host::providers::Manifest;
+    use broker_host::manifest::Manifest;
 
     let daemon = IncusDaemon::start("br-lxdkit");
     let dir = tempfile::tempdir().unwrap();

@@ -8,6 +8,7 @@ use crate::capabilities::machine_lock::{LockError, MachineLock, Spec};
 use crate::capabilities::network_bridge::backend::NetworkBackend;
 use crate::capabilities::network_bridge::names::bridge_name;
 use crate::capabilities::network_bridge::{BridgeError, Device, DeviceToBridge};
+use crate::store::{Store, StoreError};
 use futures_util::future::BoxFuture;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -29,13 +30,20 @@ pub enum PrepareError {
     #[error("cannot discover observed network config: {0}")]
     Observe(BridgeError),
     #[error("cannot record observed network config: {0}")]
-    Record(String),
+    Record(#[source] StoreError),
 }
 
 /// Where observed network config is kept (the host's store).
 pub trait ObservedNetworkSink: Sync {
     /// Durable when the future is done.
-    fn record<'a>(&'a self, observed: &'a [Device]) -> BoxFuture<'a, Result<(), String>>;
+    fn record<'a>(&'a self, observed: &'a [Device]) -> BoxFuture<'a, Result<(), StoreError>>;
+}
+
+impl ObservedNetworkSink for Store {
+    fn record<'a>(&'a self, observed: &'a [Device]) -> BoxFuture<'a, Result<(), StoreError>> {
+        let pending = self.put_observed_network(observed);
+        Box::pin(pending.into_future())
+    }
 }
 
 /// Juju's `HostChangesForContainer`, computed on the host: each network-info
@@ -109,8 +117,8 @@ impl HostPreparer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::service::interface_on;
     use crate::capabilities::network_bridge::simulated::SimNetwork;
+    use crate::contract::interface_on;
     use std::sync::Mutex;
 
     /// A simulated host network that also notes each step and whether the
@@ -203,7 +211,7 @@ mod tests {
     }
 
     impl ObservedNetworkSink for FakeNetwork {
-        fn record<'a>(&'a self, observed: &'a [Device]) -> BoxFuture<'a, Result<(), String>> {
+        fn record<'a>(&'a self, observed: &'a [Device]) -> BoxFuture<'a, Result<(), StoreError>> {
             Box::pin(async move {
                 self.note(&format!("record {}", observed.len()));
                 Ok(())

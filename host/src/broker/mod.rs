@@ -1,17 +1,9 @@
-//! Brokers: the wasm adapter that runs a provider component, the contract's
-//! errors, Juju's constraint syntax, and the service that ties providers to
-//! the host's records.
+//! The broker service: calls to the registered providers joined with the
+//! host's records of what they did, HostPreparer (bridging the host before a
+//! start), and the reconcile of records against what providers report.
 
-pub mod breaker;
-pub mod constraints;
-mod errors;
 pub mod host_preparer;
-pub mod imports;
-pub mod method_stats;
 pub mod reconcile;
 pub mod service;
-pub mod wasm;
 
-pub use errors::{CallError, describe_broker_error};
 pub use service::{Broker, BrokerServiceError, InstanceRecord};
-pub use wasm::WasmProvider;

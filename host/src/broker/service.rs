@@ -1,16 +1,18 @@
 //! The broker service: provider calls plus the host's records of what they did.
 
-use super::CallError;
 use super::host_preparer::{HostPreparer, PrepareError};
 use crate::bindings::{Instance, StartInstanceParams};
 use crate::capabilities::context::CallHooks;
 use crate::capabilities::kv::KvWrites;
 use crate::capabilities::machine_lock::{LockError, MachineLock};
+use crate::contract::empty_params;
+use crate::providers::data_dirs::DATA_DIRS;
 use crate::providers::{Registry, RegistryError};
 use crate::runtime::{HostCapabilities, Runtime, RuntimeError};
 use crate::sandbox::{Sandbox, SandboxConfig, UidAllocations};
 use crate::store::records::{Hardware, id_for_message, instance_id_problem, now_rfc3339, status_name};
 use crate::store::{Store, StoreError};
+use crate::version::CallError;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -77,10 +79,6 @@ pub struct HostConfig {
     #[serde(default)]
     pub sandbox: SandboxConfig,
 }
-
-/// Providers' data dirs live in `DATA_DIR/data/<name>`: apart from every
-/// directory the host loads manifests or components from.
-pub const DATA_DIRS: &str = "data";
 
 impl HostConfig {
     pub fn load(data_dir: &Path) -> Result<HostConfig, BrokerServiceError> {
@@ -320,58 +318,5 @@ fn unrecorded(provider: &str, instance: &Instance) -> InstanceRecord {
         addresses: instance.addresses.iter().map(|a| a.value.clone()).collect(),
         created: String::new(),
         params: None,
-    }
-}
-
-/// Params with nothing in them but the given constraints.
-pub fn params_with(constraints: crate::bindings::Constraints) -> StartInstanceParams {
-    StartInstanceParams {
-        controller_uuid: String::new(),
-        constraints,
-        tools: Vec::new(),
-        instance_config: None,
-        placement: None,
-        volumes: Vec::new(),
-        volume_attachments: Vec::new(),
-        network_info: Vec::new(),
-        subnets_to_zones: Vec::new(),
-        endpoint_bindings: Vec::new(),
-        image_metadata: Vec::new(),
-        availability_zone: None,
-        root_disk: None,
-        charm_lxd_profiles: Vec::new(),
-    }
-}
-
-pub fn empty_params() -> StartInstanceParams {
-    params_with(super::constraints::empty())
-}
-
-/// A DHCP ethernet interface `eth<n>` hanging off host device or bridge `parent`.
-pub fn interface_on(parent: &str, mac: &str) -> crate::bindings::InterfaceInfo {
-    use crate::bindings::{AddressConfigType, InterfaceInfo, InterfaceType};
-    InterfaceInfo {
-        device_index: 0,
-        mac_address: mac.into(),
-        provider_id: None,
-        provider_subnet_id: None,
-        provider_space_id: None,
-        provider_vlan_id: None,
-        availability_zones: vec![],
-        vlan_tag: 0,
-        interface_name: "eth0".into(),
-        parent_interface_name: parent.into(),
-        interface_type: InterfaceType::Ethernet,
-        disabled: false,
-        no_auto_start: false,
-        config_type: AddressConfigType::Dhcp,
-        addresses: vec![],
-        shadow_addresses: vec![],
-        dns_servers: vec![],
-        dns_search_domains: vec![],
-        gateway_address: None,
-        routes: vec![],
-        mtu: 0,
-        is_default_gateway: false,
     }
 }

@@ -2,10 +2,11 @@
 //! the broker opened in this process. Both give the same records, so the
 //! commands print the same either way.
 
-use crate::broker::service::params_with;
-use crate::broker::{Broker, constraints};
+use crate::broker::Broker;
 use crate::capabilities::context::{CallEvent, CallHooks};
 use crate::client::{DaemonClient, encode_component};
+use crate::contract::constraints;
+use crate::contract::params_with;
 use crate::providers::registry::SwapReport;
 use crate::providers::view::ProviderView;
 use crate::store::{Event, InstanceRecord, ProviderRecord};

@@ -5,8 +5,9 @@ mod backend;
 mod lock;
 mod output;
 
-use crate::broker::{Broker, constraints};
+use crate::broker::Broker;
 use crate::capabilities::context::CallEvent;
+use crate::contract::constraints;
 use crate::store::records::status_name;
 use anyhow::{Context, Result};
 use backend::Backend;
@@ -446,7 +447,7 @@ async fn provider_test(
     out: &mut impl Write,
 ) -> Result<u8> {
     use crate::conformance::{Answers, KitOptions, Recording};
-    use crate::providers::Manifest;
+    use crate::manifest::Manifest;
     let mut loaded = match manifest {
         Some(path) => Manifest::load(path).with_context(|| format!("cannot read manifest {}", path.display()))?,
         None => {

@@ -218,7 +218,7 @@ pub fn event_lines(out: &mut impl Write, events: &[crate::store::Event]) -> std:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::providers::Manifest;
+    use crate::manifest::Manifest;
 
     const HOSTILE: &str = "\x1b[2J\n\rforged\x07\u{9b}31m";
 

@@ -26,10 +26,6 @@ pub mod script;
 mod trace;
 
 use crate::bindings::{BrokerError, Instance};
-use crate::broker::imports::ContractError;
-use crate::broker::method_stats::Outcome;
-use crate::broker::service::{empty_params, params_with};
-use crate::broker::{CallError, WasmProvider, constraints, describe_broker_error};
 use crate::capabilities::context::CallEvent;
 use crate::capabilities::context::CallHooks;
 use crate::capabilities::denials::Denials;
@@ -39,9 +35,14 @@ use crate::capabilities::local_socket::HostSockets;
 use crate::capabilities::machine_lock::MachineLock;
 use crate::capabilities::network_bridge::backend::HostNetwork;
 use crate::capabilities::process::{HostProcesses, LiveChildren, MemoryChildRecords, Recorded, RecordedSockets};
-use crate::providers::Manifest;
-use crate::providers::Method;
+use crate::contract::constraints;
+use crate::contract::{empty_params, params_with};
+use crate::manifest::Manifest;
+use crate::manifest::Method;
 use crate::runtime::{HostCapabilities, Runtime};
+use crate::version::imports::ContractError;
+use crate::version::method_stats::Outcome;
+use crate::version::{CallError, ProviderVersion, describe_broker_error};
 pub use script::{Answers, Recording, Scripted};
 use serde::Serialize;
 use std::sync::Arc;
@@ -100,7 +101,7 @@ impl Report {
 #[derive(Debug, thiserror::Error)]
 pub enum ConformanceError {
     #[error(transparent)]
-    Load(#[from] crate::broker::wasm::LoadError),
+    Load(#[from] crate::version::LoadError),
     #[error("cannot set up the sandbox: {0}")]
     Sandbox(String),
     #[error("script {path}: {reason}")]
@@ -209,13 +210,13 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     let config = manifest.config_json.clone();
     let name = manifest.name.clone();
     // Compiling is CPU-bound: off the async workers.
-    let loaded = tokio::task::spawn_blocking(move || WasmProvider::load(runtime, manifest, caps))
+    let loaded = tokio::task::spawn_blocking(move || ProviderVersion::load(runtime, manifest, caps))
         .await
         .map_err(|e| ConformanceError::Sandbox(format!("loading the component: {e}")))?;
     let provider = match loaded {
         Ok(provider) => provider,
         // Importing what the manifest does not grant is a finding about the component, not a kit failure.
-        Err(crate::broker::wasm::LoadError::Contract { source: source @ ContractError::NotGranted { .. }, .. }) => {
+        Err(crate::version::LoadError::Contract { source: source @ ContractError::NotGranted { .. }, .. }) => {
             let case = Case { name: UNGRANTED, passed: false, detail: source.to_string(), trace: Vec::new() };
             return Ok(Report { provider: name, version: String::new(), cases: vec![case], millis: 0 });
         }
@@ -251,7 +252,7 @@ const TRACE_SHOWN: usize = 12;
 const UNGRANTED: &str = "no call touches an ungranted capability";
 
 struct Kit {
-    provider: WasmProvider,
+    provider: ProviderVersion,
     cases: Vec<Case>,
     /// The script, whose unanswered host calls each case reports.
     scripted: Option<Arc<Scripted>>,

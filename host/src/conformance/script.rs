@@ -16,7 +16,7 @@ use crate::capabilities::network_bridge::backend::{HostNetwork, NetworkBackend};
 use crate::capabilities::network_bridge::simulated::SimNetwork;
 use crate::capabilities::process::simulated::{ScriptedChild, ScriptedRun};
 use crate::capabilities::process::{ProcessTape, SimProcesses};
-use crate::providers::Manifest;
+use crate::manifest::Manifest;
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
 

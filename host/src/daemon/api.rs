@@ -4,13 +4,15 @@
 use super::MAX_BODY_BYTES;
 use super::wire::StartLine;
 use crate::bindings::BrokerError;
-use crate::broker::service::params_with;
-use crate::broker::wasm::ProviderStats;
-use crate::broker::{Broker, BrokerServiceError, CallError, constraints};
+use crate::broker::{Broker, BrokerServiceError};
 use crate::capabilities::context::CallHooks;
+use crate::contract::constraints;
+use crate::contract::params_with;
 use crate::error_text::error_text;
 use crate::providers::registry::RegistryError;
 use crate::providers::view::{BreakerView, ProviderView};
+use crate::version::CallError;
+use crate::version::ProviderStats;
 use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
@@ -328,7 +330,7 @@ fn sources(broker: &Broker) -> Vec<Source> {
 /// Per version and method: outcomes (ok, error, trap, deadline, limit,
 /// instantiate, unavailable) and a latency histogram. Methods never called are left out.
 fn per_method(text: &mut String, sources: &[Source]) {
-    use crate::broker::method_stats::{MethodStats, Outcome};
+    use crate::version::method_stats::{MethodStats, Outcome};
     fn called(source: &Source) -> Vec<(String, &MethodStats)> {
         source
             .stats

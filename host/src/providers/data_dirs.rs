@@ -2,28 +2,13 @@
 //! everything the host loads: a guest can write its data dir, so a manifest or
 //! component there would let it grant itself anything.
 
-use crate::providers::Manifest;
+use crate::manifest::Manifest;
 use crate::store::{Event, Store};
 use std::path::{Path, PathBuf};
 
-/// The host's data dirs root, resolved (a link in its path does not hide it).
-fn resolved(path: &Path) -> PathBuf {
-    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned())
-}
-
-/// Refuse `path` (a manifest or component) if it is inside `data_dirs`.
-pub fn check_loadable(path: &Path, data_dirs: &Path) -> Result<(), String> {
-    let root = resolved(data_dirs);
-    let target = resolved(path);
-    if target.starts_with(&root) {
-        return Err(format!(
-            "{} is inside the providers' data dirs ({}), which providers can write: the host loads nothing from there",
-            path.display(),
-            root.display()
-        ));
-    }
-    Ok(())
-}
+/// Providers' data dirs live in `DATA_DIR/data/<name>`: apart from every
+/// directory the host loads manifests or components from.
+pub const DATA_DIRS: &str = "data";
 
 /// Data dirs used to be `DATA_DIR/providers/<name>`, inside the directory
 /// `broker serve` watches for manifests. Move what a registered provider kept
@@ -38,7 +23,7 @@ pub fn move_out_of_providers_dir(store: &Store) {
     };
     for record in providers {
         let old = store.data_dir().join("providers").join(&record.name);
-        let new = store.data_dir().join(crate::broker::service::DATA_DIRS).join(&record.name);
+        let new = store.data_dir().join(DATA_DIRS).join(&record.name);
         let is_dir = std::fs::symlink_metadata(&old).is_ok_and(|m| m.is_dir());
         if !is_dir || new.exists() {
             continue;
@@ -107,21 +92,4 @@ fn move_entries(old: &Path, new: &Path, keep: &[PathBuf]) -> std::io::Result<usi
         moved += 1;
     }
     Ok(moved)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn nothing_under_the_data_dirs_is_loadable_even_through_a_link() {
-        let dir = tempfile::tempdir().unwrap();
-        let data = dir.path().join("data");
-        std::fs::create_dir_all(data.join("evil")).unwrap();
-        std::fs::write(data.join("evil/provider.toml"), "").unwrap();
-        std::os::unix::fs::symlink(data.join("evil"), dir.path().join("innocent")).unwrap();
-        assert!(check_loadable(&data.join("evil/provider.toml"), &data).is_err());
-        assert!(check_loadable(&dir.path().join("innocent/provider.toml"), &data).is_err());
-        assert!(check_loadable(&dir.path().join("providers/x.toml"), &data).is_ok());
-    }
 }

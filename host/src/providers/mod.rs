@@ -1,10 +1,10 @@
-//! Providers: their manifests and the registry of the ones this host runs.
+//! Providers: the registry of the ones this host runs (each served by its
+//! loaded version), their data dirs, how they are shown, and the watched
+//! manifests directory.
 
 pub mod data_dirs;
-pub mod manifest;
 pub mod registry;
 pub mod view;
 pub mod watch;
 
-pub use manifest::{Grants, Isolation, Limits, Manifest, ManifestError, Method};
 pub use registry::{CandidateCheck, Registry, RegistryError};

@@ -1,11 +1,11 @@
 //! The providers this host runs: registered in the store, loaded on first use.
 
-use crate::broker::CallError;
-use crate::broker::wasm::Serving;
-use crate::broker::wasm::{LoadError, WasmProvider};
-use crate::providers::Manifest;
+use crate::manifest::Manifest;
 use crate::runtime::{HostCapabilities, Runtime};
 use crate::store::{Event, ProviderRecord, Store, StoreError, records::now_rfc3339};
+use crate::version::CallError;
+use crate::version::Serving;
+use crate::version::{LoadError, ProviderVersion};
 use futures_util::future::BoxFuture;
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, HashSet};
@@ -87,7 +87,7 @@ pub struct Registry {
 #[derive(Default)]
 struct Slots {
     /// The version new calls get, per provider.
-    loaded: HashMap<String, Arc<WasmProvider>>,
+    loaded: HashMap<String, Arc<ProviderVersion>>,
     /// Providers being removed: they take no new calls while those in flight finish.
     draining: HashSet<String>,
     /// Removals so far: a first load that raced one is not kept.
@@ -100,7 +100,7 @@ struct Slots {
 pub struct Retired {
     pub name: String,
     pub sha256: String,
-    pub stats: Arc<crate::broker::wasm::ProviderStats>,
+    pub stats: Arc<crate::version::ProviderStats>,
     pub since: std::time::Instant,
 }
 
@@ -193,13 +193,13 @@ impl Registry {
     }
 
     /// Compile, link and validate the config of a manifest's component.
-    pub async fn load(&self, manifest: Manifest) -> Result<Arc<WasmProvider>, RegistryError> {
+    pub async fn load(&self, manifest: Manifest) -> Result<Arc<ProviderVersion>, RegistryError> {
         let name = manifest.name.clone();
         let config = manifest.config_json.clone();
         let capabilities = self.capabilities.clone();
         let runtime = self.runtime.clone();
         // Compiling is CPU-bound: keep it off the async workers.
-        let provider = tokio::task::spawn_blocking(move || WasmProvider::load(runtime, manifest, capabilities))
+        let provider = tokio::task::spawn_blocking(move || ProviderVersion::load(runtime, manifest, capabilities))
             .await
             .map_err(|e| RegistryError::Path { path: name.clone(), source: std::io::Error::other(e) })??;
         provider
@@ -229,7 +229,7 @@ impl Registry {
         };
         // Uses of the version now, not holders of it (a metrics scrape holds it too).
         let in_flight = unloaded.as_ref().map_or(0, |p| p.in_flight());
-        let restore = |provider: Option<Arc<WasmProvider>>| {
+        let restore = |provider: Option<Arc<ProviderVersion>>| {
             if let Some(provider) = provider {
                 self.slots().loaded.insert(name.to_owned(), provider);
             }
@@ -278,8 +278,7 @@ impl Registry {
         let _one_at_a_time = self.swapping.lock().await;
         let record = self.store.provider(name)?.ok_or_else(|| RegistryError::UnknownProvider(name.to_owned()))?;
         let serving = self.get(name).await?;
-        crate::providers::data_dirs::check_loadable(component, &self.capabilities.data_dirs)
-            .map_err(RegistryError::InDataDir)?;
+        crate::manifest::check_loadable(component, &self.capabilities.data_dirs).map_err(RegistryError::InDataDir)?;
         // Reading, hashing and keeping the candidate: file I/O and CPU, off the async workers.
         let (path, components) = (component.to_owned(), self.store.data_dir().join("components"));
         let owned = name.to_owned();
@@ -459,7 +458,7 @@ impl Registry {
         &self.swap_counts
     }
 
-    pub fn loaded(&self) -> Vec<Arc<WasmProvider>> {
+    pub fn loaded(&self) -> Vec<Arc<ProviderVersion>> {
         let mut providers: Vec<_> = self.slots().loaded.values().cloned().collect();
         providers.sort_by(|a, b| a.name().cmp(b.name()));
         providers
@@ -472,7 +471,7 @@ impl Registry {
         retired.clone()
     }
 
-    fn retire(&self, version: &WasmProvider) {
+    fn retire(&self, version: &ProviderVersion) {
         let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
         retired.retain(|r| r.since.elapsed() < RETIRED_METRICS_FOR);
         retired.push(Retired {

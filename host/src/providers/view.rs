@@ -2,8 +2,8 @@
 //! registered record, the effective limits and grants, and (from a daemon)
 //! the crash policy's state.
 
-use crate::providers::manifest::Method;
-use crate::providers::{Isolation, Manifest};
+use crate::manifest::Method;
+use crate::manifest::{Isolation, Manifest};
 use crate::store::ProviderRecord;
 use serde::{Deserialize, Serialize};
 

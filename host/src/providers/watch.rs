@@ -6,8 +6,8 @@
 //! this directory are touched. What cannot be done is an event
 //! (`watch-refused`, `remove-refused`) and the version serving keeps serving.
 
-use super::Manifest;
 use super::registry::{Registry, RegistryError};
+use crate::manifest::Manifest;
 use crate::store::Event;
 use std::collections::{BTreeSet, HashMap};
 use std::os::unix::fs::MetadataExt;

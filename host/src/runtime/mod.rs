@@ -21,8 +21,7 @@ use wasmtime::{Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, P
 /// How often the epoch advances: a running guest yields to the executor this often.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 
-/// Largest linear memory any provider may ask for.
-pub const MAX_GUEST_MEMORY_BYTES: u64 = 4 << 30;
+use crate::manifest::MAX_GUEST_MEMORY_BYTES;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -73,7 +72,7 @@ impl Runtime {
 
     /// A linker with WASI (nothing ambient), `wasi:http` (each request checked
     /// against the grant) and the registered capabilities `grants` links ([`ROOMS`]).
-    pub fn linker(&self, grants: &crate::providers::Grants) -> wasmtime::Result<Linker<HostState>> {
+    pub fn linker(&self, grants: &crate::manifest::Grants) -> wasmtime::Result<Linker<HostState>> {
         let mut linker = Linker::new(&self.engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         capabilities::wasi::refuse_symlinks(&mut linker, HostState::symlink_refused)?;

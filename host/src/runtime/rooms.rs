@@ -6,7 +6,7 @@
 
 use super::HostState;
 use crate::capabilities::{context, kv, local_socket, log, machine_lock, network_bridge, process};
-use crate::providers::Grants;
+use crate::manifest::Grants;
 use wasmtime::component::Linker;
 
 /// How a capability is linked into a provider's stores.

@@ -359,13 +359,6 @@ impl ChildRecords for RedbChildren {
     }
 }
 
-impl crate::broker::host_preparer::ObservedNetworkSink for Store {
-    fn record<'a>(&'a self, observed: &'a [Device]) -> futures_util::future::BoxFuture<'a, Result<(), String>> {
-        let pending = self.put_observed_network(observed);
-        Box::pin(async move { pending.await.map_err(|e| e.to_string()) })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,9 +2,9 @@
 //! broker: drop-in, swap, reload, pin, garbage, removal and its drain.
 
 use broker_host::broker::Broker;
-use broker_host::broker::service::empty_params;
 use broker_host::capabilities::context::CallHooks;
 use broker_host::capabilities::kv::KvBackend;
+use broker_host::contract::empty_params;
 use broker_host::providers::watch::{Change, ProvidersDir};
 use std::path::{Path, PathBuf};
 use std::time::Duration;

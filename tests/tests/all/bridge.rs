@@ -3,12 +3,12 @@
 //! devices standing in for the host's NICs (this kernel has no `dummy` driver).
 
 use broker_host::broker::Broker;
-use broker_host::broker::service::{empty_params, interface_on};
 use broker_host::capabilities::context::CallHooks;
 use broker_host::capabilities::network_bridge::backend::NetworkBackend;
 use broker_host::capabilities::network_bridge::names::bridge_name;
 use broker_host::capabilities::network_bridge::netlink::Netlink;
 use broker_host::capabilities::network_bridge::{BridgeError, Device, DeviceToBridge};
+use broker_host::contract::{empty_params, interface_on};
 use broker_tests::netns::{in_netns, make_nic};
 
 async fn add_default_route(gateway: &str, oif: u32) {

@@ -3,7 +3,7 @@
 //! daemon anywhere), and the hostile guest fails exactly the scenarios it breaks.
 
 use broker_host::conformance;
-use broker_host::providers::Manifest;
+use broker_host::manifest::Manifest;
 use broker_tests::{bundled_manifest, fake_manifest_extra, write_manifest};
 
 #[tokio::test]

@@ -2,9 +2,9 @@
 //! boundary intact, through the real fake component, in both isolation modes.
 
 use broker_host::bindings::*;
-use broker_host::broker::constraints;
 use broker_host::capabilities::context::{CallEvent, CallHooks};
 use broker_host::capabilities::kv::{KvBackend, MemoryKv};
+use broker_host::contract::constraints;
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
 use std::sync::{Arc, Mutex};
 

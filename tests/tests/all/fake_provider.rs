@@ -2,14 +2,15 @@
 //! modes: it must be correct whether its wasm instance is reused or fresh.
 
 use broker_host::bindings::*;
-use broker_host::broker::service::{empty_params, params_with};
-use broker_host::broker::{CallError, WasmProvider, constraints};
 use broker_host::capabilities::context::CallHooks;
 use broker_host::capabilities::kv::{KvBackend, MemoryKv};
+use broker_host::contract::constraints;
+use broker_host::contract::{empty_params, params_with};
+use broker_host::version::{CallError, ProviderVersion};
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
 use std::sync::Arc;
 
-fn fake(isolation: &str) -> (tempfile::TempDir, Arc<MemoryKv>, WasmProvider) {
+fn fake(isolation: &str) -> (tempfile::TempDir, Arc<MemoryKv>, ProviderVersion) {
     let dir = tempfile::tempdir().unwrap();
     let kv = Arc::new(MemoryKv::default());
     let provider = load_provider(&runtime(), kv.clone(), dir.path(), "fake", "fake", &fake_manifest_extra(isolation))

@@ -1,12 +1,12 @@
 //! Containment: hostile guests trap, loop and hog memory; each gets its typed
 //! error, the bad instance is never reused, and the host serves the next call.
 
-use broker_host::broker::method_stats::Outcome;
-use broker_host::broker::{CallError, WasmProvider};
 use broker_host::capabilities::context::CallHooks;
 use broker_host::capabilities::kv::{KvBackend, MemoryKv};
-use broker_host::providers::Method;
+use broker_host::manifest::Method;
 use broker_host::runtime::Runtime;
+use broker_host::version::method_stats::Outcome;
+use broker_host::version::{CallError, ProviderVersion};
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 struct Hostile {
     _dir: tempfile::TempDir,
     kv: Arc<MemoryKv>,
-    provider: WasmProvider,
+    provider: ProviderVersion,
     runtime: Arc<Runtime>,
 }
 
@@ -333,7 +333,8 @@ async fn calls_arriving_together_on_a_half_open_provider_share_one_reobserve() {
 #[tokio::test]
 async fn a_provider_cannot_return_an_unprintable_id_or_another_providers_id() {
     use broker_host::broker::Broker;
-    use broker_host::broker::service::{BrokerServiceError, empty_params};
+    use broker_host::broker::service::BrokerServiceError;
+    use broker_host::contract::empty_params;
     use broker_tests::write_manifest;
 
     let dir = tempfile::tempdir().unwrap();

@@ -1,10 +1,11 @@
 //! Hot swap: a provider's component replaced while clients call it, between
 //! the fake (0.1.0) and the same source built as 0.2.0 (`guests/fake-next`).
 
-use broker_host::broker::service::empty_params;
-use broker_host::broker::{Broker, WasmProvider};
+use broker_host::broker::Broker;
 use broker_host::capabilities::context::CallHooks;
+use broker_host::contract::empty_params;
 use broker_host::providers::registry::RegistryError;
+use broker_host::version::ProviderVersion;
 use broker_tests::{bundled_manifest_text, wasm};
 use std::path::Path;
 use std::sync::Arc;
@@ -28,7 +29,7 @@ fn version_of(result: &broker_host::bindings::StartInstanceResult) -> String {
     result.config.iter().find(|(k, _)| k == "provider-version").map(|(_, v)| v.clone()).unwrap()
 }
 
-async fn serving(broker: &Broker) -> Arc<WasmProvider> {
+async fn serving(broker: &Broker) -> Arc<ProviderVersion> {
     broker.registry().get("fake").await.unwrap().version().clone()
 }
 

@@ -1,17 +1,25 @@
-//! The wasm adapter: one loaded provider version, its warm instance pool, and
-//! the call path (store limits, epoch deadline, trap classification).
+//! One loaded version of a provider component: the wasm adapter, its warm
+//! instance pool, the call path (store limits, epoch deadline, trap
+//! classification, the call's kv changes made durable), the crash breaker,
+//! per-method outcomes, the import checks made at load, and what a call's
+//! failure says.
 
-use super::errors::CallError;
-use super::imports;
-use super::method_stats::Outcome;
+pub mod breaker;
+mod errors;
+pub mod imports;
+pub mod method_stats;
+
+pub use errors::{CallError, describe_broker_error};
+
 use crate::bindings::{
     BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
 };
 use crate::capabilities::context::{CallContext, CallHooks};
 use crate::capabilities::kv::KvWrites;
 use crate::capabilities::process::{PolicyError, ProcessPolicy};
-use crate::providers::manifest::{Isolation, Manifest, ManifestError, Method};
+use crate::manifest::{Isolation, Manifest, ManifestError, Method};
 use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
+use method_stats::Outcome;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -66,13 +74,13 @@ pub struct ProviderStats {
     pub instantiations: AtomicU64,
     pub discarded: AtomicU64,
     /// Outcomes and latency per method.
-    pub methods: super::method_stats::MethodTable,
+    pub methods: method_stats::MethodTable,
 }
 
 type CallFuture<'a, R> = Pin<Box<dyn Future<Output = wasmtime::Result<Result<R, BrokerError>>> + Send + 'a>>;
 
 /// One loaded version of a provider component.
-pub struct WasmProvider {
+pub struct ProviderVersion {
     name: Arc<str>,
     manifest: Manifest,
     sha256: String,
@@ -82,7 +90,7 @@ pub struct WasmProvider {
     config_json: Arc<str>,
     pool: Mutex<Vec<Warm>>,
     stats: Arc<ProviderStats>,
-    breaker: super::breaker::Breaker,
+    breaker: breaker::Breaker,
     /// Callers using this version now (see [`Serving`]); a drain waits for none.
     in_flight: InFlight,
 }
@@ -98,25 +106,25 @@ struct InFlight {
 /// it out until it is dropped: what a removal's drain waits for. Holding the
 /// `Arc` alone (a `/metrics` scrape, a retired version's counters) is not a use.
 pub struct Serving {
-    version: Arc<WasmProvider>,
+    version: Arc<ProviderVersion>,
 }
 
 impl Serving {
     /// Counted from here: the registry takes it under the lock a removal takes to unload.
-    pub fn enter(version: Arc<WasmProvider>) -> Serving {
+    pub fn enter(version: Arc<ProviderVersion>) -> Serving {
         version.in_flight.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Serving { version }
     }
 
     /// The version itself, to keep or compare.
-    pub fn version(&self) -> &Arc<WasmProvider> {
+    pub fn version(&self) -> &Arc<ProviderVersion> {
         &self.version
     }
 }
 
 impl std::ops::Deref for Serving {
-    type Target = WasmProvider;
-    fn deref(&self) -> &WasmProvider {
+    type Target = ProviderVersion;
+    fn deref(&self) -> &ProviderVersion {
         &self.version
     }
 }
@@ -130,16 +138,16 @@ impl Drop for Serving {
     }
 }
 
-impl WasmProvider {
+impl ProviderVersion {
     /// Read, verify, compile, check and link the manifest's component.
     pub fn load(
         runtime: Arc<Runtime>,
         manifest: Manifest,
         capabilities: HostCapabilities,
-    ) -> Result<WasmProvider, LoadError> {
+    ) -> Result<ProviderVersion, LoadError> {
         // Checked before anything is read: a provider can write its data dir.
         for loaded in [&manifest.path, &manifest.component] {
-            crate::providers::data_dirs::check_loadable(loaded, &capabilities.data_dirs)
+            crate::manifest::check_loadable(loaded, &capabilities.data_dirs)
                 .map_err(|reason| LoadError::InDataDir { provider: manifest.name.clone(), reason })?;
         }
         let (bytes, sha256) = manifest.read_component()?;
@@ -156,8 +164,8 @@ impl WasmProvider {
         let pre = ProviderPre::new(instance_pre)
             .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
         let capabilities = narrow(capabilities, &manifest)?;
-        let breaker = super::breaker::Breaker::new(manifest.limits.breaker_failures, manifest.limits.breaker_window);
-        Ok(WasmProvider {
+        let breaker = breaker::Breaker::new(manifest.limits.breaker_failures, manifest.limits.breaker_window);
+        Ok(ProviderVersion {
             name: provider.into(),
             config_json: manifest.config_json.clone().into(),
             manifest,
@@ -249,7 +257,7 @@ impl WasmProvider {
         self.start(hooks, params, Writes::Persist).await.map(|(started, _)| started)
     }
 
-    /// As [`WasmProvider::start_instance`], but a start that succeeds leaves
+    /// As [`ProviderVersion::start_instance`], but a start that succeeds leaves
     /// its kv changes for the caller to persist (they are applied: every read
     /// sees them), so that they can commit with the host's record of the
     /// instance. Only [`KvDurability::CallEnd`] providers leave any.
@@ -320,7 +328,7 @@ impl WasmProvider {
         self.call_then(method, hooks, Writes::Persist, invoke).await.map(|(value, _)| value)
     }
 
-    /// As [`WasmProvider::call`]; with [`Writes::LeaveToCaller`], a call that
+    /// As [`ProviderVersion::call`]; with [`Writes::LeaveToCaller`], a call that
     /// succeeds hands back the kv changes it left unpersisted.
     async fn call_then<R, F>(
         &self,

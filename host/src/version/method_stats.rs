@@ -2,7 +2,7 @@
 //! atomics on the call path and read by `/metrics`.
 
 use super::CallError;
-use crate::providers::Method;
+use crate::manifest::Method;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 

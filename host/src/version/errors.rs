@@ -1,7 +1,7 @@
 //! What can go wrong in one call to a provider, each naming provider and method.
 
 use crate::bindings::BrokerError;
-use crate::providers::manifest::Method;
+use crate::manifest::Method;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]

@@ -35,6 +35,9 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// Largest linear memory any provider may ask for.
+pub const MAX_GUEST_MEMORY_BYTES: u64 = 4 << 30;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
     #[error("cannot read manifest {path}: {source}")]
@@ -340,7 +343,7 @@ impl Manifest {
         {
             return Err(invalid(format!("sha256 {pin:?} must be 64 hex digits")));
         }
-        let max_mib = crate::runtime::MAX_GUEST_MEMORY_BYTES >> 20;
+        let max_mib = MAX_GUEST_MEMORY_BYTES >> 20;
         if raw.limits.memory_mib == 0 || raw.limits.memory_mib > max_mib {
             return Err(invalid(format!("limits.memory-mib must be between 1 and {max_mib}")));
         }
@@ -463,9 +466,40 @@ fn optional_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>
     duration(d).map(Some)
 }
 
+/// The host's data dirs root, resolved (a link in its path does not hide it).
+fn resolved(path: &Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned())
+}
+
+/// Refuse `path` (a manifest or component) if it is inside `data_dirs`.
+pub fn check_loadable(path: &Path, data_dirs: &Path) -> Result<(), String> {
+    let root = resolved(data_dirs);
+    let target = resolved(path);
+    if target.starts_with(&root) {
+        return Err(format!(
+            "{} is inside the providers' data dirs ({}), which providers can write: the host loads nothing from there",
+            path.display(),
+            root.display()
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nothing_under_the_data_dirs_is_loadable_even_through_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir_all(data.join("evil")).unwrap();
+        std::fs::write(data.join("evil/provider.toml"), "").unwrap();
+        std::os::unix::fs::symlink(data.join("evil"), dir.path().join("innocent")).unwrap();
+        assert!(check_loadable(&data.join("evil/provider.toml"), &data).is_err());
+        assert!(check_loadable(&dir.path().join("innocent/provider.toml"), &data).is_err());
+        assert!(check_loadable(&dir.path().join("providers/x.toml"), &data).is_ok());
+    }
 
     fn parse(text: &str) -> Result<Manifest, ManifestError> {
         Manifest::parse(Path::new("/p/provider.toml"), text)

@@ -2,7 +2,7 @@
 //! what the manifest grants, so a refusal names the exact import.
 
 use crate::bindings::{CONTRACT_PACKAGE, CONTRACT_VERSION};
-use crate::providers::Grants;
+use crate::manifest::Grants;
 use wasmtime::Engine;
 use wasmtime::component::Component;
 

@@ -1,0 +1,60 @@
+//! The contract's vocabulary on the host side: Juju's constraint syntax and
+//! builders of the params a start takes.
+
+pub mod constraints;
+
+use crate::bindings::StartInstanceParams;
+
+/// Params with nothing in them but the given constraints.
+pub fn params_with(constraints: crate::bindings::Constraints) -> StartInstanceParams {
+    StartInstanceParams {
+        controller_uuid: String::new(),
+        constraints,
+        tools: Vec::new(),
+        instance_config: None,
+        placement: None,
+        volumes: Vec::new(),
+        volume_attachments: Vec::new(),
+        network_info: Vec::new(),
+        subnets_to_zones: Vec::new(),
+        endpoint_bindings: Vec::new(),
+        image_metadata: Vec::new(),
+        availability_zone: None,
+        root_disk: None,
+        charm_lxd_profiles: Vec::new(),
+    }
+}
+
+/// Params with nothing in them at all.
+pub fn empty_params() -> StartInstanceParams {
+    params_with(constraints::empty())
+}
+
+/// A DHCP ethernet interface `eth<n>` hanging off host device or bridge `parent`.
+pub fn interface_on(parent: &str, mac: &str) -> crate::bindings::InterfaceInfo {
+    use crate::bindings::{AddressConfigType, InterfaceInfo, InterfaceType};
+    InterfaceInfo {
+        device_index: 0,
+        mac_address: mac.into(),
+        provider_id: None,
+        provider_subnet_id: None,
+        provider_space_id: None,
+        provider_vlan_id: None,
+        availability_zones: vec![],
+        vlan_tag: 0,
+        interface_name: "eth0".into(),
+        parent_interface_name: parent.into(),
+        interface_type: InterfaceType::Ethernet,
+        disabled: false,
+        no_auto_start: false,
+        config_type: AddressConfigType::Dhcp,
+        addresses: vec![],
+        shadow_addresses: vec![],
+        dns_servers: vec![],
+        dns_search_domains: vec![],
+        gateway_address: None,
+        routes: vec![],
+        mtu: 0,
+        is_default_gateway: false,
+    }
+}
