@@ -309,8 +309,8 @@ struct RedbChildren {
     writer: Arc<writer::Writer>,
 }
 
-fn records_error(err: impl std::fmt::Display) -> RecordsError {
-    RecordsError(err.to_string())
+fn records_error(err: impl std::error::Error + Send + Sync + 'static) -> RecordsError {
+    RecordsError::new(err)
 }
 
 impl ChildRecords for RedbChildren {

@@ -24,14 +24,18 @@ use tokio::sync::Notify;
 /// process holds, and re-checks its abort flag.
 const POLL: Duration = Duration::from_millis(10);
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum LockError {
     #[error("timeout acquiring mutex")]
     Timeout,
     #[error("cancelled acquiring mutex")]
     Cancelled,
-    #[error("machine lock {path}: {reason}")]
-    Io { path: String, reason: String },
+    #[error("machine lock {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("invalid lock spec: {0}")]
     InvalidSpec(String),
 }
@@ -296,7 +300,7 @@ impl MachineLock {
 }
 
 fn io_error(path: &Path, e: std::io::Error) -> LockError {
-    LockError::Io { path: path.display().to_string(), reason: e.to_string() }
+    LockError::Io { path: path.display().to_string(), source: e }
 }
 
 fn holder_path(lock: &Path) -> PathBuf {

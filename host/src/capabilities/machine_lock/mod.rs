@@ -132,6 +132,18 @@ mod tests {
         MachineLock::new(dir, "machine-lock", "test-agent").unwrap()
     }
 
+    /// A lock that cannot be made says where, and keeps the OS error typed.
+    #[test]
+    fn a_lock_in_a_file_is_refused_with_its_io_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("not-a-dir");
+        std::fs::write(&file, "").unwrap();
+        let Err(err) = MachineLock::new(&file, "machine-lock", "test-agent") else { panic!("a lock inside a file") };
+        assert!(matches!(&err, LockError::Io { path, .. } if path.starts_with(&*file.to_string_lossy())), "{err}");
+        let source = std::error::Error::source(&err).expect("a source");
+        assert!(source.downcast_ref::<std::io::Error>().is_some(), "{source:?}");
+    }
+
     fn spec(worker: &str, timeout: Option<Duration>) -> Spec {
         Spec { worker: worker.into(), comment: "testing".into(), timeout, abort: None }
     }

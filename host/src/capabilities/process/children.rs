@@ -21,9 +21,35 @@ pub struct ChildRecord {
     pub log: String,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("child records: {0}")]
-pub struct RecordsError(pub String);
+/// The child records' storage failed; its cause is kept (the real store's
+/// `StoreError`) and is this error's `source()`.
+#[derive(Debug)]
+pub struct RecordsError {
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl std::fmt::Display for RecordsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "child records: {}", self.source)
+    }
+}
+
+impl std::error::Error for RecordsError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
+impl RecordsError {
+    pub fn new(source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        RecordsError { source: Box::new(source) }
+    }
+
+    /// What failed, as the storage said it.
+    pub fn cause(&self) -> &(dyn std::error::Error + Send + Sync) {
+        &*self.source
+    }
+}
 
 /// Storage of child records; the real one is in [`crate::store`]. A change
 /// is made when it is asked for (a future dropped unpolled still makes it)
@@ -152,6 +178,15 @@ impl LiveChildren {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The storage's own error stays reachable as the source, typed.
+    #[test]
+    fn a_records_error_keeps_its_cause() {
+        let err = RecordsError::new(std::io::Error::other("disk gone"));
+        assert_eq!(err.to_string(), "child records: disk gone");
+        let source = std::error::Error::source(&err).expect("a source");
+        assert!(source.downcast_ref::<std::io::Error>().is_some(), "{source:?}");
+    }
 
     #[test]
     fn reaping_leaves_no_zombie_and_keeps_the_status() {

@@ -34,7 +34,7 @@ impl HostProcesses {
 }
 
 fn records_failed(err: RecordsError) -> BrokerError {
-    BrokerError::Provider(err.0)
+    BrokerError::Provider(err.cause().to_string())
 }
 
 /// The confined command for a granted program: a program never runs on the host unconfined.
