@@ -1,4 +1,6 @@
-//! `provider.toml`: what a provider is, what it may do, and its limits.
+//! `provider.toml`: what a provider is, what it may do, and its limits; the
+//! most memory any guest may ask for; and what may be loaded from where
+//! (`check_loadable`: nothing from inside the providers' data dirs).
 //!
 //! ```toml
 //! name = "fake"

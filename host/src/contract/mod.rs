@@ -30,7 +30,7 @@ pub fn empty_params() -> StartInstanceParams {
     params_with(constraints::empty())
 }
 
-/// A DHCP ethernet interface `eth<n>` hanging off host device or bridge `parent`.
+/// A DHCP ethernet interface `eth0` (device index 0) hanging off host device or bridge `parent`.
 pub fn interface_on(parent: &str, mac: &str) -> crate::bindings::InterfaceInfo {
     use crate::bindings::{AddressConfigType, InterfaceInfo, InterfaceType};
     InterfaceInfo {

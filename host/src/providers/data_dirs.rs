@@ -1,6 +1,8 @@
-//! Where providers' data dirs are, and the rule that keeps them apart from
+//! Where providers' data dirs are (`DATA_DIR/data/<name>`, apart from
 //! everything the host loads: a guest can write its data dir, so a manifest or
-//! component there would let it grant itself anything.
+//! component there would let it grant itself anything — the rule itself is
+//! `manifest::check_loadable`), moving older hosts' data dirs out of the
+//! watched providers dir, and pinning approved manifests at start-up.
 
 use crate::manifest::Manifest;
 use crate::store::{Event, Store};

@@ -12,6 +12,7 @@ pub use rooms::{Linking, ROOMS, Room};
 pub use state::{HostCapabilities, HostState, ProviderCapabilities};
 
 use crate::capabilities;
+use crate::manifest::MAX_GUEST_MEMORY_BYTES;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,8 +21,6 @@ use wasmtime::{Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, P
 
 /// How often the epoch advances: a running guest yields to the executor this often.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
-
-use crate::manifest::MAX_GUEST_MEMORY_BYTES;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {

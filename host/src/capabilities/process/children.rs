@@ -22,7 +22,7 @@ pub struct ChildRecord {
 }
 
 /// The child records' storage failed; its cause is kept (the real store's
-/// `StoreError`) and is this error's `source()`.
+/// database or decoding error) and is this error's `source()`.
 #[derive(Debug)]
 pub struct RecordsError {
     source: Box<dyn std::error::Error + Send + Sync>,
