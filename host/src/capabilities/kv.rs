@@ -353,6 +353,8 @@ mod tests {
         kv: MemoryKv,
         persisted: Mutex<Vec<KvWrites>>,
         detached: Mutex<Vec<KvWrites>>,
+        /// Every persist fails, as on a full disk.
+        failing: bool,
     }
 
     impl KvBackend for Persisted {
@@ -369,6 +371,9 @@ mod tests {
             Box::pin(std::future::ready(self.persist_blocking(writes)))
         }
         fn persist_blocking(&self, writes: KvWrites) -> Result<(), KvError> {
+            if self.failing {
+                return Err(KvError::Storage("disk full".into()));
+            }
             self.persisted.lock().unwrap().push(writes);
             Ok(())
         }
@@ -417,36 +422,11 @@ mod tests {
         assert_eq!(detached.iter().map(keys).collect::<Vec<_>>(), [["c"]]);
     }
 
-    /// A kv whose commits fail: every persist is refused.
-    #[derive(Default)]
-    struct Failing(Persisted);
-
-    impl KvBackend for Failing {
-        fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError> {
-            self.0.get(namespace, key)
-        }
-        fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
-            self.0.scan_packed(namespace, prefix)
-        }
-        fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
-            self.0.apply(namespace, key, change)
-        }
-        fn persist(&self, _writes: KvWrites) -> BoxFuture<'static, Result<(), KvError>> {
-            Box::pin(std::future::ready(Err(KvError::Storage("disk full".into()))))
-        }
-        fn persist_blocking(&self, _writes: KvWrites) -> Result<(), KvError> {
-            Err(KvError::Storage("disk full".into()))
-        }
-        fn persist_detached(&self, writes: KvWrites) {
-            self.0.persist_detached(writes)
-        }
-    }
-
     /// A change whose commit fails is reported to the guest as applied but not
     /// durable, and stays noted, so the call's end (or a drop) tries it again.
     #[tokio::test]
     async fn a_failed_persist_is_reported_and_kept_for_the_call_end() {
-        let backend = Arc::new(Failing::default());
+        let backend = Arc::new(Persisted { failing: true, ..Persisted::default() });
         let mut kv = KvCtx::new("p".into(), backend.clone(), KvDurability::EachChange);
         let refused = kv.set("a".into(), b"1".to_vec()).await.unwrap().unwrap_err();
         assert!(

@@ -97,17 +97,15 @@ pub struct ProviderCapabilities {
     pub local_sockets: bool,
     /// The `[grants.http]` authorities (empty: every request is denied).
     pub http: Arc<HttpGrant>,
-    /// When its kv changes are made durable: at each change if anything it is
-    /// granted acts outside the store, else at the end of each call.
-    pub kv_durability: KvDurability,
 }
 
 impl ProviderCapabilities {
-    /// [`KvDurability::CallEnd`] unless a grant lets the provider act outside
-    /// the store (programs, sockets, bridges, outgoing HTTP): then what it
-    /// writes must be durable before the effect it describes happens.
-    pub fn kv_durability_for(process: bool, bridge: bool, local_sockets: bool, http: &HttpGrant) -> KvDurability {
-        match process || bridge || local_sockets || !http.is_empty() {
+    /// When its kv changes are made durable: [`KvDurability::CallEnd`] unless
+    /// a grant lets the provider act outside the store (programs, sockets,
+    /// bridges, outgoing HTTP): then what it writes must be durable before the
+    /// effect it describes happens.
+    pub fn kv_durability(&self) -> KvDurability {
+        match self.process.is_some() || self.bridge.is_some() || self.local_sockets || !self.http.is_empty() {
             true => KvDurability::EachChange,
             false => KvDurability::CallEnd,
         }
@@ -122,7 +120,7 @@ impl HostState {
         HostState {
             table: ResourceTable::new(),
             wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir),
-            kv: KvCtx::new(provider.clone(), host.kv.clone(), caps.kv_durability),
+            kv: KvCtx::new(provider.clone(), host.kv.clone(), caps.kv_durability()),
             log: LogCtx::new(provider.clone()),
             machine_lock: MachineLockCtx::new(host.machine_lock.clone(), denials.clone()),
             process: ProcessCtx::new(&provider, caps.process.clone(), host.processes.clone(), denials.clone()),

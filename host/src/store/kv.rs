@@ -148,7 +148,6 @@ impl KvBackend for RedbKv {
     }
 
     fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
-        change.check(key)?;
         let ns = self.namespace(namespace)?;
         let mut entries = ns.write().unwrap_or_else(|p| p.into_inner());
         apply_change(&mut entries, key, change)

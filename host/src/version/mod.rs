@@ -621,12 +621,6 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         Some(Arc::new(policy))
     };
     let host = HostCapabilities { machine_lock: host.machine_lock.filter(|_| grants.machine_lock), ..host };
-    let kv_durability = ProviderCapabilities::kv_durability_for(
-        process.is_some(),
-        grants.bridge.is_some(),
-        grants.local_sockets,
-        &grants.http,
-    );
     Ok(ProviderCapabilities {
         host,
         data_dir,
@@ -634,6 +628,5 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         bridge: grants.bridge.clone(),
         local_sockets: grants.local_sockets,
         http: Arc::new(grants.http.clone()),
-        kv_durability,
     })
 }
