@@ -48,7 +48,7 @@ impl Event {
 }
 
 /// Append `event` in `txn`, numbered after the last; its sequence number.
-pub(super) fn append(txn: &redb::WriteTransaction, event: &Event) -> Result<u64, StoreError> {
+pub(super) fn append(txn: &super::Txn<'_>, event: &Event) -> Result<u64, StoreError> {
     let mut table = txn.open_table(EVENTS).map_err(db_error)?;
     let next = table.last().map_err(db_error)?.map_or(1, |(k, _)| k.value() + 1);
     let stored = Event { seq: next, ..event.clone() };

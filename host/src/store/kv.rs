@@ -10,9 +10,9 @@
 //! to be persisted. (Namespaces are bounded by the quotas issue.)
 
 use super::writer::{Job, Pending, Reply, Writer};
-use super::{KV, StoreError, db_error};
+use super::{KV, StoreError, Txn, db_error};
 use crate::capabilities::kv::{KvBackend, KvChange, KvChanged, KvError, KvWrites, apply_change, pack_prefix};
-use redb::{Database, ReadableDatabase, WriteTransaction};
+use redb::{Database, ReadableDatabase};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 
@@ -105,7 +105,7 @@ struct Persist {
 }
 
 impl Job for Persist {
-    fn apply(&mut self, txn: &WriteTransaction) -> Result<(), StoreError> {
+    fn apply(&mut self, txn: &Txn<'_>) -> Result<(), StoreError> {
         let mut table = txn.open_table(KV).map_err(db_error)?;
         let name = &*self.writes.namespace;
         for key in &self.writes.keys {

@@ -3,18 +3,23 @@
 //!
 //! redb is ACID with copy-on-write pages and a checksummed commit, so a crash
 //! mid-write leaves the previous committed state; it is pure Rust (no C
-//! toolchain), and one file per host is all the host needs.
+//! toolchain), and one file per host is all the host needs. Beside it,
+//! `state.wal` makes each batch of writes durable with one small append
+//! ([`wal`]); redb's own sync runs only at checkpoints.
 
 mod events;
 mod kv;
 pub mod records;
 mod sandbox_users;
+mod wal;
 mod writer;
 
 pub use events::Event;
 
 pub use kv::RedbKv;
 pub use records::{InstanceRecord, ObservedNetwork, ProviderRecord};
+pub(crate) use wal::Txn;
+pub use wal::WalError;
 pub use writer::Pending;
 
 use crate::capabilities::kv::KvWrites;
@@ -59,6 +64,8 @@ pub enum StoreError {
         #[source]
         source: Arc<serde_json::Error>,
     },
+    #[error(transparent)]
+    Log(Arc<WalError>),
     /// A write that panicked fails alone; the writer serves on.
     #[error("state database: a write panicked while it was applied")]
     WritePanicked,
@@ -87,15 +94,24 @@ pub struct Store {
 }
 
 impl Store {
-    /// Open (or create) the state file; the data dir is created if missing.
+    /// Open (or create) the state file and its write-ahead log, applying what
+    /// the log holds beyond the file's last checkpoint; the data dir is
+    /// created if missing.
     pub fn open(data_dir: &Path) -> Result<Store, StoreError> {
+        Self::open_with(data_dir, wal::Checkpoints::default())
+    }
+
+    fn open_with(data_dir: &Path, checkpoints: wal::Checkpoints) -> Result<Store, StoreError> {
         let open_error = |source: redb::Error| StoreError::Open {
             path: data_dir.join("state.redb").display().to_string(),
             source: Arc::new(source),
         };
+        let log_error = |error: WalError| StoreError::Log(Arc::new(error));
         std::fs::create_dir_all(data_dir).map_err(|e| open_error(redb::Error::Io(e)))?;
         let db = Database::create(data_dir.join("state.redb")).map_err(|e| open_error(e.into()))?;
+        let mut wal = wal::Wal::open(&data_dir.join("state.wal"), checkpoints).map_err(log_error)?;
         let txn = db.begin_write().map_err(db_error)?;
+        let replayed = wal.replay(|table, key, value| replay_change(&txn, table, key, value)).map_err(log_error)?;
         txn.open_table(PROVIDERS).map_err(db_error)?;
         txn.open_table(INSTANCES).map_err(db_error)?;
         txn.open_table(KV).map_err(db_error)?;
@@ -104,8 +120,13 @@ impl Store {
         txn.open_table(events::EVENTS).map_err(db_error)?;
         index_instance_ids(&txn)?;
         txn.commit().map_err(db_error)?;
+        if replayed > 0 {
+            tracing::info!(frames = replayed, "applied the writes the log held beyond the last checkpoint");
+        }
+        // What was replayed is in the state file now.
+        wal.restart().map_err(log_error)?;
         let db = Arc::new(db);
-        let writer = Arc::new(writer::Writer::start(db.clone()).map_err(|e| open_error(redb::Error::Io(e)))?);
+        let writer = Arc::new(writer::Writer::start(db.clone(), wal).map_err(|e| open_error(redb::Error::Io(e)))?);
         let kv = Arc::new(RedbKv::new(db.clone(), writer.clone()));
         Ok(Store { kv, writer, db, data_dir: data_dir.to_owned() })
     }
@@ -114,7 +135,7 @@ impl Store {
     fn write<R, F>(&self, op: F) -> Pending<R>
     where
         R: Send + 'static,
-        F: FnMut(&redb::WriteTransaction) -> Result<R, StoreError> + Send + 'static,
+        F: FnMut(&Txn<'_>) -> Result<R, StoreError> + Send + 'static,
     {
         Pending::new(&self.writer, op)
     }
@@ -299,6 +320,26 @@ fn index_instance_ids(txn: &redb::WriteTransaction) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Apply a change the log holds to the table it names. Every table the
+/// writer writes is here; a name the log holds and this host does not know
+/// (a log of a newer host) stops the open rather than dropping the change.
+fn replay_change(txn: &redb::WriteTransaction, table: &str, key: &[u8], value: Option<&[u8]>) -> Result<(), String> {
+    use redb::TableHandle;
+    match table {
+        t if t == PROVIDERS.name() => wal::replay_into(txn, PROVIDERS, key, value),
+        t if t == INSTANCES.name() => wal::replay_into(txn, INSTANCES, key, value),
+        t if t == INSTANCE_IDS.name() => wal::replay_into(txn, INSTANCE_IDS, key, value),
+        t if t == KV.name() => wal::replay_into(txn, KV, key, value),
+        t if t == OBSERVED_NETWORK.name() => wal::replay_into(txn, OBSERVED_NETWORK, key, value),
+        t if t == CHILDREN.name() => wal::replay_into(txn, CHILDREN, key, value),
+        t if t == events::EVENTS.name() => wal::replay_into(txn, events::EVENTS, key, value),
+        t if t == sandbox_users::SANDBOX_USERS.name() => {
+            wal::replay_into(txn, sandbox_users::SANDBOX_USERS, key, value)
+        }
+        other => Err(format!("a change to table {other:?}, which this host does not have")),
+    }
+}
+
 fn decode<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, StoreError> {
     serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt { what, source: Arc::new(e) })
 }
@@ -398,6 +439,137 @@ mod tests {
         store.remove_instances("fake", &["fake-0".into()]).wait().unwrap();
         assert_eq!(store.owner_of("fake-0").unwrap(), None);
         assert_eq!(put("hostile", "fake-0"), None);
+    }
+
+    /// No checkpoint for the life of a test: every write is only in the log
+    /// (and in redb's non-durable commits) until the store closes.
+    fn open_uncheckpointed(dir: &Path) -> Store {
+        let never = wal::Checkpoints { bytes: u64::MAX, age: std::time::Duration::from_secs(3600) };
+        Store::open_with(dir, never).unwrap()
+    }
+
+    /// What a crash of the host leaves: the files as the kernel holds them,
+    /// taken while the store is still open (`with_log`: the log too).
+    fn crash_image(store: &Store, with_log: bool) -> tempfile::TempDir {
+        let image = tempfile::tempdir().unwrap();
+        std::fs::copy(store.data_dir.join("state.redb"), image.path().join("state.redb")).unwrap();
+        if with_log {
+            std::fs::copy(store.data_dir.join("state.wal"), image.path().join("state.wal")).unwrap();
+        }
+        image
+    }
+
+    /// Every table the writer writes, written once and answered, then the host
+    /// "crashes" before a checkpoint: the log brings each write back. Without
+    /// the log the same image has none of them (so the test sees the replay).
+    #[test]
+    fn writes_answered_before_a_crash_survive_it_through_the_log() {
+        use crate::capabilities::kv::KvBackend;
+        use crate::sandbox::UidAllocations;
+        let dir = tempfile::tempdir().unwrap();
+        let store = open_uncheckpointed(dir.path());
+        let provider = ProviderRecord {
+            name: "fake".into(),
+            manifest: "/m/fake.toml".into(),
+            component_sha256: "ab".repeat(32),
+            version: "1".into(),
+            added: String::new(),
+            component: None,
+            approved_manifest: None,
+        };
+        store.put_provider(&provider, &Event::new("added", "fake")).wait().unwrap();
+        store.put_new_instance(&record("fake", "fake-0")).wait().unwrap();
+        store.put_new_instance(&record("fake", "fake-1")).wait().unwrap();
+        store.remove_instances("fake", &["fake-1".into()]).wait().unwrap();
+        store.kv().set("fake", "k", b"v").unwrap();
+        store.kv().set("fake", "gone", b"x").unwrap();
+        assert!(store.kv().delete("fake", "gone").unwrap());
+        let child = ChildRecord {
+            provider: "kvm".into(),
+            name: "vm0".into(),
+            pid: 7,
+            start_time: 9,
+            program: "qemu".into(),
+            args: vec![],
+            log: String::new(),
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        runtime.block_on(store.child_records().put(&child)).unwrap();
+        store.put_observed_network(&[]).wait().unwrap();
+        let uid = store.uid_for("kvm", 70_000).unwrap();
+
+        let without_log = crash_image(&store, false);
+        let with_log = crash_image(&store, true);
+        let check = |image: &Path, expect: bool| {
+            let opened = Store::open(image).unwrap();
+            assert_eq!(opened.provider("fake").unwrap().is_some(), expect, "provider");
+            assert_eq!(opened.events(0, 10).unwrap().len(), usize::from(expect), "event");
+            let ids: Vec<String> = opened.instances(None).unwrap().into_iter().map(|r| r.id).collect();
+            assert_eq!(ids, if expect { vec!["fake-0".to_owned()] } else { vec![] }, "instances");
+            assert_eq!(opened.owner_of("fake-1").unwrap(), None);
+            assert_eq!(opened.owner_of("fake-0").unwrap().is_some(), expect, "id index");
+            assert_eq!(opened.kv().get("fake", "k").unwrap(), expect.then(|| b"v".to_vec()), "kv");
+            assert_eq!(opened.kv().get("fake", "gone").unwrap(), None);
+            assert_eq!(opened.child_records().get("kvm", "vm0").unwrap().is_some(), expect, "child");
+            assert_eq!(opened.observed_network().unwrap().is_some(), expect, "observed network");
+            // The uid is the provider's for good: after the replay it is handed out again only to it.
+            assert_eq!(opened.uid_for("other", 70_000).unwrap() != uid, expect, "sandbox users");
+        };
+        check(with_log.path(), true);
+        check(without_log.path(), false);
+        // A replayed log is checkpointed on open: the state file alone holds it now.
+        let reopened = crash_image(&Store::open(with_log.path()).unwrap(), false);
+        check(reopened.path(), true);
+        // Closing checkpoints too.
+        drop(store);
+        let closed = tempfile::tempdir().unwrap();
+        std::fs::copy(dir.path().join("state.redb"), closed.path().join("state.redb")).unwrap();
+        check(closed.path(), true);
+    }
+
+    /// A crash mid-append leaves a torn last frame: it is dropped (its write was
+    /// never answered), and every frame before it is applied.
+    #[test]
+    fn a_torn_last_frame_is_dropped_and_the_frames_before_it_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open_uncheckpointed(dir.path());
+        store.put_new_instance(&record("fake", "fake-0")).wait().unwrap();
+        store.put_new_instance(&record("fake", "fake-1")).wait().unwrap();
+        let image = crash_image(&store, true);
+        let log = image.path().join("state.wal");
+        let len = std::fs::metadata(&log).unwrap().len();
+        std::fs::OpenOptions::new().write(true).open(&log).unwrap().set_len(len - 3).unwrap();
+        let opened = Store::open(image.path()).unwrap();
+        let ids: Vec<String> = opened.instances(None).unwrap().into_iter().map(|r| r.id).collect();
+        assert_eq!(ids, ["fake-0"]);
+        // The new generation starts clean: what follows is kept and the torn frame stays gone.
+        opened.put_new_instance(&record("fake", "fake-2")).wait().unwrap();
+        let again = crash_image(&opened, true);
+        let ids: Vec<String> =
+            Store::open(again.path()).unwrap().instances(None).unwrap().into_iter().map(|r| r.id).collect();
+        assert_eq!(ids, ["fake-0", "fake-2"]);
+    }
+
+    /// A log that is not one this host wrote, or not a file, stops the open
+    /// with what is wrong, and touches nothing.
+    #[test]
+    fn a_bad_log_is_refused_with_a_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("state.wal");
+        std::fs::write(&log, vec![0x5a; 8192]).unwrap();
+        let err = Store::open(dir.path()).err().expect("a corrupt header is refused");
+        assert!(err.to_string().contains("corrupt header") && err.to_string().contains("Move it aside"), "{err}");
+        assert_eq!(std::fs::read(&log).unwrap(), vec![0x5a; 8192], "the log is left as it was");
+
+        std::fs::remove_file(&log).unwrap();
+        nix::unistd::mkfifo(&log, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let err = Store::open(dir.path()).err().expect("a FIFO is refused");
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+
+        std::fs::remove_file(&log).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &log).unwrap();
+        let err = Store::open(dir.path()).err().expect("a symlink is not followed");
+        assert!(err.to_string().contains("state.wal"), "{err}");
     }
 
     /// A state file from before the id index: the index is made from the records

@@ -5,7 +5,7 @@ use super::{Store, db_error};
 use redb::{ReadableTable, TableDefinition};
 
 /// Provider name -> uid; the key `""` holds the next uid to hand out.
-const SANDBOX_USERS: TableDefinition<&str, u32> = TableDefinition::new("sandbox_users");
+pub(super) const SANDBOX_USERS: TableDefinition<&str, u32> = TableDefinition::new("sandbox_users");
 
 impl crate::sandbox::UidAllocations for Store {
     fn uid_for(&self, provider: &str, base: u32) -> Result<u32, String> {

@@ -7,11 +7,14 @@
 //!
 //! A batch is whatever queued while the previous commit ran: no timer, so a
 //! lone write commits at once and a busy store commits in bigger batches.
+//! A batch is durable once its frame is in the write-ahead log ([`super::wal`]);
+//! redb commits it without a sync, except at a checkpoint.
 
 use super::StoreError;
-use redb::{Database, WriteTransaction};
+use super::wal::{Txn, Wal};
+use redb::{Database, Durability};
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 
 /// Writes applied in one transaction at most; the rest wait for the next.
 const MAX_BATCH: usize = 1024;
@@ -22,7 +25,7 @@ pub(crate) trait Job: Send {
     /// refusal the caller should see, like an id taken, is an `Ok` answer);
     /// it aborts the batch, whose jobs are then applied again one per
     /// transaction, so only the job that failed fails.
-    fn apply(&mut self, txn: &WriteTransaction) -> Result<(), StoreError>;
+    fn apply(&mut self, txn: &Txn<'_>) -> Result<(), StoreError>;
     /// Answer the caller with how its transaction ended. Called on the writer
     /// thread, in the order the jobs were queued.
     fn finish(self: Box<Self>, committed: Result<(), StoreError>);
@@ -52,8 +55,8 @@ struct Op<R, F> {
     reply: Reply<Result<R, StoreError>>,
 }
 
-impl<R: Send, F: FnMut(&WriteTransaction) -> Result<R, StoreError> + Send> Job for Op<R, F> {
-    fn apply(&mut self, txn: &WriteTransaction) -> Result<(), StoreError> {
+impl<R: Send, F: FnMut(&Txn<'_>) -> Result<R, StoreError> + Send> Job for Op<R, F> {
+    fn apply(&mut self, txn: &Txn<'_>) -> Result<(), StoreError> {
         self.result = Some((self.op)(txn)?);
         Ok(())
     }
@@ -79,7 +82,7 @@ type MakeJob<T> = Box<dyn FnOnce(Reply<Result<T, StoreError>>) -> Box<dyn Job> +
 impl<T: Send + 'static> Pending<T> {
     pub(crate) fn new<F>(writer: &Arc<Writer>, op: F) -> Pending<T>
     where
-        F: FnMut(&WriteTransaction) -> Result<T, StoreError> + Send + 'static,
+        F: FnMut(&Txn<'_>) -> Result<T, StoreError> + Send + 'static,
     {
         Self::with_job(writer, move |reply| Box::new(Op { op, result: None, reply }))
     }
@@ -128,7 +131,7 @@ struct Joined {
 }
 
 impl Job for Joined {
-    fn apply(&mut self, txn: &WriteTransaction) -> Result<(), StoreError> {
+    fn apply(&mut self, txn: &Txn<'_>) -> Result<(), StoreError> {
         self.first.apply(txn)?;
         self.then.apply(txn)
     }
@@ -152,9 +155,10 @@ pub(crate) struct Writer {
 }
 
 impl Writer {
-    pub(crate) fn start(db: Arc<Database>) -> std::io::Result<Writer> {
+    pub(crate) fn start(db: Arc<Database>, mut wal: Wal) -> std::io::Result<Writer> {
         let (queue, jobs) = std::sync::mpsc::channel();
-        let thread = std::thread::Builder::new().name("broker-store-writer".into()).spawn(move || run(&db, &jobs))?;
+        let thread =
+            std::thread::Builder::new().name("broker-store-writer".into()).spawn(move || run(&db, &mut wal, &jobs))?;
         Ok(Writer { queue: std::sync::Mutex::new(Some(queue)), thread: std::sync::Mutex::new(Some(thread)) })
     }
 
@@ -190,13 +194,26 @@ impl Drop for Writer {
     }
 }
 
-fn run(db: &Database, jobs: &Receiver<Message>) {
+fn run(db: &Database, wal: &mut Wal, jobs: &Receiver<Message>) {
     let mut batch: Vec<Box<dyn Job>> = Vec::new();
     let mut stopping = false;
     while !stopping {
-        match jobs.recv() {
+        // Idle with frames in the log: checkpoint when they come of age, so a
+        // quiet host's state file holds everything and its log is empty.
+        let first = match wal.idle_for() {
+            Some(wait) => match jobs.recv_timeout(wait) {
+                Ok(message) => Ok(message),
+                Err(RecvTimeoutError::Timeout) => {
+                    checkpoint(db, wal);
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => Err(()),
+            },
+            None => jobs.recv().map_err(drop),
+        };
+        match first {
             Ok(Message::Job(job)) => batch.push(job),
-            Ok(Message::Stop) | Err(_) => break,
+            Ok(Message::Stop) | Err(()) => break,
         }
         while batch.len() < MAX_BATCH {
             match jobs.try_recv() {
@@ -208,15 +225,35 @@ fn run(db: &Database, jobs: &Receiver<Message>) {
                 Err(_) => break,
             }
         }
-        commit(db, std::mem::take(&mut batch));
+        commit(db, wal, std::mem::take(&mut batch));
+    }
+    checkpoint(db, wal);
+}
+
+/// Make the state file hold every logged write (an empty transaction with
+/// redb's durability), then start the log afresh.
+fn checkpoint(db: &Database, wal: &mut Wal) {
+    let _span = tracing::debug_span!("store_checkpoint").entered();
+    let committed = db.begin_write().map_err(redb::Error::from).and_then(|txn| txn.commit().map_err(redb::Error::from));
+    match committed {
+        Ok(()) => {
+            if let Err(error) = wal.restart() {
+                // The frames stay: replayed on open, they change nothing.
+                tracing::warn!(%error, "the write-ahead log could not be restarted after a checkpoint");
+            }
+        }
+        Err(error) => {
+            tracing::error!(%error, "a checkpoint of the state file failed; the log keeps the writes");
+            wal.postpone();
+        }
     }
 }
 
 /// Apply and commit a batch; on a failure, each job again in its own
 /// transaction.
-fn commit(db: &Database, mut batch: Vec<Box<dyn Job>>) {
+fn commit(db: &Database, wal: &mut Wal, mut batch: Vec<Box<dyn Job>>) {
     let _span = tracing::debug_span!("store_commit", writes = batch.len()).entered();
-    let outcome = apply_all(db, &mut batch);
+    let outcome = apply_all(db, wal, &mut batch);
     if outcome.is_ok() || batch.len() == 1 {
         for job in batch {
             finish(job, outcome.clone());
@@ -224,20 +261,42 @@ fn commit(db: &Database, mut batch: Vec<Box<dyn Job>>) {
         return;
     }
     for mut job in batch {
-        let alone = apply_all(db, std::slice::from_mut(&mut job));
+        let alone = apply_all(db, wal, std::slice::from_mut(&mut job));
         finish(job, alone);
     }
 }
 
-fn apply_all(db: &Database, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
-    let txn = db.begin_write().map_err(super::db_error)?;
+/// One transaction: the jobs applied, their changes logged and synced, then
+/// committed (with redb's own sync only at a checkpoint).
+fn apply_all(db: &Database, wal: &mut Wal, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
+    let mut txn = db.begin_write().map_err(super::db_error)?;
+    let checkpoint = wal.checkpoint_due();
+    if !checkpoint {
+        txn.set_durability(Durability::None).map_err(super::db_error)?;
+    }
+    let logged = Txn::new(&txn);
     for job in batch.iter_mut() {
         // A job that panics fails (its batch, then itself alone), not the writer:
         // the writer serves every provider. Dropping the transaction aborts it.
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.apply(&txn)))
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.apply(&logged)))
             .unwrap_or_else(|_| Err(StoreError::WritePanicked))?;
     }
-    txn.commit().map_err(super::db_error)
+    let changes = logged.into_changes();
+    if !changes.is_empty() {
+        // Logged (and synced) before the commit: a reader never sees a write
+        // that a crash could take back.
+        wal.append(&changes).map_err(|e| StoreError::Log(Arc::new(e)))?;
+    }
+    if let Err(error) = txn.commit() {
+        if !changes.is_empty() {
+            wal.retract(changes.len());
+        }
+        return Err(super::db_error(error));
+    }
+    if checkpoint && let Err(error) = wal.restart() {
+        tracing::warn!(%error, "the write-ahead log could not be restarted after a checkpoint");
+    }
+    Ok(())
 }
 
 /// Answer a job; a panic in its answer is its own.
@@ -254,7 +313,7 @@ mod tests {
 
     const T: TableDefinition<u64, u64> = TableDefinition::new("t");
 
-    fn put(key: u64, value: u64) -> impl FnMut(&WriteTransaction) -> Result<u64, StoreError> + Send + 'static {
+    fn put(key: u64, value: u64) -> impl FnMut(&Txn<'_>) -> Result<u64, StoreError> + Send + 'static {
         move |txn| {
             if value == u64::MAX {
                 let refusal = serde_json::from_str::<u64>("refused on purpose").unwrap_err();
@@ -263,6 +322,10 @@ mod tests {
             txn.open_table(T).map_err(super::super::db_error)?.insert(key, value).map_err(super::super::db_error)?;
             Ok(key)
         }
+    }
+
+    fn wal(dir: &std::path::Path) -> Wal {
+        Wal::open(&dir.join("wal"), super::super::wal::Checkpoints::default()).unwrap()
     }
 
     fn value(db: &Database, key: u64) -> Option<u64> {
@@ -275,7 +338,7 @@ mod tests {
     async fn concurrent_writes_commit_together_and_one_failure_fails_only_itself() {
         let dir = tempfile::tempdir().unwrap();
         let db = Arc::new(Database::create(dir.path().join("db")).unwrap());
-        let writer = Arc::new(Writer::start(db.clone()).unwrap());
+        let writer = Arc::new(Writer::start(db.clone(), wal(dir.path())).unwrap());
         let tasks: Vec<_> = (0..200u64)
             .map(|n| {
                 let writer = writer.clone();
@@ -299,7 +362,7 @@ mod tests {
         }
         assert_eq!(Pending::new(&writer, put(1000, 1)).wait().unwrap(), 1000);
         // A write that panics fails alone; the writer serves on.
-        let panicked = Pending::new(&writer, |_: &WriteTransaction| -> Result<(), StoreError> { panic!("on purpose") });
+        let panicked = Pending::new(&writer, |_: &Txn<'_>| -> Result<(), StoreError> { panic!("on purpose") });
         assert!(matches!(panicked.wait(), Err(StoreError::WritePanicked)));
         assert_eq!(Pending::new(&writer, put(1003, 3)).await.unwrap(), 1003);
         assert_eq!(value(&db, 1003), Some(3));
@@ -316,7 +379,7 @@ mod tests {
     fn joined_writes_commit_together_or_not_at_all() {
         let dir = tempfile::tempdir().unwrap();
         let db = Arc::new(Database::create(dir.path().join("db")).unwrap());
-        let writer = Arc::new(Writer::start(db.clone()).unwrap());
+        let writer = Arc::new(Writer::start(db.clone(), wal(dir.path())).unwrap());
         let first = |key| -> (Box<dyn Job>, std::sync::mpsc::Receiver<Result<u64, StoreError>>) {
             let (reply, answer) = std::sync::mpsc::sync_channel(1);
             (Box::new(Op { op: put(key, 1), result: None, reply: Reply::Thread(reply) }), answer)
