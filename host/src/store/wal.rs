@@ -17,9 +17,21 @@
 //! ends. A torn last frame (a crash mid-append) fails its checksum and ends
 //! the replay: its writes were never answered.
 //!
-//! Layout: a header at 0 (magic, generation, CRC-32 of both), frames from
-//! [`FRAMES_AT`]: length, generation, CRC-32 of generation and payload, then
-//! the payload — changes, each a table name, a key and a value or none.
+//! Layout: a header at 0 (magic, generation, a random salt, CRC-32 of the
+//! three), frames from [`FRAMES_AT`]: length, generation, CRC-32, then the
+//! payload — changes, each a table name, a key and a value or none. A frame's
+//! CRC covers the salt and the frame's offset as well as its bytes: a restart
+//! does not erase the file, and the bytes past the last frame (older frames,
+//! holding values a provider chose) must never read as a frame of the
+//! current generation. A provider cannot know the salt of a generation that
+//! starts after its value was written, nor make its bytes valid at another
+//! offset. (Version 1 logs, without salt, are replayed once and then
+//! restarted as version 2.)
+//!
+//! Any failure of the log (a write, a sync, an erase, a new header) leaves
+//! it *unsettled*: what the file holds is no longer known, so nothing more is
+//! appended until a checkpoint and a new generation succeed, and until then
+//! writes are refused with the error that stopped them.
 
 use nix::fcntl::OFlag;
 use redb::{Key, TableDefinition, TableError, TableHandle, Value, WriteTransaction};
@@ -31,11 +43,16 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-const MAGIC: &[u8; 8] = b"BRKRWAL1";
-const HEADER_LEN: usize = 20;
+const MAGIC: &[u8; 8] = b"BRKRWAL2";
+/// Magic, generation, salt, CRC-32.
+const HEADER_LEN: usize = 28;
+const MAGIC_V1: &[u8; 8] = b"BRKRWAL1";
+/// Magic, generation, CRC-32.
+const V1_HEADER_LEN: usize = 20;
 /// Where frames begin: the header has a block of its own.
 pub(crate) const FRAMES_AT: u64 = 4096;
-const FRAME_HEADER_LEN: usize = 16;
+/// Length, generation, CRC-32.
+pub(crate) const FRAME_HEADER_LEN: usize = 16;
 
 const PUT: u8 = 1;
 const REMOVE: u8 = 2;
@@ -77,15 +94,28 @@ pub enum WalError {
     CorruptFrame { path: String, offset: u64, reason: String },
 }
 
+/// How the frames of the header's generation are checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    /// CRC-32 of generation and payload.
+    V1,
+    /// CRC-32 of salt, offset, length, generation and payload.
+    V2 { salt: u64 },
+}
+
 /// The log file and where the next frame goes.
 pub(crate) struct Wal {
     file: File,
     path: PathBuf,
     generation: u64,
+    format: Format,
     /// Where the next frame is written.
     end: u64,
-    /// When the first frame since the last checkpoint was written.
+    /// When the first frame since the last checkpoint was written (or, when
+    /// unsettled, when settling it was last tried).
     oldest: Option<Instant>,
+    /// A write to the file failed: see the module's doc.
+    unsettled: bool,
     checkpoints: Checkpoints,
 }
 
@@ -107,24 +137,42 @@ impl Wal {
         if !meta.file_type().is_file() {
             return Err(WalError::NotAFile { path: shown() });
         }
-        let mut wal = Wal { file, path: path.to_owned(), generation: 0, end: FRAMES_AT, oldest: None, checkpoints };
-        if meta.len() < HEADER_LEN as u64 {
+        let mut wal = Wal {
+            file,
+            path: path.to_owned(),
+            generation: 0,
+            format: Format::V1,
+            end: FRAMES_AT,
+            oldest: None,
+            unsettled: false,
+            checkpoints,
+        };
+        if meta.len() < V1_HEADER_LEN as u64 {
             // New, or made by a crash before its header landed: nothing was logged in it.
             wal.write_header(1).map_err(io_error)?;
+            // The file's name must survive a crash as well as its bytes.
+            let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            File::open(dir).and_then(|d| d.sync_all()).map_err(io_error)?;
             return Ok(wal);
         }
         let mut header = [0u8; HEADER_LEN];
-        wal.file.read_exact_at(&mut header, 0).map_err(io_error)?;
-        let crc = u32::from_le_bytes(header[16..20].try_into().unwrap_or_default());
-        if &header[..8] != MAGIC || crc32fast::hash(&header[..16]) != crc {
+        let read = (meta.len() as usize).min(HEADER_LEN);
+        wal.file.read_exact_at(&mut header[..read], 0).map_err(io_error)?;
+        let word = |at: usize| u64::from_le_bytes(header[at..at + 8].try_into().unwrap_or_default());
+        let crc_at = |at: usize| u32::from_le_bytes(header[at..at + 4].try_into().unwrap_or_default());
+        wal.generation = word(8);
+        wal.format = if &header[..8] == MAGIC && read == HEADER_LEN && crc32fast::hash(&header[..24]) == crc_at(24) {
+            Format::V2 { salt: word(16) }
+        } else if &header[..8] == MAGIC_V1 && crc32fast::hash(&header[..16]) == crc_at(16) {
+            Format::V1
+        } else {
             return Err(WalError::CorruptHeader { path: shown() });
-        }
-        wal.generation = u64::from_le_bytes(header[8..16].try_into().unwrap_or_default());
+        };
         Ok(wal)
     }
 
     /// Each frame of the current generation, in order, until the first that
-    /// is torn or of an older generation; the next frame goes after the last.
+    /// is torn or not of this generation; the next frame goes after the last.
     pub(crate) fn replay(
         &mut self,
         mut apply: impl FnMut(&str, &[u8], Option<&[u8]>) -> Result<(), String>,
@@ -144,10 +192,7 @@ impl Wal {
             }
             let mut payload = vec![0u8; size as usize];
             self.file.read_exact_at(&mut payload, body).map_err(|source| self.io_error(source))?;
-            let mut hasher = crc32fast::Hasher::new();
-            hasher.update(&header[4..12]);
-            hasher.update(&payload);
-            if hasher.finalize() != crc {
+            if self.frame_crc(at, &header, &payload) != crc {
                 tracing::warn!(path = %self.path.display(), offset = at, "the log ends in a torn frame; its writes were never answered");
                 break;
             }
@@ -165,39 +210,66 @@ impl Wal {
         Ok(frames)
     }
 
-    /// Write a frame of `changes` and make it durable.
-    pub(crate) fn append(&mut self, changes: &[u8]) -> Result<(), WalError> {
-        let size = u32::try_from(changes.len())
-            .map_err(|_| self.io_error(io::Error::new(io::ErrorKind::InvalidInput, "a batch of over 4 GiB")))?;
-        let generation = self.generation.to_le_bytes();
+    fn frame_crc(&self, at: u64, header: &[u8], payload: &[u8]) -> u32 {
         let mut hasher = crc32fast::Hasher::new();
-        hasher.update(&generation);
-        hasher.update(changes);
-        let mut frame = Vec::with_capacity(FRAME_HEADER_LEN + changes.len());
-        frame.extend_from_slice(&size.to_le_bytes());
-        frame.extend_from_slice(&generation);
-        frame.extend_from_slice(&hasher.finalize().to_le_bytes());
-        frame.extend_from_slice(changes);
-        self.file.write_all_at(&frame, self.end).map_err(|source| self.io_error(source))?;
-        self.file.sync_data().map_err(|source| self.io_error(source))?;
+        match self.format {
+            Format::V1 => hasher.update(&header[4..12]),
+            Format::V2 { salt } => {
+                hasher.update(&salt.to_le_bytes());
+                hasher.update(&at.to_le_bytes());
+                hasher.update(&header[..12]);
+            }
+        }
+        hasher.update(payload);
+        hasher.finalize()
+    }
+
+    /// Write `frame` (a [`Txn`]'s, its header still to fill) and make it
+    /// durable. Refused while the log is unsettled.
+    pub(crate) fn append(&mut self, frame: &mut [u8]) -> Result<(), WalError> {
+        if self.unsettled {
+            return Err(self.io_error(io::Error::other("an earlier write to the log failed; it is not yet restarted")));
+        }
+        let (header, payload) = frame.split_at_mut(FRAME_HEADER_LEN);
+        let size = u32::try_from(payload.len())
+            .map_err(|_| self.io_error(io::Error::new(io::ErrorKind::InvalidInput, "a batch of over 4 GiB")))?;
+        header[..4].copy_from_slice(&size.to_le_bytes());
+        header[4..12].copy_from_slice(&self.generation.to_le_bytes());
+        let crc = self.frame_crc(self.end, header, payload);
+        header[12..16].copy_from_slice(&crc.to_le_bytes());
+        let written = self.file.write_all_at(frame, self.end).and_then(|()| self.file.sync_data());
+        if let Err(source) = written {
+            // The frame may be on disk, whole or in part, though its batch fails.
+            self.unsettle();
+            return Err(self.io_error(source));
+        }
         self.end += frame.len() as u64;
         self.oldest.get_or_insert_with(Instant::now);
         Ok(())
     }
 
-    /// Undo the last [`Wal::append`] of `len` bytes of changes: its
-    /// transaction did not commit, so it must not be replayed.
+    /// Undo the last [`Wal::append`] of a `len`-byte frame: its transaction
+    /// did not commit, so it must not be replayed.
     pub(crate) fn retract(&mut self, len: usize) {
-        let at = self.end - (FRAME_HEADER_LEN + len) as u64;
-        let erased = self.file.write_all_at(&[0u8; 4], at).and_then(|()| self.file.sync_data());
-        match erased {
-            Ok(()) => self.end = at,
-            // The frame stays: replaying it applies writes that were answered
-            // with an error. Said, since nothing better can be done.
-            Err(error) => {
-                tracing::error!(path = %self.path.display(), %error, "a frame whose commit failed could not be erased")
-            }
+        self.end -= len as u64;
+        let erased = self.file.write_all_at(&[0u8; 4], self.end).and_then(|()| self.file.sync_data());
+        if let Err(error) = erased {
+            // Until a new generation starts, a crash would replay writes that
+            // were answered with an error.
+            tracing::error!(path = %self.path.display(), %error, "a frame whose commit failed could not be erased");
+            self.unsettle();
         }
+    }
+
+    /// Whether nothing may be appended until a checkpoint and [`Wal::restart`].
+    pub(crate) fn unsettled(&self) -> bool {
+        self.unsettled
+    }
+
+    pub(super) fn unsettle(&mut self) {
+        self.unsettled = true;
+        // Settling is tried at the next batch, or when idle after `age`.
+        self.oldest.get_or_insert_with(Instant::now);
     }
 
     /// Whether the next batch should be a checkpoint.
@@ -211,36 +283,55 @@ impl Wal {
         self.oldest.map(|t| self.checkpoints.age.saturating_sub(t.elapsed()))
     }
 
-    /// A checkpoint failed: try again after another `age`, not at once (the
-    /// idle writer would spin on a failing disk).
+    /// A checkpoint (or the restart after it) failed: try again after
+    /// another `age`, not at once (the idle writer would spin on a failing disk).
     pub(crate) fn postpone(&mut self) {
         if self.oldest.is_some() {
             self.oldest = Some(Instant::now());
         }
     }
 
-    /// After a checkpoint (a commit durable in the state file): start a new generation.
+    /// After a checkpoint (a commit durable in the state file): start a new
+    /// generation, which settles the log. A failure leaves it unsettled: the
+    /// header on disk may be the old or the new one.
     pub(crate) fn restart(&mut self) -> Result<(), WalError> {
-        if self.end == FRAMES_AT && self.oldest.is_none() {
+        let settled = !self.unsettled && matches!(self.format, Format::V2 { .. });
+        if settled && self.end == FRAMES_AT && self.oldest.is_none() {
             return Ok(());
         }
-        self.write_header(self.generation + 1).map_err(|source| self.io_error(source))
+        self.write_header(self.generation + 1).map_err(|source| {
+            self.unsettle();
+            self.postpone();
+            self.io_error(source)
+        })
     }
 
     fn write_header(&mut self, generation: u64) -> io::Result<()> {
+        let salt = getrandom::u64().map_err(|e| io::Error::other(format!("no random salt: {e}")))?;
         let mut header = [0u8; HEADER_LEN];
         header[..8].copy_from_slice(MAGIC);
         header[8..16].copy_from_slice(&generation.to_le_bytes());
-        let crc = crc32fast::hash(&header[..16]);
-        header[16..20].copy_from_slice(&crc.to_le_bytes());
+        header[16..24].copy_from_slice(&salt.to_le_bytes());
+        let crc = crc32fast::hash(&header[..24]);
+        header[24..28].copy_from_slice(&crc.to_le_bytes());
         self.file.write_all_at(&header, 0)?;
         self.file.sync_data()?;
-        (self.generation, self.end, self.oldest) = (generation, FRAMES_AT, None);
+        self.generation = generation;
+        self.format = Format::V2 { salt };
+        (self.end, self.oldest, self.unsettled) = (FRAMES_AT, None, false);
         Ok(())
     }
 
     fn io_error(&self, source: io::Error) -> WalError {
         WalError::Io { path: self.path.display().to_string(), source }
+    }
+
+    #[cfg(test)]
+    fn header_salt(&self) -> u64 {
+        match self.format {
+            Format::V2 { salt } => salt,
+            Format::V1 => 0,
+        }
     }
 }
 
@@ -253,27 +344,29 @@ pub struct Txn<'t> {
 
 impl<'t> Txn<'t> {
     pub(crate) fn new(txn: &'t WriteTransaction) -> Self {
-        Txn { txn, changes: RefCell::default() }
+        // Room for the frame's header, so the frame is written as it was noted.
+        let mut changes = Vec::with_capacity(512);
+        changes.resize(FRAME_HEADER_LEN, 0);
+        Txn { txn, changes: RefCell::new(changes) }
     }
 
-    /// The changes noted, encoded for a frame.
-    pub(crate) fn into_changes(self) -> Vec<u8> {
-        self.changes.into_inner()
+    /// The changes noted, as a frame for [`Wal::append`]; `None` if there are none.
+    pub(crate) fn into_frame(self) -> Option<Vec<u8>> {
+        Some(self.changes.into_inner()).filter(|frame| frame.len() > FRAME_HEADER_LEN)
     }
 
     pub fn open_table<K: Key + 'static, V: Value + 'static>(
         &self,
         definition: TableDefinition<'static, K, V>,
     ) -> Result<LoggedTable<'_, K, V>, TableError> {
-        let name = definition.name().to_owned();
-        Ok(LoggedTable { table: self.txn.open_table(definition)?, name, changes: &self.changes })
+        Ok(LoggedTable { table: self.txn.open_table(definition)?, definition, changes: &self.changes })
     }
 }
 
 /// A table of a [`Txn`]: reads through `Deref`, writes noted.
 pub struct LoggedTable<'t, K: Key + 'static, V: Value + 'static> {
     table: redb::Table<'t, K, V>,
-    name: String,
+    definition: TableDefinition<'static, K, V>,
     changes: &'t RefCell<Vec<u8>>,
 }
 
@@ -300,7 +393,7 @@ impl<K: Key + 'static, V: Value + 'static> LoggedTable<'_, K, V> {
     fn note(&self, kind: u8, key: &[u8], value: Option<&[u8]>) {
         let mut changes = self.changes.borrow_mut();
         changes.push(kind);
-        put_bytes(&mut changes, self.name.as_bytes());
+        put_bytes(&mut changes, self.definition.name().as_bytes());
         put_bytes(&mut changes, key);
         if let Some(value) = value {
             put_bytes(&mut changes, value);
@@ -393,8 +486,144 @@ pub(crate) fn replay_into<K: Key + 'static, V: Value + 'static>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+
+    /// A frame of `changes` as a [`Txn`] would note them, header still to fill.
+    pub(in crate::store) fn frame(changes: &[Change<'_>]) -> Vec<u8> {
+        let mut out = vec![0u8; FRAME_HEADER_LEN];
+        for (table, key, value) in changes {
+            out.push(if value.is_some() { PUT } else { REMOVE });
+            put_bytes(&mut out, table.as_bytes());
+            put_bytes(&mut out, key);
+            if let Some(value) = value {
+                put_bytes(&mut out, value);
+            }
+        }
+        out
+    }
+
+    type Seen = Vec<(String, Vec<u8>, Option<Vec<u8>>)>;
+
+    /// What a fresh open of the log at `path` replays.
+    pub(in crate::store) fn replayed(path: &Path) -> Seen {
+        let mut wal = Wal::open(path, Checkpoints::default()).unwrap();
+        let mut seen = Vec::new();
+        wal.replay(|table, key, value| {
+            seen.push((table.to_owned(), key.to_vec(), value.map(<[u8]>::to_vec)));
+            Ok(())
+        })
+        .unwrap();
+        seen
+    }
+
+    fn put(table: &str, key: &[u8], value: &[u8]) -> (String, Vec<u8>, Option<Vec<u8>>) {
+        (table.to_owned(), key.to_vec(), Some(value.to_vec()))
+    }
+
+    /// A provider's kv value is logged verbatim, and a restart does not erase
+    /// the file: a value that is a whole frame of the next generation, left
+    /// where the next generation's frames end, must not be replayed. The
+    /// attacker here is stronger than a provider can be: it knows the offset
+    /// and the salt of the generation it writes in.
+    #[test]
+    fn bytes_a_provider_chose_never_replay_as_a_frame() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wal");
+        let mut wal = Wal::open(&path, Checkpoints::default()).unwrap();
+        let payload = frame(&[("sandbox_users", b"evil", Some(b"0"))]).split_off(FRAME_HEADER_LEN);
+        let key = b"k";
+        // After the frame's header: the change's kind, table name "kv", key, and the value's length.
+        let value_at = FRAMES_AT + (FRAME_HEADER_LEN + 1 + (4 + 2) + (4 + key.len()) + 4) as u64;
+        type Guess = fn(salt: u64, at: u64, header: &[u8], payload: &[u8]) -> u32;
+        let guesses: [(&str, Guess); 3] = [
+            ("version 1", |_, _, header, payload| crc32fast::hash(&[&header[4..12], payload].concat())),
+            ("salt 0", |_, at, header, payload| {
+                crc32fast::hash(&[&0u64.to_le_bytes()[..], &at.to_le_bytes(), &header[..12], payload].concat())
+            }),
+            ("the writing generation's salt", |salt, at, header, payload| {
+                crc32fast::hash(&[&salt.to_le_bytes()[..], &at.to_le_bytes(), &header[..12], payload].concat())
+            }),
+        ];
+        for (name, guess) in guesses {
+            wal.restart().unwrap();
+            let mut forged = Vec::new();
+            forged.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+            forged.extend_from_slice(&(wal.generation + 1).to_le_bytes());
+            let crc = guess(wal.header_salt(), value_at, &forged, &payload);
+            forged.extend_from_slice(&crc.to_le_bytes());
+            forged.extend_from_slice(&payload);
+            wal.append(&mut frame(&[("kv", key, Some(&forged))])).unwrap();
+            // A checkpoint, then a frame that ends exactly where the forged one begins.
+            wal.restart().unwrap();
+            let filler = vec![7u8; (value_at - FRAMES_AT) as usize - FRAME_HEADER_LEN - (1 + (4 + 2) + (4 + 1) + 4)];
+            let mut second = frame(&[("kv", b"f", Some(&filler))]);
+            assert_eq!(FRAMES_AT + second.len() as u64, value_at);
+            wal.append(&mut second).unwrap();
+            assert_eq!(replayed(&path), [put("kv", b"f", &filler)], "a forged frame ({name}) was replayed");
+        }
+    }
+
+    /// A log written before the salt (version 1) is replayed, then restarted as version 2.
+    #[test]
+    fn a_version_1_log_is_replayed_then_upgraded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wal");
+        let generation = 5u64.to_le_bytes();
+        let mut header = [MAGIC_V1.as_slice(), &generation].concat();
+        header.extend_from_slice(&crc32fast::hash(&header).to_le_bytes());
+        let payload = frame(&[("kv", b"a", Some(b"1"))]).split_off(FRAME_HEADER_LEN);
+        let mut file = header;
+        file.resize(FRAMES_AT as usize, 0);
+        file.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        file.extend_from_slice(&generation);
+        file.extend_from_slice(&crc32fast::hash(&[&generation[..], &payload].concat()).to_le_bytes());
+        file.extend_from_slice(&payload);
+        std::fs::write(&path, file).unwrap();
+        assert_eq!(replayed(&path), [put("kv", b"a", b"1")]);
+
+        let mut wal = Wal::open(&path, Checkpoints::default()).unwrap();
+        assert_eq!(wal.format, Format::V1);
+        wal.replay(|_, _, _| Ok(())).unwrap();
+        wal.restart().unwrap();
+        assert!(matches!(wal.format, Format::V2 { .. }), "{:?}", wal.format);
+        assert_eq!(wal.generation, 6);
+        wal.append(&mut frame(&[("kv", b"b", Some(b"2"))])).unwrap();
+        assert_eq!(replayed(&path), [put("kv", b"b", b"2")]);
+        // Even an empty version 1 log is rewritten, so what is appended next is checked as version 2.
+        let empty = dir.path().join("empty");
+        let mut header = [MAGIC_V1.as_slice(), &generation].concat();
+        header.extend_from_slice(&crc32fast::hash(&header).to_le_bytes());
+        std::fs::write(&empty, header).unwrap();
+        let mut wal = Wal::open(&empty, Checkpoints::default()).unwrap();
+        assert_eq!(wal.replay(|_, _, _| Ok(())).unwrap(), 0);
+        wal.restart().unwrap();
+        wal.append(&mut frame(&[("kv", b"c", Some(b"3"))])).unwrap();
+        assert_eq!(replayed(&empty), [put("kv", b"c", b"3")]);
+    }
+
+    /// After a failure the log takes no frame until it is restarted, and the
+    /// restart drops the frame that could not be erased.
+    #[test]
+    fn an_unsettled_log_refuses_frames_until_it_restarts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wal");
+        let mut wal = Wal::open(&path, Checkpoints::default()).unwrap();
+        let mut failed = frame(&[("kv", b"failed", Some(b"1"))]);
+        wal.append(&mut failed).unwrap();
+        // What a failed erase of that frame leaves.
+        wal.unsettle();
+        assert!(wal.unsettled());
+        assert!(wal.idle_for().is_some(), "an idle writer must come back to settle it");
+        let refused = wal.append(&mut frame(&[("kv", b"next", Some(b"2"))])).unwrap_err();
+        assert!(refused.to_string().contains("not yet restarted"), "{refused}");
+        assert_eq!(replayed(&path), [put("kv", b"failed", b"1")]);
+        wal.restart().unwrap();
+        assert!(!wal.unsettled());
+        assert_eq!(replayed(&path), []);
+        wal.append(&mut frame(&[("kv", b"next", Some(b"2"))])).unwrap();
+        assert_eq!(replayed(&path), [put("kv", b"next", b"2")]);
+    }
 
     #[test]
     fn changes_round_trip_and_garbage_is_an_error_not_a_panic() {

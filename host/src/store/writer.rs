@@ -204,7 +204,7 @@ fn run(db: &Database, wal: &mut Wal, jobs: &Receiver<Message>) {
             Some(wait) => match jobs.recv_timeout(wait) {
                 Ok(message) => Ok(message),
                 Err(RecvTimeoutError::Timeout) => {
-                    checkpoint(db, wal);
+                    let _ = checkpoint(db, wal);
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => Err(()),
@@ -227,26 +227,31 @@ fn run(db: &Database, wal: &mut Wal, jobs: &Receiver<Message>) {
         }
         commit(db, wal, std::mem::take(&mut batch));
     }
-    checkpoint(db, wal);
+    let _ = checkpoint(db, wal);
 }
 
 /// Make the state file hold every logged write (an empty transaction with
-/// redb's durability), then start the log afresh.
-fn checkpoint(db: &Database, wal: &mut Wal) {
+/// redb's durability), then start the log afresh, which also settles it.
+/// A failure is said here and tried again after the checkpoint age.
+fn checkpoint(db: &Database, wal: &mut Wal) -> Result<(), StoreError> {
     let _span = tracing::debug_span!("store_checkpoint").entered();
     let committed = db.begin_write().map_err(redb::Error::from).and_then(|txn| txn.commit().map_err(redb::Error::from));
-    match committed {
-        Ok(()) => {
-            if let Err(error) = wal.restart() {
-                // The frames stay: replayed on open, they change nothing.
-                tracing::warn!(%error, "the write-ahead log could not be restarted after a checkpoint");
-            }
-        }
-        Err(error) => {
-            tracing::error!(%error, "a checkpoint of the state file failed; the log keeps the writes");
-            wal.postpone();
-        }
+    if let Err(error) = committed {
+        tracing::error!(%error, "a checkpoint of the state file failed; the log keeps the writes");
+        wal.postpone();
+        return Err(super::db_error(error));
     }
+    restarted(wal)
+}
+
+/// Start the log's next generation after a durable commit.
+fn restarted(wal: &mut Wal) -> Result<(), StoreError> {
+    wal.restart().map_err(|error| {
+        // Writes are refused until a restart succeeds: the header on disk
+        // may be either generation's.
+        tracing::error!(%error, "the write-ahead log could not be restarted after a checkpoint");
+        StoreError::Log(Arc::new(error))
+    })
 }
 
 /// Apply and commit a batch; on a failure, each job again in its own
@@ -269,6 +274,11 @@ fn commit(db: &Database, wal: &mut Wal, mut batch: Vec<Box<dyn Job>>) {
 /// One transaction: the jobs applied, their changes logged and synced, then
 /// committed (with redb's own sync only at a checkpoint).
 fn apply_all(db: &Database, wal: &mut Wal, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
+    if wal.unsettled() {
+        // A frame on disk may be one whose batch failed: checkpoint and
+        // restart the log before anything more is logged.
+        checkpoint(db, wal)?;
+    }
     let mut txn = db.begin_write().map_err(super::db_error)?;
     let checkpoint = wal.checkpoint_due();
     if !checkpoint {
@@ -281,20 +291,23 @@ fn apply_all(db: &Database, wal: &mut Wal, batch: &mut [Box<dyn Job>]) -> Result
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.apply(&logged)))
             .unwrap_or_else(|_| Err(StoreError::WritePanicked))?;
     }
-    let changes = logged.into_changes();
-    if !changes.is_empty() {
+    let frame = logged.into_frame();
+    if let Some(mut frame) = frame {
         // Logged (and synced) before the commit: a reader never sees a write
         // that a crash could take back.
-        wal.append(&changes).map_err(|e| StoreError::Log(Arc::new(e)))?;
-    }
-    if let Err(error) = txn.commit() {
-        if !changes.is_empty() {
-            wal.retract(changes.len());
+        wal.append(&mut frame).map_err(|e| StoreError::Log(Arc::new(e)))?;
+        if let Err(error) = txn.commit() {
+            // Whatever redb did, the callers are told the batch failed: its
+            // frame must not be replayed.
+            wal.retract(frame.len());
+            return Err(super::db_error(error));
         }
-        return Err(super::db_error(error));
+    } else {
+        txn.commit().map_err(super::db_error)?;
     }
-    if checkpoint && let Err(error) = wal.restart() {
-        tracing::warn!(%error, "the write-ahead log could not be restarted after a checkpoint");
+    if checkpoint {
+        // The batch itself is durable; a failed restart only stops later writes.
+        let _ = restarted(wal);
     }
     Ok(())
 }
@@ -372,6 +385,27 @@ mod tests {
         assert!(matches!(Pending::new(&writer, put(1001, 1)).await, Err(StoreError::Closed)));
         assert_eq!(value(&db, 1002), None);
         assert_eq!(value(&db, 1001), None);
+    }
+
+    /// A log left unsettled (a frame whose batch failed could not be erased)
+    /// is checkpointed and restarted before the next batch is logged: that
+    /// batch commits, and the failed frame is never replayed.
+    #[test]
+    fn an_unsettled_log_is_settled_before_the_next_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Arc::new(Database::create(dir.path().join("db")).unwrap());
+        let mut log = wal(dir.path());
+        log.append(&mut super::super::wal::tests::frame(&[("t", b"failed", Some(b"1"))])).unwrap();
+        log.unsettle();
+        let writer = Arc::new(Writer::start(db.clone(), log).unwrap());
+        assert_eq!(Pending::new(&writer, put(1, 10)).wait().unwrap(), 1);
+        // Read while the writer runs: stopping it checkpoints and empties the log.
+        let seen = super::super::wal::tests::replayed(&dir.path().join("wal"));
+        assert_eq!(seen.len(), 1, "{seen:?}");
+        assert_eq!(seen[0].0, "t");
+        assert_eq!(seen[0].1, 1u64.to_le_bytes());
+        assert_eq!(value(&db, 1), Some(10));
+        writer.stop();
     }
 
     /// A job joined to a write commits with it or not at all, and each is answered.
