@@ -228,14 +228,15 @@ pub struct Grants {
     /// (never `LD_*` or the like: refused at load).
     #[serde(default)]
     pub env: Vec<String>,
-    /// Connecting to unix sockets inside its own data dir (a VM's QMP monitor).
-    #[serde(default)]
-    pub local_sockets: bool,
     /// Authorities reachable through `wasi:http`, each mapped to a unix socket or TCP address.
     #[serde(default)]
     pub http: crate::capabilities::http_egress::HttpGrant,
     /// Devices and bridges the provider may bridge, attach to and list.
     pub bridge: Option<crate::capabilities::network_bridge::wit::BridgeGrant>,
+    /// The grants of capabilities in rooms of their own (`local-sockets`),
+    /// each parsed by its room ([`crate::runtime::rooms`]).
+    #[serde(skip)]
+    pub rooms: crate::runtime::rooms::RoomGrants,
 }
 
 impl Grants {
@@ -246,7 +247,6 @@ impl Grants {
             ("kv", self.kv, approved.kv),
             ("log", self.log, approved.log),
             ("machine-lock", self.machine_lock, approved.machine_lock),
-            ("local-sockets", self.local_sockets, approved.local_sockets),
         ];
         if let Some((name, _, _)) = flags.iter().find(|(_, now, before)| *now && !before) {
             return Some(format!("{name} = true"));
@@ -262,6 +262,7 @@ impl Grants {
             .or_else(|| paths(&self.paths_rw, &approved.paths_rw, "paths-rw"))
             .or_else(|| paths(&self.devices, &approved.devices, "devices"))
             .or_else(|| new_item(&self.env, &approved.env, "env"))
+            .or_else(|| self.rooms.widening(&approved.rooms))
             .or_else(|| self.http.widening(&approved.http))
             .or_else(|| match (&self.bridge, &approved.bridge) {
                 (None, _) => None,
@@ -282,7 +283,7 @@ struct RawManifest {
     isolation: Isolation,
     #[serde(default)]
     limits: Limits,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::runtime::rooms::deserialize_grants")]
     grants: Grants,
     #[serde(default)]
     config: toml::Table,
@@ -556,6 +557,30 @@ mod tests {
         assert_eq!(with("machine-lock = true\n").widening(&approved).as_deref(), Some("machine-lock = true"));
         assert_eq!(with("devices = [\"/dev/kvm\"]\n").widening(&approved).as_deref(), Some("devices /dev/kvm"));
         assert!(with("[grants.http]\nx = \"http://127.0.0.1:1\"\n").widening(&approved).is_some());
+    }
+
+    /// A room's grant (`local-sockets`) is parsed by its room, among the
+    /// built-in fields, with the same errors by line and the same widening check.
+    #[test]
+    fn a_rooms_grant_is_parsed_compared_and_refused_by_its_room() {
+        use crate::capabilities::local_socket::LocalSocket;
+        let with = |grants: &str| parse(&format!("name = \"x\"\ncomponent = \"x\"\n[grants]\n{grants}"));
+        let granted = with("kv = true\nlocal-sockets = true\nlog = true\n").unwrap().grants;
+        assert!(granted.rooms.of::<LocalSocket>());
+        assert!(granted.kv && granted.log, "the fields after a room's key are still read");
+        assert_eq!(granted, with("log = true\nkv = true\nlocal-sockets = true\n").unwrap().grants);
+        let not = with("kv = true\nlocal-sockets = false\nlog = true\n").unwrap().grants;
+        assert!(!not.rooms.of::<LocalSocket>());
+        assert_eq!(not, with("kv = true\nlog = true\n").unwrap().grants, "false is the default: no grant");
+        assert_ne!(granted, not);
+        assert_eq!(granted.widening(&not).as_deref(), Some("local-sockets = true"));
+        assert_eq!(not.widening(&granted), None);
+
+        let err = with("kv = true\nlocal-sockets = 3\n").unwrap_err().to_string();
+        assert!(err.contains("line 5") && err.contains("boolean"), "{err}");
+        let err = with("kv = true\nlocal-sockets = true\nsockets = true\n").unwrap_err().to_string();
+        assert!(err.contains("line 6") && err.contains("unknown field `sockets`"), "{err}");
+        assert!(err.contains("`local-sockets`"), "the rooms' keys are among those expected: {err}");
     }
 
     #[test]

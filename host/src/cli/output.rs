@@ -75,7 +75,11 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
     writeln!(out, "  {:<18} {}", "kv", yes_no(v.grants.kv))?;
     writeln!(out, "  {:<18} {}", "log", yes_no(v.grants.log))?;
     writeln!(out, "  {:<18} {}", "machine-lock", yes_no(v.grants.machine_lock))?;
-    writeln!(out, "  {:<18} {}", "local-sockets", yes_no(v.grants.local_sockets))?;
+    for (key, grant) in &v.grants.rooms {
+        // A daemon newer than this CLI may report a room it does not know: shown as JSON.
+        let shown = crate::runtime::rooms::shown(key, grant).unwrap_or_else(|| grant.to_string());
+        writeln!(out, "  {:<18} {}", esc(key), esc(&shown))?;
+    }
     writeln!(out, "  {:<18} {}", "process", list(&v.grants.process))?;
     writeln!(out, "  {:<18} {}", "paths", list(&v.grants.paths))?;
     writeln!(out, "  {:<18} {}", "bridge devices", list(&v.grants.bridge_devices))?;
@@ -253,6 +257,35 @@ mod tests {
         assert_inert(&text);
         assert_eq!(text.lines().count(), 2, "a header and one row: {text:?}");
         assert_inert(&printed(|out| line(out, &format!("started {HOSTILE} (hostile)"))));
+    }
+
+    /// A room's grant is reported under its own key (as before rooms) and
+    /// shown by its room, also from a daemon's JSON; a key this CLI does not
+    /// know (a newer daemon's room) is shown as its JSON, escaped.
+    #[test]
+    fn a_rooms_grant_is_reported_and_shown_by_its_room() {
+        let text = "name = \"x\"\ncomponent = \"x\"\n[grants]\nlocal-sockets = true\n";
+        let manifest = Manifest::parse(std::path::Path::new("/p/provider.toml"), text).unwrap();
+        let record: ProviderRecord = serde_json::from_value(serde_json::json!({
+            "name": "x",
+            "manifest": "/p/provider.toml",
+            "component-sha256": "0".repeat(64),
+            "version": "1",
+            "added": "",
+        }))
+        .unwrap();
+        let view = ProviderView::new(&record, &manifest);
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["grants"]["local-sockets"], true, "{json}");
+        let mut from_daemon: ProviderView = serde_json::from_value(json).unwrap();
+        assert_eq!(from_daemon, view);
+        let shown = printed(|out| provider_details(out, &from_daemon));
+        assert!(shown.lines().any(|l| l.split_whitespace().eq(["local-sockets", "granted"])), "{shown}");
+        from_daemon.grants.rooms.insert(HOSTILE.into(), serde_json::json!(HOSTILE));
+        assert_inert(&printed(|out| provider_details(out, &from_daemon)));
+        let denied = Manifest::parse(std::path::Path::new("/p/provider.toml"), "name = \"x\"\ncomponent = \"x\"\n");
+        let shown = printed(|out| provider_details(out, &ProviderView::new(&record, &denied.unwrap())));
+        assert!(shown.lines().any(|l| l.split_whitespace().eq(["local-sockets", "denied"])), "{shown}");
     }
 
     #[test]

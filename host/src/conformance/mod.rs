@@ -31,7 +31,7 @@ use crate::capabilities::context::CallHooks;
 use crate::capabilities::denials::Denials;
 use crate::capabilities::http_egress::{HostEgress, RecordedEgress};
 use crate::capabilities::kv::MemoryKv;
-use crate::capabilities::local_socket::HostSockets;
+use crate::capabilities::local_socket::{HostSockets, LocalSocket};
 use crate::capabilities::machine_lock::MachineLock;
 use crate::capabilities::network_bridge::backend::HostNetwork;
 use crate::capabilities::process::{HostProcesses, LiveChildren, MemoryChildRecords, Recorded, RecordedSockets};
@@ -39,6 +39,7 @@ use crate::contract::constraints;
 use crate::contract::{empty_params, params_with};
 use crate::manifest::Manifest;
 use crate::manifest::Method;
+use crate::runtime::rooms::Backends;
 use crate::runtime::{HostCapabilities, Runtime};
 use crate::version::imports::ContractError;
 use crate::version::method_stats::Outcome;
@@ -173,7 +174,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     let (kv, data_dirs) = (Arc::new(MemoryKv::default()), scratch.path().join("data"));
     let sandbox = crate::sandbox::Sandbox::new(options.sandbox.clone(), None);
     // The sandbox is made of the backends it is given, each named here (no field
-    // defaults to the host's): scripted, or the host's own recorded.
+    // defaults to the host's, and a room given none refuses): scripted, or the
+    // host's own recorded.
     let (caps, scripted) = match options.answers {
         Answers::Script(scripted) => {
             let caps = HostCapabilities {
@@ -182,7 +184,7 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                 data_dirs,
                 sandbox,
                 processes: scripted.processes.clone(),
-                sockets: scripted.processes.clone(),
+                backends: Backends::sealed().with::<LocalSocket>(scripted.processes.clone()),
                 egress: scripted.http.clone(),
                 network: scripted.network.clone(),
                 denials,
@@ -199,7 +201,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                 data_dirs,
                 sandbox,
                 processes: Arc::new(Recorded::new(host_processes, recording.processes.clone())),
-                sockets: Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone())),
+                backends: Backends::sealed()
+                    .with::<LocalSocket>(Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone()))),
                 egress: Arc::new(RecordedEgress::new(Arc::new(HostEgress), recording.http.clone())),
                 network: Arc::new(HostNetwork),
                 denials,

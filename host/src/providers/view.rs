@@ -14,13 +14,15 @@ pub struct GrantsView {
     pub kv: bool,
     pub log: bool,
     pub machine_lock: bool,
-    pub local_sockets: bool,
     pub process: Vec<String>,
     pub paths: Vec<String>,
     pub bridge_devices: Vec<String>,
     pub bridge_bridges: Vec<String>,
     /// `authority -> target`, as `[grants.http]` maps them.
     pub http: Vec<String>,
+    /// The grants of capabilities in rooms of their own, by key (`local-sockets`).
+    #[serde(flatten)]
+    pub rooms: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 /// A provider as `provider show` prints it.
@@ -78,12 +80,12 @@ impl ProviderView {
                 kv: grants.kv,
                 log: grants.log,
                 machine_lock: grants.machine_lock,
-                local_sockets: grants.local_sockets,
                 process: grants.process.clone(),
                 paths: grants.paths.iter().map(|p| p.display().to_string()).collect(),
                 bridge_devices: grants.bridge.as_ref().map(|b| b.devices.clone()).unwrap_or_default(),
                 bridge_bridges: grants.bridge.as_ref().map(|b| b.bridges.clone()).unwrap_or_default(),
                 http: grants.http.iter().map(|(authority, target)| format!("{authority} -> {target}")).collect(),
+                rooms: grants.rooms.view(),
             },
             config: serde_json::from_str(&manifest.config_json).unwrap_or(serde_json::Value::Null),
             breaker: None,

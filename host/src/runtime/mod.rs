@@ -8,7 +8,7 @@ mod state;
 mod ticker;
 
 pub use limits::GuestLimiter;
-pub use rooms::{Linking, ROOMS, Room};
+pub use rooms::{Capability, Linking, ROOMS, Room};
 pub use state::{HostCapabilities, HostState, ProviderCapabilities};
 
 use crate::capabilities;
@@ -77,7 +77,7 @@ impl Runtime {
         capabilities::wasi::refuse_symlinks(&mut linker, HostState::symlink_refused)?;
         capabilities::http_egress::add_to_linker(&mut linker)?;
         for room in ROOMS.iter().filter(|room| room.linked_for(grants)) {
-            (room.add_to_linker)(&mut linker)?;
+            room.add_to_linker(&mut linker)?;
         }
         Ok(linker)
     }

@@ -1,13 +1,29 @@
 //! The guest-facing capabilities of `broker:provider`, registered: one entry
-//! each, with its interface, its grant and how it joins a store's linker. The
-//! linker, the import check at load and the conformance kit's "ungranted"
-//! finding all read this list, so a new capability is its folder under
-//! `capabilities/`, its WIT, its context in [`HostState`], and one entry here.
+//! each in [`ROOMS`]. The linker, the import check at load, the conformance
+//! kit's "ungranted" finding, the manifest's `[grants]`, `provider show` and
+//! the stores' data all read this list.
+//!
+//! A capability in a room of its own implements [`Room`]: its grant (its key
+//! under `[grants]`, parsed, compared with what an operator approved, shown),
+//! its backend (what its calls reach; the host's unless the kit injects
+//! another), its part of a store and its `add_to_linker` are all in its own
+//! folder, and it joins the host with one line here. `local-socket` is the
+//! first; the others still have their grant among [`Grants`]' fields and
+//! their context among [`HostState`]'s ([`Fields`]) and move one by one.
 
 use super::HostState;
+use crate::capabilities::denials::Denials;
 use crate::capabilities::{context, kv, local_socket, log, machine_lock, network_bridge, process};
 use crate::manifest::Grants;
-use wasmtime::component::Linker;
+use serde::de::{DeserializeSeed, IntoDeserializer, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+use std::any::{Any, TypeId};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
+use std::path::Path;
+use std::sync::Arc;
+use wasmtime::component::{Linker, ResourceTable};
 
 /// How a capability is linked into a provider's stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,81 +35,449 @@ pub enum Linking {
     WhenGranted,
 }
 
-/// One registered capability.
-pub struct Room {
+/// A registered capability, as the host at large sees it.
+pub trait Capability: Send + Sync {
     /// Its interface in the contract package (`local-socket`).
-    pub interface: &'static str,
+    fn interface(&self) -> &'static str;
     /// Its key under `[grants]`, as a manifest spells it (`local-sockets`).
+    fn grant(&self) -> &'static str;
+    fn linking(&self) -> Linking;
+    fn granted(&self, grants: &Grants) -> bool;
+    fn add_to_linker(&self, linker: &mut Linker<HostState>) -> wasmtime::Result<()>;
+    /// Its grant's hooks, when the grant is its own (a [`Room`]'s).
+    fn section(&self) -> Option<&dyn Section> {
+        None
+    }
+
+    /// Whether a provider with `grants` gets it in its linker.
+    fn linked_for(&self, grants: &Grants) -> bool {
+        self.linking() == Linking::Always || self.granted(grants)
+    }
+}
+
+/// What the host knows of a store it is making, for a room's part of it.
+pub struct StoreSetup<'a> {
+    pub provider: &'a Arc<str>,
+    /// The provider's data dir on the host (`/data` to the guest).
+    pub data_dir: &'a Path,
+    /// Where the room's refusals are noted.
+    pub denials: &'a Denials,
+}
+
+/// A capability in a room of its own: everything of it is in its folder.
+pub trait Room: Send + Sync + Sized + 'static {
+    const INTERFACE: &'static str;
+    /// Its key under `[grants]`.
+    const GRANT: &'static str;
+    const LINKING: Linking;
+    /// Its grant as `[grants]` holds it; the default grants nothing.
+    type Grant: for<'de> Deserialize<'de> + Serialize + Clone + Default + PartialEq + fmt::Debug + Send + Sync;
+    /// What its calls reach: the host's, or in the kit a simulation or a recording.
+    type Backend: ?Sized + Send + Sync + 'static;
+    /// Its part of a store; the default refuses every call.
+    type Ctx: Default + Send + 'static;
+
+    fn host_backend() -> Arc<Self::Backend>;
+    fn granted(grant: &Self::Grant) -> bool;
+    /// What `now` grants beyond `approved`, as a manifest would say it.
+    fn widening(now: &Self::Grant, approved: &Self::Grant) -> Option<String>;
+    /// Whether the grant lets a provider act outside the store (so what it
+    /// writes to kv must be durable before the effect it describes).
+    fn acts_outside_the_store(grant: &Self::Grant) -> bool {
+        Self::granted(grant)
+    }
+    /// The grant as `provider show` prints it.
+    fn shown(grant: &Self::Grant) -> String;
+    fn ctx(grant: &Self::Grant, backend: Arc<Self::Backend>, store: &StoreSetup<'_>) -> Self::Ctx;
+    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()>;
+}
+
+/// A [`Room`] registered in [`ROOMS`].
+pub struct Own<R>(PhantomData<fn() -> R>);
+
+impl<R> Own<R> {
+    pub const ROOM: Own<R> = Own(PhantomData);
+}
+
+/// A room's grant, its type erased.
+pub trait AnyGrant: Any + fmt::Debug + Send + Sync {
+    fn as_any(&self) -> &dyn Any;
+}
+
+impl<T: Any + fmt::Debug + Send + Sync> AnyGrant for T {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A room's grant hooks, its types erased.
+pub trait Section: Send + Sync {
+    fn key(&self) -> &'static str;
+    fn parse(&self, value: toml::Value) -> Result<Arc<dyn AnyGrant>, String>;
+    /// `None` stands for the default grant (nothing).
+    fn same(&self, a: Option<&dyn AnyGrant>, b: Option<&dyn AnyGrant>) -> bool;
+    fn widening(&self, now: Option<&dyn AnyGrant>, approved: Option<&dyn AnyGrant>) -> Option<String>;
+    fn acts_outside_the_store(&self, grant: Option<&dyn AnyGrant>) -> bool;
+    /// As the API reports it.
+    fn view(&self, grant: Option<&dyn AnyGrant>) -> serde_json::Value;
+    /// The API's report as `provider show` prints it (`None`: not this room's).
+    fn shown(&self, view: &serde_json::Value) -> Option<String>;
+    fn part(&self, grant: Option<&dyn AnyGrant>, backends: &Backends, store: &StoreSetup<'_>) -> Part;
+}
+
+impl<R: Room> Own<R> {
+    fn grant(grant: Option<&dyn AnyGrant>) -> R::Grant {
+        grant.and_then(|g| g.as_any().downcast_ref::<R::Grant>()).cloned().unwrap_or_default()
+    }
+}
+
+impl<R: Room> Capability for Own<R> {
+    fn interface(&self) -> &'static str {
+        R::INTERFACE
+    }
+    fn grant(&self) -> &'static str {
+        R::GRANT
+    }
+    fn linking(&self) -> Linking {
+        R::LINKING
+    }
+    fn granted(&self, grants: &Grants) -> bool {
+        R::granted(&grants.rooms.of::<R>())
+    }
+    fn add_to_linker(&self, linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+        R::add_to_linker(linker)
+    }
+    fn section(&self) -> Option<&dyn Section> {
+        Some(self)
+    }
+}
+
+impl<R: Room> Section for Own<R> {
+    fn key(&self) -> &'static str {
+        R::GRANT
+    }
+    fn parse(&self, value: toml::Value) -> Result<Arc<dyn AnyGrant>, String> {
+        R::Grant::deserialize(value).map(|g| Arc::new(g) as Arc<dyn AnyGrant>).map_err(|e| e.message().to_owned())
+    }
+    fn same(&self, a: Option<&dyn AnyGrant>, b: Option<&dyn AnyGrant>) -> bool {
+        Self::grant(a) == Self::grant(b)
+    }
+    fn widening(&self, now: Option<&dyn AnyGrant>, approved: Option<&dyn AnyGrant>) -> Option<String> {
+        R::widening(&Self::grant(now), &Self::grant(approved))
+    }
+    fn acts_outside_the_store(&self, grant: Option<&dyn AnyGrant>) -> bool {
+        R::acts_outside_the_store(&Self::grant(grant))
+    }
+    fn view(&self, grant: Option<&dyn AnyGrant>) -> serde_json::Value {
+        serde_json::to_value(Self::grant(grant)).unwrap_or(serde_json::Value::Null)
+    }
+    fn shown(&self, view: &serde_json::Value) -> Option<String> {
+        R::Grant::deserialize(view).ok().map(|g| R::shown(&g))
+    }
+    fn part(&self, grant: Option<&dyn AnyGrant>, backends: &Backends, store: &StoreSetup<'_>) -> Part {
+        let ctx = match backends.of::<R>() {
+            Some(backend) => R::ctx(&Self::grant(grant), backend, store),
+            None => R::Ctx::default(),
+        };
+        Part { room: TypeId::of::<R>(), ctx: Box::new(ctx) }
+    }
+}
+
+/// A capability whose grant is still among [`Grants`]' fields and whose
+/// context is among [`HostState`]'s.
+pub struct Fields {
+    pub interface: &'static str,
     pub grant: &'static str,
     pub granted: fn(&Grants) -> bool,
     pub linking: Linking,
     pub add_to_linker: fn(&mut Linker<HostState>) -> wasmtime::Result<()>,
 }
 
-impl Room {
-    /// Whether a provider with `grants` gets it in its linker.
-    pub fn linked_for(&self, grants: &Grants) -> bool {
-        self.linking == Linking::Always || (self.granted)(grants)
+impl Capability for Fields {
+    fn interface(&self) -> &'static str {
+        self.interface
+    }
+    fn grant(&self) -> &'static str {
+        self.grant
+    }
+    fn linking(&self) -> Linking {
+        self.linking
+    }
+    fn granted(&self, grants: &Grants) -> bool {
+        (self.granted)(grants)
+    }
+    fn add_to_linker(&self, linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+        (self.add_to_linker)(linker)
     }
 }
 
 /// Every capability this host provides, besides WASI and `wasi:http` (linked
 /// for all, nothing ambient in them) and `types` (no functions).
-pub const ROOMS: &[Room] = &[
-    Room {
+pub static ROOMS: &[&dyn Capability] = &[
+    &Fields {
         interface: context::INTERFACE,
         grant: "",
         granted: |_| true,
         linking: Linking::Always,
         add_to_linker: |linker| context::add_to_linker(linker, HostState::context_view),
     },
-    Room {
+    &Fields {
         interface: kv::INTERFACE,
         grant: "kv",
         granted: |grants| grants.kv,
         linking: Linking::WhenGranted,
         add_to_linker: |linker| kv::add_to_linker(linker, |s| &mut s.kv),
     },
-    Room {
+    &Fields {
         interface: log::INTERFACE,
         grant: "log",
         granted: |grants| grants.log,
         linking: Linking::WhenGranted,
         add_to_linker: |linker| log::add_to_linker(linker, |s| &mut s.log),
     },
-    Room {
+    &Fields {
         interface: machine_lock::INTERFACE,
         grant: "machine-lock",
         granted: |grants| grants.machine_lock,
         linking: Linking::Always,
         add_to_linker: |linker| machine_lock::add_to_linker(linker, HostState::machine_lock_view),
     },
-    Room {
+    &Fields {
         interface: process::INTERFACE,
         grant: "process",
         granted: |grants| !grants.process.is_empty(),
         linking: Linking::Always,
         add_to_linker: |linker| process::add_to_linker(linker, HostState::process_view),
     },
-    Room {
+    &Fields {
         interface: network_bridge::INTERFACE,
         grant: "bridge",
         granted: |grants| grants.bridge.is_some(),
         linking: Linking::Always,
         add_to_linker: |linker| network_bridge::wit::add_to_linker(linker, |s| &mut s.bridge),
     },
-    Room {
-        interface: local_socket::INTERFACE,
-        grant: "local-sockets",
-        granted: |grants| grants.local_sockets,
-        linking: Linking::Always,
-        add_to_linker: |linker| local_socket::add_to_linker(linker, HostState::local_socket_view),
-    },
+    &Own::<local_socket::LocalSocket>::ROOM,
 ];
 
 /// The registered capability serving `interface`.
-pub fn room(interface: &str) -> Option<&'static Room> {
-    ROOMS.iter().find(|room| room.interface == interface)
+pub fn room(interface: &str) -> Option<&'static dyn Capability> {
+    ROOMS.iter().copied().find(|room| room.interface() == interface)
+}
+
+/// The rooms whose grants are their own, in registration order.
+pub fn sections() -> impl Iterator<Item = &'static dyn Section> {
+    ROOMS.iter().filter_map(|room| room.section())
+}
+
+fn section(key: &str) -> Option<&'static dyn Section> {
+    sections().find(|section| section.key() == key)
+}
+
+/// The rooms' own grants of one manifest, by key; a room absent here grants nothing.
+#[derive(Clone, Default)]
+pub struct RoomGrants(BTreeMap<&'static str, Arc<dyn AnyGrant>>);
+
+impl RoomGrants {
+    /// `R`'s grant (the default if the manifest has none).
+    pub fn of<R: Room>(&self) -> R::Grant {
+        Own::<R>::grant(self.get(R::GRANT))
+    }
+
+    /// Set `R`'s grant (for tests and tools that build grants in code).
+    pub fn with<R: Room>(mut self, grant: R::Grant) -> Self {
+        self.0.insert(R::GRANT, Arc::new(grant));
+        self
+    }
+
+    fn get(&self, key: &str) -> Option<&dyn AnyGrant> {
+        self.0.get(key).map(|g| &**g)
+    }
+
+    /// The first thing these grant that `approved` does not.
+    pub fn widening(&self, approved: &RoomGrants) -> Option<String> {
+        sections().find_map(|s| s.widening(self.get(s.key()), approved.get(s.key())))
+    }
+
+    /// Whether any lets the provider act outside the store.
+    pub fn act_outside_the_store(&self) -> bool {
+        sections().any(|s| s.acts_outside_the_store(self.get(s.key())))
+    }
+
+    /// Every room's grant as the API reports it, by key.
+    pub fn view(&self) -> BTreeMap<String, serde_json::Value> {
+        sections().map(|s| (s.key().to_owned(), s.view(self.get(s.key())))).collect()
+    }
+}
+
+/// A reported grant (`key`, as [`RoomGrants::view`] gave it) as `provider show` prints it.
+pub fn shown(key: &str, view: &serde_json::Value) -> Option<String> {
+    section(key)?.shown(view)
+}
+
+impl PartialEq for RoomGrants {
+    fn eq(&self, other: &Self) -> bool {
+        sections().all(|s| s.same(self.get(s.key()), other.get(s.key())))
+    }
+}
+
+impl Eq for RoomGrants {}
+
+impl fmt::Debug for RoomGrants {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.0.iter()).finish()
+    }
+}
+
+/// Parse `[grants]`: each room's key by its room, the rest as [`Grants`]'
+/// fields (unknown keys refused). Errors keep the line of the key or value
+/// they are about.
+pub fn deserialize_grants<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Grants, D::Error> {
+    struct Table;
+    impl<'de> Visitor<'de> for Table {
+        type Value = Grants;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a table of grants")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Grants, A::Error> {
+            let mut rooms = RoomGrants::default();
+            let fields = serde::de::value::MapAccessDeserializer::new(FieldsOnly { map, rooms: &mut rooms });
+            let mut grants = Grants::deserialize(fields)?;
+            grants.rooms = rooms;
+            Ok(grants)
+        }
+    }
+    deserializer.deserialize_map(Table)
+}
+
+/// The `[grants]` table with the rooms' keys taken out as they are met.
+struct FieldsOnly<'r, A> {
+    map: A,
+    rooms: &'r mut RoomGrants,
+}
+
+/// A key: a room's, or one of [`Grants`]' fields (as its own seed decodes it).
+enum Key<T> {
+    Room(&'static dyn Section),
+    Field(T),
+}
+
+struct KeySeed<'s, S> {
+    field: &'s mut Option<S>,
+}
+
+impl<'de, S: DeserializeSeed<'de>> DeserializeSeed<'de> for KeySeed<'_, S> {
+    type Value = Key<S::Value>;
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        let key = String::deserialize(deserializer)?;
+        if let Some(room) = section(&key) {
+            return Ok(Key::Room(room));
+        }
+        let field = self.field.take().ok_or_else(|| serde::de::Error::custom("a key decoded twice"))?;
+        field.deserialize(key.as_str().into_deserializer()).map(Key::Field).map_err(|error: D::Error| {
+            let rooms: Vec<String> = sections().map(|s| format!("`{}`", s.key())).collect();
+            serde::de::Error::custom(format!("{error}, or {}", rooms.join(", ")))
+        })
+    }
+}
+
+struct GrantSeed(&'static dyn Section);
+
+impl<'de> DeserializeSeed<'de> for GrantSeed {
+    type Value = Arc<dyn AnyGrant>;
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        let value = toml::Value::deserialize(deserializer)?;
+        self.0.parse(value).map_err(serde::de::Error::custom)
+    }
+}
+
+impl<'de, A: MapAccess<'de>> MapAccess<'de> for FieldsOnly<'_, A> {
+    type Error = A::Error;
+
+    fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>, A::Error> {
+        let mut field = Some(seed);
+        loop {
+            match self.map.next_key_seed(KeySeed { field: &mut field })? {
+                None => return Ok(None),
+                Some(Key::Field(key)) => return Ok(Some(key)),
+                Some(Key::Room(room)) => {
+                    let grant = self.map.next_value_seed(GrantSeed(room))?;
+                    if self.rooms.0.insert(room.key(), grant).is_some() {
+                        return Err(serde::de::Error::custom(format!("duplicate key `{}`", room.key())));
+                    }
+                }
+            }
+        }
+    }
+
+    fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, A::Error> {
+        self.map.next_value_seed(seed)
+    }
+}
+
+/// The backends of the rooms, by room: the host's unless one was injected.
+#[derive(Clone, Default)]
+pub struct Backends {
+    injected: BTreeMap<TypeId, Arc<dyn Any + Send + Sync>>,
+    sealed: bool,
+}
+
+impl Backends {
+    /// Only what is injected: a room given no backend refuses every call
+    /// rather than reach the host's (the conformance kit's sandbox).
+    pub fn sealed() -> Self {
+        Backends { injected: BTreeMap::new(), sealed: true }
+    }
+
+    /// `R`'s calls reach `backend` (the kit's simulation or recording).
+    pub fn with<R: Room>(mut self, backend: Arc<R::Backend>) -> Self {
+        self.injected.insert(TypeId::of::<R>(), Arc::new(backend));
+        self
+    }
+
+    /// What `R`'s calls reach (`None`: nothing, in a sealed set).
+    pub fn of<R: Room>(&self) -> Option<Arc<R::Backend>> {
+        let injected = self.injected.get(&TypeId::of::<R>()).and_then(|b| b.downcast_ref::<Arc<R::Backend>>());
+        match injected {
+            Some(backend) => Some(backend.clone()),
+            None => (!self.sealed).then(R::host_backend),
+        }
+    }
+}
+
+/// One room's part of a store.
+pub struct Part {
+    room: TypeId,
+    ctx: Box<dyn Any + Send>,
+}
+
+/// The rooms' parts of one store.
+#[derive(Default)]
+pub struct Parts(Vec<Part>);
+
+impl Parts {
+    pub fn new(grants: &RoomGrants, backends: &Backends, store: &StoreSetup<'_>) -> Self {
+        Parts(sections().map(|s| s.part(grants.get(s.key()), backends, store)).collect())
+    }
+
+    /// `R`'s part; one that refuses every call if the store was made without it.
+    pub fn of<R: Room>(&mut self) -> &mut R::Ctx {
+        let at = match self.0.iter().position(|p| p.room == TypeId::of::<R>() && p.ctx.is::<R::Ctx>()) {
+            Some(at) => at,
+            None => {
+                self.0.push(Part { room: TypeId::of::<R>(), ctx: Box::new(R::Ctx::default()) });
+                self.0.len() - 1
+            }
+        };
+        // Just found or pushed, with its type checked.
+        self.0[at].ctx.downcast_mut::<R::Ctx>().expect("a room's part has the room's type")
+    }
+}
+
+impl HostState {
+    /// `R`'s part of this store and the resource table, for its view.
+    pub fn room<R: Room>(&mut self) -> (&mut R::Ctx, &mut ResourceTable) {
+        (self.rooms.of::<R>(), &mut self.table)
+    }
 }
 
 #[cfg(test)]
@@ -102,12 +486,37 @@ mod tests {
 
     #[test]
     fn each_interface_is_registered_once_and_only_some_are_linked_without_a_grant() {
-        let mut interfaces: Vec<&str> = ROOMS.iter().map(|r| r.interface).collect();
+        let mut interfaces: Vec<&str> = ROOMS.iter().map(|r| r.interface()).collect();
         interfaces.sort();
         interfaces.dedup();
         assert_eq!(interfaces.len(), ROOMS.len(), "an interface registered twice");
+        let mut keys: Vec<&str> = ROOMS.iter().map(|r| r.grant()).collect();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(keys.len(), ROOMS.len(), "a grant key registered twice");
         let none = Grants::default();
-        let linked: Vec<&str> = ROOMS.iter().filter(|r| r.linked_for(&none)).map(|r| r.interface).collect();
+        let linked: Vec<&str> = ROOMS.iter().filter(|r| r.linked_for(&none)).map(|r| r.interface()).collect();
         assert_eq!(linked, ["context", "machine-lock", "process", "network-bridge", "local-socket"]);
+    }
+
+    /// A store always has every room's part: one made without it gets one
+    /// that refuses, never a panic.
+    #[test]
+    fn every_room_has_its_part_in_a_store() {
+        let mut parts = Parts::default();
+        let ctx = parts.of::<local_socket::LocalSocket>();
+        assert!(!ctx.granted());
+        let provider: Arc<str> = "p".into();
+        let store =
+            StoreSetup { provider: &provider, data_dir: Path::new("/nonexistent"), denials: &Denials::default() };
+        let grants = RoomGrants::default().with::<local_socket::LocalSocket>(true);
+        let mut parts = Parts::new(&grants, &Backends::default(), &store);
+        assert!(parts.of::<local_socket::LocalSocket>().granted());
+        assert_eq!(parts.0.len(), sections().count());
+        // The kit's sealed backends: a room it gave none refuses, granted or not.
+        let mut parts = Parts::new(&grants, &Backends::sealed(), &store);
+        assert!(!parts.of::<local_socket::LocalSocket>().granted());
+        let injected = Backends::sealed().with::<local_socket::LocalSocket>(Arc::new(local_socket::HostSockets));
+        assert!(Parts::new(&grants, &injected, &store).of::<local_socket::LocalSocket>().granted());
     }
 }

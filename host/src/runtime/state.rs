@@ -5,7 +5,6 @@ use crate::capabilities::context::ContextView;
 use crate::capabilities::denials::Denials;
 use crate::capabilities::http_egress::{EgressBackend, EgressHooks, HostEgress, HttpGrant};
 use crate::capabilities::kv::{KvBackend, KvCtx, KvDurability};
-use crate::capabilities::local_socket::{HostSockets, LocalSocketCtx, LocalSocketView, SocketBackend};
 use crate::capabilities::log::LogCtx;
 use crate::capabilities::machine_lock::{MachineLock, MachineLockCtx, MachineLockView};
 use crate::capabilities::network_bridge::backend::{HostNetwork, NetworkBackend};
@@ -14,6 +13,7 @@ use crate::capabilities::process::{
     ChildRecords, HostProcesses, ProcessBackend, ProcessCtx, ProcessPolicy, ProcessView,
 };
 use crate::capabilities::wasi;
+use crate::runtime::rooms::{Backends, Parts, RoomGrants, StoreSetup};
 use std::path::PathBuf;
 use std::sync::Arc;
 use wasmtime::component::ResourceTable;
@@ -29,7 +29,8 @@ pub struct HostState {
     pub machine_lock: MachineLockCtx,
     pub process: ProcessCtx,
     pub bridge: BridgeCtx,
-    pub local_socket: LocalSocketCtx,
+    /// The parts of the capabilities in rooms of their own.
+    pub(crate) rooms: Parts,
     pub http: WasiHttpCtx,
     pub egress: EgressHooks,
     pub limiter: GuestLimiter,
@@ -50,8 +51,9 @@ pub struct HostCapabilities {
     pub sandbox: crate::sandbox::Sandbox,
     /// What process calls reach: the host's programs and children, or a recording or simulation.
     pub processes: Arc<dyn ProcessBackend>,
-    /// What local-socket connections reach: the host's sockets, or simulated children's.
-    pub sockets: Arc<dyn SocketBackend>,
+    /// What the calls of capabilities in rooms of their own reach: the
+    /// host's, unless the kit injected a simulation or a recording.
+    pub backends: Backends,
     /// Where granted `wasi:http` requests go: the real targets, or a recording or script.
     pub egress: Arc<dyn EgressBackend>,
     /// What network-bridge calls (and HostPreparer) reach: the host's kernel, or a simulated network.
@@ -76,7 +78,7 @@ impl HostCapabilities {
             data_dirs,
             sandbox,
             processes: Arc::new(HostProcesses::new(child_records, Arc::default())),
-            sockets: Arc::new(HostSockets),
+            backends: Backends::default(),
             egress: Arc::new(HostEgress),
             network: Arc::new(HostNetwork),
             denials: Denials::default(),
@@ -93,8 +95,8 @@ pub struct ProviderCapabilities {
     pub process: Option<Arc<ProcessPolicy>>,
     /// `None` unless `[grants.bridge]` is given.
     pub bridge: Option<BridgeGrant>,
-    /// Whether `local-sockets` is granted.
-    pub local_sockets: bool,
+    /// The grants of the capabilities in rooms of their own.
+    pub rooms: RoomGrants,
     /// The `[grants.http]` authorities (empty: every request is denied).
     pub http: Arc<HttpGrant>,
 }
@@ -105,7 +107,11 @@ impl ProviderCapabilities {
     /// bridges, outgoing HTTP): then what it writes must be durable before the
     /// effect it describes happens.
     pub fn kv_durability(&self) -> KvDurability {
-        match self.process.is_some() || self.bridge.is_some() || self.local_sockets || !self.http.is_empty() {
+        match self.process.is_some()
+            || self.bridge.is_some()
+            || self.rooms.act_outside_the_store()
+            || !self.http.is_empty()
+        {
             true => KvDurability::EachChange,
             false => KvDurability::CallEnd,
         }
@@ -125,11 +131,10 @@ impl HostState {
             machine_lock: MachineLockCtx::new(host.machine_lock.clone(), denials.clone()),
             process: ProcessCtx::new(&provider, caps.process.clone(), host.processes.clone(), denials.clone()),
             bridge: BridgeCtx::new(caps.bridge.clone(), host.network.clone(), tap_owner, denials.clone()),
-            local_socket: LocalSocketCtx::new(
-                provider.clone(),
-                caps.local_sockets.then(|| caps.data_dir.clone()),
-                host.sockets.clone(),
-                denials.clone(),
+            rooms: Parts::new(
+                &caps.rooms,
+                &host.backends,
+                &StoreSetup { provider: &provider, data_dir: &caps.data_dir, denials: &denials },
             ),
             http: WasiHttpCtx::new(),
             egress: EgressHooks::new(provider.clone(), caps.http.clone(), host.egress.clone(), denials.clone()),
@@ -145,10 +150,6 @@ impl HostState {
 
     pub fn process_view(&mut self) -> ProcessView<'_> {
         ProcessView { ctx: &mut self.process, table: &mut self.table }
-    }
-
-    pub fn local_socket_view(&mut self) -> LocalSocketView<'_> {
-        LocalSocketView { ctx: &mut self.local_socket, table: &mut self.table }
     }
 
     pub fn machine_lock_view(&mut self) -> MachineLockView<'_> {

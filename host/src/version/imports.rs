@@ -83,7 +83,7 @@ fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
     }
     match crate::runtime::rooms::room(interface) {
         Some(room) if room.linked_for(grants) => Ok(()),
-        Some(room) => Err(ContractError::NotGranted { import: import.to_owned(), grant: room.grant }),
+        Some(room) => Err(ContractError::NotGranted { import: import.to_owned(), grant: room.grant() }),
         None => Err(unsupported("")),
     }
 }

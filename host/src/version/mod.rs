@@ -626,7 +626,7 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         data_dir,
         process,
         bridge: grants.bridge.clone(),
-        local_sockets: grants.local_sockets,
+        rooms: grants.rooms.clone(),
         http: Arc::new(grants.http.clone()),
     })
 }

@@ -98,7 +98,8 @@ async fn kv_changes_are_durable_at_the_call_end_or_at_once_for_providers_that_ac
     let store = Store::open(&dir.path().join("state")).unwrap();
     let runtime = broker_tests::runtime();
     let deadline = "[limits.deadlines]\ndefault = \"3s\"\n[grants]\nkv = true\n";
-    for (grants, durable_during_the_call) in [("", false), ("process = [\"echo\"]\n", true)] {
+    let granted = [("", false), ("process = [\"echo\"]\n", true), ("local-sockets = true\n", true)];
+    for (grants, durable_during_the_call) in granted {
         let kv = store.kv();
         let extra = format!("{deadline}{grants}");
         let provider = load_provider(&runtime, kv.clone(), dir.path(), "hostile", "test-hostile", &extra).unwrap();

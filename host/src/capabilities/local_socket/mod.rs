@@ -9,23 +9,26 @@
 //! socket paths does not apply to deep data dirs.
 //!
 //! What a checked connect reaches is a [`SocketBackend`]: the host's sockets
-//! ([`HostSockets`]), or in the conformance kit those of simulated children
-//! (`process::SimProcesses`), or either recorded (`process::tape`).
+//! ([`HostSockets`], `backend.rs`), or in the conformance kit those of
+//! simulated children (`process::SimProcesses`), or either recorded
+//! (`process::tape`). The WIT implementation is in `host.rs`; the room (grant,
+//! backend, store part, linker) is [`LocalSocket`].
+
+mod backend;
+mod host;
+
+pub use backend::HostSockets;
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::local_socket as wit;
 use crate::capabilities::denials::Denials;
+use crate::runtime::HostState;
+use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use futures_util::future::BoxFuture;
-use nix::errno::Errno;
-use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
-use nix::sys::stat::{Mode, SFlag, fstat};
-use std::os::fd::AsRawFd;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::UnixStream;
-use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
+use wasmtime::component::{HasData, Linker, ResourceTable};
 
 /// Its interface in the contract package.
 pub const INTERFACE: &str = "local-socket";
@@ -105,28 +108,18 @@ pub trait Connection: Send {
     fn receive_line(&mut self, timeout: Duration) -> BoxFuture<'_, Result<Option<String>, SocketError>>;
 }
 
-/// The host's unix sockets, reached beneath the data dir only.
-#[derive(Clone, Copy, Default)]
-pub struct HostSockets;
-
-impl SocketBackend for HostSockets {
-    fn connect<'a>(self: Arc<Self>, at: SocketAt<'a>) -> BoxFuture<'a, Result<Box<dyn Connection>, SocketError>> {
-        Box::pin(async move {
-            let stream = connect_beneath(at.data_dir, at.relative, at.guest_path).await?;
-            Ok(Box::new(StreamConnection { stream, pending: Vec::new(), closed: false }) as Box<dyn Connection>)
-        })
-    }
-}
-
 /// The host object behind a guest's `connection` handle.
 pub struct HeldConnection(Box<dyn Connection>);
 
-/// A real connection to a unix socket.
-struct StreamConnection {
-    stream: UnixStream,
-    /// Bytes read past the last line handed out; kept across timeouts.
-    pending: Vec<u8>,
-    closed: bool,
+impl HeldConnection {
+    pub async fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
+        self.0.send(data).await
+    }
+
+    /// The next line, or `None` at the end of the stream.
+    pub async fn receive_line(&mut self, timeout: Duration) -> Result<Option<String>, SocketError> {
+        self.0.receive_line(timeout).await
+    }
 }
 
 pub struct LocalSocketCtx {
@@ -138,7 +131,19 @@ pub struct LocalSocketCtx {
     denials: Denials,
 }
 
+impl Default for LocalSocketCtx {
+    /// Refuses every connect.
+    fn default() -> Self {
+        LocalSocketCtx::new("".into(), None, Arc::new(HostSockets), Denials::default())
+    }
+}
+
 impl LocalSocketCtx {
+    /// Whether connects are let through to the backend.
+    pub fn granted(&self) -> bool {
+        self.data_dir.is_some()
+    }
+
     pub fn new(
         provider: Arc<str>,
         data_dir: Option<PathBuf>,
@@ -177,99 +182,6 @@ fn inside_data_dir(guest_path: &str) -> Result<&Path, SocketError> {
     Ok(relative)
 }
 
-async fn connect_beneath(data_dir: &Path, relative: &Path, guest_path: &str) -> Result<UnixStream, SocketError> {
-    let dir = nix::fcntl::open(data_dir, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
-        .map_err(|e| SocketError::Connect { path: guest_path.to_owned(), reason: format!("data dir: {e}") })?;
-    let how = OpenHow::new()
-        .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
-        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
-    let socket = nix::fcntl::openat2(&dir, relative, how).map_err(|errno| match errno {
-        Errno::ENOENT | Errno::ENOTDIR => SocketError::Missing(guest_path.to_owned()),
-        Errno::ELOOP | Errno::EXDEV => SocketError::Escapes(guest_path.to_owned()),
-        other => SocketError::Connect { path: guest_path.to_owned(), reason: other.to_string() },
-    })?;
-    let stat = fstat(&socket).map_err(|e| SocketError::Io(e.to_string()))?;
-    match SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT {
-        SFlag::S_IFSOCK => {}
-        // O_PATH | O_NOFOLLOW opens a final symlink itself rather than failing.
-        SFlag::S_IFLNK => return Err(SocketError::Escapes(guest_path.to_owned())),
-        _ => return Err(SocketError::NotASocket(guest_path.to_owned())),
-    }
-    // Connecting through the handle's magic link reaches exactly the inode checked above.
-    let by_handle = format!("/proc/self/fd/{}", socket.as_raw_fd());
-    let stream = UnixStream::connect(&by_handle).await.map_err(|e| match e.kind() {
-        std::io::ErrorKind::ConnectionRefused => SocketError::NotListening(guest_path.to_owned()),
-        _ => SocketError::Connect { path: guest_path.to_owned(), reason: e.to_string() },
-    })?;
-    drop(socket);
-    Ok(stream)
-}
-
-impl HeldConnection {
-    pub async fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
-        self.0.send(data).await
-    }
-
-    /// The next line, or `None` at the end of the stream.
-    pub async fn receive_line(&mut self, timeout: Duration) -> Result<Option<String>, SocketError> {
-        self.0.receive_line(timeout).await
-    }
-}
-
-impl Connection for StreamConnection {
-    fn send<'a>(&'a mut self, data: &'a [u8]) -> BoxFuture<'a, Result<(), SocketError>> {
-        Box::pin(StreamConnection::send(self, data))
-    }
-
-    fn receive_line(&mut self, timeout: Duration) -> BoxFuture<'_, Result<Option<String>, SocketError>> {
-        Box::pin(StreamConnection::receive_line(self, timeout))
-    }
-}
-
-impl StreamConnection {
-    async fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
-        self.stream.write_all(data).await.map_err(|e| SocketError::Io(e.to_string()))
-    }
-
-    /// The next line, or `None` at the end of the stream. A timeout keeps what
-    /// was read so far for the next call.
-    async fn receive_line(&mut self, timeout: Duration) -> Result<Option<String>, SocketError> {
-        let read = async {
-            let mut buf = [0u8; 8192];
-            loop {
-                if let Some(end) = self.pending.iter().position(|&b| b == b'\n') {
-                    let mut line: Vec<u8> = self.pending.drain(..=end).collect();
-                    line.pop();
-                    return line_text(line).map(Some);
-                }
-                if self.pending.len() > MAX_LINE_BYTES {
-                    return Err(SocketError::LineTooLong);
-                }
-                if self.closed {
-                    return if self.pending.is_empty() {
-                        Ok(None)
-                    } else {
-                        line_text(std::mem::take(&mut self.pending)).map(Some)
-                    };
-                }
-                match self.stream.read(&mut buf).await {
-                    Ok(0) => self.closed = true,
-                    Ok(n) => self.pending.extend_from_slice(&buf[..n]),
-                    Err(e) => return Err(SocketError::Io(e.to_string())),
-                }
-            }
-        };
-        tokio::time::timeout(timeout, read).await.unwrap_or(Err(SocketError::Timeout(timeout.as_millis() as u64)))
-    }
-}
-
-fn line_text(mut line: Vec<u8>) -> Result<String, SocketError> {
-    if line.last() == Some(&b'\r') {
-        line.pop();
-    }
-    String::from_utf8(line).map_err(|_| SocketError::NotUtf8)
-}
-
 pub struct LocalSocketView<'a> {
     pub ctx: &'a mut LocalSocketCtx,
     pub table: &'a mut ResourceTable,
@@ -281,43 +193,6 @@ impl HasData for LocalSocketData {
     type Data<'a> = LocalSocketView<'a>;
 }
 
-impl wit::Host for LocalSocketView<'_> {
-    async fn connect(&mut self, path: String) -> wasmtime::Result<Result<Resource<HeldConnection>, BrokerError>> {
-        match self.ctx.connect(&path).await {
-            Ok(connection) => Ok(Ok(self.table.push(connection)?)),
-            Err(err) => {
-                tracing::debug!(provider = %self.ctx.provider, path, error = %err, "local socket refused");
-                Ok(Err(self.ctx.denials.refuse("local-socket", err.into())))
-            }
-        }
-    }
-}
-
-impl wit::HostConnection for LocalSocketView<'_> {
-    async fn send(
-        &mut self,
-        handle: Resource<HeldConnection>,
-        data: Vec<u8>,
-    ) -> wasmtime::Result<Result<(), BrokerError>> {
-        Ok(self.table.get_mut(&handle)?.send(&data).await.map_err(BrokerError::from))
-    }
-
-    async fn receive_line(
-        &mut self,
-        handle: Resource<HeldConnection>,
-        timeout_ms: u64,
-    ) -> wasmtime::Result<Result<Option<String>, BrokerError>> {
-        let connection = self.table.get_mut(&handle)?;
-        Ok(connection.receive_line(Duration::from_millis(timeout_ms)).await.map_err(BrokerError::from))
-    }
-
-    async fn drop(&mut self, handle: Resource<HeldConnection>) -> wasmtime::Result<()> {
-        self.table.delete(handle)?;
-        self.ctx.closed_one();
-        Ok(())
-    }
-}
-
 pub fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> LocalSocketView<'_>,
@@ -325,10 +200,51 @@ pub fn add_to_linker<T: Send + 'static>(
     wit::add_to_linker::<T, LocalSocketData>(linker, getter)
 }
 
+/// The room: `local-sockets = true` under `[grants]`.
+pub struct LocalSocket;
+
+impl Room for LocalSocket {
+    const INTERFACE: &'static str = INTERFACE;
+    const GRANT: &'static str = "local-sockets";
+    const LINKING: Linking = Linking::Always;
+    type Grant = bool;
+    type Backend = dyn SocketBackend;
+    type Ctx = LocalSocketCtx;
+
+    fn host_backend() -> Arc<dyn SocketBackend> {
+        Arc::new(HostSockets)
+    }
+
+    fn granted(grant: &bool) -> bool {
+        *grant
+    }
+
+    fn widening(now: &bool, approved: &bool) -> Option<String> {
+        (*now && !approved).then(|| "local-sockets = true".to_owned())
+    }
+
+    fn shown(grant: &bool) -> String {
+        if *grant { "granted" } else { "denied" }.to_owned()
+    }
+
+    fn ctx(grant: &bool, backend: Arc<dyn SocketBackend>, store: &StoreSetup<'_>) -> LocalSocketCtx {
+        let data_dir = grant.then(|| store.data_dir.to_owned());
+        LocalSocketCtx::new(store.provider.clone(), data_dir, backend, store.denials.clone())
+    }
+
+    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state| {
+            let (ctx, table) = state.room::<LocalSocket>();
+            LocalSocketView { ctx, table }
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use tokio::io::AsyncBufReadExt;
+    use tokio::io::AsyncWriteExt;
     use tokio::net::UnixListener;
 
     fn granted(dir: &Path) -> LocalSocketCtx {
