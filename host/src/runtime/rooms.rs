@@ -74,7 +74,8 @@ pub trait Room: Send + Sync + Sized + 'static {
     type Grant: for<'de> Deserialize<'de> + Serialize + Clone + Default + PartialEq + fmt::Debug + Send + Sync;
     /// What its calls reach: the host's, or in the kit a simulation or a recording.
     type Backend: ?Sized + Send + Sync + 'static;
-    /// Its part of a store; the default refuses every call.
+    /// Its part of a store; the default (for a store made without it)
+    /// refuses every call and reaches nothing.
     type Ctx: Default + Send + 'static;
 
     fn host_backend() -> Arc<Self::Backend>;
@@ -88,7 +89,10 @@ pub trait Room: Send + Sync + Sized + 'static {
     }
     /// The grant as `provider show` prints it.
     fn shown(grant: &Self::Grant) -> String;
-    fn ctx(grant: &Self::Grant, backend: Arc<Self::Backend>, store: &StoreSetup<'_>) -> Self::Ctx;
+    /// Its part of a store. With no backend (a sandbox that gives it none)
+    /// it must refuse every call, saying so, and note each refusal in
+    /// `store.denials` like any other.
+    fn ctx(grant: &Self::Grant, backend: Option<Arc<Self::Backend>>, store: &StoreSetup<'_>) -> Self::Ctx;
     fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()>;
 }
 
@@ -175,10 +179,7 @@ impl<R: Room> Section for Own<R> {
         R::Grant::deserialize(view).ok().map(|g| R::shown(&g))
     }
     fn part(&self, grant: Option<&dyn AnyGrant>, backends: &Backends, store: &StoreSetup<'_>) -> Part {
-        let ctx = match backends.of::<R>() {
-            Some(backend) => R::ctx(&Self::grant(grant), backend, store),
-            None => R::Ctx::default(),
-        };
+        let ctx = R::ctx(&Self::grant(grant), backends.of::<R>(), store);
         Part { room: TypeId::of::<R>(), ctx: Box::new(ctx) }
     }
 }
@@ -323,8 +324,9 @@ impl PartialEq for RoomGrants {
 impl Eq for RoomGrants {}
 
 impl fmt::Debug for RoomGrants {
+    /// Every room's grant, as equal grants compare: a key left out and its default look alike.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_map().entries(self.0.iter()).finish()
+        f.debug_map().entries(self.view()).finish()
     }
 }
 
@@ -400,10 +402,9 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for FieldsOnly<'_, A> {
                 None => return Ok(None),
                 Some(Key::Field(key)) => return Ok(Some(key)),
                 Some(Key::Room(room)) => {
+                    // TOML refuses a key given twice before this sees it.
                     let grant = self.map.next_value_seed(GrantSeed(room))?;
-                    if self.rooms.0.insert(room.key(), grant).is_some() {
-                        return Err(serde::de::Error::custom(format!("duplicate key `{}`", room.key())));
-                    }
+                    self.rooms.0.insert(room.key(), grant);
                 }
             }
         }
@@ -499,10 +500,37 @@ mod tests {
         assert_eq!(linked, ["context", "machine-lock", "process", "network-bridge", "local-socket"]);
     }
 
+    /// A room's key under `[grants]` is never also one of `Grants`' fields
+    /// (it would take the field's key, and its widening check with it) nor one
+    /// of the reported view's.
+    #[test]
+    fn a_rooms_key_is_no_field_of_grants_or_of_their_view() {
+        for section in sections() {
+            let alone = toml::Table::from_iter([(section.key().to_owned(), toml::Value::Boolean(true))]);
+            let err = Grants::deserialize(toml::Value::Table(alone)).unwrap_err().to_string();
+            assert!(err.contains("unknown field"), "{}: {err}", section.key());
+        }
+        let view = crate::providers::view::GrantsView {
+            kv: true,
+            log: true,
+            machine_lock: true,
+            process: vec!["p".into()],
+            paths: vec!["/p".into()],
+            bridge_devices: vec!["d".into()],
+            bridge_bridges: vec!["b".into()],
+            http: vec!["h".into()],
+            rooms: BTreeMap::new(),
+        };
+        let fields = serde_json::to_value(view).unwrap();
+        for section in sections() {
+            assert!(fields.get(section.key()).is_none(), "{} is a field of GrantsView", section.key());
+        }
+    }
+
     /// A store always has every room's part: one made without it gets one
     /// that refuses, never a panic.
-    #[test]
-    fn every_room_has_its_part_in_a_store() {
+    #[tokio::test]
+    async fn every_room_has_its_part_in_a_store() {
         let mut parts = Parts::default();
         let ctx = parts.of::<local_socket::LocalSocket>();
         assert!(!ctx.granted());
@@ -513,9 +541,12 @@ mod tests {
         let mut parts = Parts::new(&grants, &Backends::default(), &store);
         assert!(parts.of::<local_socket::LocalSocket>().granted());
         assert_eq!(parts.0.len(), sections().count());
-        // The kit's sealed backends: a room it gave none refuses, granted or not.
+        // The kit's sealed backends: a room it gave none refuses, granted or not, saying why.
         let mut parts = Parts::new(&grants, &Backends::sealed(), &store);
-        assert!(!parts.of::<local_socket::LocalSocket>().granted());
+        let sealed = parts.of::<local_socket::LocalSocket>();
+        assert!(!sealed.granted());
+        let refused = sealed.connect("/data/vm.qmp").await.err();
+        assert_eq!(refused, Some(local_socket::SocketError::NoBackend));
         let injected = Backends::sealed().with::<local_socket::LocalSocket>(Arc::new(local_socket::HostSockets));
         assert!(Parts::new(&grants, &injected, &store).of::<local_socket::LocalSocket>().granted());
     }

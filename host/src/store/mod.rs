@@ -124,7 +124,7 @@ impl Store {
             tracing::info!(frames = replayed, "applied the writes the log held beyond the last checkpoint");
         }
         // What was replayed is in the state file now.
-        wal.restart().map_err(log_error)?;
+        wal.restart().map_err(StoreError::Log)?;
         let db = Arc::new(db);
         let writer = Arc::new(writer::Writer::start(db.clone(), wal).map_err(|e| open_error(redb::Error::Io(e)))?);
         let kv = Arc::new(RedbKv::new(db.clone(), writer.clone()));

@@ -24,14 +24,16 @@
 //! does not erase the file, and the bytes past the last frame (older frames,
 //! holding values a provider chose) must never read as a frame of the
 //! current generation. A provider cannot know the salt of a generation that
-//! starts after its value was written, nor make its bytes valid at another
-//! offset. (Version 1 logs, without salt, are replayed once and then
-//! restarted as version 2.)
+//! starts after its value was written, so a forgery is a 1 in 2^32 guess.
+//! (CRC-32 is not a MAC: whoever can read the log's frames can read its
+//! header and salt too; the log is the host's, never a provider's to read.)
+//! Version 1 logs, without salt, are replayed once and restarted as version 2.
 //!
 //! Any failure of the log (a write, a sync, an erase, a new header) leaves
 //! it *unsettled*: what the file holds is no longer known, so nothing more is
-//! appended until a checkpoint and a new generation succeed, and until then
-//! writes are refused with the error that stopped them.
+//! appended until a checkpoint and a new generation succeed. Settling is
+//! tried at once; after it fails, writes are refused with the error that
+//! unsettled the log until the checkpoint age has passed, then tried again.
 
 use nix::fcntl::OFlag;
 use redb::{Key, TableDefinition, TableError, TableHandle, Value, WriteTransaction};
@@ -41,6 +43,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const MAGIC: &[u8; 8] = b"BRKRWAL2";
@@ -103,6 +106,12 @@ enum Format {
     V2 { salt: u64 },
 }
 
+/// Why the log is unsettled, and when settling it may be tried next.
+struct Unsettled {
+    cause: Arc<WalError>,
+    retry_at: Instant,
+}
+
 /// The log file and where the next frame goes.
 pub(crate) struct Wal {
     file: File,
@@ -111,11 +120,10 @@ pub(crate) struct Wal {
     format: Format,
     /// Where the next frame is written.
     end: u64,
-    /// When the first frame since the last checkpoint was written (or, when
-    /// unsettled, when settling it was last tried).
+    /// When the first frame since the last checkpoint was written.
     oldest: Option<Instant>,
     /// A write to the file failed: see the module's doc.
-    unsettled: bool,
+    unsettled: Option<Unsettled>,
     checkpoints: Checkpoints,
 }
 
@@ -144,7 +152,7 @@ impl Wal {
             format: Format::V1,
             end: FRAMES_AT,
             oldest: None,
-            unsettled: false,
+            unsettled: None,
             checkpoints,
         };
         if meta.len() < V1_HEADER_LEN as u64 {
@@ -226,22 +234,26 @@ impl Wal {
 
     /// Write `frame` (a [`Txn`]'s, its header still to fill) and make it
     /// durable. Refused while the log is unsettled.
-    pub(crate) fn append(&mut self, frame: &mut [u8]) -> Result<(), WalError> {
-        if self.unsettled {
-            return Err(self.io_error(io::Error::other("an earlier write to the log failed; it is not yet restarted")));
+    pub(crate) fn append(&mut self, frame: &mut [u8]) -> Result<(), Arc<WalError>> {
+        if let Some(unsettled) = &self.unsettled {
+            return Err(unsettled.cause.clone());
         }
         let (header, payload) = frame.split_at_mut(FRAME_HEADER_LEN);
-        let size = u32::try_from(payload.len())
-            .map_err(|_| self.io_error(io::Error::new(io::ErrorKind::InvalidInput, "a batch of over 4 GiB")))?;
+        let Ok(size) = u32::try_from(payload.len()) else {
+            let too_big = io::Error::new(io::ErrorKind::InvalidInput, "a batch of over 4 GiB");
+            return Err(Arc::new(self.io_error(too_big)));
+        };
         header[..4].copy_from_slice(&size.to_le_bytes());
         header[4..12].copy_from_slice(&self.generation.to_le_bytes());
         let crc = self.frame_crc(self.end, header, payload);
         header[12..16].copy_from_slice(&crc.to_le_bytes());
         let written = self.file.write_all_at(frame, self.end).and_then(|()| self.file.sync_data());
         if let Err(source) = written {
-            // The frame may be on disk, whole or in part, though its batch fails.
-            self.unsettle();
-            return Err(self.io_error(source));
+            // The frame may be on disk, whole or in part, though its batch
+            // fails: erased if the disk lets us, and in any case never
+            // appended after until a new generation starts.
+            let _ = self.erase_at(self.end);
+            return Err(self.unsettle(source));
         }
         self.end += frame.len() as u64;
         self.oldest.get_or_insert_with(Instant::now);
@@ -252,24 +264,38 @@ impl Wal {
     /// did not commit, so it must not be replayed.
     pub(crate) fn retract(&mut self, len: usize) {
         self.end -= len as u64;
-        let erased = self.file.write_all_at(&[0u8; 4], self.end).and_then(|()| self.file.sync_data());
-        if let Err(error) = erased {
+        if let Err(error) = self.erase_at(self.end) {
             // Until a new generation starts, a crash would replay writes that
             // were answered with an error.
             tracing::error!(path = %self.path.display(), %error, "a frame whose commit failed could not be erased");
-            self.unsettle();
+            self.unsettle(error);
         }
+    }
+
+    /// Make the frame at `at` end the chain: a zero length, synced.
+    fn erase_at(&self, at: u64) -> io::Result<()> {
+        self.file.write_all_at(&[0u8; 4], at).and_then(|()| self.file.sync_data())
     }
 
     /// Whether nothing may be appended until a checkpoint and [`Wal::restart`].
     pub(crate) fn unsettled(&self) -> bool {
-        self.unsettled
+        self.unsettled.is_some()
     }
 
-    pub(super) fn unsettle(&mut self) {
-        self.unsettled = true;
-        // Settling is tried at the next batch, or when idle after `age`.
+    /// While unsettled and settling failed less than the checkpoint age ago:
+    /// the error every write is refused with.
+    pub(crate) fn refusal(&self) -> Option<Arc<WalError>> {
+        let unsettled = self.unsettled.as_ref()?;
+        (Instant::now() < unsettled.retry_at).then(|| unsettled.cause.clone())
+    }
+
+    /// Note a failed write to the log; the error, for the caller.
+    pub(super) fn unsettle(&mut self, source: io::Error) -> Arc<WalError> {
+        let cause = Arc::new(self.io_error(source));
+        // Settling is tried at once (at the next batch, or by the idle writer).
+        self.unsettled = Some(Unsettled { cause: cause.clone(), retry_at: Instant::now() });
         self.oldest.get_or_insert_with(Instant::now);
+        cause
     }
 
     /// Whether the next batch should be a checkpoint.
@@ -289,20 +315,23 @@ impl Wal {
         if self.oldest.is_some() {
             self.oldest = Some(Instant::now());
         }
+        if let Some(unsettled) = &mut self.unsettled {
+            unsettled.retry_at = Instant::now() + self.checkpoints.age;
+        }
     }
 
     /// After a checkpoint (a commit durable in the state file): start a new
     /// generation, which settles the log. A failure leaves it unsettled: the
     /// header on disk may be the old or the new one.
-    pub(crate) fn restart(&mut self) -> Result<(), WalError> {
-        let settled = !self.unsettled && matches!(self.format, Format::V2 { .. });
+    pub(crate) fn restart(&mut self) -> Result<(), Arc<WalError>> {
+        let settled = self.unsettled.is_none() && matches!(self.format, Format::V2 { .. });
         if settled && self.end == FRAMES_AT && self.oldest.is_none() {
             return Ok(());
         }
         self.write_header(self.generation + 1).map_err(|source| {
-            self.unsettle();
+            let cause = self.unsettle(source);
             self.postpone();
-            self.io_error(source)
+            cause
         })
     }
 
@@ -318,7 +347,7 @@ impl Wal {
         self.file.sync_data()?;
         self.generation = generation;
         self.format = Format::V2 { salt };
-        (self.end, self.oldest, self.unsettled) = (FRAMES_AT, None, false);
+        (self.end, self.oldest, self.unsettled) = (FRAMES_AT, None, None);
         Ok(())
     }
 
@@ -612,11 +641,16 @@ pub(super) mod tests {
         let mut failed = frame(&[("kv", b"failed", Some(b"1"))]);
         wal.append(&mut failed).unwrap();
         // What a failed erase of that frame leaves.
-        wal.unsettle();
+        wal.unsettle(io::Error::other("the disk said no"));
         assert!(wal.unsettled());
         assert!(wal.idle_for().is_some(), "an idle writer must come back to settle it");
+        assert!(wal.refusal().is_none(), "settling is tried at once");
         let refused = wal.append(&mut frame(&[("kv", b"next", Some(b"2"))])).unwrap_err();
-        assert!(refused.to_string().contains("not yet restarted"), "{refused}");
+        assert!(refused.to_string().contains("the disk said no"), "{refused}");
+        // Settling failed: for the checkpoint age, writes are refused with the cause.
+        wal.postpone();
+        let refusal = wal.refusal().expect("refused until the age has passed");
+        assert!(refusal.to_string().contains("the disk said no"), "{refusal}");
         assert_eq!(replayed(&path), [put("kv", b"failed", b"1")]);
         wal.restart().unwrap();
         assert!(!wal.unsettled());

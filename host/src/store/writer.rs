@@ -250,7 +250,7 @@ fn restarted(wal: &mut Wal) -> Result<(), StoreError> {
         // Writes are refused until a restart succeeds: the header on disk
         // may be either generation's.
         tracing::error!(%error, "the write-ahead log could not be restarted after a checkpoint");
-        StoreError::Log(Arc::new(error))
+        StoreError::Log(error)
     })
 }
 
@@ -259,7 +259,8 @@ fn restarted(wal: &mut Wal) -> Result<(), StoreError> {
 fn commit(db: &Database, wal: &mut Wal, mut batch: Vec<Box<dyn Job>>) {
     let _span = tracing::debug_span!("store_commit", writes = batch.len()).entered();
     let outcome = apply_all(db, wal, &mut batch);
-    if outcome.is_ok() || batch.len() == 1 {
+    // A failure of the log is no job's: retrying each alone would only fail again.
+    if outcome.is_ok() || batch.len() == 1 || matches!(outcome, Err(StoreError::Log(_))) {
         for job in batch {
             finish(job, outcome.clone());
         }
@@ -276,12 +277,16 @@ fn commit(db: &Database, wal: &mut Wal, mut batch: Vec<Box<dyn Job>>) {
 fn apply_all(db: &Database, wal: &mut Wal, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
     if wal.unsettled() {
         // A frame on disk may be one whose batch failed: checkpoint and
-        // restart the log before anything more is logged.
+        // restart the log before anything more is logged, or refuse at once
+        // if that failed less than a checkpoint age ago.
+        if let Some(cause) = wal.refusal() {
+            return Err(StoreError::Log(cause));
+        }
         checkpoint(db, wal)?;
     }
     let mut txn = db.begin_write().map_err(super::db_error)?;
-    let checkpoint = wal.checkpoint_due();
-    if !checkpoint {
+    let durable = wal.checkpoint_due();
+    if !durable {
         txn.set_durability(Durability::None).map_err(super::db_error)?;
     }
     let logged = Txn::new(&txn);
@@ -295,7 +300,7 @@ fn apply_all(db: &Database, wal: &mut Wal, batch: &mut [Box<dyn Job>]) -> Result
     if let Some(mut frame) = frame {
         // Logged (and synced) before the commit: a reader never sees a write
         // that a crash could take back.
-        wal.append(&mut frame).map_err(|e| StoreError::Log(Arc::new(e)))?;
+        wal.append(&mut frame).map_err(StoreError::Log)?;
         if let Err(error) = txn.commit() {
             // Whatever redb did, the callers are told the batch failed: its
             // frame must not be replayed.
@@ -305,7 +310,7 @@ fn apply_all(db: &Database, wal: &mut Wal, batch: &mut [Box<dyn Job>]) -> Result
     } else {
         txn.commit().map_err(super::db_error)?;
     }
-    if checkpoint {
+    if durable {
         // The batch itself is durable; a failed restart only stops later writes.
         let _ = restarted(wal);
     }
@@ -338,7 +343,10 @@ mod tests {
     }
 
     fn wal(dir: &std::path::Path) -> Wal {
-        Wal::open(&dir.join("wal"), super::super::wal::Checkpoints::default()).unwrap()
+        // No checkpoint by age during a test: what the log holds is what the test wrote.
+        let checkpoints =
+            super::super::wal::Checkpoints { age: std::time::Duration::from_secs(3600), ..Default::default() };
+        Wal::open(&dir.join("wal"), checkpoints).unwrap()
     }
 
     fn value(db: &Database, key: u64) -> Option<u64> {
@@ -396,7 +404,7 @@ mod tests {
         let db = Arc::new(Database::create(dir.path().join("db")).unwrap());
         let mut log = wal(dir.path());
         log.append(&mut super::super::wal::tests::frame(&[("t", b"failed", Some(b"1"))])).unwrap();
-        log.unsettle();
+        log.unsettle(std::io::Error::other("a failed erase, on purpose"));
         let writer = Arc::new(Writer::start(db.clone(), log).unwrap());
         assert_eq!(Pending::new(&writer, put(1, 10)).wait().unwrap(), 1);
         // Read while the writer runs: stopping it checkpoints and empties the log.

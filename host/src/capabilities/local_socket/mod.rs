@@ -43,6 +43,8 @@ const GUEST_DATA_PREFIX: &str = "/data/";
 pub enum SocketError {
     #[error("local-sockets is not granted: add `local-sockets = true` under [grants]")]
     NotGranted,
+    #[error("local-socket has no backend here: this sandbox gives the provider no sockets")]
+    NoBackend,
     #[error("socket path {0:?} is not inside /data (the provider's data dir) or is not a clean path")]
     OutsideDataDir(String),
     #[error("socket path {0:?} leads through a symlink or out of /data")]
@@ -72,9 +74,10 @@ impl From<SocketError> for BrokerError {
     fn from(err: SocketError) -> Self {
         let message = err.to_string();
         match err {
-            SocketError::NotGranted | SocketError::OutsideDataDir(_) | SocketError::Escapes(_) => {
-                BrokerError::AccessDenied(message)
-            }
+            SocketError::NotGranted
+            | SocketError::NoBackend
+            | SocketError::OutsideDataDir(_)
+            | SocketError::Escapes(_) => BrokerError::AccessDenied(message),
             SocketError::Missing(_) | SocketError::NotListening(_) => BrokerError::NotFound(message),
             SocketError::NotASocket(_) | SocketError::TooMany => BrokerError::InvalidParams(message),
             SocketError::Timeout(_) => BrokerError::Timeout(message),
@@ -126,22 +129,23 @@ pub struct LocalSocketCtx {
     provider: Arc<str>,
     /// `None` unless `local-sockets` is granted.
     data_dir: Option<PathBuf>,
-    backend: Arc<dyn SocketBackend>,
+    /// `None` in a sandbox that gives the room no backend.
+    backend: Option<Arc<dyn SocketBackend>>,
     open: usize,
     denials: Denials,
 }
 
 impl Default for LocalSocketCtx {
-    /// Refuses every connect.
+    /// Refuses every connect, and reaches nothing.
     fn default() -> Self {
-        LocalSocketCtx::new("".into(), None, Arc::new(HostSockets), Denials::default())
+        LocalSocketCtx { provider: "".into(), data_dir: None, backend: None, open: 0, denials: Denials::default() }
     }
 }
 
 impl LocalSocketCtx {
-    /// Whether connects are let through to the backend.
+    /// Whether connects are let through to a backend.
     pub fn granted(&self) -> bool {
-        self.data_dir.is_some()
+        self.data_dir.is_some() && self.backend.is_some()
     }
 
     pub fn new(
@@ -150,17 +154,18 @@ impl LocalSocketCtx {
         backend: Arc<dyn SocketBackend>,
         denials: Denials,
     ) -> Self {
-        LocalSocketCtx { provider, data_dir, backend, open: 0, denials }
+        LocalSocketCtx { provider, data_dir, backend: Some(backend), open: 0, denials }
     }
 
     pub async fn connect(&mut self, guest_path: &str) -> Result<HeldConnection, SocketError> {
         let data_dir = self.data_dir.as_deref().ok_or(SocketError::NotGranted)?;
+        let backend = self.backend.clone().ok_or(SocketError::NoBackend)?;
         if self.open >= MAX_CONNECTIONS {
             return Err(SocketError::TooMany);
         }
         let relative = inside_data_dir(guest_path)?;
         let at = SocketAt { provider: &self.provider, guest_path, data_dir, relative };
-        let connection = self.backend.clone().connect(at).await?;
+        let connection = backend.connect(at).await?;
         self.open += 1;
         tracing::debug!(provider = %self.provider, path = guest_path, "local socket connected");
         Ok(HeldConnection(connection))
@@ -227,9 +232,10 @@ impl Room for LocalSocket {
         if *grant { "granted" } else { "denied" }.to_owned()
     }
 
-    fn ctx(grant: &bool, backend: Arc<dyn SocketBackend>, store: &StoreSetup<'_>) -> LocalSocketCtx {
+    fn ctx(grant: &bool, backend: Option<Arc<dyn SocketBackend>>, store: &StoreSetup<'_>) -> LocalSocketCtx {
         let data_dir = grant.then(|| store.data_dir.to_owned());
-        LocalSocketCtx::new(store.provider.clone(), data_dir, backend, store.denials.clone())
+        let (provider, denials) = (store.provider.clone(), store.denials.clone());
+        LocalSocketCtx { provider, data_dir, backend, open: 0, denials }
     }
 
     fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
