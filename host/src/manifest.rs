@@ -205,8 +205,6 @@ impl Deadlines {
 pub struct Grants {
     #[serde(default)]
     pub kv: bool,
-    #[serde(default)]
-    pub log: bool,
     /// The machine lock (shared with the host and `broker lock run`).
     #[serde(default)]
     pub machine_lock: bool,
@@ -243,11 +241,7 @@ impl Grants {
     /// The first grant this one has that `approved` does not, if any: what an
     /// operator must approve before it applies.
     pub fn widening(&self, approved: &Grants) -> Option<String> {
-        let flags = [
-            ("kv", self.kv, approved.kv),
-            ("log", self.log, approved.log),
-            ("machine-lock", self.machine_lock, approved.machine_lock),
-        ];
+        let flags = [("kv", self.kv, approved.kv), ("machine-lock", self.machine_lock, approved.machine_lock)];
         if let Some((name, _, _)) = flags.iter().find(|(_, now, before)| *now && !before) {
             return Some(format!("{name} = true"));
         }
@@ -567,7 +561,7 @@ mod tests {
         let with = |grants: &str| parse(&format!("name = \"x\"\ncomponent = \"x\"\n[grants]\n{grants}"));
         let granted = with("kv = true\nlocal-sockets = true\nlog = true\n").unwrap().grants;
         assert!(granted.rooms.of::<LocalSocket>());
-        assert!(granted.kv && granted.log, "the fields after a room's key are still read");
+        assert!(granted.kv && granted.rooms.of::<crate::capabilities::log::Log>(), "keys after a room's are read");
         assert_eq!(granted, with("log = true\nkv = true\nlocal-sockets = true\n").unwrap().grants);
         let not = with("kv = true\nlocal-sockets = false\nlog = true\n").unwrap().grants;
         assert!(!not.rooms.of::<LocalSocket>());

@@ -1,6 +1,8 @@
 //! `broker:provider/log`: guest log lines become `tracing` events tagged with the provider.
 
 use crate::bindings::broker::provider::log::{self as wit, Level};
+use crate::runtime::HostState;
+use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use std::sync::Arc;
 use wasmtime::component::{HasSelf, Linker};
 
@@ -10,6 +12,7 @@ pub const INTERFACE: &str = "log";
 /// Longest message kept; the rest is cut so a guest cannot flood the logs with one line.
 const MAX_MESSAGE_BYTES: usize = 4096;
 
+#[derive(Default)]
 pub struct LogCtx {
     provider: Arc<str>,
 }
@@ -52,6 +55,48 @@ pub fn add_to_linker<T: Send + 'static>(
     getter: fn(&mut T) -> &mut LogCtx,
 ) -> wasmtime::Result<()> {
     wit::add_to_linker::<T, HasSelf<LogCtx>>(linker, getter)
+}
+
+/// The room: `log = true` under `[grants]`; linked only when granted.
+pub struct Log;
+
+impl Room for Log {
+    const INTERFACE: &'static str = INTERFACE;
+    const GRANT: &'static str = "log";
+    const LINKING: Linking = Linking::WhenGranted;
+    /// Lines go to the host's own log, cut short: nothing to inject or to seal.
+    const REACHES_OUT: bool = false;
+    type Grant = bool;
+    type Backend = ();
+    type Ctx = LogCtx;
+
+    fn host_backend() -> Arc<()> {
+        Arc::new(())
+    }
+
+    fn granted(grant: &bool) -> bool {
+        *grant
+    }
+
+    fn widening(now: &bool, approved: &bool) -> Option<String> {
+        (*now && !approved).then(|| "log = true".to_owned())
+    }
+
+    fn acts_outside_the_store(_: &bool) -> bool {
+        false
+    }
+
+    fn shown(grant: &bool) -> String {
+        crate::runtime::rooms::shown_flag(*grant)
+    }
+
+    fn ctx(_: &bool, _: Option<Arc<()>>, store: &StoreSetup<'_>) -> LogCtx {
+        LogCtx::new(store.provider.clone())
+    }
+
+    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state| state.room::<Log>().0)
+    }
 }
 
 #[cfg(test)]

@@ -73,7 +73,6 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
         |items: &[String]| if items.is_empty() { "denied".to_owned() } else { esc(&items.join(", ")).into_owned() };
     writeln!(out, "grants:")?;
     writeln!(out, "  {:<18} {}", "kv", yes_no(v.grants.kv))?;
-    writeln!(out, "  {:<18} {}", "log", yes_no(v.grants.log))?;
     writeln!(out, "  {:<18} {}", "machine-lock", yes_no(v.grants.machine_lock))?;
     for (key, grant) in &v.grants.rooms {
         // A daemon newer than this CLI may report a room it does not know: shown as JSON.
@@ -264,7 +263,7 @@ mod tests {
     /// know (a newer daemon's room) is shown as its JSON, escaped.
     #[test]
     fn a_rooms_grant_is_reported_and_shown_by_its_room() {
-        let text = "name = \"x\"\ncomponent = \"x\"\n[grants]\nlocal-sockets = true\n";
+        let text = "name = \"x\"\ncomponent = \"x\"\n[grants]\nlocal-sockets = true\nlog = true\n";
         let manifest = Manifest::parse(std::path::Path::new("/p/provider.toml"), text).unwrap();
         let record: ProviderRecord = serde_json::from_value(serde_json::json!({
             "name": "x",
@@ -281,6 +280,7 @@ mod tests {
         assert_eq!(from_daemon, view);
         let shown = printed(|out| provider_details(out, &from_daemon));
         assert!(shown.lines().any(|l| l.split_whitespace().eq(["local-sockets", "granted"])), "{shown}");
+        assert!(shown.lines().any(|l| l.split_whitespace().eq(["log", "granted"])), "{shown}");
         from_daemon.grants.rooms.insert(HOSTILE.into(), serde_json::json!(HOSTILE));
         assert_inert(&printed(|out| provider_details(out, &from_daemon)));
         let denied = Manifest::parse(std::path::Path::new("/p/provider.toml"), "name = \"x\"\ncomponent = \"x\"\n");

@@ -12,7 +12,6 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "kebab-case")]
 pub struct GrantsView {
     pub kv: bool,
-    pub log: bool,
     pub machine_lock: bool,
     pub process: Vec<String>,
     pub paths: Vec<String>,
@@ -78,7 +77,6 @@ impl ProviderView {
                 .collect(),
             grants: GrantsView {
                 kv: grants.kv,
-                log: grants.log,
                 machine_lock: grants.machine_lock,
                 process: grants.process.clone(),
                 paths: grants.paths.iter().map(|p| p.display().to_string()).collect(),

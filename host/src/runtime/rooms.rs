@@ -7,9 +7,10 @@
 //! under `[grants]`, parsed, compared with what an operator approved, shown),
 //! its backend (what its calls reach; the host's unless the kit injects
 //! another), its part of a store and its `add_to_linker` are all in its own
-//! folder, and it joins the host with one line here. `local-socket` is the
-//! first; the others still have their grant among [`Grants`]' fields and
-//! their context among [`HostState`]'s ([`Fields`]) and move one by one.
+//! folder, and it joins the host with one line here. `local-socket` and
+//! `log` are in rooms; the others still have their grant among [`Grants`]'
+//! fields and their context among [`HostState`]'s ([`Fields`]) and move one
+//! by one.
 
 use super::HostState;
 use crate::capabilities::denials::Denials;
@@ -70,6 +71,10 @@ pub trait Room: Send + Sync + Sized + 'static {
     /// Its key under `[grants]`.
     const GRANT: &'static str;
     const LINKING: Linking;
+    /// Whether its backend reaches outside the host process (programs,
+    /// sockets, the network): then a sealed sandbox must inject one, and
+    /// one it does not inject refuses. A room without (`log`) is never sealed off.
+    const REACHES_OUT: bool = true;
     /// Its grant as `[grants]` holds it; the default grants nothing.
     type Grant: for<'de> Deserialize<'de> + Serialize + Clone + Default + PartialEq + fmt::Debug + Send + Sync;
     /// What its calls reach: the host's, or in the kit a simulation or a recording.
@@ -230,13 +235,6 @@ pub static ROOMS: &[&dyn Capability] = &[
         add_to_linker: |linker| kv::add_to_linker(linker, |s| &mut s.kv),
     },
     &Fields {
-        interface: log::INTERFACE,
-        grant: "log",
-        granted: |grants| grants.log,
-        linking: Linking::WhenGranted,
-        add_to_linker: |linker| log::add_to_linker(linker, |s| &mut s.log),
-    },
-    &Fields {
         interface: machine_lock::INTERFACE,
         grant: "machine-lock",
         granted: |grants| grants.machine_lock,
@@ -258,6 +256,7 @@ pub static ROOMS: &[&dyn Capability] = &[
         add_to_linker: |linker| network_bridge::wit::add_to_linker(linker, |s| &mut s.bridge),
     },
     &Own::<local_socket::LocalSocket>::ROOM,
+    &Own::<log::Log>::ROOM,
 ];
 
 /// The registered capability serving `interface`.
@@ -308,6 +307,11 @@ impl RoomGrants {
     pub fn view(&self) -> BTreeMap<String, serde_json::Value> {
         sections().map(|s| (s.key().to_owned(), s.view(self.get(s.key())))).collect()
     }
+}
+
+/// A grant that is a flag, as `provider show` prints it.
+pub fn shown_flag(granted: bool) -> String {
+    if granted { "granted" } else { "denied" }.to_owned()
 }
 
 /// A reported grant (`key`, as [`RoomGrants::view`] gave it) as `provider show` prints it.
@@ -440,7 +444,7 @@ impl Backends {
         let injected = self.injected.get(&TypeId::of::<R>()).and_then(|b| b.downcast_ref::<Arc<R::Backend>>());
         match injected {
             Some(backend) => Some(backend.clone()),
-            None => (!self.sealed).then(R::host_backend),
+            None => (!self.sealed || !R::REACHES_OUT).then(R::host_backend),
         }
     }
 }
@@ -498,6 +502,13 @@ mod tests {
         let none = Grants::default();
         let linked: Vec<&str> = ROOMS.iter().filter(|r| r.linked_for(&none)).map(|r| r.interface()).collect();
         assert_eq!(linked, ["context", "machine-lock", "process", "network-bridge", "local-socket"]);
+        let logging = RoomGrants::default().with::<log::Log>(true);
+        let linked: Vec<&str> = ROOMS
+            .iter()
+            .filter(|r| r.linked_for(&Grants { rooms: logging.clone(), ..Grants::default() }))
+            .map(|r| r.interface())
+            .collect();
+        assert_eq!(linked, ["context", "machine-lock", "process", "network-bridge", "local-socket", "log"]);
     }
 
     /// A room's key under `[grants]` is never also one of `Grants`' fields
@@ -512,7 +523,6 @@ mod tests {
         }
         let view = crate::providers::view::GrantsView {
             kv: true,
-            log: true,
             machine_lock: true,
             process: vec!["p".into()],
             paths: vec!["/p".into()],
@@ -547,6 +557,8 @@ mod tests {
         assert!(!sealed.granted());
         let refused = sealed.connect("/data/vm.qmp").await.err();
         assert_eq!(refused, Some(local_socket::SocketError::NoBackend));
+        // A room that reaches nothing outside is not sealed off.
+        assert!(Backends::sealed().of::<log::Log>().is_some());
         let injected = Backends::sealed().with::<local_socket::LocalSocket>(Arc::new(local_socket::HostSockets));
         assert!(Parts::new(&grants, &injected, &store).of::<local_socket::LocalSocket>().granted());
     }

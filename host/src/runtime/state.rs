@@ -5,7 +5,6 @@ use crate::capabilities::context::ContextView;
 use crate::capabilities::denials::Denials;
 use crate::capabilities::http_egress::{EgressBackend, EgressHooks, HostEgress, HttpGrant};
 use crate::capabilities::kv::{KvBackend, KvCtx, KvDurability};
-use crate::capabilities::log::LogCtx;
 use crate::capabilities::machine_lock::{MachineLock, MachineLockCtx, MachineLockView};
 use crate::capabilities::network_bridge::backend::{HostNetwork, NetworkBackend};
 use crate::capabilities::network_bridge::wit::{BridgeCtx, BridgeGrant};
@@ -25,7 +24,6 @@ pub struct HostState {
     pub table: ResourceTable,
     pub wasi: WasiCtx,
     pub kv: KvCtx,
-    pub log: LogCtx,
     pub machine_lock: MachineLockCtx,
     pub process: ProcessCtx,
     pub bridge: BridgeCtx,
@@ -127,7 +125,6 @@ impl HostState {
             table: ResourceTable::new(),
             wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir),
             kv: KvCtx::new(provider.clone(), host.kv.clone(), caps.kv_durability()),
-            log: LogCtx::new(provider.clone()),
             machine_lock: MachineLockCtx::new(host.machine_lock.clone(), denials.clone()),
             process: ProcessCtx::new(&provider, caps.process.clone(), host.processes.clone(), denials.clone()),
             bridge: BridgeCtx::new(caps.bridge.clone(), host.network.clone(), tap_owner, denials.clone()),

@@ -229,7 +229,7 @@ impl Room for LocalSocket {
     }
 
     fn shown(grant: &bool) -> String {
-        if *grant { "granted" } else { "denied" }.to_owned()
+        crate::runtime::rooms::shown_flag(*grant)
     }
 
     fn ctx(grant: &bool, backend: Option<Arc<dyn SocketBackend>>, store: &StoreSetup<'_>) -> LocalSocketCtx {
