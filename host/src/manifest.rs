@@ -205,9 +205,6 @@ impl Deadlines {
 pub struct Grants {
     #[serde(default)]
     pub kv: bool,
-    /// The machine lock (shared with the host and `broker lock run`).
-    #[serde(default)]
-    pub machine_lock: bool,
     /// Programs the provider may run (names on the host's PATH, or absolute paths).
     #[serde(default)]
     pub process: Vec<String>,
@@ -241,9 +238,8 @@ impl Grants {
     /// The first grant this one has that `approved` does not, if any: what an
     /// operator must approve before it applies.
     pub fn widening(&self, approved: &Grants) -> Option<String> {
-        let flags = [("kv", self.kv, approved.kv), ("machine-lock", self.machine_lock, approved.machine_lock)];
-        if let Some((name, _, _)) = flags.iter().find(|(_, now, before)| *now && !before) {
-            return Some(format!("{name} = true"));
+        if self.kv && !approved.kv {
+            return Some("kv = true".into());
         }
         let new_item = |now: &[String], before: &[String], what: &str| {
             now.iter().find(|item| !before.contains(item)).map(|item| format!("{what} {item:?}"))

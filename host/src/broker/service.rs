@@ -4,7 +4,7 @@ use super::host_preparer::{HostPreparer, PrepareError};
 use crate::bindings::{Instance, StartInstanceParams};
 use crate::capabilities::context::CallHooks;
 use crate::capabilities::kv::KvWrites;
-use crate::capabilities::machine_lock::{LockError, MachineLock};
+use crate::capabilities::machine_lock::{LockError, MachineLock, MachineLockRoom};
 use crate::contract::empty_params;
 use crate::providers::data_dirs::DATA_DIRS;
 use crate::providers::{Registry, RegistryError};
@@ -108,7 +108,8 @@ impl Broker {
         let sandbox = Sandbox::new(host.sandbox.clone(), Some(store.clone() as Arc<dyn UidAllocations>));
         let on_host =
             HostCapabilities::on_host(store.kv(), store.data_dir().join(DATA_DIRS), sandbox, store.child_records());
-        let capabilities = HostCapabilities { machine_lock: Some(machine_lock.clone()), ..on_host };
+        let backends = on_host.backends.clone().with::<MachineLockRoom>(Arc::new(machine_lock.clone()));
+        let capabilities = HostCapabilities { backends, ..on_host };
         Broker { registry: Registry::new(runtime, store.clone(), capabilities), store, machine_lock, host }
     }
 

@@ -73,7 +73,6 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
         |items: &[String]| if items.is_empty() { "denied".to_owned() } else { esc(&items.join(", ")).into_owned() };
     writeln!(out, "grants:")?;
     writeln!(out, "  {:<18} {}", "kv", yes_no(v.grants.kv))?;
-    writeln!(out, "  {:<18} {}", "machine-lock", yes_no(v.grants.machine_lock))?;
     for (key, grant) in &v.grants.rooms {
         // A daemon newer than this CLI may report a room it does not know: shown as JSON.
         let shown = crate::runtime::rooms::shown(key, grant).unwrap_or_else(|| grant.to_string());

@@ -32,7 +32,7 @@ use crate::capabilities::denials::Denials;
 use crate::capabilities::http_egress::{HostEgress, RecordedEgress};
 use crate::capabilities::kv::MemoryKv;
 use crate::capabilities::local_socket::{HostSockets, LocalSocket};
-use crate::capabilities::machine_lock::MachineLock;
+use crate::capabilities::machine_lock::{MachineLock, MachineLockRoom};
 use crate::capabilities::network_bridge::backend::HostNetwork;
 use crate::capabilities::process::{HostProcesses, LiveChildren, MemoryChildRecords, Recorded, RecordedSockets};
 use crate::contract::constraints;
@@ -180,11 +180,12 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
         Answers::Script(scripted) => {
             let caps = HostCapabilities {
                 kv,
-                machine_lock: Some(lock),
                 data_dirs,
                 sandbox,
                 processes: scripted.processes.clone(),
-                backends: Backends::sealed().with::<LocalSocket>(scripted.processes.clone()),
+                backends: Backends::sealed()
+                    .with::<MachineLockRoom>(Arc::new(lock))
+                    .with::<LocalSocket>(scripted.processes.clone()),
                 egress: scripted.http.clone(),
                 network: scripted.network.clone(),
                 denials,
@@ -197,11 +198,11 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
             let host_processes = HostProcesses::new(records, live_children.clone());
             let caps = HostCapabilities {
                 kv,
-                machine_lock: Some(lock),
                 data_dirs,
                 sandbox,
                 processes: Arc::new(Recorded::new(host_processes, recording.processes.clone())),
                 backends: Backends::sealed()
+                    .with::<MachineLockRoom>(Arc::new(lock))
                     .with::<LocalSocket>(Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone()))),
                 egress: Arc::new(RecordedEgress::new(Arc::new(HostEgress), recording.http.clone())),
                 network: Arc::new(HostNetwork),

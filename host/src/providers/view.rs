@@ -12,7 +12,6 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "kebab-case")]
 pub struct GrantsView {
     pub kv: bool,
-    pub machine_lock: bool,
     pub process: Vec<String>,
     pub paths: Vec<String>,
     pub bridge_devices: Vec<String>,
@@ -77,7 +76,6 @@ impl ProviderView {
                 .collect(),
             grants: GrantsView {
                 kv: grants.kv,
-                machine_lock: grants.machine_lock,
                 process: grants.process.clone(),
                 paths: grants.paths.iter().map(|p| p.display().to_string()).collect(),
                 bridge_devices: grants.bridge.as_ref().map(|b| b.devices.clone()).unwrap_or_default(),

@@ -7,8 +7,8 @@
 //! under `[grants]`, parsed, compared with what an operator approved, shown),
 //! its backend (what its calls reach; the host's unless the kit injects
 //! another), its part of a store and its `add_to_linker` are all in its own
-//! folder, and it joins the host with one line here. `local-socket` and
-//! `log` are in rooms; the others still have their grant among [`Grants`]'
+//! folder, and it joins the host with one line here. `local-socket`, `log`
+//! and `machine-lock` are in rooms; the others still have their grant among [`Grants`]'
 //! fields and their context among [`HostState`]'s ([`Fields`]) and move one
 //! by one.
 
@@ -24,6 +24,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use wasmtime::component::{Linker, ResourceTable};
 
 /// How a capability is linked into a provider's stores.
@@ -83,7 +84,10 @@ pub trait Room: Send + Sync + Sized + 'static {
     /// refuses every call and reaches nothing.
     type Ctx: Default + Send + 'static;
 
-    fn host_backend() -> Arc<Self::Backend>;
+    /// What its calls reach on the host when nothing is injected; `None`
+    /// for a backend only the host can give (the machine lock is one per
+    /// host): then a store without one injected refuses.
+    fn host_backend() -> Option<Arc<Self::Backend>>;
     fn granted(grant: &Self::Grant) -> bool;
     /// What `now` grants beyond `approved`, as a manifest would say it.
     fn widening(now: &Self::Grant, approved: &Self::Grant) -> Option<String>;
@@ -94,11 +98,15 @@ pub trait Room: Send + Sync + Sized + 'static {
     }
     /// The grant as `provider show` prints it.
     fn shown(grant: &Self::Grant) -> String;
-    /// Its part of a store. With no backend (a sandbox that gives it none)
-    /// it must refuse every call, saying so, and note each refusal in
-    /// `store.denials` like any other.
+    /// Its part of a store. With no backend (not granted, or a sandbox that
+    /// gives it none) it must refuse every call, saying so, and note each
+    /// refusal in `store.denials` like any other.
     fn ctx(grant: &Self::Grant, backend: Option<Arc<Self::Backend>>, store: &StoreSetup<'_>) -> Self::Ctx;
     fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()>;
+    /// A call is about to run in the store (`abort` is set when it is cancelled).
+    fn begin_call(_ctx: &mut Self::Ctx, _abort: &Arc<AtomicBool>) {}
+    /// The call ended: release what it left behind (its handles in `table`).
+    fn end_call(_ctx: &mut Self::Ctx, _table: &mut ResourceTable) {}
 }
 
 /// A [`Room`] registered in [`ROOMS`].
@@ -184,8 +192,11 @@ impl<R: Room> Section for Own<R> {
         R::Grant::deserialize(view).ok().map(|g| R::shown(&g))
     }
     fn part(&self, grant: Option<&dyn AnyGrant>, backends: &Backends, store: &StoreSetup<'_>) -> Part {
-        let ctx = R::ctx(&Self::grant(grant), backends.of::<R>(), store);
-        Part { room: TypeId::of::<R>(), ctx: Box::new(ctx) }
+        // A room's part holds its backend only with its grant: nothing
+        // ungranted is ever within a store's reach.
+        let grant = Self::grant(grant);
+        let backend = backends.of::<R>().filter(|_| R::granted(&grant));
+        Part::new::<R>(R::ctx(&grant, backend, store))
     }
 }
 
@@ -235,13 +246,6 @@ pub static ROOMS: &[&dyn Capability] = &[
         add_to_linker: |linker| kv::add_to_linker(linker, |s| &mut s.kv),
     },
     &Fields {
-        interface: machine_lock::INTERFACE,
-        grant: "machine-lock",
-        granted: |grants| grants.machine_lock,
-        linking: Linking::Always,
-        add_to_linker: |linker| machine_lock::add_to_linker(linker, HostState::machine_lock_view),
-    },
-    &Fields {
         interface: process::INTERFACE,
         grant: "process",
         granted: |grants| !grants.process.is_empty(),
@@ -257,6 +261,7 @@ pub static ROOMS: &[&dyn Capability] = &[
     },
     &Own::<local_socket::LocalSocket>::ROOM,
     &Own::<log::Log>::ROOM,
+    &Own::<machine_lock::MachineLockRoom>::ROOM,
 ];
 
 /// The registered capability serving `interface`.
@@ -439,20 +444,44 @@ impl Backends {
         self
     }
 
-    /// What `R`'s calls reach (`None`: nothing, in a sealed set).
+    /// What `R`'s calls reach (`None`: nothing, in a sealed set or for a
+    /// backend only the host gives). Grants are not checked here: a store's
+    /// part gets its backend only with its grant ([`Parts::new`]).
     pub fn of<R: Room>(&self) -> Option<Arc<R::Backend>> {
         let injected = self.injected.get(&TypeId::of::<R>()).and_then(|b| b.downcast_ref::<Arc<R::Backend>>());
         match injected {
             Some(backend) => Some(backend.clone()),
-            None => (!self.sealed || !R::REACHES_OUT).then(R::host_backend),
+            None if self.sealed && R::REACHES_OUT => None,
+            None => R::host_backend(),
         }
     }
 }
 
-/// One room's part of a store.
+/// One room's part of a store, with its room's call hooks.
 pub struct Part {
     room: TypeId,
     ctx: Box<dyn Any + Send>,
+    begin_call: fn(&mut (dyn Any + Send), &Arc<AtomicBool>),
+    end_call: fn(&mut (dyn Any + Send), &mut ResourceTable),
+}
+
+impl Part {
+    fn new<R: Room>(ctx: R::Ctx) -> Part {
+        Part {
+            room: TypeId::of::<R>(),
+            ctx: Box::new(ctx),
+            begin_call: |ctx, abort| {
+                if let Some(ctx) = ctx.downcast_mut::<R::Ctx>() {
+                    R::begin_call(ctx, abort);
+                }
+            },
+            end_call: |ctx, table| {
+                if let Some(ctx) = ctx.downcast_mut::<R::Ctx>() {
+                    R::end_call(ctx, table);
+                }
+            },
+        }
+    }
 }
 
 /// The rooms' parts of one store.
@@ -469,12 +498,26 @@ impl Parts {
         let at = match self.0.iter().position(|p| p.room == TypeId::of::<R>() && p.ctx.is::<R::Ctx>()) {
             Some(at) => at,
             None => {
-                self.0.push(Part { room: TypeId::of::<R>(), ctx: Box::new(R::Ctx::default()) });
+                self.0.push(Part::new::<R>(R::Ctx::default()));
                 self.0.len() - 1
             }
         };
         // Just found or pushed, with its type checked.
         self.0[at].ctx.downcast_mut::<R::Ctx>().expect("a room's part has the room's type")
+    }
+
+    /// Each room's [`Room::begin_call`].
+    pub fn begin_call(&mut self, abort: &Arc<AtomicBool>) {
+        for part in &mut self.0 {
+            (part.begin_call)(&mut *part.ctx, abort);
+        }
+    }
+
+    /// Each room's [`Room::end_call`].
+    pub fn end_call(&mut self, table: &mut ResourceTable) {
+        for part in &mut self.0 {
+            (part.end_call)(&mut *part.ctx, table);
+        }
     }
 }
 
@@ -501,14 +544,14 @@ mod tests {
         assert_eq!(keys.len(), ROOMS.len(), "a grant key registered twice");
         let none = Grants::default();
         let linked: Vec<&str> = ROOMS.iter().filter(|r| r.linked_for(&none)).map(|r| r.interface()).collect();
-        assert_eq!(linked, ["context", "machine-lock", "process", "network-bridge", "local-socket"]);
+        assert_eq!(linked, ["context", "process", "network-bridge", "local-socket", "machine-lock"]);
         let logging = RoomGrants::default().with::<log::Log>(true);
         let linked: Vec<&str> = ROOMS
             .iter()
             .filter(|r| r.linked_for(&Grants { rooms: logging.clone(), ..Grants::default() }))
             .map(|r| r.interface())
             .collect();
-        assert_eq!(linked, ["context", "machine-lock", "process", "network-bridge", "local-socket", "log"]);
+        assert_eq!(linked, ["context", "process", "network-bridge", "local-socket", "log", "machine-lock"]);
     }
 
     /// A room's key under `[grants]` is never also one of `Grants`' fields
@@ -523,7 +566,6 @@ mod tests {
         }
         let view = crate::providers::view::GrantsView {
             kv: true,
-            machine_lock: true,
             process: vec!["p".into()],
             paths: vec!["/p".into()],
             bridge_devices: vec!["d".into()],
@@ -559,6 +601,19 @@ mod tests {
         assert_eq!(refused, Some(local_socket::SocketError::NoBackend));
         // A room that reaches nothing outside is not sealed off.
         assert!(Backends::sealed().of::<log::Log>().is_some());
+        // The machine lock is the host's to give: granted but not given, it refuses, sealed or not.
+        let locking = RoomGrants::default().with::<machine_lock::MachineLockRoom>(true);
+        for backends in [Backends::default(), Backends::sealed()] {
+            assert!(!Parts::new(&locking, &backends, &store).of::<machine_lock::MachineLockRoom>().granted());
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let lock = machine_lock::MachineLock::new(dir.path(), "machine-lock", "test").unwrap();
+        let given = Backends::sealed().with::<machine_lock::MachineLockRoom>(Arc::new(lock));
+        assert!(Parts::new(&locking, &given, &store).of::<machine_lock::MachineLockRoom>().granted());
+        assert!(
+            !Parts::new(&grants, &given, &store).of::<machine_lock::MachineLockRoom>().granted(),
+            "given, not granted"
+        );
         let injected = Backends::sealed().with::<local_socket::LocalSocket>(Arc::new(local_socket::HostSockets));
         assert!(Parts::new(&grants, &injected, &store).of::<local_socket::LocalSocket>().granted());
     }

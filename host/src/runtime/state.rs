@@ -5,7 +5,6 @@ use crate::capabilities::context::ContextView;
 use crate::capabilities::denials::Denials;
 use crate::capabilities::http_egress::{EgressBackend, EgressHooks, HostEgress, HttpGrant};
 use crate::capabilities::kv::{KvBackend, KvCtx, KvDurability};
-use crate::capabilities::machine_lock::{MachineLock, MachineLockCtx, MachineLockView};
 use crate::capabilities::network_bridge::backend::{HostNetwork, NetworkBackend};
 use crate::capabilities::network_bridge::wit::{BridgeCtx, BridgeGrant};
 use crate::capabilities::process::{
@@ -24,7 +23,6 @@ pub struct HostState {
     pub table: ResourceTable,
     pub wasi: WasiCtx,
     pub kv: KvCtx,
-    pub machine_lock: MachineLockCtx,
     pub process: ProcessCtx,
     pub bridge: BridgeCtx,
     /// The parts of the capabilities in rooms of their own.
@@ -41,7 +39,6 @@ pub struct HostState {
 #[derive(Clone)]
 pub struct HostCapabilities {
     pub kv: Arc<dyn KvBackend>,
-    pub machine_lock: Option<MachineLock>,
     /// Each provider gets `<data_dirs>/<name>` as its data dir (`/data` to the guest).
     /// Never inside a directory manifests or components are loaded from.
     pub data_dirs: PathBuf,
@@ -72,7 +69,6 @@ impl HostCapabilities {
     ) -> Self {
         HostCapabilities {
             kv,
-            machine_lock: None,
             data_dirs,
             sandbox,
             processes: Arc::new(HostProcesses::new(child_records, Arc::default())),
@@ -125,7 +121,6 @@ impl HostState {
             table: ResourceTable::new(),
             wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir),
             kv: KvCtx::new(provider.clone(), host.kv.clone(), caps.kv_durability()),
-            machine_lock: MachineLockCtx::new(host.machine_lock.clone(), denials.clone()),
             process: ProcessCtx::new(&provider, caps.process.clone(), host.processes.clone(), denials.clone()),
             bridge: BridgeCtx::new(caps.bridge.clone(), host.network.clone(), tap_owner, denials.clone()),
             rooms: Parts::new(
@@ -149,10 +144,6 @@ impl HostState {
         ProcessView { ctx: &mut self.process, table: &mut self.table }
     }
 
-    pub fn machine_lock_view(&mut self) -> MachineLockView<'_> {
-        MachineLockView { ctx: &mut self.machine_lock, table: &mut self.table }
-    }
-
     /// A guest's `symlink-at` was refused: noted like any refused host call.
     pub fn symlink_refused(&mut self, path: &str) {
         // The path is the guest's: shown escaped and cut short.
@@ -161,9 +152,14 @@ impl HostState {
         self.denials.note("filesystem", &message);
     }
 
+    /// A call is about to run in this store (`abort` is its cancellation).
+    pub fn begin_call(&mut self, abort: &Arc<std::sync::atomic::AtomicBool>) {
+        self.rooms.begin_call(abort);
+    }
+
     /// Release what a call left behind (machine-lock guards).
     pub fn end_call(&mut self) {
-        self.machine_lock.end_call(&mut self.table);
+        self.rooms.end_call(&mut self.table);
     }
 }
 

@@ -453,7 +453,7 @@ impl ProviderVersion {
         // Yield to the executor every epoch tick, so a busy guest never holds a
         // worker thread; the deadline itself is the timeout around the call.
         warm.store.epoch_deadline_async_yield_and_update(1);
-        warm.store.data_mut().machine_lock.begin_call(hooks.abort.clone());
+        warm.store.data_mut().begin_call(&hooks.abort);
         let context = CallContext { hooks: hooks.clone(), provider_config: self.config_json.clone() };
         let handle = warm.store.data_mut().table.push(context).map_err(|e| CallError::Instantiate {
             provider: self.name.to_string(),
@@ -571,8 +571,9 @@ impl ProviderVersion {
     }
 }
 
-/// The host's capabilities as far as the manifest grants them: the machine
-/// lock only with its grant, programs resolved now, a data dir of its own.
+/// The host's capabilities as far as the manifest grants them: programs
+/// resolved now, a data dir of its own. (A room's backend, the machine lock
+/// among them, reaches a store only with its grant: see `rooms::Parts::new`.)
 fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabilities, LoadError> {
     let provider = manifest.name.clone();
     let data_dir = host.data_dirs.join(&manifest.name);
@@ -620,7 +621,6 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         };
         Some(Arc::new(policy))
     };
-    let host = HostCapabilities { machine_lock: host.machine_lock.filter(|_| grants.machine_lock), ..host };
     Ok(ProviderCapabilities {
         host,
         data_dir,

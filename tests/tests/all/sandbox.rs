@@ -191,10 +191,10 @@ fn with_machine_lock() -> (
     let dir = tempfile::tempdir().unwrap();
     let lock = MachineLock::new(dir.path(), "machine-lock", "test").unwrap();
     let kv = Arc::new(MemoryKv::default());
-    let caps = broker_host::runtime::HostCapabilities {
-        machine_lock: Some(lock.clone()),
-        ..broker_tests::host_capabilities(dir.path(), kv.clone())
-    };
+    let base = broker_tests::host_capabilities(dir.path(), kv.clone());
+    let backends =
+        base.backends.clone().with::<broker_host::capabilities::machine_lock::MachineLockRoom>(Arc::new(lock.clone()));
+    let caps = broker_host::runtime::HostCapabilities { backends, ..base };
     (dir, lock, kv, caps)
 }
 

@@ -216,8 +216,8 @@ impl Room for LocalSocket {
     type Backend = dyn SocketBackend;
     type Ctx = LocalSocketCtx;
 
-    fn host_backend() -> Arc<dyn SocketBackend> {
-        Arc::new(HostSockets)
+    fn host_backend() -> Option<Arc<dyn SocketBackend>> {
+        Some(Arc::new(HostSockets))
     }
 
     fn granted(grant: &bool) -> bool {

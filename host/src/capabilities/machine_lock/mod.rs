@@ -9,6 +9,8 @@ pub use lock::{LockError, LockGuard, MAX_COMMENT_BYTES, MAX_WORKER_BYTES, Machin
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::machine_lock::{self as wit};
+use crate::runtime::HostState;
+use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
@@ -21,7 +23,9 @@ pub const INTERFACE: &str = "machine-lock";
 pub struct HeldLock(LockGuard);
 
 /// Per-store context: the lock if granted, and the guards handed out, so the
-/// host can release whatever a guest still holds when its call ends.
+/// host can release whatever a guest still holds when its call ends. The
+/// default holds no lock and refuses.
+#[derive(Default)]
 pub struct MachineLockCtx {
     lock: Option<MachineLock>,
     abort: Arc<AtomicBool>,
@@ -33,6 +37,11 @@ impl MachineLockCtx {
     /// `lock` is `None` when the manifest does not grant `machine-lock`.
     pub fn new(lock: Option<MachineLock>, denials: crate::capabilities::denials::Denials) -> Self {
         MachineLockCtx { lock, abort: Arc::default(), handed_out: Vec::new(), denials }
+    }
+
+    /// Whether a lock is there to take (granted, and one was given).
+    pub fn granted(&self) -> bool {
+        self.lock.is_some()
     }
 
     /// The abort flag of the call about to run.
@@ -112,6 +121,61 @@ impl wit::HostLockGuard for MachineLockView<'_> {
         // Dropping the guard releases the lock.
         self.table.delete(handle)?;
         Ok(())
+    }
+}
+
+/// The room: `machine-lock = true` under `[grants]`. Its backend is the
+/// host's one lock, which only the host (or the kit, its own) can inject.
+pub struct MachineLockRoom;
+
+impl Room for MachineLockRoom {
+    const INTERFACE: &'static str = INTERFACE;
+    const GRANT: &'static str = "machine-lock";
+    const LINKING: Linking = Linking::Always;
+    type Grant = bool;
+    type Backend = MachineLock;
+    type Ctx = MachineLockCtx;
+
+    fn host_backend() -> Option<Arc<MachineLock>> {
+        None
+    }
+
+    fn granted(grant: &bool) -> bool {
+        *grant
+    }
+
+    fn widening(now: &bool, approved: &bool) -> Option<String> {
+        (*now && !approved).then(|| "machine-lock = true".to_owned())
+    }
+
+    fn acts_outside_the_store(_: &bool) -> bool {
+        // Waiting on a lock changes nothing outside; what a provider does
+        // while holding it is under the grants that do.
+        false
+    }
+
+    fn shown(grant: &bool) -> String {
+        crate::runtime::rooms::shown_flag(*grant)
+    }
+
+    fn ctx(grant: &bool, lock: Option<Arc<MachineLock>>, store: &StoreSetup<'_>) -> MachineLockCtx {
+        let lock = lock.filter(|_| *grant).map(|lock| MachineLock::clone(&lock));
+        MachineLockCtx::new(lock, store.denials.clone())
+    }
+
+    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state| {
+            let (ctx, table) = state.room::<MachineLockRoom>();
+            MachineLockView { ctx, table }
+        })
+    }
+
+    fn begin_call(ctx: &mut MachineLockCtx, abort: &Arc<AtomicBool>) {
+        ctx.begin_call(abort.clone());
+    }
+
+    fn end_call(ctx: &mut MachineLockCtx, table: &mut ResourceTable) {
+        ctx.end_call(table);
     }
 }
 
