@@ -74,20 +74,8 @@ impl Room for Log {
         Some(Arc::new(()))
     }
 
-    fn granted(grant: &bool) -> bool {
-        *grant
-    }
-
-    fn widening(now: &bool, approved: &bool) -> Option<String> {
-        (*now && !approved).then(|| "log = true".to_owned())
-    }
-
     fn acts_outside_the_store(_: &bool) -> bool {
         false
-    }
-
-    fn shown(grant: &bool) -> String {
-        crate::runtime::rooms::shown_flag(*grant)
     }
 
     fn ctx(_: &bool, _: Option<Arc<()>>, store: &StoreSetup<'_>) -> LogCtx {

@@ -11,4 +11,5 @@ pub mod log;
 pub mod machine_lock;
 pub mod network_bridge;
 pub mod process;
+pub mod view;
 pub mod wasi;

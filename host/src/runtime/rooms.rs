@@ -77,7 +77,7 @@ pub trait Room: Send + Sync + Sized + 'static {
     /// one it does not inject refuses. A room without (`log`) is never sealed off.
     const REACHES_OUT: bool = true;
     /// Its grant as `[grants]` holds it; the default grants nothing.
-    type Grant: for<'de> Deserialize<'de> + Serialize + Clone + Default + PartialEq + fmt::Debug + Send + Sync;
+    type Grant: GrantValue;
     /// What its calls reach: the host's, or in the kit a simulation or a recording.
     type Backend: ?Sized + Send + Sync + 'static;
     /// Its part of a store; the default (for a store made without it)
@@ -88,16 +88,22 @@ pub trait Room: Send + Sync + Sized + 'static {
     /// for a backend only the host can give (the machine lock is one per
     /// host): then a store without one injected refuses.
     fn host_backend() -> Option<Arc<Self::Backend>>;
-    fn granted(grant: &Self::Grant) -> bool;
+    fn granted(grant: &Self::Grant) -> bool {
+        grant.granted()
+    }
     /// What `now` grants beyond `approved`, as a manifest would say it.
-    fn widening(now: &Self::Grant, approved: &Self::Grant) -> Option<String>;
+    fn widening(now: &Self::Grant, approved: &Self::Grant) -> Option<String> {
+        now.widening(approved, Self::GRANT)
+    }
     /// Whether the grant lets a provider act outside the store (so what it
     /// writes to kv must be durable before the effect it describes).
     fn acts_outside_the_store(grant: &Self::Grant) -> bool {
         Self::granted(grant)
     }
     /// The grant as `provider show` prints it.
-    fn shown(grant: &Self::Grant) -> String;
+    fn shown(grant: &Self::Grant) -> String {
+        grant.shown()
+    }
     /// Its part of a store. With no backend (not granted, or a sandbox that
     /// gives it none) it must refuse every call, saying so, and note each
     /// refusal in `store.denials` like any other.
@@ -107,6 +113,31 @@ pub trait Room: Send + Sync + Sized + 'static {
     fn begin_call(_ctx: &mut Self::Ctx, _abort: &Arc<AtomicBool>) {}
     /// The call ended: release what it left behind (its handles in `table`).
     fn end_call(_ctx: &mut Self::Ctx, _table: &mut ResourceTable) {}
+}
+
+/// What a room's grant says of itself; a room's defaults read it.
+pub trait GrantValue:
+    for<'de> Deserialize<'de> + Serialize + Clone + Default + PartialEq + fmt::Debug + Send + Sync
+{
+    fn granted(&self) -> bool;
+    /// What `self` grants beyond `approved`, under the room's `key`.
+    fn widening(&self, approved: &Self, key: &str) -> Option<String>;
+    fn shown(&self) -> String;
+}
+
+/// A flag (`local-sockets = true`).
+impl GrantValue for bool {
+    fn granted(&self) -> bool {
+        *self
+    }
+
+    fn widening(&self, approved: &bool, key: &str) -> Option<String> {
+        (*self && !approved).then(|| format!("{key} = true"))
+    }
+
+    fn shown(&self) -> String {
+        if *self { "granted" } else { "denied" }.to_owned()
+    }
 }
 
 /// A [`Room`] registered in [`ROOMS`].
@@ -312,11 +343,6 @@ impl RoomGrants {
     pub fn view(&self) -> BTreeMap<String, serde_json::Value> {
         sections().map(|s| (s.key().to_owned(), s.view(self.get(s.key())))).collect()
     }
-}
-
-/// A grant that is a flag, as `provider show` prints it.
-pub fn shown_flag(granted: bool) -> String {
-    if granted { "granted" } else { "denied" }.to_owned()
 }
 
 /// A reported grant (`key`, as [`RoomGrants::view`] gave it) as `provider show` prints it.

@@ -22,13 +22,14 @@ pub use backend::HostSockets;
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::local_socket as wit;
 use crate::capabilities::denials::Denials;
+use crate::capabilities::view::{View, ViewOf};
 use crate::runtime::HostState;
 use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use futures_util::future::BoxFuture;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use wasmtime::component::{HasData, Linker, ResourceTable};
+use wasmtime::component::Linker;
 
 /// Its interface in the contract package.
 pub const INTERFACE: &str = "local-socket";
@@ -187,22 +188,13 @@ fn inside_data_dir(guest_path: &str) -> Result<&Path, SocketError> {
     Ok(relative)
 }
 
-pub struct LocalSocketView<'a> {
-    pub ctx: &'a mut LocalSocketCtx,
-    pub table: &'a mut ResourceTable,
-}
-
-pub struct LocalSocketData;
-
-impl HasData for LocalSocketData {
-    type Data<'a> = LocalSocketView<'a>;
-}
+pub type LocalSocketView<'a> = View<'a, LocalSocketCtx>;
 
 pub fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> LocalSocketView<'_>,
 ) -> wasmtime::Result<()> {
-    wit::add_to_linker::<T, LocalSocketData>(linker, getter)
+    wit::add_to_linker::<T, ViewOf<LocalSocketCtx>>(linker, getter)
 }
 
 /// The room: `local-sockets = true` under `[grants]`.
@@ -218,18 +210,6 @@ impl Room for LocalSocket {
 
     fn host_backend() -> Option<Arc<dyn SocketBackend>> {
         Some(Arc::new(HostSockets))
-    }
-
-    fn granted(grant: &bool) -> bool {
-        *grant
-    }
-
-    fn widening(now: &bool, approved: &bool) -> Option<String> {
-        (*now && !approved).then(|| "local-sockets = true".to_owned())
-    }
-
-    fn shown(grant: &bool) -> String {
-        crate::runtime::rooms::shown_flag(*grant)
     }
 
     fn ctx(grant: &bool, backend: Option<Arc<dyn SocketBackend>>, store: &StoreSetup<'_>) -> LocalSocketCtx {

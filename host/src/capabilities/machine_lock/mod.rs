@@ -9,12 +9,13 @@ pub use lock::{LockError, LockGuard, MAX_COMMENT_BYTES, MAX_WORKER_BYTES, Machin
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::machine_lock::{self as wit};
+use crate::capabilities::view::{View, ViewOf};
 use crate::runtime::HostState;
 use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
-use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
+use wasmtime::component::{Linker, Resource, ResourceTable};
 
 /// Its interface in the contract package.
 pub const INTERFACE: &str = "machine-lock";
@@ -59,16 +60,7 @@ impl MachineLockCtx {
     }
 }
 
-pub struct MachineLockView<'a> {
-    pub ctx: &'a mut MachineLockCtx,
-    pub table: &'a mut ResourceTable,
-}
-
-pub struct MachineLockData;
-
-impl HasData for MachineLockData {
-    type Data<'a> = MachineLockView<'a>;
-}
+pub type MachineLockView<'a> = View<'a, MachineLockCtx>;
 
 fn to_broker_error(err: LockError) -> BrokerError {
     match err {
@@ -140,22 +132,10 @@ impl Room for MachineLockRoom {
         None
     }
 
-    fn granted(grant: &bool) -> bool {
-        *grant
-    }
-
-    fn widening(now: &bool, approved: &bool) -> Option<String> {
-        (*now && !approved).then(|| "machine-lock = true".to_owned())
-    }
-
     fn acts_outside_the_store(_: &bool) -> bool {
         // Waiting on a lock changes nothing outside; what a provider does
         // while holding it is under the grants that do.
         false
-    }
-
-    fn shown(grant: &bool) -> String {
-        crate::runtime::rooms::shown_flag(*grant)
     }
 
     fn ctx(grant: &bool, lock: Option<Arc<MachineLock>>, store: &StoreSetup<'_>) -> MachineLockCtx {
@@ -183,7 +163,7 @@ pub fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> MachineLockView<'_>,
 ) -> wasmtime::Result<()> {
-    wit::add_to_linker::<T, MachineLockData>(linker, getter)
+    wit::add_to_linker::<T, ViewOf<MachineLockCtx>>(linker, getter)
 }
 
 #[cfg(test)]

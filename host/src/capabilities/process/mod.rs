@@ -22,10 +22,11 @@ pub use tape::{ProcessTape, RecordedSockets};
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::process::{self as wit, ChildStatus, Output};
 use crate::capabilities::denials::Denials;
+use crate::capabilities::view::{View, ViewOf};
 use nix::sys::signal::Signal;
 use std::sync::Arc;
 use std::time::Duration;
-use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
+use wasmtime::component::{Linker, Resource};
 
 /// Its interface in the contract package.
 pub const INTERFACE: &str = "process";
@@ -175,16 +176,7 @@ impl ProcessCtx {
     }
 }
 
-pub struct ProcessView<'a> {
-    pub ctx: &'a mut ProcessCtx,
-    pub table: &'a mut ResourceTable,
-}
-
-pub struct ProcessData;
-
-impl HasData for ProcessData {
-    type Data<'a> = ProcessView<'a>;
-}
+pub type ProcessView<'a> = View<'a, ProcessCtx>;
 
 impl ProcessView<'_> {
     fn hold(&mut self, record: ChildRecord) -> wasmtime::Result<Resource<HeldChild>> {
@@ -288,5 +280,5 @@ pub fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> ProcessView<'_>,
 ) -> wasmtime::Result<()> {
-    wit::add_to_linker::<T, ProcessData>(linker, getter)
+    wit::add_to_linker::<T, ViewOf<ProcessCtx>>(linker, getter)
 }

@@ -1,0 +1,17 @@
+//! What a capability's host functions see of a store: its own context and
+//! the resource table its handles live in (wasmtime's view pattern, once for all).
+
+use std::marker::PhantomData;
+use wasmtime::component::{HasData, ResourceTable};
+
+pub struct View<'a, C> {
+    pub ctx: &'a mut C,
+    pub table: &'a mut ResourceTable,
+}
+
+/// [`View`] over `C`, as bindgen's `add_to_linker` names it.
+pub struct ViewOf<C>(PhantomData<fn() -> C>);
+
+impl<C: 'static> HasData for ViewOf<C> {
+    type Data<'a> = View<'a, C>;
+}
