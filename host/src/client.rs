@@ -16,16 +16,16 @@ use wasmtime_wasi_http::io::TokioIo;
 pub enum ClientError {
     #[error("cannot reach the broker daemon on {socket}: {source}")]
     Connect { socket: String, source: std::io::Error },
-    #[error("the broker daemon on {socket} broke off: {reason}")]
-    Http { socket: String, reason: String },
+    #[error("the broker daemon on {socket} broke off: {source}")]
+    Http { socket: String, source: crate::runtime::BoxError },
     /// The daemon refused the request; the message is its `error`.
     #[error("{message}")]
     Refused { status: u16, message: String },
     /// A streamed call ran and failed; the message is the daemon's.
     #[error("{0}")]
     Failed(String),
-    #[error("the broker daemon's answer to {path} does not parse: {reason}")]
-    Decode { path: String, reason: String },
+    #[error("the broker daemon's answer to {path} does not parse: {source}")]
+    Decode { path: String, source: serde_json::Error },
 }
 
 /// Where `broker serve` listens, known to answer.
@@ -55,7 +55,7 @@ impl DaemonClient {
         if !status.is_success() {
             return Err(refusal(status, &bytes));
         }
-        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode { path: path.to_owned(), reason: e.to_string() })
+        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode { path: path.to_owned(), source: e })
     }
 
     /// `POST /v1/instances`: each status update to `on_event` as it arrives,
@@ -79,8 +79,8 @@ impl DaemonClient {
             pending.extend_from_slice(&data);
             while let Some(end) = pending.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = pending.drain(..=end).collect();
-                let decoded: StartLine = serde_json::from_slice(&line)
-                    .map_err(|e| ClientError::Decode { path: PATH.into(), reason: e.to_string() })?;
+                let decoded: StartLine =
+                    serde_json::from_slice(&line).map_err(|e| ClientError::Decode { path: PATH.into(), source: e })?;
                 match decoded {
                     StartLine::Started { instance } => return Ok(*instance),
                     StartLine::Failed { error } => return Err(ClientError::Failed(error)),
@@ -116,8 +116,8 @@ impl DaemonClient {
         sender.send_request(request).await.map_err(|e| self.broke_off(e))
     }
 
-    fn broke_off(&self, reason: impl std::fmt::Display) -> ClientError {
-        ClientError::Http { socket: self.socket.display().to_string(), reason: reason.to_string() }
+    fn broke_off(&self, source: impl Into<crate::runtime::BoxError>) -> ClientError {
+        ClientError::Http { socket: self.socket.display().to_string(), source: source.into() }
     }
 }
 

@@ -203,8 +203,6 @@ impl Deadlines {
 #[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct Grants {
-    #[serde(default)]
-    pub kv: bool,
     /// Programs the provider may run (names on the host's PATH, or absolute paths).
     #[serde(default)]
     pub process: Vec<String>,
@@ -227,7 +225,7 @@ pub struct Grants {
     #[serde(default)]
     pub http: crate::capabilities::http_egress::HttpGrant,
     /// Devices and bridges the provider may bridge, attach to and list.
-    pub bridge: Option<crate::capabilities::network_bridge::wit::BridgeGrant>,
+    pub bridge: Option<crate::capabilities::network_bridge::BridgeGrant>,
     /// The grants of capabilities in rooms of their own (`local-sockets`),
     /// each parsed by its room ([`crate::runtime::rooms`]).
     #[serde(skip)]
@@ -238,9 +236,6 @@ impl Grants {
     /// The first grant this one has that `approved` does not, if any: what an
     /// operator must approve before it applies.
     pub fn widening(&self, approved: &Grants) -> Option<String> {
-        if self.kv && !approved.kv {
-            return Some("kv = true".into());
-        }
         let new_item = |now: &[String], before: &[String], what: &str| {
             now.iter().find(|item| !before.contains(item)).map(|item| format!("{what} {item:?}"))
         };
@@ -555,13 +550,20 @@ mod tests {
     fn a_rooms_grant_is_parsed_compared_and_refused_by_its_room() {
         use crate::capabilities::local_socket::LocalSocket;
         let with = |grants: &str| parse(&format!("name = \"x\"\ncomponent = \"x\"\n[grants]\n{grants}"));
-        let granted = with("kv = true\nlocal-sockets = true\nlog = true\n").unwrap().grants;
+        let granted = with("kv = true\nlocal-sockets = true\nenv = [\"TZ\"]\nlog = true\n").unwrap().grants;
         assert!(granted.rooms.of::<LocalSocket>());
-        assert!(granted.kv && granted.rooms.of::<crate::capabilities::log::Log>(), "keys after a room's are read");
-        assert_eq!(granted, with("log = true\nkv = true\nlocal-sockets = true\n").unwrap().grants);
-        let not = with("kv = true\nlocal-sockets = false\nlog = true\n").unwrap().grants;
+        assert!(
+            granted.env == ["TZ"] && granted.rooms.of::<crate::capabilities::log::Log>(),
+            "keys after a room's are read"
+        );
+        assert_eq!(granted, with("log = true\nenv = [\"TZ\"]\nkv = true\nlocal-sockets = true\n").unwrap().grants);
+        let not = with("kv = true\nlocal-sockets = false\nenv = [\"TZ\"]\nlog = true\n").unwrap().grants;
         assert!(!not.rooms.of::<LocalSocket>());
-        assert_eq!(not, with("kv = true\nlog = true\n").unwrap().grants, "false is the default: no grant");
+        assert_eq!(
+            not,
+            with("env = [\"TZ\"]\nkv = true\nlog = true\n").unwrap().grants,
+            "false is the default: no grant"
+        );
         assert_ne!(granted, not);
         assert_eq!(granted.widening(&not).as_deref(), Some("local-sockets = true"));
         assert_eq!(not.widening(&granted), None);

@@ -11,10 +11,10 @@
 use broker_host::bindings::InstanceStatus;
 use broker_host::broker::{Broker, BrokerServiceError};
 use broker_host::capabilities::context::CallHooks;
-use broker_host::capabilities::network_bridge::netlink::Netlink;
 use broker_host::capabilities::process::proc_stat;
 use broker_host::contract::constraints;
 use broker_host::contract::{interface_on, params_with};
+use broker_host::network::netlink::Netlink;
 use broker_tests::netns::{in_netns, make_nic};
 use broker_tests::{VmPayload, qmp_commands, recording_hooks, vm_payload, wasm};
 use std::path::{Path, PathBuf};
@@ -376,9 +376,9 @@ fn qemu_running_with(needle: &str) -> bool {
 
 #[test]
 fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
-    use broker_host::capabilities::network_bridge::DeviceToBridge;
     use broker_host::conformance::{self, Answers, KitOptions, Recording, Scripted};
     use broker_host::manifest::Manifest;
+    use broker_host::network::DeviceToBridge;
     use std::sync::Arc;
 
     let payload = vm_payload();

@@ -4,10 +4,10 @@
 //! observe the network, record what was observed, release.
 
 use crate::bindings::InterfaceInfo;
-use crate::capabilities::machine_lock::{LockError, MachineLock, Spec};
-use crate::capabilities::network_bridge::backend::NetworkBackend;
-use crate::capabilities::network_bridge::names::bridge_name;
-use crate::capabilities::network_bridge::{BridgeError, Device, DeviceToBridge};
+use crate::machine_lock::{LockError, MachineLock, Spec};
+use crate::network::backend::NetworkBackend;
+use crate::network::names::bridge_name;
+use crate::network::{BridgeError, Device, DeviceToBridge};
 use crate::store::{Store, StoreError};
 use futures_util::future::BoxFuture;
 use std::collections::BTreeMap;
@@ -117,8 +117,8 @@ impl HostPreparer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::capabilities::network_bridge::simulated::SimNetwork;
     use crate::contract::interface_on;
+    use crate::network::simulated::SimNetwork;
     use std::sync::Mutex;
 
     /// A simulated host network that also notes each step and whether the
@@ -162,7 +162,7 @@ mod tests {
             Box::pin(async {
                 let n = self.note("observe");
                 if n > 1 && self.fail_second_observe {
-                    return Err(BridgeError::Netlink("observe failed".into()));
+                    return Err(BridgeError::Io { what: "observe".into(), source: std::io::Error::other("failed") });
                 }
                 if n > 1 && self.observe_nothing_after_bridge {
                     return Ok(vec![]);
@@ -174,7 +174,7 @@ mod tests {
             Box::pin(async move {
                 self.note(&format!("bridge {}->{}", change.device, change.bridge));
                 if self.fail_bridge {
-                    return Err(BridgeError::Netlink("bridge failed".into()));
+                    return Err(BridgeError::Io { what: "bridge".into(), source: std::io::Error::other("failed") });
                 }
                 NetworkBackend::bridge(&self.network, change).await
             })
@@ -288,7 +288,7 @@ mod tests {
         let (_dir, lock) = lock();
         let network = FakeNetwork { fail_bridge: true, ..FakeNetwork::new(&lock) };
         let err = prepare(&lock, &network, &nic_on("br-eth0"), None, false).await.unwrap_err();
-        assert_eq!(err.to_string(), "failed to bridge devices: netlink: bridge failed");
+        assert_eq!(err.to_string(), "failed to bridge devices: netlink: bridge: failed");
         assert_eq!(network.events(), ["observe", "bridge eth0->br-eth0"]);
         assert!(lock.report(0).holder.is_none());
     }
@@ -298,7 +298,7 @@ mod tests {
         let (_dir, lock) = lock();
         let network = FakeNetwork { fail_second_observe: true, ..FakeNetwork::new(&lock) };
         let err = prepare(&lock, &network, &nic_on("br-eth0"), None, false).await.unwrap_err();
-        assert_eq!(err.to_string(), "cannot discover observed network config: netlink: observe failed");
+        assert_eq!(err.to_string(), "cannot discover observed network config: netlink: observe: failed");
         assert_eq!(network.events(), ["observe", "bridge eth0->br-eth0", "observe"]);
         assert!(lock.report(0).holder.is_none());
     }

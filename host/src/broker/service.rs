@@ -4,8 +4,9 @@ use super::host_preparer::{HostPreparer, PrepareError};
 use crate::bindings::{Instance, StartInstanceParams};
 use crate::capabilities::context::CallHooks;
 use crate::capabilities::kv::KvWrites;
-use crate::capabilities::machine_lock::{LockError, MachineLock, MachineLockRoom};
+use crate::capabilities::machine_lock::MachineLockRoom;
 use crate::contract::empty_params;
+use crate::machine_lock::{LockError, MachineLock};
 use crate::providers::data_dirs::DATA_DIRS;
 use crate::providers::{Registry, RegistryError};
 use crate::runtime::{HostCapabilities, Runtime, RuntimeError};
@@ -180,7 +181,8 @@ impl Broker {
 
     /// Persist a start's kv changes that no record will carry.
     async fn persist_unrecorded(&self, provider: &str, writes: KvWrites) {
-        if let Err(error) = self.registry.capabilities().kv.persist(writes).await {
+        let Some(kv) = self.registry.capabilities().kv() else { return };
+        if let Err(error) = kv.persist(writes).await {
             tracing::error!(provider, %error, "kv changes of a refused start not persisted");
         }
     }

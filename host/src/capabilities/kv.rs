@@ -1,9 +1,13 @@
 //! `broker:provider/kv`: each provider's own persistent namespace.
 //!
 //! [`KvBackend`] is the storage seam: the real backend lives in
-//! [`crate::store`] (redb), [`MemoryKv`] serves unit tests and benchmarks.
+//! [`crate::store`] (redb) and only the host can give it (the room's
+//! backend is injected, as the machine lock's is); [`MemoryKv`] serves the
+//! conformance kit, unit tests and benchmarks. The room is [`Kv`].
 
 use crate::bindings::broker::provider::kv::{self as wit};
+use crate::runtime::HostState;
+use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use futures_util::future::BoxFuture;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -248,14 +252,26 @@ pub const MAX_UNPERSISTED_KEYS: usize = 1024;
 /// Per-store context: which namespace this guest may touch, where it lives,
 /// and what its calls changed but have not persisted yet.
 pub struct KvCtx {
-    backend: Arc<dyn KvBackend>,
+    /// `None` in a store made without the grant or without a store to reach.
+    backend: Option<Arc<dyn KvBackend>>,
     durability: KvDurability,
     unpersisted: KvWrites,
 }
 
+impl Default for KvCtx {
+    /// Reaches no store: every call answers a storage error.
+    fn default() -> Self {
+        KvCtx { backend: None, durability: KvDurability::EachChange, unpersisted: KvWrites::new("".into()) }
+    }
+}
+
 impl KvCtx {
     pub fn new(namespace: Arc<str>, backend: Arc<dyn KvBackend>, durability: KvDurability) -> Self {
-        KvCtx { backend, durability, unpersisted: KvWrites::new(namespace) }
+        KvCtx { backend: Some(backend), durability, unpersisted: KvWrites::new(namespace) }
+    }
+
+    fn backend(&self) -> Result<&Arc<dyn KvBackend>, KvError> {
+        self.backend.as_ref().ok_or_else(|| KvError::Storage("kv has no store here: the provider is given none".into()))
     }
 
     fn namespace(&self) -> &str {
@@ -270,13 +286,14 @@ impl KvCtx {
     }
 
     async fn change(&mut self, key: String, change: KvChange) -> Result<KvChanged, wit::KvError> {
-        let answer = self.backend.apply(self.namespace(), &key, change)?;
+        let backend = self.backend()?.clone();
+        let answer = backend.apply(self.namespace(), &key, change)?;
         self.unpersisted.keys.insert(key);
         if self.durability == KvDurability::EachChange || self.unpersisted.keys.len() >= MAX_UNPERSISTED_KEYS {
             // The keys stay noted until their commit is known: a call stopped
             // while it waits (its deadline), or a failed commit, leaves them to
             // the call's end, which persists them before the call answers.
-            self.backend.persist(self.unpersisted.clone()).await.map_err(|refused| match refused {
+            backend.persist(self.unpersisted.clone()).await.map_err(|refused| match refused {
                 KvError::Storage(why) => {
                     KvError::Storage(format!("the change is applied but not yet durable (retried): {why}"))
                 }
@@ -293,9 +310,10 @@ impl Drop for KvCtx {
     /// dropped: a cancelled caller) hands them to the backend anyway: every
     /// reader already sees them, so the file must come to hold them too.
     fn drop(&mut self) {
-        if !self.unpersisted.is_empty() {
-            let writes = self.take_unpersisted();
-            self.backend.persist_detached(writes);
+        if let Some(backend) = self.backend.clone()
+            && !self.unpersisted.is_empty()
+        {
+            backend.persist_detached(self.take_unpersisted());
         }
     }
 }
@@ -309,7 +327,7 @@ fn mismatched(answer: KvChanged) -> wit::KvError {
 
 impl wit::Host for KvCtx {
     async fn get(&mut self, key: String) -> WitResult<Option<Vec<u8>>> {
-        Ok(self.backend.get(self.namespace(), &key).map_err(Into::into))
+        Ok(self.backend().and_then(|kv| kv.get(self.namespace(), &key)).map_err(Into::into))
     }
     async fn set(&mut self, key: String, value: Vec<u8>) -> WitResult<()> {
         Ok(self.change(key, KvChange::Set(value)).await.map(drop))
@@ -327,7 +345,7 @@ impl wit::Host for KvCtx {
         }))
     }
     async fn scan(&mut self, prefix: String) -> WitResult<Vec<u8>> {
-        Ok(self.backend.scan_packed(self.namespace(), &prefix).map_err(Into::into))
+        Ok(self.backend().and_then(|kv| kv.scan_packed(self.namespace(), &prefix)).map_err(Into::into))
     }
 }
 
@@ -336,6 +354,43 @@ pub fn add_to_linker<T: Send + 'static>(
     getter: fn(&mut T) -> &mut KvCtx,
 ) -> wasmtime::Result<()> {
     wit::add_to_linker::<T, HasSelf<KvCtx>>(linker, getter)
+}
+
+/// The room: `kv = true` under `[grants]`, linked only when granted. Its
+/// backend is the host's store, which only the host (or the kit, a memory
+/// one) can inject.
+pub struct Kv;
+
+impl Room for Kv {
+    const INTERFACE: &'static str = INTERFACE;
+    const GRANT: &'static str = "kv";
+    const LINKING: Linking = Linking::WhenGranted;
+    type Grant = bool;
+    type Backend = dyn KvBackend;
+    type Ctx = KvCtx;
+
+    fn host_backend() -> Option<Arc<dyn KvBackend>> {
+        None
+    }
+
+    fn acts_outside_the_store(_: &bool) -> bool {
+        false
+    }
+
+    fn ctx(_: &bool, backend: Option<Arc<dyn KvBackend>>, store: &StoreSetup<'_>) -> KvCtx {
+        let durability = match store.acts_outside_the_store {
+            true => KvDurability::EachChange,
+            false => KvDurability::CallEnd,
+        };
+        match backend {
+            Some(backend) => KvCtx::new(store.provider.clone(), backend, durability),
+            None => KvCtx::default(),
+        }
+    }
+
+    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state| state.rooms.of::<Kv>())
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 
 use super::UsageError;
 use crate::broker::service::machine_lock;
-use crate::capabilities::machine_lock::{LockError, MachineLock, Spec};
+use crate::machine_lock::{LockError, MachineLock, Spec};
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use std::io::Write;

@@ -68,11 +68,9 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
     for (method, deadline) in &v.deadlines {
         writeln!(out, "  {method:<18} {deadline}")?;
     }
-    let yes_no = |granted: bool| if granted { "granted" } else { "denied" };
     let list =
         |items: &[String]| if items.is_empty() { "denied".to_owned() } else { esc(&items.join(", ")).into_owned() };
     writeln!(out, "grants:")?;
-    writeln!(out, "  {:<18} {}", "kv", yes_no(v.grants.kv))?;
     for (key, grant) in &v.grants.rooms {
         // A daemon newer than this CLI may report a room it does not know: shown as JSON.
         let shown = crate::runtime::rooms::shown(key, grant).unwrap_or_else(|| grant.to_string());

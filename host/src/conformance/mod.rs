@@ -30,15 +30,16 @@ use crate::capabilities::context::CallEvent;
 use crate::capabilities::context::CallHooks;
 use crate::capabilities::denials::Denials;
 use crate::capabilities::http_egress::{HostEgress, RecordedEgress};
-use crate::capabilities::kv::MemoryKv;
+use crate::capabilities::kv::{Kv, MemoryKv};
 use crate::capabilities::local_socket::{HostSockets, LocalSocket};
-use crate::capabilities::machine_lock::{MachineLock, MachineLockRoom};
-use crate::capabilities::network_bridge::backend::HostNetwork;
+use crate::capabilities::machine_lock::MachineLockRoom;
 use crate::capabilities::process::{HostProcesses, LiveChildren, MemoryChildRecords, Recorded, RecordedSockets};
 use crate::contract::constraints;
 use crate::contract::{empty_params, params_with};
+use crate::machine_lock::MachineLock;
 use crate::manifest::Manifest;
 use crate::manifest::Method;
+use crate::network::backend::HostNetwork;
 use crate::runtime::rooms::Backends;
 use crate::runtime::{HostCapabilities, Runtime};
 use crate::version::imports::ContractError;
@@ -179,11 +180,11 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     let (caps, scripted) = match options.answers {
         Answers::Script(scripted) => {
             let caps = HostCapabilities {
-                kv,
                 data_dirs,
                 sandbox,
                 processes: scripted.processes.clone(),
                 backends: Backends::sealed()
+                    .with::<Kv>(kv)
                     .with::<MachineLockRoom>(Arc::new(lock))
                     .with::<LocalSocket>(scripted.processes.clone()),
                 egress: scripted.http.clone(),
@@ -197,11 +198,11 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
             let records = Arc::new(MemoryChildRecords::default());
             let host_processes = HostProcesses::new(records, live_children.clone());
             let caps = HostCapabilities {
-                kv,
                 data_dirs,
                 sandbox,
                 processes: Arc::new(Recorded::new(host_processes, recording.processes.clone())),
                 backends: Backends::sealed()
+                    .with::<Kv>(kv)
                     .with::<MachineLockRoom>(Arc::new(lock))
                     .with::<LocalSocket>(Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone()))),
                 egress: Arc::new(RecordedEgress::new(Arc::new(HostEgress), recording.http.clone())),

@@ -11,12 +11,12 @@
 //! - `devices`: the host network devices (and bridges) the provider finds.
 
 use crate::capabilities::http_egress::{Exchange, Script, Tape};
-use crate::capabilities::network_bridge::Device;
-use crate::capabilities::network_bridge::backend::{HostNetwork, NetworkBackend};
-use crate::capabilities::network_bridge::simulated::SimNetwork;
 use crate::capabilities::process::simulated::{ScriptedChild, ScriptedRun};
 use crate::capabilities::process::{ProcessTape, SimProcesses};
 use crate::manifest::Manifest;
+use crate::network::Device;
+use crate::network::backend::{HostNetwork, NetworkBackend};
+use crate::network::simulated::SimNetwork;
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
 

@@ -11,7 +11,6 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct GrantsView {
-    pub kv: bool,
     pub process: Vec<String>,
     pub paths: Vec<String>,
     pub bridge_devices: Vec<String>,
@@ -75,7 +74,6 @@ impl ProviderView {
                 .map(|m| (m.name().to_owned(), humantime::format_duration(limits.deadlines.for_method(*m)).to_string()))
                 .collect(),
             grants: GrantsView {
-                kv: grants.kv,
                 process: grants.process.clone(),
                 paths: grants.paths.iter().map(|p| p.display().to_string()).collect(),
                 bridge_devices: grants.bridge.as_ref().map(|b| b.devices.clone()).unwrap_or_default(),

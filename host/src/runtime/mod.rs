@@ -22,12 +22,21 @@ use wasmtime::{Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, P
 /// How often the epoch advances: a running guest yields to the executor this often.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 
+/// A cause from wasmtime, kept whole (its own causes reachable through `source`).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     #[error("cannot configure the wasm engine: {0}")]
-    Engine(String),
-    #[error("cannot compile component {path}: {reason}")]
-    Compile { path: String, reason: String },
+    Engine(#[source] BoxError),
+    #[error("cannot configure the wasm engine: cache: {0}")]
+    Cache(#[source] BoxError),
+    #[error("cannot compile component {path}: {source}")]
+    Compile {
+        path: String,
+        #[source]
+        source: BoxError,
+    },
     #[error("cannot start the epoch thread, without which no guest deadline holds: {0}")]
     Ticker(#[source] std::io::Error),
 }
@@ -52,10 +61,10 @@ impl Runtime {
         if let Some(dir) = cache_dir {
             let mut cache_config = CacheConfig::new();
             cache_config.with_directory(dir);
-            let cache = Cache::new(cache_config).map_err(|e| RuntimeError::Engine(format!("cache: {e}")))?;
+            let cache = Cache::new(cache_config).map_err(|e| RuntimeError::Cache(e.into_boxed_dyn_error()))?;
             config.cache(Some(cache));
         }
-        let engine = Engine::new(&config).map_err(|e| RuntimeError::Engine(e.to_string()))?;
+        let engine = Engine::new(&config).map_err(|e| RuntimeError::Engine(e.into_boxed_dyn_error()))?;
         let ticker = ticker::EpochTicker::start(engine.clone(), EPOCH_TICK).map_err(RuntimeError::Ticker)?;
         Ok(Arc::new(Runtime { engine, _ticker: ticker }))
     }
@@ -66,7 +75,7 @@ impl Runtime {
 
     pub fn compile(&self, path: &Path, bytes: &[u8]) -> Result<Component, RuntimeError> {
         Component::new(&self.engine, bytes)
-            .map_err(|e| RuntimeError::Compile { path: path.display().to_string(), reason: format!("{e:#}") })
+            .map_err(|e| RuntimeError::Compile { path: path.display().to_string(), source: e.into_boxed_dyn_error() })
     }
 
     /// A linker with WASI (nothing ambient), `wasi:http` (each request checked

@@ -64,6 +64,9 @@ pub struct StoreSetup<'a> {
     pub data_dir: &'a Path,
     /// Where the room's refusals are noted.
     pub denials: &'a Denials,
+    /// Whether any of the provider's grants lets it act outside the store
+    /// (then what it writes to kv must be durable before that effect).
+    pub acts_outside_the_store: bool,
 }
 
 /// A capability in a room of its own: everything of it is in its folder.
@@ -269,13 +272,7 @@ pub static ROOMS: &[&dyn Capability] = &[
         linking: Linking::Always,
         add_to_linker: |linker| context::add_to_linker(linker, HostState::context_view),
     },
-    &Fields {
-        interface: kv::INTERFACE,
-        grant: "kv",
-        granted: |grants| grants.kv,
-        linking: Linking::WhenGranted,
-        add_to_linker: |linker| kv::add_to_linker(linker, |s| &mut s.kv),
-    },
+    &Own::<kv::Kv>::ROOM,
     &Fields {
         interface: process::INTERFACE,
         grant: "process",
@@ -288,7 +285,7 @@ pub static ROOMS: &[&dyn Capability] = &[
         grant: "bridge",
         granted: |grants| grants.bridge.is_some(),
         linking: Linking::Always,
-        add_to_linker: |linker| network_bridge::wit::add_to_linker(linker, |s| &mut s.bridge),
+        add_to_linker: |linker| network_bridge::add_to_linker(linker, |s| &mut s.bridge),
     },
     &Own::<local_socket::LocalSocket>::ROOM,
     &Own::<log::Log>::ROOM,
@@ -591,7 +588,6 @@ mod tests {
             assert!(err.contains("unknown field"), "{}: {err}", section.key());
         }
         let view = crate::providers::view::GrantsView {
-            kv: true,
             process: vec!["p".into()],
             paths: vec!["/p".into()],
             bridge_devices: vec!["d".into()],
@@ -613,8 +609,12 @@ mod tests {
         let ctx = parts.of::<local_socket::LocalSocket>();
         assert!(!ctx.granted());
         let provider: Arc<str> = "p".into();
-        let store =
-            StoreSetup { provider: &provider, data_dir: Path::new("/nonexistent"), denials: &Denials::default() };
+        let store = StoreSetup {
+            provider: &provider,
+            data_dir: Path::new("/nonexistent"),
+            denials: &Denials::default(),
+            acts_outside_the_store: false,
+        };
         let grants = RoomGrants::default().with::<local_socket::LocalSocket>(true);
         let mut parts = Parts::new(&grants, &Backends::default(), &store);
         assert!(parts.of::<local_socket::LocalSocket>().granted());
@@ -624,7 +624,7 @@ mod tests {
         let sealed = parts.of::<local_socket::LocalSocket>();
         assert!(!sealed.granted());
         let refused = sealed.connect("/data/vm.qmp").await.err();
-        assert_eq!(refused, Some(local_socket::SocketError::NoBackend));
+        assert!(matches!(refused, Some(local_socket::SocketError::NoBackend)), "{refused:?}");
         // A room that reaches nothing outside is not sealed off.
         assert!(Backends::sealed().of::<log::Log>().is_some());
         // The machine lock is the host's to give: granted but not given, it refuses, sealed or not.

@@ -4,13 +4,13 @@ use super::GuestLimiter;
 use crate::capabilities::context::ContextView;
 use crate::capabilities::denials::Denials;
 use crate::capabilities::http_egress::{EgressBackend, EgressHooks, HostEgress, HttpGrant};
-use crate::capabilities::kv::{KvBackend, KvCtx, KvDurability};
-use crate::capabilities::network_bridge::backend::{HostNetwork, NetworkBackend};
-use crate::capabilities::network_bridge::wit::{BridgeCtx, BridgeGrant};
+use crate::capabilities::kv::{Kv, KvBackend};
+use crate::capabilities::network_bridge::{BridgeCtx, BridgeGrant};
 use crate::capabilities::process::{
     ChildRecords, HostProcesses, ProcessBackend, ProcessCtx, ProcessPolicy, ProcessView,
 };
 use crate::capabilities::wasi;
+use crate::network::backend::{HostNetwork, NetworkBackend};
 use crate::runtime::rooms::{Backends, Parts, RoomGrants, StoreSetup};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -22,7 +22,6 @@ pub struct HostState {
     pub provider: Arc<str>,
     pub table: ResourceTable,
     pub wasi: WasiCtx,
-    pub kv: KvCtx,
     pub process: ProcessCtx,
     pub bridge: BridgeCtx,
     /// The parts of the capabilities in rooms of their own.
@@ -38,7 +37,6 @@ pub struct HostState {
 /// store only as far as the manifest grants it.
 #[derive(Clone)]
 pub struct HostCapabilities {
-    pub kv: Arc<dyn KvBackend>,
     /// Each provider gets `<data_dirs>/<name>` as its data dir (`/data` to the guest).
     /// Never inside a directory manifests or components are loaded from.
     pub data_dirs: PathBuf,
@@ -58,9 +56,9 @@ pub struct HostCapabilities {
 }
 
 impl HostCapabilities {
-    /// The host's own backends: real programs (their children recorded in
-    /// `child_records`), sockets, egress targets and network; no machine lock
-    /// and no denials collected until given.
+    /// The host's own backends: the store's kv, real programs (their children
+    /// recorded in `child_records`), sockets, egress targets and network; no
+    /// machine lock and no denials collected until given.
     pub fn on_host(
         kv: Arc<dyn KvBackend>,
         data_dirs: PathBuf,
@@ -68,11 +66,10 @@ impl HostCapabilities {
         child_records: Arc<dyn ChildRecords>,
     ) -> Self {
         HostCapabilities {
-            kv,
             data_dirs,
             sandbox,
             processes: Arc::new(HostProcesses::new(child_records, Arc::default())),
-            backends: Backends::default(),
+            backends: Backends::default().with::<Kv>(kv),
             egress: Arc::new(HostEgress),
             network: Arc::new(HostNetwork),
             denials: Denials::default(),
@@ -95,20 +92,21 @@ pub struct ProviderCapabilities {
     pub http: Arc<HttpGrant>,
 }
 
+impl HostCapabilities {
+    /// The store's kv, where a call's changes are made durable (`None`: a
+    /// sandbox that gives none).
+    pub fn kv(&self) -> Option<Arc<dyn KvBackend>> {
+        self.backends.of::<Kv>()
+    }
+}
+
 impl ProviderCapabilities {
-    /// When its kv changes are made durable: [`KvDurability::CallEnd`] unless
-    /// a grant lets the provider act outside the store (programs, sockets,
-    /// bridges, outgoing HTTP): then what it writes must be durable before the
-    /// effect it describes happens.
-    pub fn kv_durability(&self) -> KvDurability {
-        match self.process.is_some()
-            || self.bridge.is_some()
-            || self.rooms.act_outside_the_store()
-            || !self.http.is_empty()
-        {
-            true => KvDurability::EachChange,
-            false => KvDurability::CallEnd,
-        }
+    /// Whether a grant lets the provider act outside the store (programs,
+    /// sockets, bridges, outgoing HTTP): then what it writes to kv must be
+    /// durable before the effect it describes happens, and is made durable
+    /// per change rather than at the call's end.
+    pub fn acts_outside_the_store(&self) -> bool {
+        self.process.is_some() || self.bridge.is_some() || self.rooms.act_outside_the_store() || !self.http.is_empty()
     }
 }
 
@@ -120,13 +118,17 @@ impl HostState {
         HostState {
             table: ResourceTable::new(),
             wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir),
-            kv: KvCtx::new(provider.clone(), host.kv.clone(), caps.kv_durability()),
             process: ProcessCtx::new(&provider, caps.process.clone(), host.processes.clone(), denials.clone()),
             bridge: BridgeCtx::new(caps.bridge.clone(), host.network.clone(), tap_owner, denials.clone()),
             rooms: Parts::new(
                 &caps.rooms,
                 &host.backends,
-                &StoreSetup { provider: &provider, data_dir: &caps.data_dir, denials: &denials },
+                &StoreSetup {
+                    provider: &provider,
+                    data_dir: &caps.data_dir,
+                    denials: &denials,
+                    acts_outside_the_store: caps.acts_outside_the_store(),
+                },
             ),
             http: WasiHttpCtx::new(),
             egress: EgressHooks::new(provider.clone(), caps.http.clone(), host.egress.clone(), denials.clone()),

@@ -23,8 +23,8 @@ pub use wal::WalError;
 pub use writer::Pending;
 
 use crate::capabilities::kv::KvWrites;
-use crate::capabilities::network_bridge::Device;
 use crate::capabilities::process::{ChildRecord, ChildRecords, RecordsError};
+use crate::network::Device;
 use futures_util::future::BoxFuture;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use std::path::{Path, PathBuf};

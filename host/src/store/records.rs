@@ -193,7 +193,7 @@ pub fn id_for_message(id: &str) -> String {
 pub struct ObservedNetwork {
     /// RFC 3339, UTC.
     pub observed: String,
-    pub devices: Vec<crate::capabilities::network_bridge::Device>,
+    pub devices: Vec<crate::network::Device>,
 }
 
 /// Now, as RFC 3339 UTC with seconds.

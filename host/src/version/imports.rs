@@ -91,6 +91,8 @@ fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::capabilities::kv::Kv;
+    use crate::runtime::rooms::RoomGrants;
 
     #[test]
     fn versions_follow_semver_for_zero_majors() {
@@ -105,7 +107,7 @@ mod tests {
     #[test]
     fn imports_need_grants_and_known_versions() {
         let none = Grants::default();
-        let kv = Grants { kv: true, ..Grants::default() };
+        let kv = Grants { rooms: RoomGrants::default().with::<Kv>(true), ..Grants::default() };
         assert!(check_import("wasi:cli/environment@0.2.6", &none).is_ok());
         assert!(check_import("broker:provider/types@0.1.0", &none).is_ok());
         assert_eq!(

@@ -15,7 +15,7 @@ use crate::bindings::{
     BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
 };
 use crate::capabilities::context::{CallContext, CallHooks};
-use crate::capabilities::kv::KvWrites;
+use crate::capabilities::kv::{Kv, KvWrites};
 use crate::capabilities::process::{PolicyError, ProcessPolicy};
 use crate::manifest::{Isolation, Manifest, ManifestError, Method};
 use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
@@ -37,8 +37,8 @@ pub enum LoadError {
     Runtime(#[from] RuntimeError),
     #[error("provider {provider}: {source}")]
     Contract { provider: String, source: imports::ContractError },
-    #[error("provider {provider}: cannot link component: {reason}")]
-    Link { provider: String, reason: String },
+    #[error("provider {provider}: cannot link component: {source}")]
+    Link { provider: String, source: crate::runtime::BoxError },
     #[error("provider {provider}: grants: {source}")]
     Grant { provider: String, source: PolicyError },
     #[error("provider {provider}: cannot make its data dir {path}: {source}")]
@@ -157,12 +157,12 @@ impl ProviderVersion {
             .map_err(|source| LoadError::Contract { provider: provider.clone(), source })?;
         let linker = runtime
             .linker(&manifest.grants)
-            .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
+            .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
         let instance_pre = linker
             .instantiate_pre(&component)
-            .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
+            .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
         let pre = ProviderPre::new(instance_pre)
-            .map_err(|e| LoadError::Link { provider: provider.clone(), reason: format!("{e:#}") })?;
+            .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
         let capabilities = narrow(capabilities, &manifest)?;
         let breaker = breaker::Breaker::new(manifest.limits.breaker_failures, manifest.limits.breaker_window);
         Ok(ProviderVersion {
@@ -378,7 +378,9 @@ impl ProviderVersion {
             return Ok(());
         }
         let keys = writes.keys.len();
-        self.capabilities.host.kv.persist(writes).await.map_err(|source| {
+        // A store given no kv wrote nothing to persist.
+        let Some(kv) = self.capabilities.host.kv() else { return Ok(()) };
+        kv.persist(writes).await.map_err(|source| {
             tracing::error!(provider = &*self.name, method = method.name(), keys, error = %source, "kv changes not persisted");
             CallError::Storage { provider: self.name.to_string(), method, source }
         })
@@ -469,7 +471,7 @@ impl ProviderVersion {
         let _ = warm.store.data_mut().table.delete(handle);
         warm.store.data_mut().end_call();
         // Taken whatever the outcome (a trap or deadline too): reads already see them.
-        *unpersisted = warm.store.data_mut().kv.take_unpersisted();
+        *unpersisted = warm.store.data_mut().rooms.of::<Kv>().take_unpersisted();
         warm.calls += 1;
         tracing::debug!(elapsed_us = started.elapsed().as_micros() as u64, "call finished");
         match outcome {

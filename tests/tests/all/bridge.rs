@@ -4,11 +4,11 @@
 
 use broker_host::broker::Broker;
 use broker_host::capabilities::context::CallHooks;
-use broker_host::capabilities::network_bridge::backend::NetworkBackend;
-use broker_host::capabilities::network_bridge::names::bridge_name;
-use broker_host::capabilities::network_bridge::netlink::Netlink;
-use broker_host::capabilities::network_bridge::{BridgeError, Device, DeviceToBridge};
 use broker_host::contract::{empty_params, interface_on};
+use broker_host::network::backend::NetworkBackend;
+use broker_host::network::names::bridge_name;
+use broker_host::network::netlink::Netlink;
+use broker_host::network::{BridgeError, Device, DeviceToBridge};
 use broker_tests::netns::{in_netns, make_nic};
 
 async fn add_default_route(gateway: &str, oif: u32) {
@@ -277,7 +277,7 @@ impl Op {
             Op::Unbridge(device, bridge) => network.unbridge(device, bridge).await,
         };
         done.map_err(|e| match e {
-            BridgeError::Netlink(_) => "netlink error".to_owned(),
+            BridgeError::Netlink(_) | BridgeError::Io { .. } => "netlink error".to_owned(),
             other => other.to_string(),
         })
     }
@@ -285,8 +285,8 @@ impl Op {
 
 #[test]
 fn the_simulated_network_behaves_as_the_kernel_does() {
-    use broker_host::capabilities::network_bridge::backend::HostNetwork;
-    use broker_host::capabilities::network_bridge::simulated::SimNetwork;
+    use broker_host::network::backend::HostNetwork;
+    use broker_host::network::simulated::SimNetwork;
     in_netns(|| async {
         make_nic("eth0", [0x00, 0x16, 0x3e, 0x44, 0x55, 0x66], "10.20.0.2/24").await;
         let real = HostNetwork;

@@ -181,13 +181,9 @@ async fn guest_stdout_and_stderr_become_tracing_events_with_the_provider_name() 
 }
 
 /// Host capabilities with a machine lock in a temp dir, and the kv the guest sees.
-fn with_machine_lock() -> (
-    tempfile::TempDir,
-    broker_host::capabilities::machine_lock::MachineLock,
-    Arc<MemoryKv>,
-    broker_host::runtime::HostCapabilities,
-) {
-    use broker_host::capabilities::machine_lock::MachineLock;
+fn with_machine_lock()
+-> (tempfile::TempDir, broker_host::machine_lock::MachineLock, Arc<MemoryKv>, broker_host::runtime::HostCapabilities) {
+    use broker_host::machine_lock::MachineLock;
     let dir = tempfile::tempdir().unwrap();
     let lock = MachineLock::new(dir.path(), "machine-lock", "test").unwrap();
     let kv = Arc::new(MemoryKv::default());
@@ -231,10 +227,8 @@ async fn machine_lock_needs_its_grant_and_cannot_leak() {
     assert!(report.history[1].contains("hostile (lock-leak)"), "{:?}", report.history);
 
     // While the host holds the lock, the guest's acquire times out with Juju's message.
-    let _held = lock
-        .acquire(broker_host::capabilities::machine_lock::Spec { worker: "host".into(), ..Default::default() })
-        .await
-        .unwrap();
+    let _held =
+        lock.acquire(broker_host::machine_lock::Spec { worker: "host".into(), ..Default::default() }).await.unwrap();
     let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
     assert!(matches!(err.broker_error(), Some(BrokerError::Timeout(m)) if m == "timeout acquiring mutex"), "{err}");
 }
@@ -245,7 +239,7 @@ async fn machine_lock_needs_its_grant_and_cannot_leak() {
 #[tokio::test]
 async fn a_guest_cannot_forge_or_flood_the_machine_lock_history() {
     use broker_host::bindings::BrokerError;
-    use broker_host::capabilities::machine_lock::MAX_COMMENT_BYTES;
+    use broker_host::machine_lock::MAX_COMMENT_BYTES;
 
     let (dir, _lock, kv, caps) = with_machine_lock();
     let grants = "[limits.deadlines]\ndefault = \"5s\"\n[grants]\nkv = true\nmachine-lock = true\n";

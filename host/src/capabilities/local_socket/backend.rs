@@ -36,16 +36,16 @@ struct StreamConnection {
 
 async fn connect_beneath(data_dir: &Path, relative: &Path, guest_path: &str) -> Result<UnixStream, SocketError> {
     let dir = nix::fcntl::open(data_dir, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
-        .map_err(|e| SocketError::Connect { path: guest_path.to_owned(), reason: format!("data dir: {e}") })?;
+        .map_err(|e| SocketError::DataDir { path: guest_path.to_owned(), source: e.into() })?;
     let how = OpenHow::new()
         .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
         .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
     let socket = nix::fcntl::openat2(&dir, relative, how).map_err(|errno| match errno {
         Errno::ENOENT | Errno::ENOTDIR => SocketError::Missing(guest_path.to_owned()),
         Errno::ELOOP | Errno::EXDEV => SocketError::Escapes(guest_path.to_owned()),
-        other => SocketError::Connect { path: guest_path.to_owned(), reason: other.to_string() },
+        other => SocketError::Connect { path: guest_path.to_owned(), source: other.into() },
     })?;
-    let stat = fstat(&socket).map_err(|e| SocketError::Io(e.to_string()))?;
+    let stat = fstat(&socket).map_err(|e| SocketError::Io(e.into()))?;
     match SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT {
         SFlag::S_IFSOCK => {}
         // O_PATH | O_NOFOLLOW opens a final symlink itself rather than failing.
@@ -56,7 +56,7 @@ async fn connect_beneath(data_dir: &Path, relative: &Path, guest_path: &str) -> 
     let by_handle = format!("/proc/self/fd/{}", socket.as_raw_fd());
     let stream = UnixStream::connect(&by_handle).await.map_err(|e| match e.kind() {
         std::io::ErrorKind::ConnectionRefused => SocketError::NotListening(guest_path.to_owned()),
-        _ => SocketError::Connect { path: guest_path.to_owned(), reason: e.to_string() },
+        _ => SocketError::Connect { path: guest_path.to_owned(), source: e },
     })?;
     drop(socket);
     Ok(stream)
@@ -74,7 +74,7 @@ impl Connection for StreamConnection {
 
 impl StreamConnection {
     async fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
-        self.stream.write_all(data).await.map_err(|e| SocketError::Io(e.to_string()))
+        self.stream.write_all(data).await.map_err(SocketError::Io)
     }
 
     /// The next line, or `None` at the end of the stream. A timeout keeps what
@@ -101,7 +101,7 @@ impl StreamConnection {
                 match self.stream.read(&mut buf).await {
                     Ok(0) => self.closed = true,
                     Ok(n) => self.pending.extend_from_slice(&buf[..n]),
-                    Err(e) => return Err(SocketError::Io(e.to_string())),
+                    Err(e) => return Err(SocketError::Io(e)),
                 }
             }
         };

@@ -1,20 +1,17 @@
-//! `broker:provider/machine-lock`: the machine lock for guests, and the lock
-//! itself ([`MachineLock`]), which the host and `broker lock` use too.
+//! `broker:provider/machine-lock`: the machine lock for guests. The lock
+//! itself ([`MachineLock`]) is a host facility ([`crate::machine_lock`]),
+//! which the host and `broker lock` use too.
 
-mod history;
-mod lock;
+pub use crate::machine_lock::{LockError, LockGuard, MachineLock, Spec};
 
-pub use history::go_duration;
-pub use lock::{LockError, LockGuard, MAX_COMMENT_BYTES, MAX_WORKER_BYTES, MachineLock, Party, Report, Spec};
+mod host;
 
-use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::machine_lock::{self as wit};
 use crate::capabilities::view::{View, ViewOf};
 use crate::runtime::HostState;
 use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::time::Duration;
 use wasmtime::component::{Linker, Resource, ResourceTable};
 
 /// Its interface in the contract package.
@@ -61,60 +58,6 @@ impl MachineLockCtx {
 }
 
 pub type MachineLockView<'a> = View<'a, MachineLockCtx>;
-
-fn to_broker_error(err: LockError) -> BrokerError {
-    match err {
-        LockError::Timeout => BrokerError::Timeout(err.to_string()),
-        LockError::Cancelled => BrokerError::Aborted(err.to_string()),
-        LockError::InvalidSpec(_) => BrokerError::InvalidParams(err.to_string()),
-        LockError::Io { .. } => BrokerError::Provider(err.to_string()),
-    }
-}
-
-impl wit::Host for MachineLockView<'_> {
-    async fn acquire(
-        &mut self,
-        worker: String,
-        comment: String,
-        timeout_ms: u64,
-    ) -> wasmtime::Result<Result<Resource<HeldLock>, BrokerError>> {
-        let Some(lock) = self.ctx.lock.clone() else {
-            let refusal = BrokerError::AccessDenied(
-                "machine-lock is not granted: add `machine-lock = true` under [grants]".into(),
-            );
-            return Ok(Err(self.ctx.denials.refuse("machine-lock", refusal)));
-        };
-        let spec = Spec {
-            worker,
-            comment,
-            timeout: (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms)),
-            abort: Some(self.ctx.abort.clone()),
-        };
-        match lock.acquire(spec).await {
-            Ok(guard) => {
-                let handle = self.table.push(HeldLock(guard))?;
-                self.ctx.handed_out.push(handle.rep());
-                Ok(Ok(handle))
-            }
-            Err(e) => Ok(Err(to_broker_error(e))),
-        }
-    }
-}
-
-impl wit::HostLockGuard for MachineLockView<'_> {
-    async fn release(&mut self, handle: Resource<HeldLock>) -> wasmtime::Result<()> {
-        self.table.get_mut(&handle)?.0.release();
-        Ok(())
-    }
-
-    async fn drop(&mut self, handle: Resource<HeldLock>) -> wasmtime::Result<()> {
-        let rep = handle.rep();
-        self.ctx.handed_out.retain(|r| *r != rep);
-        // Dropping the guard releases the lock.
-        self.table.delete(handle)?;
-        Ok(())
-    }
-}
 
 /// The room: `machine-lock = true` under `[grants]`. Its backend is the
 /// host's one lock, which only the host (or the kit, its own) can inject.
@@ -169,109 +112,10 @@ pub fn add_to_linker<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bindings::BrokerError;
     use crate::bindings::broker::provider::machine_lock::{Host, HostLockGuard};
-    use std::sync::atomic::Ordering;
-
-    fn lock(dir: &std::path::Path) -> MachineLock {
-        MachineLock::new(dir, "machine-lock", "test-agent").unwrap()
-    }
-
-    /// A lock that cannot be made says where, and keeps the OS error typed.
-    #[test]
-    fn a_lock_in_a_file_is_refused_with_its_io_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("not-a-dir");
-        std::fs::write(&file, "").unwrap();
-        let Err(err) = MachineLock::new(&file, "machine-lock", "test-agent") else { panic!("a lock inside a file") };
-        assert!(matches!(&err, LockError::Io { path, .. } if path.starts_with(&*file.to_string_lossy())), "{err}");
-        let source = std::error::Error::source(&err).expect("a source");
-        assert!(source.downcast_ref::<std::io::Error>().is_some(), "{source:?}");
-    }
-
-    fn spec(worker: &str, timeout: Option<Duration>) -> Spec {
-        Spec { worker: worker.into(), comment: "testing".into(), timeout, abort: None }
-    }
-
-    #[tokio::test]
-    async fn waiters_are_served_in_arrival_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let lock = lock(dir.path());
-        let first = lock.acquire(spec("first", None)).await.unwrap();
-        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let mut tasks = Vec::new();
-        for name in ["a", "b", "c", "d"] {
-            let (waiter, order) = (lock.clone(), order.clone());
-            tasks.push(tokio::spawn(async move {
-                let _guard = waiter.acquire(spec(name, None)).await.unwrap();
-                order.lock().unwrap().push(name);
-                tokio::task::yield_now().await;
-            }));
-            // Each waiter is queued before the next one arrives.
-            while lock.report(0).waiting.len() < tasks.len() {
-                tokio::task::yield_now().await;
-            }
-        }
-        assert_eq!(lock.report(0).holder.unwrap().worker, "first");
-        drop(first);
-        for task in tasks {
-            task.await.unwrap();
-        }
-        assert_eq!(*order.lock().unwrap(), ["a", "b", "c", "d"]);
-    }
-
-    #[tokio::test]
-    async fn timeout_and_abort_give_jujus_errors_and_pass_the_turn_on() {
-        let dir = tempfile::tempdir().unwrap();
-        let lock = lock(dir.path());
-        let mut held = lock.acquire(spec("holder", None)).await.unwrap();
-        let err = lock.acquire(spec("impatient", Some(Duration::from_millis(30)))).await.err().unwrap();
-        assert_eq!(err.to_string(), "timeout acquiring mutex");
-
-        let abort = Arc::new(AtomicBool::new(false));
-        let aborting = {
-            let lock = lock.clone();
-            let abort = abort.clone();
-            tokio::spawn(async move { lock.acquire(Spec { abort: Some(abort), ..spec("aborter", None) }).await.err() })
-        };
-        abort.store(true, Ordering::SeqCst);
-        assert_eq!(aborting.await.unwrap().unwrap().to_string(), "cancelled acquiring mutex");
-        assert!(lock.report(0).waiting.is_empty(), "waiters that gave up left the queue");
-
-        held.release();
-        held.release(); // idempotent
-        let again = lock.acquire(spec("next", Some(Duration::from_millis(500)))).await;
-        assert!(again.is_ok(), "the turn passed on to a new waiter");
-    }
-
-    #[tokio::test]
-    async fn release_writes_history_and_the_report_shows_the_holder() {
-        let dir = tempfile::tempdir().unwrap();
-        let lock = lock(dir.path());
-        let guard = lock.acquire(spec("uniter", None)).await.unwrap();
-        let report = lock.report(10);
-        assert_eq!(report.holder.as_ref().map(Party::label).as_deref(), Some("uniter (testing)"));
-        assert!(report.text().contains("holder: uniter (testing), holding 0s"), "{}", report.text());
-        drop(guard);
-        let report = lock.report(10);
-        assert!(report.text().contains("holder: none"), "{}", report.text());
-        assert_eq!(report.history.len(), 1);
-        assert!(
-            report.history[0].ends_with(" test-agent: uniter (testing), waited 0s, held 0s"),
-            "{:?}",
-            report.history
-        );
-        use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(lock.path()).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode, 0o600);
-    }
-
-    #[test]
-    fn lock_names_are_checked() {
-        let dir = tempfile::tempdir().unwrap();
-        assert!(MachineLock::new(dir.path(), "machine-lock-net", "a").is_ok());
-        assert!(MachineLock::new(dir.path(), "other", "a").is_err());
-        assert!(MachineLock::new(dir.path(), "machine-lock-../x", "a").is_err());
-    }
+    use crate::machine_lock::tests::{lock, spec};
+    use crate::machine_lock::{MAX_COMMENT_BYTES, MAX_WORKER_BYTES};
 
     #[tokio::test]
     async fn worker_and_comment_are_checked_at_the_boundary_and_never_truncated() {
@@ -311,29 +155,6 @@ mod tests {
         // `broker lock run` and the host go through the same check.
         let err = shared.acquire(spec("a\rb", None)).await.err().unwrap();
         assert!(matches!(&err, LockError::InvalidSpec(m) if m.contains("worker must be printable")), "{err}");
-    }
-
-    #[test]
-    fn the_report_escapes_what_other_processes_wrote() {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-        let party = |worker: &str| Party {
-            agent: "agent\x1b[2J".into(),
-            pid: 1,
-            worker: worker.into(),
-            comment: "c\nforged".into(),
-            since: now,
-        };
-        let report = Report {
-            name: "machine-lock".into(),
-            holder: Some(party("holder")),
-            waiting: vec![party("waiter")],
-            history: vec!["old \x1b]0;title\x07 line".into()],
-        };
-        let text = report.text();
-        assert!(!text.contains('\x1b') && !text.contains('\x07'), "{text:?}");
-        assert!(text.contains("holder (c\\nforged)") && text.contains("agent\\x1b[2J pid 1"), "{text}");
-        assert!(text.contains("old \\x1b]0;title\\x07 line"), "{text}");
-        assert_eq!(text.lines().count(), 6, "{text}");
     }
 
     #[tokio::test]

@@ -112,7 +112,8 @@ impl SimNetwork {
         let mtu = state.devices.get(bridge).ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?.mtu;
         for taken in [name, peer] {
             if state.devices.contains_key(taken) {
-                return Err(BridgeError::Netlink(format!("{taken}: File exists (os error 17)")));
+                let source = std::io::Error::from_raw_os_error(nix::libc::EEXIST);
+                return Err(BridgeError::Io { what: taken.to_owned(), source });
             }
         }
         for (end, other) in [(name, peer), (peer, name)] {

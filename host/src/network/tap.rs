@@ -26,7 +26,7 @@ const IFF_NO_PI: i16 = 0x1000;
 const IFF_TUN_EXCL: i16 = 0x8000u16 as i16;
 
 fn os_error(what: &str) -> BridgeError {
-    BridgeError::Netlink(format!("{what}: {}", std::io::Error::last_os_error()))
+    BridgeError::Io { what: what.to_owned(), source: std::io::Error::last_os_error() }
 }
 
 /// Make a persistent tap named `name` owned by `owner` (only that user may
@@ -38,7 +38,7 @@ pub fn create_persistent_tap(name: &str, owner: u32, exclusive: bool) -> Result<
         .read(true)
         .write(true)
         .open("/dev/net/tun")
-        .map_err(|e| BridgeError::Netlink(format!("open /dev/net/tun: {e}")))?;
+        .map_err(|source| BridgeError::Io { what: "open /dev/net/tun".into(), source })?;
     let flags = IFF_TAP | IFF_NO_PI | if exclusive { IFF_TUN_EXCL } else { 0 };
     let mut request = TunRequest { name: [0; 16], flags, rest: [0; 22] };
     request.name[..name.len()].copy_from_slice(name.as_bytes());

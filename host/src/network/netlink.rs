@@ -21,7 +21,7 @@ enum TapStanding {
 const RT_TABLE_MAIN: u8 = 254;
 
 fn nl(err: rtnetlink::Error) -> BridgeError {
-    BridgeError::Netlink(err.to_string())
+    BridgeError::Netlink(err)
 }
 
 /// A netlink connection. Must be made inside a tokio runtime; it works on the
@@ -129,7 +129,8 @@ fn movable(address: &DeviceAddress) -> bool {
 
 impl Netlink {
     pub fn connect() -> Result<Netlink, BridgeError> {
-        let (connection, handle, _) = rtnetlink::new_connection().map_err(|e| BridgeError::Netlink(e.to_string()))?;
+        let (connection, handle, _) =
+            rtnetlink::new_connection().map_err(|source| BridgeError::Io { what: "connect".into(), source })?;
         tokio::spawn(connection);
         Ok(Netlink { handle })
     }

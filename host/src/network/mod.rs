@@ -1,0 +1,144 @@
+//! Host bridging, as Juju's bridger does it: a host device is moved under a new
+//! Linux bridge that takes over its addresses and keeps its MAC, so instances
+//! attached to the bridge sit on the device's network. A host facility, not a
+//! capability: HostPreparer, the `network-bridge` capability and the tests all
+//! act through [`backend::NetworkBackend`]: the kernel over netlink
+//! ([`netlink::Netlink`], taps in [`tap`]), or in the conformance kit a
+//! simulated network ([`simulated::SimNetwork`]); [`names`] has Juju's bridge names.
+
+pub mod backend;
+pub mod names;
+pub mod netlink;
+pub mod simulated;
+pub mod tap;
+
+use serde::{Deserialize, Serialize};
+use std::net::IpAddr;
+
+/// Juju's `network.DeviceToBridge`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceToBridge {
+    pub device: String,
+    pub bridge: String,
+    /// The MAC the bridge takes; empty = the device's own.
+    pub mac: String,
+}
+
+/// An address on a device: `10.0.0.5/24`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DeviceAddress {
+    pub address: IpAddr,
+    pub prefix: u8,
+}
+
+impl std::fmt::Display for DeviceAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.address, self.prefix)
+    }
+}
+
+/// One network device as observed on the host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Device {
+    pub name: String,
+    /// The kernel's; a script may leave it out.
+    #[serde(default)]
+    pub index: u32,
+    /// `aa:bb:cc:dd:ee:ff`; empty for devices without one (lo has zeros).
+    pub mac: String,
+    pub mtu: u32,
+    /// `bridge`, `veth`, `dummy`, `tun`, … ; empty for physical devices.
+    #[serde(default)]
+    pub kind: String,
+    /// The bridge (or bond) this device is enslaved to.
+    pub controller: Option<String>,
+    pub up: bool,
+    #[serde(default)]
+    pub addresses: Vec<DeviceAddress>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BridgeError {
+    #[error("netlink: {0}")]
+    Netlink(#[source] rtnetlink::Error),
+    /// A system call of the bridger's own (a tap's ioctls, the netlink socket).
+    #[error("netlink: {what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("device {0:?} not found")]
+    NoDevice(String),
+    #[error("device {device:?} is already bridged into {existing:?}, not {wanted:?}")]
+    BridgedElsewhere { device: String, wanted: String, existing: String },
+    #[error("{0:?} exists and is not a bridge")]
+    NotABridge(String),
+    #[error("invalid MAC address {0:?}")]
+    BadMac(String),
+    #[error("invalid device name {0:?}: 1-15 characters of letters, digits, '-', '_' or '.'")]
+    BadName(String),
+    /// A tap is only ever given to the user it was made for: re-owning another's
+    /// would hand a confined program someone else's traffic.
+    #[error("tap {device:?} exists and belongs to {owner}, not to uid {wanted} (this provider's)")]
+    TapOwnedElsewhere { device: String, owner: String, wanted: u32 },
+    #[error("{0:?} exists and is not a tap")]
+    NotATap(String),
+}
+
+pub fn format_mac(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
+pub fn parse_mac(text: &str) -> Result<Vec<u8>, BridgeError> {
+    let bytes: Result<Vec<u8>, _> = text.split(':').map(|part| u8::from_str_radix(part, 16)).collect();
+    match bytes {
+        Ok(bytes) if bytes.len() == 6 && text.split(':').all(|p| p.len() == 2) => Ok(bytes),
+        _ => Err(BridgeError::BadMac(text.to_owned())),
+    }
+}
+
+/// Where a device to bridge stands: `Ok(true)` already in the wanted bridge
+/// (nothing to do), `Ok(false)` in none, an error when in another. The one
+/// rule for the kernel and the simulation alike.
+pub fn already_bridged(change: &DeviceToBridge, existing: Option<String>) -> Result<bool, BridgeError> {
+    match existing {
+        None => Ok(false),
+        Some(existing) if existing == change.bridge => Ok(true),
+        Some(existing) => Err(BridgeError::BridgedElsewhere {
+            device: change.device.clone(),
+            wanted: change.bridge.clone(),
+            existing,
+        }),
+    }
+}
+
+/// Linux interface names: at most 15 bytes, no '/', no whitespace.
+pub fn check_name(name: &str) -> Result<(), BridgeError> {
+    let ok = !name.is_empty()
+        && name.len() <= 15
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok { Ok(()) } else { Err(BridgeError::BadName(name.to_owned())) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn macs_round_trip_and_garbage_is_refused() {
+        assert_eq!(format_mac(&parse_mac("00:16:3e:aa:bb:cc").unwrap()), "00:16:3e:aa:bb:cc");
+        assert!(parse_mac("00:16:3e:aa:bb").is_err());
+        assert!(parse_mac("00:16:3e:aa:bb:zz").is_err());
+        assert!(parse_mac("0:16:3e:aa:bb:cc").is_err());
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(check_name("br-eth0").is_ok());
+        assert!(check_name("b-0123456789ab").is_ok());
+        assert!(check_name("sixteen-chars-xx").is_err());
+        assert!(check_name("../etc").is_err());
+        assert!(check_name("").is_err());
+    }
+}
