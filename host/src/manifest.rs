@@ -221,9 +221,6 @@ pub struct Grants {
     /// (never `LD_*` or the like: refused at load).
     #[serde(default)]
     pub env: Vec<String>,
-    /// Authorities reachable through `wasi:http`, each mapped to a unix socket or TCP address.
-    #[serde(default)]
-    pub http: crate::capabilities::http_egress::HttpGrant,
     /// Devices and bridges the provider may bridge, attach to and list.
     pub bridge: Option<crate::capabilities::network_bridge::BridgeGrant>,
     /// The grants of capabilities in rooms of their own (`local-sockets`),
@@ -248,7 +245,6 @@ impl Grants {
             .or_else(|| paths(&self.devices, &approved.devices, "devices"))
             .or_else(|| new_item(&self.env, &approved.env, "env"))
             .or_else(|| self.rooms.widening(&approved.rooms))
-            .or_else(|| self.http.widening(&approved.http))
             .or_else(|| match (&self.bridge, &approved.bridge) {
                 (None, _) => None,
                 (Some(_), None) => Some("[grants.bridge]".into()),

@@ -71,16 +71,14 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
     let list =
         |items: &[String]| if items.is_empty() { "denied".to_owned() } else { esc(&items.join(", ")).into_owned() };
     writeln!(out, "grants:")?;
-    for (key, grant) in &v.grants.rooms {
-        // A daemon newer than this CLI may report a room it does not know: shown as JSON.
-        let shown = crate::runtime::rooms::shown(key, grant).unwrap_or_else(|| grant.to_string());
-        writeln!(out, "  {:<18} {}", esc(key), esc(&shown))?;
+    // A daemon newer than this CLI may report a room it does not know: shown as JSON.
+    for (label, shown) in crate::runtime::rooms::shown(&v.grants.rooms) {
+        writeln!(out, "  {:<18} {}", esc(&label), esc(&shown))?;
     }
     writeln!(out, "  {:<18} {}", "process", list(&v.grants.process))?;
     writeln!(out, "  {:<18} {}", "paths", list(&v.grants.paths))?;
     writeln!(out, "  {:<18} {}", "bridge devices", list(&v.grants.bridge_devices))?;
     writeln!(out, "  {:<18} {}", "bridge bridges", list(&v.grants.bridge_bridges))?;
-    writeln!(out, "  {:<18} {}", "http", list(&v.grants.http))?;
     writeln!(out, "config:     {}", esc(&v.config.to_string()))?;
     match &v.breaker {
         Some(b) if b.half_open => {

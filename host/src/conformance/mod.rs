@@ -29,7 +29,7 @@ use crate::bindings::{BrokerError, Instance};
 use crate::capabilities::context::CallEvent;
 use crate::capabilities::context::CallHooks;
 use crate::capabilities::denials::Denials;
-use crate::capabilities::http_egress::{HostEgress, RecordedEgress};
+use crate::capabilities::http_egress::{HostEgress, HttpEgress, RecordedEgress};
 use crate::capabilities::kv::{Kv, MemoryKv};
 use crate::capabilities::local_socket::{HostSockets, LocalSocket};
 use crate::capabilities::machine_lock::MachineLockRoom;
@@ -186,8 +186,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                 backends: Backends::sealed()
                     .with::<Kv>(kv)
                     .with::<MachineLockRoom>(Arc::new(lock))
-                    .with::<LocalSocket>(scripted.processes.clone()),
-                egress: scripted.http.clone(),
+                    .with::<LocalSocket>(scripted.processes.clone())
+                    .with::<HttpEgress>(scripted.http.clone()),
                 network: scripted.network.clone(),
                 denials,
             };
@@ -204,8 +204,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                 backends: Backends::sealed()
                     .with::<Kv>(kv)
                     .with::<MachineLockRoom>(Arc::new(lock))
-                    .with::<LocalSocket>(Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone()))),
-                egress: Arc::new(RecordedEgress::new(Arc::new(HostEgress), recording.http.clone())),
+                    .with::<LocalSocket>(Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone())))
+                    .with::<HttpEgress>(Arc::new(RecordedEgress::new(Arc::new(HostEgress), recording.http.clone()))),
                 network: Arc::new(HostNetwork),
                 denials,
             };

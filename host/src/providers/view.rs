@@ -15,8 +15,6 @@ pub struct GrantsView {
     pub paths: Vec<String>,
     pub bridge_devices: Vec<String>,
     pub bridge_bridges: Vec<String>,
-    /// `authority -> target`, as `[grants.http]` maps them.
-    pub http: Vec<String>,
     /// The grants of capabilities in rooms of their own, by key (`local-sockets`).
     #[serde(flatten)]
     pub rooms: std::collections::BTreeMap<String, serde_json::Value>,
@@ -78,7 +76,6 @@ impl ProviderView {
                 paths: grants.paths.iter().map(|p| p.display().to_string()).collect(),
                 bridge_devices: grants.bridge.as_ref().map(|b| b.devices.clone()).unwrap_or_default(),
                 bridge_bridges: grants.bridge.as_ref().map(|b| b.bridges.clone()).unwrap_or_default(),
-                http: grants.http.iter().map(|(authority, target)| format!("{authority} -> {target}")).collect(),
                 rooms: grants.rooms.view(),
             },
             config: serde_json::from_str(&manifest.config_json).unwrap_or(serde_json::Value::Null),

@@ -84,7 +84,6 @@ impl Runtime {
         let mut linker = Linker::new(&self.engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         capabilities::wasi::refuse_symlinks(&mut linker, HostState::symlink_refused)?;
-        capabilities::http_egress::add_to_linker(&mut linker)?;
         for room in ROOMS.iter().filter(|room| room.linked_for(grants)) {
             room.add_to_linker(&mut linker)?;
         }

@@ -14,10 +14,11 @@
 
 use super::HostState;
 use crate::capabilities::denials::Denials;
-use crate::capabilities::{context, kv, local_socket, log, machine_lock, network_bridge, process};
+use crate::capabilities::{context, http_egress, kv, local_socket, log, machine_lock, network_bridge, process};
 use crate::manifest::Grants;
 use serde::de::{DeserializeSeed, IntoDeserializer, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Map, Value};
 use std::any::{Any, TypeId};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -107,6 +108,18 @@ pub trait Room: Send + Sync + Sized + 'static {
     fn shown(grant: &Self::Grant) -> String {
         grant.shown()
     }
+    /// The grant as the API reports it, by key; by default its own value under
+    /// its own key. A room that reports other keys must report them all for
+    /// its default grant too (that is how a CLI knows them for its own).
+    fn view(grant: &Self::Grant) -> Map<String, Value> {
+        Map::from_iter([(Self::GRANT.to_owned(), serde_json::to_value(grant).unwrap_or(Value::Null))])
+    }
+    /// The lines `provider show` prints (label, text) for the API's report
+    /// of the grants; none when the report has none of this room's keys.
+    fn shown_view(view: &Map<String, Value>) -> Vec<(String, String)> {
+        let grant = view.get(Self::GRANT).and_then(|v| Self::Grant::deserialize(v).ok());
+        grant.map(|grant| vec![(Self::GRANT.to_owned(), Self::shown(&grant))]).unwrap_or_default()
+    }
     /// Its part of a store. With no backend (not granted, or a sandbox that
     /// gives it none) it must refuse every call, saying so, and note each
     /// refusal in `store.denials` like any other.
@@ -169,10 +182,10 @@ pub trait Section: Send + Sync {
     fn same(&self, a: Option<&dyn AnyGrant>, b: Option<&dyn AnyGrant>) -> bool;
     fn widening(&self, now: Option<&dyn AnyGrant>, approved: Option<&dyn AnyGrant>) -> Option<String>;
     fn acts_outside_the_store(&self, grant: Option<&dyn AnyGrant>) -> bool;
-    /// As the API reports it.
-    fn view(&self, grant: Option<&dyn AnyGrant>) -> serde_json::Value;
-    /// The API's report as `provider show` prints it (`None`: not this room's).
-    fn shown(&self, view: &serde_json::Value) -> Option<String>;
+    /// As the API reports it, by key.
+    fn view(&self, grant: Option<&dyn AnyGrant>) -> Map<String, Value>;
+    /// The lines `provider show` prints for the API's report (none: no key of this room's).
+    fn shown(&self, view: &Map<String, Value>) -> Vec<(String, String)>;
     fn part(&self, grant: Option<&dyn AnyGrant>, backends: &Backends, store: &StoreSetup<'_>) -> Part;
 }
 
@@ -219,11 +232,11 @@ impl<R: Room> Section for Own<R> {
     fn acts_outside_the_store(&self, grant: Option<&dyn AnyGrant>) -> bool {
         R::acts_outside_the_store(&Self::grant(grant))
     }
-    fn view(&self, grant: Option<&dyn AnyGrant>) -> serde_json::Value {
-        serde_json::to_value(Self::grant(grant)).unwrap_or(serde_json::Value::Null)
+    fn view(&self, grant: Option<&dyn AnyGrant>) -> Map<String, Value> {
+        R::view(&Self::grant(grant))
     }
-    fn shown(&self, view: &serde_json::Value) -> Option<String> {
-        R::Grant::deserialize(view).ok().map(|g| R::shown(&g))
+    fn shown(&self, view: &Map<String, Value>) -> Vec<(String, String)> {
+        R::shown_view(view)
     }
     fn part(&self, grant: Option<&dyn AnyGrant>, backends: &Backends, store: &StoreSetup<'_>) -> Part {
         // A room's part holds its backend only with its grant: nothing
@@ -290,6 +303,7 @@ pub static ROOMS: &[&dyn Capability] = &[
     &Own::<local_socket::LocalSocket>::ROOM,
     &Own::<log::Log>::ROOM,
     &Own::<machine_lock::MachineLockRoom>::ROOM,
+    &Own::<http_egress::HttpEgress>::ROOM,
 ];
 
 /// The registered capability serving `interface`.
@@ -337,14 +351,20 @@ impl RoomGrants {
     }
 
     /// Every room's grant as the API reports it, by key.
-    pub fn view(&self) -> BTreeMap<String, serde_json::Value> {
-        sections().map(|s| (s.key().to_owned(), s.view(self.get(s.key())))).collect()
+    pub fn view(&self) -> BTreeMap<String, Value> {
+        sections().flat_map(|s| s.view(self.get(s.key()))).collect()
     }
 }
 
-/// A reported grant (`key`, as [`RoomGrants::view`] gave it) as `provider show` prints it.
-pub fn shown(key: &str, view: &serde_json::Value) -> Option<String> {
-    section(key)?.shown(view)
+/// The API's report of the grants as `provider show` prints it: each room's
+/// lines (label, text) in registration order, then any key no room of this
+/// host reports (a newer daemon's), as its JSON.
+pub fn shown(view: &BTreeMap<String, Value>) -> Vec<(String, String)> {
+    let view: Map<String, Value> = view.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let mut lines: Vec<(String, String)> = sections().flat_map(|s| s.shown(&view)).collect();
+    let known: Vec<String> = sections().flat_map(|s| s.view(None).into_iter().map(|(key, _)| key)).collect();
+    lines.extend(view.iter().filter(|(key, _)| !known.contains(key)).map(|(key, v)| (key.clone(), v.to_string())));
+    lines
 }
 
 impl PartialEq for RoomGrants {
@@ -567,14 +587,17 @@ mod tests {
         assert_eq!(keys.len(), ROOMS.len(), "a grant key registered twice");
         let none = Grants::default();
         let linked: Vec<&str> = ROOMS.iter().filter(|r| r.linked_for(&none)).map(|r| r.interface()).collect();
-        assert_eq!(linked, ["context", "process", "network-bridge", "local-socket", "machine-lock"]);
+        assert_eq!(linked, ["context", "process", "network-bridge", "local-socket", "machine-lock", "wasi:http"]);
         let logging = RoomGrants::default().with::<log::Log>(true);
         let linked: Vec<&str> = ROOMS
             .iter()
             .filter(|r| r.linked_for(&Grants { rooms: logging.clone(), ..Grants::default() }))
             .map(|r| r.interface())
             .collect();
-        assert_eq!(linked, ["context", "process", "network-bridge", "local-socket", "log", "machine-lock"]);
+        assert_eq!(
+            linked,
+            ["context", "process", "network-bridge", "local-socket", "log", "machine-lock", "wasi:http"]
+        );
     }
 
     /// A room's key under `[grants]` is never also one of `Grants`' fields
@@ -592,7 +615,6 @@ mod tests {
             paths: vec!["/p".into()],
             bridge_devices: vec!["d".into()],
             bridge_bridges: vec!["b".into()],
-            http: vec!["h".into()],
             rooms: BTreeMap::new(),
         };
         let fields = serde_json::to_value(view).unwrap();

@@ -3,7 +3,7 @@
 use super::GuestLimiter;
 use crate::capabilities::context::ContextView;
 use crate::capabilities::denials::Denials;
-use crate::capabilities::http_egress::{EgressBackend, EgressHooks, HostEgress, HttpGrant};
+use crate::capabilities::http_egress::HttpEgress;
 use crate::capabilities::kv::{Kv, KvBackend};
 use crate::capabilities::network_bridge::{BridgeCtx, BridgeGrant};
 use crate::capabilities::process::{
@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
-use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpView};
+use wasmtime_wasi_http::{WasiHttpCtxView, WasiHttpView};
 
 pub struct HostState {
     pub provider: Arc<str>,
@@ -26,8 +26,6 @@ pub struct HostState {
     pub bridge: BridgeCtx,
     /// The parts of the capabilities in rooms of their own.
     pub(crate) rooms: Parts,
-    pub http: WasiHttpCtx,
-    pub egress: EgressHooks,
     pub limiter: GuestLimiter,
     /// Where refusals outside any one capability (the filesystem's) are noted.
     denials: Denials,
@@ -47,8 +45,6 @@ pub struct HostCapabilities {
     /// What the calls of capabilities in rooms of their own reach: the
     /// host's, unless the kit injected a simulation or a recording.
     pub backends: Backends,
-    /// Where granted `wasi:http` requests go: the real targets, or a recording or script.
-    pub egress: Arc<dyn EgressBackend>,
     /// What network-bridge calls (and HostPreparer) reach: the host's kernel, or a simulated network.
     pub network: Arc<dyn NetworkBackend>,
     /// Where refused host calls are noted besides the log (the conformance kit collects them).
@@ -70,7 +66,6 @@ impl HostCapabilities {
             sandbox,
             processes: Arc::new(HostProcesses::new(child_records, Arc::default())),
             backends: Backends::default().with::<Kv>(kv),
-            egress: Arc::new(HostEgress),
             network: Arc::new(HostNetwork),
             denials: Denials::default(),
         }
@@ -88,8 +83,6 @@ pub struct ProviderCapabilities {
     pub bridge: Option<BridgeGrant>,
     /// The grants of the capabilities in rooms of their own.
     pub rooms: RoomGrants,
-    /// The `[grants.http]` authorities (empty: every request is denied).
-    pub http: Arc<HttpGrant>,
 }
 
 impl HostCapabilities {
@@ -106,7 +99,7 @@ impl ProviderCapabilities {
     /// durable before the effect it describes happens, and is made durable
     /// per change rather than at the call's end.
     pub fn acts_outside_the_store(&self) -> bool {
-        self.process.is_some() || self.bridge.is_some() || self.rooms.act_outside_the_store() || !self.http.is_empty()
+        self.process.is_some() || self.bridge.is_some() || self.rooms.act_outside_the_store()
     }
 }
 
@@ -130,8 +123,6 @@ impl HostState {
                     acts_outside_the_store: caps.acts_outside_the_store(),
                 },
             ),
-            http: WasiHttpCtx::new(),
-            egress: EgressHooks::new(provider.clone(), caps.http.clone(), host.egress.clone(), denials.clone()),
             limiter: GuestLimiter::new(memory_bytes),
             denials,
             provider,
@@ -173,6 +164,7 @@ impl WasiView for HostState {
 
 impl WasiHttpView for HostState {
     fn http(&mut self) -> WasiHttpCtxView<'_> {
-        WasiHttpCtxView { ctx: &mut self.http, table: &mut self.table, hooks: &mut self.egress }
+        let egress = self.rooms.of::<HttpEgress>();
+        WasiHttpCtxView { ctx: &mut egress.http, table: &mut self.table, hooks: &mut egress.hooks }
     }
 }

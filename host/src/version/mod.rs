@@ -623,12 +623,5 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         };
         Some(Arc::new(policy))
     };
-    Ok(ProviderCapabilities {
-        host,
-        data_dir,
-        process,
-        bridge: grants.bridge.clone(),
-        rooms: grants.rooms.clone(),
-        http: Arc::new(grants.http.clone()),
-    })
+    Ok(ProviderCapabilities { host, data_dir, process, bridge: grants.bridge.clone(), rooms: grants.rooms.clone() })
 }

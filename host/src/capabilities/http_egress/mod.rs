@@ -9,11 +9,20 @@
 //! lxd = "unix:/var/lib/incus/unix.socket"
 //! ec2 = "http://127.0.0.1:5000"
 //! ```
+//!
+//! The room is [`HttpEgress`]: `wasi:http` is linked for every provider, and
+//! each request goes through the store's [`EgressHooks`] (`send_request`),
+//! which check the grant and hand the request to an [`EgressBackend`]: the
+//! granted targets ([`HostEgress`]), or in the conformance kit a script or a
+//! recording.
 
+use crate::runtime::HostState;
+use crate::runtime::rooms::{GrantValue, Linking, Room, StoreSetup};
 use futures_util::future::BoxFuture;
 use http::uri::Scheme;
 use http_body_util::BodyExt;
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Component, PathBuf};
@@ -23,7 +32,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::Instrument;
 use wasmtime::component::Linker;
 use wasmtime_wasi_http::io::TokioIo;
-use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpHooks, WasiHttpView};
+use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpHooks, WasiHttpView};
 
 pub mod script;
 pub use script::{Exchange, RecordedEgress, Script, Tape};
@@ -126,6 +135,38 @@ impl HttpGrant {
     }
 }
 
+/// As the manifest writes it: authority -> target.
+impl Serialize for HttpGrant {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.authorities.iter().map(|(name, target)| (name, target.to_string())))
+    }
+}
+
+impl GrantValue for HttpGrant {
+    fn granted(&self) -> bool {
+        !self.is_empty()
+    }
+
+    fn widening(&self, approved: &Self, _key: &str) -> Option<String> {
+        HttpGrant::widening(self, approved)
+    }
+
+    fn shown(&self) -> String {
+        shown_list(self.listed())
+    }
+}
+
+impl HttpGrant {
+    /// `authority -> target`, as `provider show` and the API list them.
+    fn listed(&self) -> Vec<String> {
+        self.authorities.iter().map(|(authority, target)| format!("{authority} -> {target}")).collect()
+    }
+}
+
+fn shown_list(items: Vec<String>) -> String {
+    if items.is_empty() { "denied".to_owned() } else { items.join(", ") }
+}
+
 impl<'de> Deserialize<'de> for HttpGrant {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let raw = BTreeMap::<String, String>::deserialize(d)?;
@@ -158,12 +199,14 @@ pub enum EgressError {
     Unscripted(String),
     #[error("reading the request body: {0}")]
     Body(String),
+    #[error("wasi:http has no backend here: this sandbox sends no requests")]
+    NoBackend,
 }
 
 impl EgressError {
     fn code(&self) -> HttpError {
         match self {
-            EgressError::NotGranted { .. } => HttpError::HttpRequestDenied,
+            EgressError::NotGranted { .. } | EgressError::NoBackend => HttpError::HttpRequestDenied,
             EgressError::NoAuthority => HttpError::HttpRequestUriInvalid,
             EgressError::Scheme { .. } => HttpError::HttpProtocolError,
             EgressError::Connect { source, .. } => match source.kind() {
@@ -206,12 +249,14 @@ impl EgressBackend for HostEgress {
     }
 }
 
-/// The `wasi:http` hooks of one provider's stores: its grant and its egress backend, nothing else.
-#[derive(Clone)]
+/// The `wasi:http` hooks of one provider's stores: its grant and its egress
+/// backend, nothing else. The default grants nothing and reaches nothing.
+#[derive(Clone, Default)]
 pub struct EgressHooks {
     provider: Arc<str>,
     grant: Arc<HttpGrant>,
-    backend: Arc<dyn EgressBackend>,
+    /// `None` without the grant, or in a sandbox that gives no backend.
+    backend: Option<Arc<dyn EgressBackend>>,
     denials: crate::capabilities::denials::Denials,
 }
 
@@ -219,10 +264,16 @@ impl EgressHooks {
     pub fn new(
         provider: Arc<str>,
         grant: Arc<HttpGrant>,
-        backend: Arc<dyn EgressBackend>,
+        backend: Option<Arc<dyn EgressBackend>>,
         denials: crate::capabilities::denials::Denials,
     ) -> Self {
         EgressHooks { provider, grant, backend, denials }
+    }
+
+    /// Where `request` goes: the backend, once the grant lets it out.
+    fn backend(&self, request: &http::Request<WasiBody>) -> Result<Arc<dyn EgressBackend>, EgressError> {
+        granted(&self.grant, request)?;
+        self.backend.clone().ok_or(EgressError::NoBackend)
     }
 }
 
@@ -256,13 +307,16 @@ impl WasiHttpHooks for EgressHooks {
             path = request.uri().path(),
         );
         let (provider, denials) = (self.provider.clone(), self.denials.clone());
-        let sending = self.backend.clone().send(self.grant.clone(), request, options);
+        let sending = match self.backend(&request) {
+            Ok(backend) => backend.send(self.grant.clone(), request, options),
+            Err(refused) => Box::pin(std::future::ready(Err(refused))),
+        };
         Box::new(
             async move {
                 match sending.await {
                     Ok(sent) => sent,
                     Err(err) => {
-                        if let EgressError::NotGranted { .. } = &err {
+                        if let EgressError::NotGranted { .. } | EgressError::NoBackend = &err {
                             denials.note("wasi:http", &err.to_string());
                         }
                         tracing::warn!(provider = &*provider, error = %err, "http egress refused or failed");
@@ -353,6 +407,51 @@ pub fn add_to_linker<T: WasiHttpView + 'static>(linker: &mut Linker<T>) -> wasmt
     wasmtime_wasi_http::p2::add_only_http_to_linker_async(linker)
 }
 
+/// A store's part of `wasi:http`: wasi-http's own context and the hooks
+/// every request goes through.
+#[derive(Default)]
+pub struct EgressCtx {
+    pub http: WasiHttpCtx,
+    pub hooks: EgressHooks,
+}
+
+/// The room: `[grants.http]` (authority -> target), over plain `wasi:http`.
+pub struct HttpEgress;
+
+impl Room for HttpEgress {
+    const INTERFACE: &'static str = "wasi:http";
+    const GRANT: &'static str = "http";
+    const LINKING: Linking = Linking::Always;
+    type Grant = HttpGrant;
+    type Backend = dyn EgressBackend;
+    type Ctx = EgressCtx;
+
+    fn host_backend() -> Option<Arc<dyn EgressBackend>> {
+        Some(Arc::new(HostEgress))
+    }
+
+    fn ctx(grant: &HttpGrant, backend: Option<Arc<dyn EgressBackend>>, store: &StoreSetup<'_>) -> EgressCtx {
+        let hooks = EgressHooks::new(store.provider.clone(), Arc::new(grant.clone()), backend, store.denials.clone());
+        EgressCtx { http: WasiHttpCtx::new(), hooks }
+    }
+
+    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+        add_to_linker(linker)
+    }
+
+    /// Listed as `authority -> target`, as before rooms.
+    fn view(grant: &HttpGrant) -> Map<String, Value> {
+        Map::from_iter([(Self::GRANT.to_owned(), Value::from(grant.listed()))])
+    }
+
+    fn shown_view(view: &Map<String, Value>) -> Vec<(String, String)> {
+        let Some(listed) = view.get(Self::GRANT).and_then(|v| Vec::<String>::deserialize(v).ok()) else {
+            return Vec::new();
+        };
+        vec![(Self::GRANT.to_owned(), shown_list(listed))]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -366,6 +465,41 @@ mod tests {
             Full::new(bytes::Bytes::from_static(text.as_bytes())).map_err(|never| match never {}).boxed_unsync()
         };
         http::Request::builder().method("POST").uri(uri).header("content-length", text.len()).body(body).unwrap()
+    }
+
+    /// The room: an authority not granted is refused and noted; a granted one
+    /// in a sandbox that gives no backend is refused too (never the host's);
+    /// the grant is reported and shown as `authority -> target`.
+    #[tokio::test]
+    async fn the_room_refuses_what_is_not_granted_or_not_backed() {
+        use crate::capabilities::denials::Denials;
+        let provider: Arc<str> = "p".into();
+        let (denials, denied) = Denials::collecting();
+        let store = StoreSetup {
+            provider: &provider,
+            data_dir: std::path::Path::new("/nonexistent"),
+            denials: &denials.for_provider(provider.clone()),
+            acts_outside_the_store: true,
+        };
+        let grant = HttpGrant::new([("lxd".to_owned(), EgressTarget::Unix("/nonexistent.sock".into()))]).unwrap();
+        let mut sealed = HttpEgress::ctx(&grant, None, &store);
+        for (uri, refusal) in
+            [("http://other/1.0", "no http grant for authority `other`"), ("http://lxd/1.0", "no backend")]
+        {
+            let io: IoFuture = Box::new(async { Ok(()) });
+            let sent = Box::into_pin(sealed.hooks.send_request(request(uri, ""), None, io)).await;
+            assert!(matches!(sent, Err(HttpError::HttpRequestDenied)), "{uri}");
+            let noted = denied.lock().unwrap().pop().unwrap_or_default();
+            assert!(noted.contains(refusal), "{uri}: {noted}");
+        }
+
+        let view = HttpEgress::view(&grant);
+        assert_eq!(view["http"], serde_json::json!(["lxd -> unix:/nonexistent.sock"]));
+        assert_eq!(HttpEgress::shown_view(&view), [("http".to_owned(), "lxd -> unix:/nonexistent.sock".to_owned())]);
+        let none = HttpEgress::view(&HttpGrant::default());
+        assert_eq!(HttpEgress::shown_view(&none), [("http".to_owned(), "denied".to_owned())]);
+        let back: HttpGrant = serde_json::from_value(serde_json::to_value(&grant).unwrap()).unwrap();
+        assert_eq!(back, grant, "the grant round-trips as the manifest writes it");
     }
 
     /// A one-request HTTP server on `listener` that echoes the request line,
