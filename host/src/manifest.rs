@@ -221,8 +221,6 @@ pub struct Grants {
     /// (never `LD_*` or the like: refused at load).
     #[serde(default)]
     pub env: Vec<String>,
-    /// Devices and bridges the provider may bridge, attach to and list.
-    pub bridge: Option<crate::capabilities::network_bridge::BridgeGrant>,
     /// The grants of capabilities in rooms of their own (`local-sockets`),
     /// each parsed by its room ([`crate::runtime::rooms`]).
     #[serde(skip)]
@@ -245,12 +243,6 @@ impl Grants {
             .or_else(|| paths(&self.devices, &approved.devices, "devices"))
             .or_else(|| new_item(&self.env, &approved.env, "env"))
             .or_else(|| self.rooms.widening(&approved.rooms))
-            .or_else(|| match (&self.bridge, &approved.bridge) {
-                (None, _) => None,
-                (Some(_), None) => Some("[grants.bridge]".into()),
-                (Some(now), Some(before)) => new_item(&now.devices, &before.devices, "bridge device")
-                    .or_else(|| new_item(&now.bridges, &before.bridges, "bridge")),
-            })
     }
 }
 

@@ -50,6 +50,9 @@ pub enum BrokerServiceError {
         "provider {provider} returned instance id {id}, which is recorded for provider {owner}; nothing was recorded, and the instance was not stopped, as the id may name {owner}'s instance"
     )]
     InstanceIdTaken { provider: String, id: String, owner: String },
+    /// Only a sandbox without a network has none; a host always has its own.
+    #[error("unable to setup network: this host gives no network backend")]
+    NoNetwork,
 }
 
 pub struct Broker {
@@ -192,9 +195,10 @@ impl Broker {
         if params.network_info.iter().all(|i| i.parent_interface_name.is_empty()) {
             return Ok(());
         }
+        let network = self.registry.capabilities().network().ok_or_else(|| BrokerServiceError::NoNetwork)?;
         let preparer = HostPreparer {
             lock: &self.machine_lock,
-            network: &*self.registry.capabilities().network,
+            network: &*network,
             sink: &*self.store,
             host_bridges: &self.host.bridges,
             lock_timeout: None,

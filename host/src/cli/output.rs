@@ -77,8 +77,6 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
     }
     writeln!(out, "  {:<18} {}", "process", list(&v.grants.process))?;
     writeln!(out, "  {:<18} {}", "paths", list(&v.grants.paths))?;
-    writeln!(out, "  {:<18} {}", "bridge devices", list(&v.grants.bridge_devices))?;
-    writeln!(out, "  {:<18} {}", "bridge bridges", list(&v.grants.bridge_bridges))?;
     writeln!(out, "config:     {}", esc(&v.config.to_string()))?;
     match &v.breaker {
         Some(b) if b.half_open => {

@@ -33,6 +33,7 @@ use crate::capabilities::http_egress::{HostEgress, HttpEgress, RecordedEgress};
 use crate::capabilities::kv::{Kv, MemoryKv};
 use crate::capabilities::local_socket::{HostSockets, LocalSocket};
 use crate::capabilities::machine_lock::MachineLockRoom;
+use crate::capabilities::network_bridge::NetworkBridge;
 use crate::capabilities::process::{HostProcesses, LiveChildren, MemoryChildRecords, Recorded, RecordedSockets};
 use crate::contract::constraints;
 use crate::contract::{empty_params, params_with};
@@ -187,8 +188,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                     .with::<Kv>(kv)
                     .with::<MachineLockRoom>(Arc::new(lock))
                     .with::<LocalSocket>(scripted.processes.clone())
-                    .with::<HttpEgress>(scripted.http.clone()),
-                network: scripted.network.clone(),
+                    .with::<HttpEgress>(scripted.http.clone())
+                    .with::<NetworkBridge>(scripted.network.clone()),
                 denials,
             };
             (caps, Some(scripted))
@@ -205,8 +206,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                     .with::<Kv>(kv)
                     .with::<MachineLockRoom>(Arc::new(lock))
                     .with::<LocalSocket>(Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone())))
-                    .with::<HttpEgress>(Arc::new(RecordedEgress::new(Arc::new(HostEgress), recording.http.clone()))),
-                network: Arc::new(HostNetwork),
+                    .with::<HttpEgress>(Arc::new(RecordedEgress::new(Arc::new(HostEgress), recording.http.clone())))
+                    .with::<NetworkBridge>(Arc::new(HostNetwork)),
                 denials,
             };
             (caps, None)

@@ -11,6 +11,7 @@
 //! - `devices`: the host network devices (and bridges) the provider finds.
 
 use crate::capabilities::http_egress::{Exchange, Script, Tape};
+use crate::capabilities::network_bridge::NetworkBridge;
 use crate::capabilities::process::simulated::{ScriptedChild, ScriptedRun};
 use crate::capabilities::process::{ProcessTape, SimProcesses};
 use crate::manifest::Manifest;
@@ -87,7 +88,7 @@ impl Recording {
     /// Note the host devices the manifest's bridge grant lets the provider
     /// see, as they are before the run (the simulated network starts there).
     pub async fn note_devices(&self, manifest: &Manifest) -> Result<(), String> {
-        let Some(grant) = &manifest.grants.bridge else { return Ok(()) };
+        let Some(grant) = manifest.grants.rooms.of::<NetworkBridge>() else { return Ok(()) };
         let found = HostNetwork.devices().await.map_err(|e| e.to_string())?;
         *self.devices.lock().unwrap_or_else(|p| p.into_inner()) =
             found.into_iter().filter(|d| grant.covers(&d.name)).collect();

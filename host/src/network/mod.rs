@@ -84,6 +84,9 @@ pub enum BridgeError {
     TapOwnedElsewhere { device: String, owner: String, wanted: u32 },
     #[error("{0:?} exists and is not a tap")]
     NotATap(String),
+    /// A sandbox that gives its provider no network (the kit's, sealed).
+    #[error("no network here: this sandbox gives the provider none")]
+    NoBackend,
 }
 
 pub fn format_mac(bytes: &[u8]) -> String {

@@ -13,8 +13,6 @@ use serde::{Deserialize, Serialize};
 pub struct GrantsView {
     pub process: Vec<String>,
     pub paths: Vec<String>,
-    pub bridge_devices: Vec<String>,
-    pub bridge_bridges: Vec<String>,
     /// The grants of capabilities in rooms of their own, by key (`local-sockets`).
     #[serde(flatten)]
     pub rooms: std::collections::BTreeMap<String, serde_json::Value>,
@@ -74,8 +72,6 @@ impl ProviderView {
             grants: GrantsView {
                 process: grants.process.clone(),
                 paths: grants.paths.iter().map(|p| p.display().to_string()).collect(),
-                bridge_devices: grants.bridge.as_ref().map(|b| b.devices.clone()).unwrap_or_default(),
-                bridge_bridges: grants.bridge.as_ref().map(|b| b.bridges.clone()).unwrap_or_default(),
                 rooms: grants.rooms.view(),
             },
             config: serde_json::from_str(&manifest.config_json).unwrap_or(serde_json::Value::Null),

@@ -68,6 +68,8 @@ pub struct StoreSetup<'a> {
     /// Whether any of the provider's grants lets it act outside the store
     /// (then what it writes to kv must be durable before that effect).
     pub acts_outside_the_store: bool,
+    /// The user its programs run as when confined (`None`: the host's own).
+    pub sandbox_user: Option<u32>,
 }
 
 /// A capability in a room of its own: everything of it is in its folder.
@@ -293,13 +295,7 @@ pub static ROOMS: &[&dyn Capability] = &[
         linking: Linking::Always,
         add_to_linker: |linker| process::add_to_linker(linker, HostState::process_view),
     },
-    &Fields {
-        interface: network_bridge::INTERFACE,
-        grant: "bridge",
-        granted: |grants| grants.bridge.is_some(),
-        linking: Linking::Always,
-        add_to_linker: |linker| network_bridge::add_to_linker(linker, |s| &mut s.bridge),
-    },
+    &Own::<network_bridge::NetworkBridge>::ROOM,
     &Own::<local_socket::LocalSocket>::ROOM,
     &Own::<log::Log>::ROOM,
     &Own::<machine_lock::MachineLockRoom>::ROOM,
@@ -613,8 +609,6 @@ mod tests {
         let view = crate::providers::view::GrantsView {
             process: vec!["p".into()],
             paths: vec!["/p".into()],
-            bridge_devices: vec!["d".into()],
-            bridge_bridges: vec!["b".into()],
             rooms: BTreeMap::new(),
         };
         let fields = serde_json::to_value(view).unwrap();
@@ -636,6 +630,7 @@ mod tests {
             data_dir: Path::new("/nonexistent"),
             denials: &Denials::default(),
             acts_outside_the_store: false,
+            sandbox_user: None,
         };
         let grants = RoomGrants::default().with::<local_socket::LocalSocket>(true);
         let mut parts = Parts::new(&grants, &Backends::default(), &store);

@@ -5,12 +5,12 @@ use crate::capabilities::context::ContextView;
 use crate::capabilities::denials::Denials;
 use crate::capabilities::http_egress::HttpEgress;
 use crate::capabilities::kv::{Kv, KvBackend};
-use crate::capabilities::network_bridge::{BridgeCtx, BridgeGrant};
+use crate::capabilities::network_bridge::NetworkBridge;
 use crate::capabilities::process::{
     ChildRecords, HostProcesses, ProcessBackend, ProcessCtx, ProcessPolicy, ProcessView,
 };
 use crate::capabilities::wasi;
-use crate::network::backend::{HostNetwork, NetworkBackend};
+use crate::network::backend::NetworkBackend;
 use crate::runtime::rooms::{Backends, Parts, RoomGrants, StoreSetup};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -23,7 +23,6 @@ pub struct HostState {
     pub table: ResourceTable,
     pub wasi: WasiCtx,
     pub process: ProcessCtx,
-    pub bridge: BridgeCtx,
     /// The parts of the capabilities in rooms of their own.
     pub(crate) rooms: Parts,
     pub limiter: GuestLimiter,
@@ -45,8 +44,6 @@ pub struct HostCapabilities {
     /// What the calls of capabilities in rooms of their own reach: the
     /// host's, unless the kit injected a simulation or a recording.
     pub backends: Backends,
-    /// What network-bridge calls (and HostPreparer) reach: the host's kernel, or a simulated network.
-    pub network: Arc<dyn NetworkBackend>,
     /// Where refused host calls are noted besides the log (the conformance kit collects them).
     pub denials: Denials,
 }
@@ -66,7 +63,6 @@ impl HostCapabilities {
             sandbox,
             processes: Arc::new(HostProcesses::new(child_records, Arc::default())),
             backends: Backends::default().with::<Kv>(kv),
-            network: Arc::new(HostNetwork),
             denials: Denials::default(),
         }
     }
@@ -79,8 +75,6 @@ pub struct ProviderCapabilities {
     pub data_dir: PathBuf,
     /// `None` unless `process` is granted.
     pub process: Option<Arc<ProcessPolicy>>,
-    /// `None` unless `[grants.bridge]` is given.
-    pub bridge: Option<BridgeGrant>,
     /// The grants of the capabilities in rooms of their own.
     pub rooms: RoomGrants,
 }
@@ -91,6 +85,12 @@ impl HostCapabilities {
     pub fn kv(&self) -> Option<Arc<dyn KvBackend>> {
         self.backends.of::<Kv>()
     }
+
+    /// The network HostPreparer and the bridge capability act on: the
+    /// host's kernel, or the kit's simulation (`None`: a sandbox that gives none).
+    pub fn network(&self) -> Option<Arc<dyn NetworkBackend>> {
+        self.backends.of::<NetworkBridge>()
+    }
 }
 
 impl ProviderCapabilities {
@@ -99,7 +99,7 @@ impl ProviderCapabilities {
     /// durable before the effect it describes happens, and is made durable
     /// per change rather than at the call's end.
     pub fn acts_outside_the_store(&self) -> bool {
-        self.process.is_some() || self.bridge.is_some() || self.rooms.act_outside_the_store()
+        self.process.is_some() || self.rooms.act_outside_the_store()
     }
 }
 
@@ -112,7 +112,6 @@ impl HostState {
             table: ResourceTable::new(),
             wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir),
             process: ProcessCtx::new(&provider, caps.process.clone(), host.processes.clone(), denials.clone()),
-            bridge: BridgeCtx::new(caps.bridge.clone(), host.network.clone(), tap_owner, denials.clone()),
             rooms: Parts::new(
                 &caps.rooms,
                 &host.backends,
@@ -121,6 +120,7 @@ impl HostState {
                     data_dir: &caps.data_dir,
                     denials: &denials,
                     acts_outside_the_store: caps.acts_outside_the_store(),
+                    sandbox_user: tap_owner,
                 },
             ),
             limiter: GuestLimiter::new(memory_bytes),

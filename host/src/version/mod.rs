@@ -16,6 +16,7 @@ use crate::bindings::{
 };
 use crate::capabilities::context::{CallContext, CallHooks};
 use crate::capabilities::kv::{Kv, KvWrites};
+use crate::capabilities::network_bridge::NetworkBridge;
 use crate::capabilities::process::{PolicyError, ProcessPolicy};
 use crate::manifest::{Isolation, Manifest, ManifestError, Method};
 use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
@@ -614,7 +615,7 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
                             paths: &grants.paths,
                             paths_rw: &grants.paths_rw,
                             devices: &grants.devices,
-                            share_net: grants.bridge.is_some(),
+                            share_net: grants.rooms.of::<NetworkBridge>().is_some(),
                         },
                     )
                     .map_err(sandbox_error)?;
@@ -623,5 +624,5 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         };
         Some(Arc::new(policy))
     };
-    Ok(ProviderCapabilities { host, data_dir, process, bridge: grants.bridge.clone(), rooms: grants.rooms.clone() })
+    Ok(ProviderCapabilities { host, data_dir, process, rooms: grants.rooms.clone() })
 }

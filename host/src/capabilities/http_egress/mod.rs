@@ -479,6 +479,7 @@ mod tests {
             provider: &provider,
             data_dir: std::path::Path::new("/nonexistent"),
             denials: &denials.for_provider(provider.clone()),
+            sandbox_user: None,
             acts_outside_the_store: true,
         };
         let grant = HttpGrant::new([("lxd".to_owned(), EgressTarget::Unix("/nonexistent.sock".into()))]).unwrap();

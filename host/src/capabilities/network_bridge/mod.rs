@@ -4,9 +4,13 @@
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::network_bridge::{self as wit};
 use crate::capabilities::denials::Denials;
+use crate::network::backend::HostNetwork;
 use crate::network::backend::NetworkBackend;
 use crate::network::{BridgeError, Device, DeviceToBridge, names};
-use serde::Deserialize;
+use crate::runtime::HostState;
+use crate::runtime::rooms::{GrantValue, Linking, Room, StoreSetup};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 use std::sync::Arc;
 use wasmtime::component::{HasSelf, Linker};
 
@@ -14,7 +18,7 @@ use wasmtime::component::{HasSelf, Linker};
 pub const INTERFACE: &str = "network-bridge";
 
 /// `[grants.bridge]`: names, or prefixes when they end in `*`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BridgeGrant {
     #[serde(default)]
@@ -57,10 +61,13 @@ impl BridgeGrant {
     }
 }
 
+/// Per-store context; the default grants nothing and reaches nothing.
+#[derive(Default)]
 pub struct BridgeCtx {
     /// `None` without a `[grants.bridge]`.
     grant: Option<BridgeGrant>,
-    network: Arc<dyn NetworkBackend>,
+    /// `None` without the grant, or in a sandbox that gives no network.
+    network: Option<Arc<dyn NetworkBackend>>,
     /// The sandbox user of the provider's programs, given the taps it makes
     /// (`TUNSETOWNER`), so its confined qemu may open them; `None`: root's.
     tap_owner: Option<u32>,
@@ -70,19 +77,31 @@ pub struct BridgeCtx {
 impl BridgeCtx {
     pub fn new(
         grant: Option<BridgeGrant>,
-        network: Arc<dyn NetworkBackend>,
+        network: Option<Arc<dyn NetworkBackend>>,
         tap_owner: Option<u32>,
         denials: Denials,
     ) -> Self {
         BridgeCtx { grant, network, tap_owner, denials }
     }
 
+    /// The grant, when there is a network to act on with it.
     fn grant(&self) -> Result<&BridgeGrant, BrokerError> {
-        self.grant.as_ref().ok_or_else(|| {
+        let grant = self.grant.as_ref().ok_or_else(|| {
             BrokerError::AccessDenied(
                 "network-bridge is not granted: add [grants.bridge] with devices and bridges".into(),
             )
-        })
+        })?;
+        match self.network {
+            Some(_) => Ok(grant),
+            None => Err(BrokerError::AccessDenied(
+                "network-bridge has no backend here: this sandbox gives the provider no network".into(),
+            )),
+        }
+    }
+
+    /// What calls act on (always there once [`BridgeCtx::grant`] let them through).
+    fn network(&self) -> Result<Arc<dyn NetworkBackend>, BridgeError> {
+        self.network.clone().ok_or(BridgeError::NoBackend)
     }
 }
 
@@ -90,7 +109,7 @@ fn to_broker_error(err: BridgeError) -> BrokerError {
     match err {
         BridgeError::NoDevice(_) => BrokerError::NotFound(err.to_string()),
         BridgeError::Netlink(_) | BridgeError::Io { .. } => BrokerError::Provider(err.to_string()),
-        BridgeError::TapOwnedElsewhere { .. } => BrokerError::AccessDenied(err.to_string()),
+        BridgeError::TapOwnedElsewhere { .. } | BridgeError::NoBackend => BrokerError::AccessDenied(err.to_string()),
         BridgeError::BridgedElsewhere { .. }
         | BridgeError::NotABridge(_)
         | BridgeError::NotATap(_)
@@ -127,7 +146,7 @@ impl wit::Host for BridgeCtx {
             Ok(grant) => grant.clone(),
             Err(e) => return Ok(Err(self.denials.refuse("network-bridge", e))),
         };
-        let all = self.network.devices().await.map_err(to_broker_error);
+        let all = async { self.network()?.devices().await }.await.map_err(to_broker_error);
         Ok(all.map(|devices| devices.into_iter().filter(|d| grant.covers(&d.name)).map(to_wit).collect()))
     }
 
@@ -144,7 +163,7 @@ impl wit::Host for BridgeCtx {
         }
         for c in changes {
             let change = DeviceToBridge { device: c.device, bridge: c.bridge, mac: c.mac };
-            if let Err(e) = self.network.bridge(&change).await {
+            if let Err(e) = async { self.network()?.bridge(&change).await }.await {
                 return answered(Err(e));
             }
         }
@@ -155,7 +174,7 @@ impl wit::Host for BridgeCtx {
         if let Err(e) = self.grant().and_then(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        answered(self.network.unbridge(&device, &bridge).await)
+        answered(async { self.network()?.unbridge(&device, &bridge).await }.await)
     }
 
     async fn create_veth(&mut self, name: String, peer: String, bridge: String) -> WitResult<()> {
@@ -164,7 +183,7 @@ impl wit::Host for BridgeCtx {
         if let Err(e) = checked {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        answered(self.network.create_veth(&name, &peer, &bridge).await)
+        answered(async { self.network()?.create_veth(&name, &peer, &bridge).await }.await)
     }
 
     async fn create_tap(&mut self, name: String, bridge: String, mac: String) -> WitResult<()> {
@@ -172,14 +191,14 @@ impl wit::Host for BridgeCtx {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
         let owner = self.tap_owner;
-        answered(self.network.create_tap(&name, &bridge, &mac, owner).await)
+        answered(async { self.network()?.create_tap(&name, &bridge, &mac, owner).await }.await)
     }
 
     async fn attach(&mut self, device: String, bridge: String) -> WitResult<()> {
         if let Err(e) = self.grant().and_then(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
-        answered(self.network.attach(&device, &bridge).await)
+        answered(async { self.network()?.attach(&device, &bridge).await }.await)
     }
 
     async fn delete_link(&mut self, name: String) -> WitResult<()> {
@@ -187,10 +206,10 @@ impl wit::Host for BridgeCtx {
             return Ok(Err(self.denials.refuse("network-bridge", e)));
         }
         let owner = self.tap_owner;
-        let deleted = match self.network.device(&name).await {
+        let deleted = match async { self.network()?.device(&name).await }.await {
             Err(e) => Err(e),
             Ok(Some(device)) if device.kind == "veth" || device.kind == "tun" => {
-                self.network.delete_owned(&name, owner).await
+                async { self.network()?.delete_owned(&name, owner).await }.await
             }
             Ok(Some(_)) => {
                 Err(BridgeError::NotABridge(format!("{name} is not a veth or tap; nothing else is deleted")))
@@ -208,11 +227,83 @@ pub fn add_to_linker<T: Send + 'static>(
     wit::add_to_linker::<T, HasSelf<BridgeCtx>>(linker, getter)
 }
 
+/// `[grants.bridge]`: present (even empty) or not.
+impl GrantValue for Option<BridgeGrant> {
+    fn granted(&self) -> bool {
+        self.is_some()
+    }
+
+    fn widening(&self, approved: &Self, _key: &str) -> Option<String> {
+        let new_item = |now: &[String], before: &[String], what: &str| {
+            now.iter().find(|i| !before.contains(i)).map(|i| format!("{what} {i:?}"))
+        };
+        match (self, approved) {
+            (None, _) => None,
+            (Some(_), None) => Some("[grants.bridge]".into()),
+            (Some(now), Some(before)) => new_item(&now.devices, &before.devices, "bridge device")
+                .or_else(|| new_item(&now.bridges, &before.bridges, "bridge")),
+        }
+    }
+
+    fn shown(&self) -> String {
+        shown_list(self.as_ref().map(|g| g.devices.clone()).unwrap_or_default())
+    }
+}
+
+fn shown_list(items: Vec<String>) -> String {
+    if items.is_empty() { "denied".to_owned() } else { items.join(", ") }
+}
+
+/// How the API reports the grant (as before rooms): two lists.
+const VIEW_DEVICES: &str = "bridge-devices";
+const VIEW_BRIDGES: &str = "bridge-bridges";
+
+/// The room: `[grants.bridge]`, the devices and bridges a provider may act on
+/// through the host's bridger. Linked for every provider (an ungranted call
+/// answers `access-denied`); taps it makes belong to the provider's sandbox user.
+pub struct NetworkBridge;
+
+impl Room for NetworkBridge {
+    const INTERFACE: &'static str = INTERFACE;
+    const GRANT: &'static str = "bridge";
+    const LINKING: Linking = Linking::Always;
+    type Grant = Option<BridgeGrant>;
+    type Backend = dyn NetworkBackend;
+    type Ctx = BridgeCtx;
+
+    fn host_backend() -> Option<Arc<dyn NetworkBackend>> {
+        Some(Arc::new(HostNetwork))
+    }
+
+    fn ctx(grant: &Option<BridgeGrant>, network: Option<Arc<dyn NetworkBackend>>, store: &StoreSetup<'_>) -> BridgeCtx {
+        BridgeCtx::new(grant.clone(), network, store.sandbox_user, store.denials.clone())
+    }
+
+    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state| state.rooms.of::<NetworkBridge>())
+    }
+
+    fn view(grant: &Option<BridgeGrant>) -> Map<String, Value> {
+        let (devices, bridges) = grant.as_ref().map(|g| (g.devices.clone(), g.bridges.clone())).unwrap_or_default();
+        Map::from_iter([
+            (VIEW_DEVICES.to_owned(), Value::from(devices)),
+            (VIEW_BRIDGES.to_owned(), Value::from(bridges)),
+        ])
+    }
+
+    fn shown_view(view: &Map<String, Value>) -> Vec<(String, String)> {
+        let list = |key: &str| view.get(key).and_then(|v| Vec::<String>::deserialize(v).ok());
+        [("bridge devices", VIEW_DEVICES), ("bridge bridges", VIEW_BRIDGES)]
+            .into_iter()
+            .filter_map(|(label, key)| list(key).map(|items| (label.to_owned(), shown_list(items))))
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::bindings::broker::provider::network_bridge::Host;
-    use crate::network::backend::HostNetwork;
 
     #[test]
     fn grants_match_names_and_prefixes() {
@@ -225,14 +316,51 @@ mod tests {
         assert!(grant.bridge("virbr0").is_err());
     }
 
+    /// The room: granted in a sandbox that gives no network, every call is
+    /// refused (never the host's kernel); the grant is reported as the API
+    /// always did (two lists) and shown as two lines; widening names what is new.
+    #[tokio::test]
+    async fn the_room_refuses_without_a_network_and_reports_two_lists() {
+        let provider: Arc<str> = "p".into();
+        let (denials, denied) = Denials::collecting();
+        let store = StoreSetup {
+            provider: &provider,
+            data_dir: std::path::Path::new("/nonexistent"),
+            denials: &denials,
+            acts_outside_the_store: true,
+            sandbox_user: None,
+        };
+        let grant = Some(BridgeGrant { devices: vec!["eth0".into()], bridges: vec!["br-*".into()] });
+        let mut sealed = NetworkBridge::ctx(&grant, None, &store);
+        let refused = sealed.devices().await.unwrap();
+        assert!(matches!(refused, Err(BrokerError::AccessDenied(m)) if m.contains("no backend")));
+        let change = wit::DeviceToBridge { device: "eth0".into(), bridge: "br-eth0".into(), mac: String::new() };
+        assert!(matches!(sealed.bridge(vec![change]).await.unwrap(), Err(BrokerError::AccessDenied(_))));
+        assert_eq!(denied.lock().unwrap().len(), 2, "both refusals noted");
+
+        let view = NetworkBridge::view(&grant);
+        assert_eq!(
+            (&view["bridge-devices"], &view["bridge-bridges"]),
+            (&serde_json::json!(["eth0"]), &serde_json::json!(["br-*"]))
+        );
+        let shown = NetworkBridge::shown_view(&view);
+        assert_eq!(shown, [("bridge devices".into(), "eth0".into()), ("bridge bridges".into(), "br-*".into())]);
+        let none = NetworkBridge::shown_view(&NetworkBridge::view(&None));
+        assert_eq!(none, [("bridge devices".into(), "denied".into()), ("bridge bridges".into(), "denied".into())]);
+        assert_eq!(NetworkBridge::widening(&grant, &None).as_deref(), Some("[grants.bridge]"));
+        let wider = Some(BridgeGrant { devices: vec!["eth0".into(), "eth1".into()], bridges: vec!["br-*".into()] });
+        assert_eq!(NetworkBridge::widening(&wider, &grant).as_deref(), Some("bridge device \"eth1\""));
+        assert_eq!(NetworkBridge::widening(&grant, &wider), None);
+    }
+
     #[tokio::test]
     async fn without_the_grant_everything_is_access_denied_before_netlink() {
-        let mut ctx = BridgeCtx::new(None, Arc::new(HostNetwork), None, Denials::default());
+        let mut ctx = BridgeCtx::new(None, Some(Arc::new(HostNetwork)), None, Denials::default());
         let denied = ctx.devices().await.unwrap();
         assert!(matches!(denied, Err(BrokerError::AccessDenied(m)) if m.contains("[grants.bridge]")));
         let mut partial = BridgeCtx::new(
             Some(BridgeGrant { devices: vec!["eth0".into()], bridges: vec![] }),
-            Arc::new(HostNetwork),
+            Some(Arc::new(HostNetwork)),
             None,
             Denials::default(),
         );
