@@ -200,30 +200,11 @@ impl Deadlines {
 }
 
 /// Host interfaces a provider may import. Nothing is granted by default.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+/// Each capability's grant is parsed, compared and shown by its room
+/// ([`crate::runtime::rooms`]); `[grants]` is the rooms' keys and nothing else.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Grants {
-    /// Programs the provider may run (names on the host's PATH, or absolute paths).
-    #[serde(default)]
-    pub process: Vec<String>,
-    /// Host paths (read by granted programs, e.g. base images) that arguments may
-    /// name; bound read-only into the programs' sandbox.
-    #[serde(default)]
-    pub paths: Vec<PathBuf>,
-    /// Host paths bound read-write into the programs' sandbox.
-    #[serde(default)]
-    pub paths_rw: Vec<PathBuf>,
-    /// Device nodes the programs may open (`/dev/kvm`, `/dev/net/tun`); the
-    /// provider's sandbox user is given read and write on them.
-    #[serde(default)]
-    pub devices: Vec<PathBuf>,
-    /// Environment names the programs may be given besides the base allow-list
-    /// (never `LD_*` or the like: refused at load).
-    #[serde(default)]
-    pub env: Vec<String>,
-    /// The grants of capabilities in rooms of their own (`local-sockets`),
-    /// each parsed by its room ([`crate::runtime::rooms`]).
-    #[serde(skip)]
+    /// The rooms' grants, by room.
     pub rooms: crate::runtime::rooms::RoomGrants,
 }
 
@@ -231,18 +212,7 @@ impl Grants {
     /// The first grant this one has that `approved` does not, if any: what an
     /// operator must approve before it applies.
     pub fn widening(&self, approved: &Grants) -> Option<String> {
-        let new_item = |now: &[String], before: &[String], what: &str| {
-            now.iter().find(|item| !before.contains(item)).map(|item| format!("{what} {item:?}"))
-        };
-        let paths = |now: &[PathBuf], before: &[PathBuf], what: &str| {
-            now.iter().find(|p| !before.iter().any(|b| p.starts_with(b))).map(|p| format!("{what} {}", p.display()))
-        };
-        new_item(&self.process, &approved.process, "process")
-            .or_else(|| paths(&self.paths, &[approved.paths.clone(), approved.paths_rw.clone()].concat(), "paths"))
-            .or_else(|| paths(&self.paths_rw, &approved.paths_rw, "paths-rw"))
-            .or_else(|| paths(&self.devices, &approved.devices, "devices"))
-            .or_else(|| new_item(&self.env, &approved.env, "env"))
-            .or_else(|| self.rooms.widening(&approved.rooms))
+        self.rooms.widening(&approved.rooms)
     }
 }
 
@@ -541,7 +511,8 @@ mod tests {
         let granted = with("kv = true\nlocal-sockets = true\nenv = [\"TZ\"]\nlog = true\n").unwrap().grants;
         assert!(granted.rooms.of::<LocalSocket>());
         assert!(
-            granted.env == ["TZ"] && granted.rooms.of::<crate::capabilities::log::Log>(),
+            granted.rooms.of::<crate::capabilities::process::Process>().env == ["TZ"]
+                && granted.rooms.of::<crate::capabilities::log::Log>(),
             "keys after a room's are read"
         );
         assert_eq!(granted, with("log = true\nenv = [\"TZ\"]\nkv = true\nlocal-sockets = true\n").unwrap().grants);
@@ -561,6 +532,31 @@ mod tests {
         let err = with("kv = true\nlocal-sockets = true\nsockets = true\n").unwrap_err().to_string();
         assert!(err.contains("line 6") && err.contains("unknown field `sockets`"), "{err}");
         assert!(err.contains("`local-sockets`"), "the rooms' keys are among those expected: {err}");
+    }
+
+    /// A grant spread over several keys (process: `process`, `paths`,
+    /// `paths-rw`, `devices`, `env`) is read from all of them, in any order and
+    /// between other rooms' keys; a bad value is refused at its own line.
+    #[test]
+    fn a_grant_spread_over_several_keys_is_read_from_all_of_them() {
+        use crate::capabilities::process::{Process, ProcessGrant};
+        let with = |grants: &str| parse(&format!("name = \"x\"\ncomponent = \"x\"\n[grants]\n{grants}"));
+        let grants = with(
+            "devices = [\"/dev/kvm\"]\nkv = true\nprocess = [\"qemu-img\"]\nenv = [\"TZ\"]\npaths-rw = [\"/srv\"]\n",
+        )
+        .unwrap()
+        .grants;
+        let expected = ProcessGrant {
+            process: vec!["qemu-img".into()],
+            paths: vec![],
+            paths_rw: vec!["/srv".into()],
+            devices: vec!["/dev/kvm".into()],
+            env: vec!["TZ".into()],
+        };
+        assert_eq!(grants.rooms.of::<Process>(), expected);
+        assert!(grants.rooms.of::<crate::capabilities::kv::Kv>());
+        let err = with("process = [\"qemu-img\"]\nkv = true\ndevices = \"/dev/kvm\"\n").unwrap_err().to_string();
+        assert!(err.contains("line 6") && err.contains("sequence"), "{err}");
     }
 
     #[test]

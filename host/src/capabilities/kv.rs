@@ -368,6 +368,7 @@ impl Room for Kv {
     type Grant = bool;
     type Backend = dyn KvBackend;
     type Ctx = KvCtx;
+    type Prepared = ();
 
     fn host_backend() -> Option<Arc<dyn KvBackend>> {
         None

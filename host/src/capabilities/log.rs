@@ -69,6 +69,7 @@ impl Room for Log {
     type Grant = bool;
     type Backend = ();
     type Ctx = LogCtx;
+    type Prepared = ();
 
     fn host_backend() -> Option<Arc<()>> {
         Some(Arc::new(()))

@@ -68,15 +68,11 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
     for (method, deadline) in &v.deadlines {
         writeln!(out, "  {method:<18} {deadline}")?;
     }
-    let list =
-        |items: &[String]| if items.is_empty() { "denied".to_owned() } else { esc(&items.join(", ")).into_owned() };
     writeln!(out, "grants:")?;
     // A daemon newer than this CLI may report a room it does not know: shown as JSON.
     for (label, shown) in crate::runtime::rooms::shown(&v.grants.rooms) {
         writeln!(out, "  {:<18} {}", esc(&label), esc(&shown))?;
     }
-    writeln!(out, "  {:<18} {}", "process", list(&v.grants.process))?;
-    writeln!(out, "  {:<18} {}", "paths", list(&v.grants.paths))?;
     writeln!(out, "config:     {}", esc(&v.config.to_string()))?;
     match &v.breaker {
         Some(b) if b.half_open => {
@@ -279,6 +275,40 @@ mod tests {
         let denied = Manifest::parse(std::path::Path::new("/p/provider.toml"), "name = \"x\"\ncomponent = \"x\"\n");
         let shown = printed(|out| provider_details(out, &ProviderView::new(&record, &denied.unwrap())));
         assert!(shown.lines().any(|l| l.split_whitespace().eq(["local-sockets", "denied"])), "{shown}");
+    }
+
+    /// Every grant the API reports has a line: the same lines as before rooms
+    /// (process and paths, the two bridge lists, http), and a value of a
+    /// shape this CLI cannot read (a newer daemon's) as its JSON, never left out.
+    #[test]
+    fn every_reported_grant_is_shown() {
+        let text = "name = \"x\"\ncomponent = \"x\"\n[grants]\nprocess = [\"qemu-img\"]\npaths = [\"/srv/images\"]\n\
+                    [grants.http]\nlxd = \"unix:/run/lxd.sock\"\n[grants.bridge]\ndevices = [\"eth0\"]\n";
+        let manifest = Manifest::parse(std::path::Path::new("/p/provider.toml"), text).unwrap();
+        let record: ProviderRecord = serde_json::from_value(serde_json::json!({
+            "name": "x", "manifest": "/p/provider.toml", "component-sha256": "0".repeat(64), "version": "1", "added": "",
+        }))
+        .unwrap();
+        let view = ProviderView::new(&record, &manifest);
+        let json = serde_json::to_value(&view).unwrap();
+        let keys: Vec<&str> = json["grants"].as_object().unwrap().keys().map(String::as_str).collect();
+        let expected = ["bridge-bridges", "bridge-devices", "http", "kv", "local-sockets", "log", "machine-lock"];
+        assert_eq!(keys, [&expected[..], &["paths", "process"]].concat(), "the API's keys, as before rooms");
+        let shown = printed(|out| provider_details(out, &view));
+        for line in [
+            &["kv", "denied"][..],
+            &["process", "qemu-img"],
+            &["paths", "/srv/images"],
+            &["http", "lxd", "->", "unix:/run/lxd.sock"],
+            &["bridge", "devices", "eth0"],
+            &["bridge", "bridges", "denied"],
+        ] {
+            assert!(shown.lines().any(|l| l.split_whitespace().eq(line.iter().copied())), "{line:?}: {shown}");
+        }
+        let mut newer = view.clone();
+        newer.grants.rooms.insert("http".into(), serde_json::json!({"lxd": {"via": "tls"}}));
+        let shown = printed(|out| provider_details(out, &newer));
+        assert!(shown.contains(r#"http               {"lxd":{"via":"tls"}}"#), "{shown}");
     }
 
     #[test]

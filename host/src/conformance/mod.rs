@@ -34,7 +34,9 @@ use crate::capabilities::kv::{Kv, MemoryKv};
 use crate::capabilities::local_socket::{HostSockets, LocalSocket};
 use crate::capabilities::machine_lock::MachineLockRoom;
 use crate::capabilities::network_bridge::NetworkBridge;
-use crate::capabilities::process::{HostProcesses, LiveChildren, MemoryChildRecords, Recorded, RecordedSockets};
+use crate::capabilities::process::{
+    HostProcesses, LiveChildren, MemoryChildRecords, Process, Recorded, RecordedSockets,
+};
 use crate::contract::constraints;
 use crate::contract::{empty_params, params_with};
 use crate::machine_lock::MachineLock;
@@ -183,11 +185,11 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
             let caps = HostCapabilities {
                 data_dirs,
                 sandbox,
-                processes: scripted.processes.clone(),
                 backends: Backends::sealed()
                     .with::<Kv>(kv)
                     .with::<MachineLockRoom>(Arc::new(lock))
                     .with::<LocalSocket>(scripted.processes.clone())
+                    .with::<Process>(scripted.processes.clone())
                     .with::<HttpEgress>(scripted.http.clone())
                     .with::<NetworkBridge>(scripted.network.clone()),
                 denials,
@@ -201,11 +203,11 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
             let caps = HostCapabilities {
                 data_dirs,
                 sandbox,
-                processes: Arc::new(Recorded::new(host_processes, recording.processes.clone())),
                 backends: Backends::sealed()
                     .with::<Kv>(kv)
                     .with::<MachineLockRoom>(Arc::new(lock))
                     .with::<LocalSocket>(Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone())))
+                    .with::<Process>(Arc::new(Recorded::new(host_processes, recording.processes.clone())))
                     .with::<HttpEgress>(Arc::new(RecordedEgress::new(Arc::new(HostEgress), recording.http.clone())))
                     .with::<NetworkBridge>(Arc::new(HostNetwork)),
                 denials,

@@ -11,9 +11,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct GrantsView {
-    pub process: Vec<String>,
-    pub paths: Vec<String>,
-    /// The grants of capabilities in rooms of their own, by key (`local-sockets`).
+    /// Each room's report of its grant, by key (`kv`, `process`, `local-sockets`, …).
     #[serde(flatten)]
     pub rooms: std::collections::BTreeMap<String, serde_json::Value>,
 }
@@ -69,11 +67,7 @@ impl ProviderView {
                 .iter()
                 .map(|m| (m.name().to_owned(), humantime::format_duration(limits.deadlines.for_method(*m)).to_string()))
                 .collect(),
-            grants: GrantsView {
-                process: grants.process.clone(),
-                paths: grants.paths.iter().map(|p| p.display().to_string()).collect(),
-                rooms: grants.rooms.view(),
-            },
+            grants: GrantsView { rooms: grants.rooms.view() },
             config: serde_json::from_str(&manifest.config_json).unwrap_or(serde_json::Value::Null),
             breaker: None,
         }

@@ -31,7 +31,7 @@ pub enum RuntimeError {
     Engine(#[source] BoxError),
     #[error("cannot configure the wasm engine: cache: {0}")]
     Cache(#[source] BoxError),
-    #[error("cannot compile component {path}: {source}")]
+    #[error("cannot compile component {path}: {}", crate::error_text::error_text(&**source))]
     Compile {
         path: String,
         #[source]

@@ -12,11 +12,11 @@
 //! fields and their context among [`HostState`]'s ([`Fields`]) and move one
 //! by one.
 
-use super::HostState;
+use super::{BoxError, HostState};
 use crate::capabilities::denials::Denials;
 use crate::capabilities::{context, http_egress, kv, local_socket, log, machine_lock, network_bridge, process};
 use crate::manifest::Grants;
-use serde::de::{DeserializeSeed, IntoDeserializer, MapAccess, Visitor};
+use serde::de::{DeserializeSeed, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
 use std::any::{Any, TypeId};
@@ -58,6 +58,31 @@ pub trait Capability: Send + Sync {
     }
 }
 
+/// What the host knows of a provider version it is loading, for a room to prepare.
+pub struct LoadSetup<'a> {
+    pub provider: &'a str,
+    /// The provider's data dir on the host (`/data` to the guest).
+    pub data_dir: &'a Path,
+    /// All its grants (a room may depend on another's: confined programs
+    /// share the host's network when bridging is granted).
+    pub grants: &'a Grants,
+    /// How granted programs are confined.
+    pub sandbox: &'a crate::sandbox::Sandbox,
+    /// What the rooms' calls will reach.
+    pub backends: &'a Backends,
+}
+
+/// What the rooms made ready when a provider version loaded, by room.
+#[derive(Clone, Default)]
+pub struct PreparedParts(BTreeMap<TypeId, Arc<dyn Any + Send + Sync>>);
+
+impl PreparedParts {
+    /// What `R` prepared (its default when it prepared nothing).
+    pub fn of<R: Room>(&self) -> R::Prepared {
+        self.0.get(&TypeId::of::<R>()).and_then(|p| p.downcast_ref::<R::Prepared>()).cloned().unwrap_or_default()
+    }
+}
+
 /// What the host knows of a store it is making, for a room's part of it.
 pub struct StoreSetup<'a> {
     pub provider: &'a Arc<str>,
@@ -70,6 +95,8 @@ pub struct StoreSetup<'a> {
     pub acts_outside_the_store: bool,
     /// The user its programs run as when confined (`None`: the host's own).
     pub sandbox_user: Option<u32>,
+    /// What each room made ready when the version loaded.
+    pub prepared: &'a PreparedParts,
 }
 
 /// A capability in a room of its own: everything of it is in its folder.
@@ -77,6 +104,10 @@ pub trait Room: Send + Sync + Sized + 'static {
     const INTERFACE: &'static str;
     /// Its key under `[grants]`.
     const GRANT: &'static str;
+    /// Further keys its grant spreads over (then the grant is read from the
+    /// table of all its keys; `process` and the paths, devices and
+    /// environment its programs get).
+    const MORE_KEYS: &'static [&'static str] = &[];
     const LINKING: Linking;
     /// Whether its backend reaches outside the host process (programs,
     /// sockets, the network): then a sealed sandbox must inject one, and
@@ -89,11 +120,19 @@ pub trait Room: Send + Sync + Sized + 'static {
     /// Its part of a store; the default (for a store made without it)
     /// refuses every call and reaches nothing.
     type Ctx: Default + Send + 'static;
+    /// What it makes of its grant once, when a provider version loads
+    /// ([`Room::prepare`]); each store's part finds it in [`StoreSetup::prepared`].
+    type Prepared: Clone + Default + Send + Sync + 'static;
 
     /// What its calls reach on the host when nothing is injected; `None`
     /// for a backend only the host can give (the machine lock is one per
     /// host): then a store without one injected refuses.
     fn host_backend() -> Option<Arc<Self::Backend>>;
+    /// Make ready what a grant needs before any store is made (programs
+    /// looked up, their confinement set up); an error refuses the load.
+    fn prepare(_grant: &Self::Grant, _load: &LoadSetup<'_>) -> Result<Self::Prepared, BoxError> {
+        Ok(Self::Prepared::default())
+    }
     fn granted(grant: &Self::Grant) -> bool {
         grant.granted()
     }
@@ -116,11 +155,11 @@ pub trait Room: Send + Sync + Sized + 'static {
     fn view(grant: &Self::Grant) -> Map<String, Value> {
         Map::from_iter([(Self::GRANT.to_owned(), serde_json::to_value(grant).unwrap_or(Value::Null))])
     }
-    /// The lines `provider show` prints (label, text) for the API's report
-    /// of the grants; none when the report has none of this room's keys.
-    fn shown_view(view: &Map<String, Value>) -> Vec<(String, String)> {
+    /// The lines `provider show` prints for the API's report of the grants:
+    /// one for each of its keys the report has and this host can read.
+    fn shown_view(view: &Map<String, Value>) -> Vec<GrantLine> {
         let grant = view.get(Self::GRANT).and_then(|v| Self::Grant::deserialize(v).ok());
-        grant.map(|grant| vec![(Self::GRANT.to_owned(), Self::shown(&grant))]).unwrap_or_default()
+        grant.map(|grant| vec![GrantLine::new(Self::GRANT, Self::GRANT, Self::shown(&grant))]).unwrap_or_default()
     }
     /// Its part of a store. With no backend (not granted, or a sandbox that
     /// gives it none) it must refuse every call, saying so, and note each
@@ -131,6 +170,20 @@ pub trait Room: Send + Sync + Sized + 'static {
     fn begin_call(_ctx: &mut Self::Ctx, _abort: &Arc<AtomicBool>) {}
     /// The call ended: release what it left behind (its handles in `table`).
     fn end_call(_ctx: &mut Self::Ctx, _table: &mut ResourceTable) {}
+}
+
+/// One line of `provider show`'s grants: what it says of the reported `key`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrantLine {
+    pub key: &'static str,
+    pub label: &'static str,
+    pub text: String,
+}
+
+impl GrantLine {
+    pub fn new(key: &'static str, label: &'static str, text: String) -> Self {
+        GrantLine { key, label, text }
+    }
 }
 
 /// What a room's grant says of itself; a room's defaults read it.
@@ -179,7 +232,10 @@ impl<T: Any + fmt::Debug + Send + Sync> AnyGrant for T {
 /// A room's grant hooks, its types erased.
 pub trait Section: Send + Sync {
     fn key(&self) -> &'static str;
-    fn parse(&self, value: toml::Value) -> Result<Arc<dyn AnyGrant>, String>;
+    /// Every key its grant spreads over under `[grants]` (its own first).
+    fn keys(&self) -> Vec<&'static str>;
+    /// Its grant from the table of its keys that a manifest gives.
+    fn parse(&self, keys: toml::Table) -> Result<Arc<dyn AnyGrant>, String>;
     /// `None` stands for the default grant (nothing).
     fn same(&self, a: Option<&dyn AnyGrant>, b: Option<&dyn AnyGrant>) -> bool;
     fn widening(&self, now: Option<&dyn AnyGrant>, approved: Option<&dyn AnyGrant>) -> Option<String>;
@@ -187,8 +243,13 @@ pub trait Section: Send + Sync {
     /// As the API reports it, by key.
     fn view(&self, grant: Option<&dyn AnyGrant>) -> Map<String, Value>;
     /// The lines `provider show` prints for the API's report (none: no key of this room's).
-    fn shown(&self, view: &Map<String, Value>) -> Vec<(String, String)>;
+    fn shown(&self, view: &Map<String, Value>) -> Vec<GrantLine>;
     fn part(&self, grant: Option<&dyn AnyGrant>, backends: &Backends, store: &StoreSetup<'_>) -> Part;
+    fn prepare(
+        &self,
+        grant: Option<&dyn AnyGrant>,
+        load: &LoadSetup<'_>,
+    ) -> Result<(TypeId, Arc<dyn Any + Send + Sync>), BoxError>;
 }
 
 impl<R: Room> Own<R> {
@@ -222,7 +283,15 @@ impl<R: Room> Section for Own<R> {
     fn key(&self) -> &'static str {
         R::GRANT
     }
-    fn parse(&self, value: toml::Value) -> Result<Arc<dyn AnyGrant>, String> {
+    fn keys(&self) -> Vec<&'static str> {
+        std::iter::once(R::GRANT).chain(R::MORE_KEYS.iter().copied()).collect()
+    }
+    fn parse(&self, mut keys: toml::Table) -> Result<Arc<dyn AnyGrant>, String> {
+        // A grant under one key is that key's value; one spread over several is their table.
+        let value = match R::MORE_KEYS.is_empty() {
+            true => keys.remove(R::GRANT).unwrap_or_else(|| toml::Value::Table(toml::Table::new())),
+            false => toml::Value::Table(keys),
+        };
         R::Grant::deserialize(value).map(|g| Arc::new(g) as Arc<dyn AnyGrant>).map_err(|e| e.message().to_owned())
     }
     fn same(&self, a: Option<&dyn AnyGrant>, b: Option<&dyn AnyGrant>) -> bool {
@@ -237,7 +306,7 @@ impl<R: Room> Section for Own<R> {
     fn view(&self, grant: Option<&dyn AnyGrant>) -> Map<String, Value> {
         R::view(&Self::grant(grant))
     }
-    fn shown(&self, view: &Map<String, Value>) -> Vec<(String, String)> {
+    fn shown(&self, view: &Map<String, Value>) -> Vec<GrantLine> {
         R::shown_view(view)
     }
     fn part(&self, grant: Option<&dyn AnyGrant>, backends: &Backends, store: &StoreSetup<'_>) -> Part {
@@ -247,30 +316,35 @@ impl<R: Room> Section for Own<R> {
         let backend = backends.of::<R>().filter(|_| R::granted(&grant));
         Part::new::<R>(R::ctx(&grant, backend, store))
     }
+    fn prepare(
+        &self,
+        grant: Option<&dyn AnyGrant>,
+        load: &LoadSetup<'_>,
+    ) -> Result<(TypeId, Arc<dyn Any + Send + Sync>), BoxError> {
+        let prepared = R::prepare(&Self::grant(grant), load)?;
+        Ok((TypeId::of::<R>(), Arc::new(prepared)))
+    }
 }
 
-/// A capability whose grant is still among [`Grants`]' fields and whose
-/// context is among [`HostState`]'s.
-pub struct Fields {
+/// A capability with no grant of its own, linked for every provider (the
+/// call context: what the host lends a call, nothing the provider reaches).
+pub struct NoGrant {
     pub interface: &'static str,
-    pub grant: &'static str,
-    pub granted: fn(&Grants) -> bool,
-    pub linking: Linking,
     pub add_to_linker: fn(&mut Linker<HostState>) -> wasmtime::Result<()>,
 }
 
-impl Capability for Fields {
+impl Capability for NoGrant {
     fn interface(&self) -> &'static str {
         self.interface
     }
     fn grant(&self) -> &'static str {
-        self.grant
+        ""
     }
     fn linking(&self) -> Linking {
-        self.linking
+        Linking::Always
     }
-    fn granted(&self, grants: &Grants) -> bool {
-        (self.granted)(grants)
+    fn granted(&self, _: &Grants) -> bool {
+        true
     }
     fn add_to_linker(&self, linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         (self.add_to_linker)(linker)
@@ -280,26 +354,18 @@ impl Capability for Fields {
 /// Every capability this host provides, besides WASI and `wasi:http` (linked
 /// for all, nothing ambient in them) and `types` (no functions).
 pub static ROOMS: &[&dyn Capability] = &[
-    &Fields {
+    &NoGrant {
         interface: context::INTERFACE,
-        grant: "",
-        granted: |_| true,
-        linking: Linking::Always,
         add_to_linker: |linker| context::add_to_linker(linker, HostState::context_view),
     },
+    // In this order a widening is named and `provider show` lists the grants.
     &Own::<kv::Kv>::ROOM,
-    &Fields {
-        interface: process::INTERFACE,
-        grant: "process",
-        granted: |grants| !grants.process.is_empty(),
-        linking: Linking::Always,
-        add_to_linker: |linker| process::add_to_linker(linker, HostState::process_view),
-    },
-    &Own::<network_bridge::NetworkBridge>::ROOM,
+    &Own::<process::Process>::ROOM,
     &Own::<local_socket::LocalSocket>::ROOM,
     &Own::<log::Log>::ROOM,
     &Own::<machine_lock::MachineLockRoom>::ROOM,
     &Own::<http_egress::HttpEgress>::ROOM,
+    &Own::<network_bridge::NetworkBridge>::ROOM,
 ];
 
 /// The registered capability serving `interface`.
@@ -310,10 +376,6 @@ pub fn room(interface: &str) -> Option<&'static dyn Capability> {
 /// The rooms whose grants are their own, in registration order.
 pub fn sections() -> impl Iterator<Item = &'static dyn Section> {
     ROOMS.iter().filter_map(|room| room.section())
-}
-
-fn section(key: &str) -> Option<&'static dyn Section> {
-    sections().find(|section| section.key() == key)
 }
 
 /// The rooms' own grants of one manifest, by key; a room absent here grants nothing.
@@ -341,6 +403,17 @@ impl RoomGrants {
         sections().find_map(|s| s.widening(self.get(s.key()), approved.get(s.key())))
     }
 
+    /// What each room makes ready for a provider version that loads; the
+    /// first refusal, with the room's key.
+    pub fn prepare(&self, load: &LoadSetup<'_>) -> Result<PreparedParts, (&'static str, BoxError)> {
+        let mut prepared = PreparedParts::default();
+        for section in sections() {
+            let (room, part) = section.prepare(self.get(section.key()), load).map_err(|e| (section.key(), e))?;
+            prepared.0.insert(room, part);
+        }
+        Ok(prepared)
+    }
+
     /// Whether any lets the provider act outside the store.
     pub fn act_outside_the_store(&self) -> bool {
         sections().any(|s| s.acts_outside_the_store(self.get(s.key())))
@@ -352,15 +425,17 @@ impl RoomGrants {
     }
 }
 
-/// The API's report of the grants as `provider show` prints it: each room's
-/// lines (label, text) in registration order, then any key no room of this
-/// host reports (a newer daemon's), as its JSON.
+/// The API's report of the grants as `provider show` prints it (label,
+/// text): each room's lines in registration order, then, as its JSON, any key
+/// no room of this host could read (a newer daemon's room, or a shape this
+/// host does not know): a grant is never left out.
 pub fn shown(view: &BTreeMap<String, Value>) -> Vec<(String, String)> {
     let view: Map<String, Value> = view.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    let mut lines: Vec<(String, String)> = sections().flat_map(|s| s.shown(&view)).collect();
-    let known: Vec<String> = sections().flat_map(|s| s.view(None).into_iter().map(|(key, _)| key)).collect();
-    lines.extend(view.iter().filter(|(key, _)| !known.contains(key)).map(|(key, v)| (key.clone(), v.to_string())));
-    lines
+    let lines: Vec<GrantLine> = sections().flat_map(|s| s.shown(&view)).collect();
+    let read = |key: &String| lines.iter().any(|line| line.key == key);
+    let unread: Vec<(String, String)> =
+        view.iter().filter(|(key, _)| !read(key)).map(|(key, v)| (key.clone(), v.to_string())).collect();
+    lines.into_iter().map(|line| (line.label.to_owned(), line.text)).chain(unread).collect()
 }
 
 impl PartialEq for RoomGrants {
@@ -378,9 +453,8 @@ impl fmt::Debug for RoomGrants {
     }
 }
 
-/// Parse `[grants]`: each room's key by its room, the rest as [`Grants`]'
-/// fields (unknown keys refused). Errors keep the line of the key or value
-/// they are about.
+/// Parse `[grants]`: each key by the room it belongs to (unknown keys
+/// refused). Errors keep the line of the key or value they are about.
 pub fn deserialize_grants<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Grants, D::Error> {
     struct Table;
     impl<'de> Visitor<'de> for Table {
@@ -388,78 +462,50 @@ pub fn deserialize_grants<'de, D: Deserializer<'de>>(deserializer: D) -> Result<
         fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             f.write_str("a table of grants")
         }
-        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Grants, A::Error> {
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Grants, A::Error> {
+            // Each room's keys as met (a room's grant may spread over several).
+            let mut tables: BTreeMap<&'static str, (&'static dyn Section, toml::Table)> = BTreeMap::new();
+            while let Some((room, key)) = map.next_key_seed(KeySeed)? {
+                // TOML refuses a key given twice before this sees it.
+                let value = map.next_value_seed(ValueSeed(room, key))?;
+                tables.entry(room.key()).or_insert_with(|| (room, toml::Table::new())).1.insert(key.to_owned(), value);
+            }
             let mut rooms = RoomGrants::default();
-            let fields = serde::de::value::MapAccessDeserializer::new(FieldsOnly { map, rooms: &mut rooms });
-            let mut grants = Grants::deserialize(fields)?;
-            grants.rooms = rooms;
-            Ok(grants)
+            for (key, (room, table)) in tables {
+                let grant = room.parse(table).map_err(serde::de::Error::custom)?;
+                rooms.0.insert(key, grant);
+            }
+            Ok(Grants { rooms })
         }
     }
     deserializer.deserialize_map(Table)
 }
 
-/// The `[grants]` table with the rooms' keys taken out as they are met.
-struct FieldsOnly<'r, A> {
-    map: A,
-    rooms: &'r mut RoomGrants,
-}
+/// A key under `[grants]`, with the room it belongs to.
+struct KeySeed;
 
-/// A key: a room's, or one of [`Grants`]' fields (as its own seed decodes it).
-enum Key<T> {
-    Room(&'static dyn Section),
-    Field(T),
-}
-
-struct KeySeed<'s, S> {
-    field: &'s mut Option<S>,
-}
-
-impl<'de, S: DeserializeSeed<'de>> DeserializeSeed<'de> for KeySeed<'_, S> {
-    type Value = Key<S::Value>;
+impl<'de> DeserializeSeed<'de> for KeySeed {
+    type Value = (&'static dyn Section, &'static str);
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
         let key = String::deserialize(deserializer)?;
-        if let Some(room) = section(&key) {
-            return Ok(Key::Room(room));
-        }
-        let field = self.field.take().ok_or_else(|| serde::de::Error::custom("a key decoded twice"))?;
-        field.deserialize(key.as_str().into_deserializer()).map(Key::Field).map_err(|error: D::Error| {
-            let rooms: Vec<String> = sections().map(|s| format!("`{}`", s.key())).collect();
-            serde::de::Error::custom(format!("{error}, or {}", rooms.join(", ")))
+        let found = sections().find_map(|s| s.keys().iter().find(|k| **k == key).map(|k| (s, *k)));
+        found.ok_or_else(|| {
+            let known: Vec<String> = sections().flat_map(|s| s.keys()).map(|k| format!("`{k}`")).collect();
+            serde::de::Error::custom(format!("unknown field `{key}`, expected one of {}", known.join(", ")))
         })
     }
 }
 
-struct GrantSeed(&'static dyn Section);
+/// One key's value, checked by its room alone (so an error has its line).
+struct ValueSeed(&'static dyn Section, &'static str);
 
-impl<'de> DeserializeSeed<'de> for GrantSeed {
-    type Value = Arc<dyn AnyGrant>;
+impl<'de> DeserializeSeed<'de> for ValueSeed {
+    type Value = toml::Value;
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
         let value = toml::Value::deserialize(deserializer)?;
-        self.0.parse(value).map_err(serde::de::Error::custom)
-    }
-}
-
-impl<'de, A: MapAccess<'de>> MapAccess<'de> for FieldsOnly<'_, A> {
-    type Error = A::Error;
-
-    fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>, A::Error> {
-        let mut field = Some(seed);
-        loop {
-            match self.map.next_key_seed(KeySeed { field: &mut field })? {
-                None => return Ok(None),
-                Some(Key::Field(key)) => return Ok(Some(key)),
-                Some(Key::Room(room)) => {
-                    // TOML refuses a key given twice before this sees it.
-                    let grant = self.map.next_value_seed(GrantSeed(room))?;
-                    self.rooms.0.insert(room.key(), grant);
-                }
-            }
-        }
-    }
-
-    fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, A::Error> {
-        self.map.next_value_seed(seed)
+        let alone = toml::Table::from_iter([(self.1.to_owned(), value.clone())]);
+        self.0.parse(alone).map_err(serde::de::Error::custom)?;
+        Ok(value)
     }
 }
 
@@ -583,38 +629,36 @@ mod tests {
         assert_eq!(keys.len(), ROOMS.len(), "a grant key registered twice");
         let none = Grants::default();
         let linked: Vec<&str> = ROOMS.iter().filter(|r| r.linked_for(&none)).map(|r| r.interface()).collect();
-        assert_eq!(linked, ["context", "process", "network-bridge", "local-socket", "machine-lock", "wasi:http"]);
+        assert_eq!(linked, ["context", "process", "local-socket", "machine-lock", "wasi:http", "network-bridge"]);
         let logging = RoomGrants::default().with::<log::Log>(true);
-        let linked: Vec<&str> = ROOMS
-            .iter()
-            .filter(|r| r.linked_for(&Grants { rooms: logging.clone(), ..Grants::default() }))
-            .map(|r| r.interface())
-            .collect();
+        let linked: Vec<&str> =
+            ROOMS.iter().filter(|r| r.linked_for(&Grants { rooms: logging.clone() })).map(|r| r.interface()).collect();
         assert_eq!(
             linked,
-            ["context", "process", "network-bridge", "local-socket", "log", "machine-lock", "wasi:http"]
+            ["context", "process", "local-socket", "log", "machine-lock", "wasi:http", "network-bridge"]
         );
     }
 
-    /// A room's key under `[grants]` is never also one of `Grants`' fields
-    /// (it would take the field's key, and its widening check with it) nor one
-    /// of the reported view's.
+    /// No two rooms claim one key under `[grants]` (the second would never
+    /// see its grant, nor check its widening), nor report one key in the API's
+    /// view of the grants; every room reports something for its default grant.
     #[test]
-    fn a_rooms_key_is_no_field_of_grants_or_of_their_view() {
+    fn no_two_rooms_share_a_key_in_grants_or_in_their_view() {
+        let mut keys: Vec<&str> = sections().flat_map(|s| s.keys()).collect();
+        let all = keys.len();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(keys.len(), all, "a [grants] key claimed twice: {keys:?}");
+        let mut reported: Vec<String> = Vec::new();
         for section in sections() {
-            let alone = toml::Table::from_iter([(section.key().to_owned(), toml::Value::Boolean(true))]);
-            let err = Grants::deserialize(toml::Value::Table(alone)).unwrap_err().to_string();
-            assert!(err.contains("unknown field"), "{}: {err}", section.key());
+            let view = section.view(None);
+            assert!(!view.is_empty(), "{} reports nothing", section.key());
+            reported.extend(view.into_iter().map(|(key, _)| key));
         }
-        let view = crate::providers::view::GrantsView {
-            process: vec!["p".into()],
-            paths: vec!["/p".into()],
-            rooms: BTreeMap::new(),
-        };
-        let fields = serde_json::to_value(view).unwrap();
-        for section in sections() {
-            assert!(fields.get(section.key()).is_none(), "{} is a field of GrantsView", section.key());
-        }
+        let all = reported.len();
+        reported.sort();
+        reported.dedup();
+        assert_eq!(reported.len(), all, "a view key reported twice: {reported:?}");
     }
 
     /// A store always has every room's part: one made without it gets one
@@ -631,6 +675,7 @@ mod tests {
             denials: &Denials::default(),
             acts_outside_the_store: false,
             sandbox_user: None,
+            prepared: &PreparedParts::default(),
         };
         let grants = RoomGrants::default().with::<local_socket::LocalSocket>(true);
         let mut parts = Parts::new(&grants, &Backends::default(), &store);

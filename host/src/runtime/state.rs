@@ -6,12 +6,10 @@ use crate::capabilities::denials::Denials;
 use crate::capabilities::http_egress::HttpEgress;
 use crate::capabilities::kv::{Kv, KvBackend};
 use crate::capabilities::network_bridge::NetworkBridge;
-use crate::capabilities::process::{
-    ChildRecords, HostProcesses, ProcessBackend, ProcessCtx, ProcessPolicy, ProcessView,
-};
+use crate::capabilities::process::{ChildRecords, HostProcesses, Process};
 use crate::capabilities::wasi;
 use crate::network::backend::NetworkBackend;
-use crate::runtime::rooms::{Backends, Parts, RoomGrants, StoreSetup};
+use crate::runtime::rooms::{Backends, Parts, PreparedParts, RoomGrants, StoreSetup};
 use std::path::PathBuf;
 use std::sync::Arc;
 use wasmtime::component::ResourceTable;
@@ -22,7 +20,6 @@ pub struct HostState {
     pub provider: Arc<str>,
     pub table: ResourceTable,
     pub wasi: WasiCtx,
-    pub process: ProcessCtx,
     /// The parts of the capabilities in rooms of their own.
     pub(crate) rooms: Parts,
     pub limiter: GuestLimiter,
@@ -39,8 +36,6 @@ pub struct HostCapabilities {
     pub data_dirs: PathBuf,
     /// How granted programs are confined (bubblewrap, the sandbox users).
     pub sandbox: crate::sandbox::Sandbox,
-    /// What process calls reach: the host's programs and children, or a recording or simulation.
-    pub processes: Arc<dyn ProcessBackend>,
     /// What the calls of capabilities in rooms of their own reach: the
     /// host's, unless the kit injected a simulation or a recording.
     pub backends: Backends,
@@ -61,8 +56,9 @@ impl HostCapabilities {
         HostCapabilities {
             data_dirs,
             sandbox,
-            processes: Arc::new(HostProcesses::new(child_records, Arc::default())),
-            backends: Backends::default().with::<Kv>(kv),
+            backends: Backends::default()
+                .with::<Kv>(kv)
+                .with::<Process>(Arc::new(HostProcesses::new(child_records, Arc::default()))),
             denials: Denials::default(),
         }
     }
@@ -73,10 +69,10 @@ impl HostCapabilities {
 pub struct ProviderCapabilities {
     pub host: HostCapabilities,
     pub data_dir: PathBuf,
-    /// `None` unless `process` is granted.
-    pub process: Option<Arc<ProcessPolicy>>,
-    /// The grants of the capabilities in rooms of their own.
+    /// The grants of the capabilities in rooms.
     pub rooms: RoomGrants,
+    /// What the rooms made ready when the version loaded (confined programs).
+    pub prepared: PreparedParts,
 }
 
 impl HostCapabilities {
@@ -99,7 +95,7 @@ impl ProviderCapabilities {
     /// durable before the effect it describes happens, and is made durable
     /// per change rather than at the call's end.
     pub fn acts_outside_the_store(&self) -> bool {
-        self.process.is_some() || self.rooms.act_outside_the_store()
+        self.rooms.act_outside_the_store()
     }
 }
 
@@ -107,11 +103,11 @@ impl HostState {
     pub fn new(provider: Arc<str>, caps: &ProviderCapabilities, memory_bytes: usize) -> Self {
         let host = &caps.host;
         let denials = host.denials.for_provider(provider.clone());
-        let tap_owner = caps.process.as_ref().and_then(|p| p.confinement()).map(|c| c.uid());
+        // Taps a provider makes go to the user its programs run as.
+        let sandbox_user = caps.prepared.of::<Process>().and_then(|p| p.confinement().map(|c| c.uid()));
         HostState {
             table: ResourceTable::new(),
             wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir),
-            process: ProcessCtx::new(&provider, caps.process.clone(), host.processes.clone(), denials.clone()),
             rooms: Parts::new(
                 &caps.rooms,
                 &host.backends,
@@ -120,7 +116,8 @@ impl HostState {
                     data_dir: &caps.data_dir,
                     denials: &denials,
                     acts_outside_the_store: caps.acts_outside_the_store(),
-                    sandbox_user: tap_owner,
+                    sandbox_user,
+                    prepared: &caps.prepared,
                 },
             ),
             limiter: GuestLimiter::new(memory_bytes),
@@ -131,10 +128,6 @@ impl HostState {
 
     pub fn context_view(&mut self) -> ContextView<'_> {
         ContextView { table: &mut self.table }
-    }
-
-    pub fn process_view(&mut self) -> ProcessView<'_> {
-        ProcessView { ctx: &mut self.process, table: &mut self.table }
     }
 
     /// A guest's `symlink-at` was refused: noted like any refused host call.

@@ -107,7 +107,7 @@ mod tests {
     #[test]
     fn imports_need_grants_and_known_versions() {
         let none = Grants::default();
-        let kv = Grants { rooms: RoomGrants::default().with::<Kv>(true), ..Grants::default() };
+        let kv = Grants { rooms: RoomGrants::default().with::<Kv>(true) };
         assert!(check_import("wasi:cli/environment@0.2.6", &none).is_ok());
         assert!(check_import("broker:provider/types@0.1.0", &none).is_ok());
         assert_eq!(

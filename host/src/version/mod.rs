@@ -16,9 +16,8 @@ use crate::bindings::{
 };
 use crate::capabilities::context::{CallContext, CallHooks};
 use crate::capabilities::kv::{Kv, KvWrites};
-use crate::capabilities::network_bridge::NetworkBridge;
-use crate::capabilities::process::{PolicyError, ProcessPolicy};
 use crate::manifest::{Isolation, Manifest, ManifestError, Method};
+use crate::runtime::rooms::LoadSetup;
 use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
 use method_stats::Outcome;
 use std::future::Future;
@@ -38,16 +37,15 @@ pub enum LoadError {
     Runtime(#[from] RuntimeError),
     #[error("provider {provider}: {source}")]
     Contract { provider: String, source: imports::ContractError },
-    #[error("provider {provider}: cannot link component: {source}")]
+    #[error("provider {provider}: cannot link component: {}", crate::error_text::error_text(&**source))]
     Link { provider: String, source: crate::runtime::BoxError },
-    #[error("provider {provider}: grants: {source}")]
-    Grant { provider: String, source: PolicyError },
+    /// A room could not make its grant ready (programs looked up and confined).
+    #[error("provider {provider}: {source}")]
+    Prepare { provider: String, source: crate::runtime::BoxError },
     #[error("provider {provider}: cannot make its data dir {path}: {source}")]
     DataDir { provider: String, path: String, source: std::io::Error },
     #[error("provider {provider}: {reason}")]
     InDataDir { provider: String, reason: String },
-    #[error("provider {provider}: sandbox: {source}")]
-    Sandbox { provider: String, source: crate::sandbox::SandboxError },
 }
 
 /// Who persists the kv changes a call leaves for its end.
@@ -585,44 +583,14 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         path: data_dir.display().to_string(),
         source,
     })?;
-    let grants = &manifest.grants;
-    let process = if grants.process.is_empty() {
-        None
-    } else {
-        // Arguments may name granted paths, read-only or read-write.
-        let paths = [grants.paths.clone(), grants.paths_rw.clone()].concat();
-        let grant_error = |source| LoadError::Grant { provider: provider.clone(), source };
-        let sandbox_error = |source| LoadError::Sandbox { provider: provider.clone(), source };
-        // Only programs that really run are looked up on the host and confined.
-        let runs_programs = host.processes.runs_programs();
-        let policy = if runs_programs {
-            ProcessPolicy::resolve(&grants.process, &paths, &data_dir)
-        } else {
-            ProcessPolicy::unresolved(&grants.process, &paths, &data_dir)
-        }
-        .map_err(grant_error)?
-        .with_env(&grants.env)
-        .map_err(sandbox_error)?;
-        let policy = match runs_programs {
-            false => policy,
-            true => {
-                let confinement = host
-                    .sandbox
-                    .confine(
-                        &manifest.name,
-                        &crate::sandbox::Grants {
-                            data_dir: &data_dir,
-                            paths: &grants.paths,
-                            paths_rw: &grants.paths_rw,
-                            devices: &grants.devices,
-                            share_net: grants.rooms.of::<NetworkBridge>().is_some(),
-                        },
-                    )
-                    .map_err(sandbox_error)?;
-                policy.confined(confinement)
-            }
-        };
-        Some(Arc::new(policy))
+    let rooms = &manifest.grants.rooms;
+    let load = LoadSetup {
+        provider: &manifest.name,
+        data_dir: &data_dir,
+        grants: &manifest.grants,
+        sandbox: &host.sandbox,
+        backends: &host.backends,
     };
-    Ok(ProviderCapabilities { host, data_dir, process, rooms: grants.rooms.clone() })
+    let prepared = rooms.prepare(&load).map_err(|(_, source)| LoadError::Prepare { provider, source })?;
+    Ok(ProviderCapabilities { host, data_dir, rooms: rooms.clone(), prepared })
 }

@@ -4,6 +4,7 @@
 use broker_host::broker::Broker;
 use broker_host::capabilities::context::CallHooks;
 use broker_host::capabilities::kv::KvBackend;
+use broker_host::capabilities::process::Process;
 use broker_host::contract::empty_params;
 use broker_host::providers::watch::{Change, ProvidersDir};
 use std::path::{Path, PathBuf};
@@ -230,7 +231,7 @@ async fn a_provider_cannot_register_or_widen_itself_through_its_data_dir() {
         matches!(&changes[..], [Change::Refused(name, reason)] if name == "hostile" && reason.contains("process \"sh\"")),
         "{changes:?}"
     );
-    assert!(broker.registry().get("hostile").await.unwrap().manifest().grants.process.is_empty());
+    assert!(broker.registry().get("hostile").await.unwrap().manifest().grants.rooms.of::<Process>().process.is_empty());
     drop(hostile);
     drop(broker);
     let broker = Broker::open(data.path()).unwrap();
@@ -238,7 +239,10 @@ async fn a_provider_cannot_register_or_widen_itself_through_its_data_dir() {
     assert!(err.contains("not approved") && err.contains("process \"sh\""), "{err}");
     // The operator approves it explicitly.
     broker.registry().add(&manifest).await.unwrap();
-    assert_eq!(broker.registry().get("hostile").await.unwrap().manifest().grants.process, vec!["sh".to_string()]);
+    assert_eq!(
+        broker.registry().get("hostile").await.unwrap().manifest().grants.rooms.of::<Process>().process,
+        vec!["sh".to_string()]
+    );
 }
 
 /// Data dirs of a host from before: `providers/NAME` held both the manifest

@@ -45,7 +45,7 @@ impl ProcessHost {
         let every_path: Vec<PathBuf> = paths.iter().chain(&paths_rw).cloned().collect();
         let policy = Arc::new(ProcessPolicy::resolve(&programs, &every_path, data_dir).unwrap().confined(confinement));
         ProcessHost {
-            ctx: ProcessCtx::new("p", Some(policy), host_processes(records), Default::default()),
+            ctx: ProcessCtx::new("p", Some(policy), Some(host_processes(records)), Default::default()),
             table: ResourceTable::new(),
         }
     }
@@ -113,7 +113,7 @@ async fn granted_programs_run_verbatim_and_others_are_denied() {
     assert!(dir.path().join("made-by-touch").exists());
 
     let mut ungranted =
-        ProcessCtx::new("p", None, host_processes(Arc::new(MemoryChildRecords::default())), Default::default());
+        ProcessCtx::new("p", None, Some(host_processes(Arc::new(MemoryChildRecords::default()))), Default::default());
     let mut table = ResourceTable::new();
     let mut view = ProcessView { ctx: &mut ungranted, table: &mut table };
     let none = view.run("sh".into(), vec![], vec![], vec![], 1000).await.unwrap();

@@ -17,7 +17,7 @@
 //! recording.
 
 use crate::runtime::HostState;
-use crate::runtime::rooms::{GrantValue, Linking, Room, StoreSetup};
+use crate::runtime::rooms::{GrantLine, GrantValue, Linking, Room, StoreSetup};
 use futures_util::future::BoxFuture;
 use http::uri::Scheme;
 use http_body_util::BodyExt;
@@ -425,6 +425,7 @@ impl Room for HttpEgress {
     type Grant = HttpGrant;
     type Backend = dyn EgressBackend;
     type Ctx = EgressCtx;
+    type Prepared = ();
 
     fn host_backend() -> Option<Arc<dyn EgressBackend>> {
         Some(Arc::new(HostEgress))
@@ -444,11 +445,11 @@ impl Room for HttpEgress {
         Map::from_iter([(Self::GRANT.to_owned(), Value::from(grant.listed()))])
     }
 
-    fn shown_view(view: &Map<String, Value>) -> Vec<(String, String)> {
+    fn shown_view(view: &Map<String, Value>) -> Vec<GrantLine> {
         let Some(listed) = view.get(Self::GRANT).and_then(|v| Vec::<String>::deserialize(v).ok()) else {
             return Vec::new();
         };
-        vec![(Self::GRANT.to_owned(), shown_list(listed))]
+        vec![GrantLine::new(Self::GRANT, Self::GRANT, shown_list(listed))]
     }
 }
 
@@ -481,6 +482,7 @@ mod tests {
             denials: &denials.for_provider(provider.clone()),
             sandbox_user: None,
             acts_outside_the_store: true,
+            prepared: &Default::default(),
         };
         let grant = HttpGrant::new([("lxd".to_owned(), EgressTarget::Unix("/nonexistent.sock".into()))]).unwrap();
         let mut sealed = HttpEgress::ctx(&grant, None, &store);
@@ -496,9 +498,12 @@ mod tests {
 
         let view = HttpEgress::view(&grant);
         assert_eq!(view["http"], serde_json::json!(["lxd -> unix:/nonexistent.sock"]));
-        assert_eq!(HttpEgress::shown_view(&view), [("http".to_owned(), "lxd -> unix:/nonexistent.sock".to_owned())]);
+        assert_eq!(
+            HttpEgress::shown_view(&view),
+            [GrantLine::new("http", "http", "lxd -> unix:/nonexistent.sock".into())]
+        );
         let none = HttpEgress::view(&HttpGrant::default());
-        assert_eq!(HttpEgress::shown_view(&none), [("http".to_owned(), "denied".to_owned())]);
+        assert_eq!(HttpEgress::shown_view(&none), [GrantLine::new("http", "http", "denied".into())]);
         let back: HttpGrant = serde_json::from_value(serde_json::to_value(&grant).unwrap()).unwrap();
         assert_eq!(back, grant, "the grant round-trips as the manifest writes it");
     }

@@ -36,16 +36,16 @@ struct StreamConnection {
 
 async fn connect_beneath(data_dir: &Path, relative: &Path, guest_path: &str) -> Result<UnixStream, SocketError> {
     let dir = nix::fcntl::open(data_dir, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
-        .map_err(|e| SocketError::DataDir { path: guest_path.to_owned(), source: e.into() })?;
+        .map_err(|source| SocketError::DataDir { path: guest_path.to_owned(), source })?;
     let how = OpenHow::new()
         .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
         .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
     let socket = nix::fcntl::openat2(&dir, relative, how).map_err(|errno| match errno {
         Errno::ENOENT | Errno::ENOTDIR => SocketError::Missing(guest_path.to_owned()),
         Errno::ELOOP | Errno::EXDEV => SocketError::Escapes(guest_path.to_owned()),
-        other => SocketError::Connect { path: guest_path.to_owned(), source: other.into() },
+        other => SocketError::Open { path: guest_path.to_owned(), source: other },
     })?;
-    let stat = fstat(&socket).map_err(|e| SocketError::Io(e.into()))?;
+    let stat = fstat(&socket).map_err(|source| SocketError::Open { path: guest_path.to_owned(), source })?;
     match SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT {
         SFlag::S_IFSOCK => {}
         // O_PATH | O_NOFOLLOW opens a final symlink itself rather than failing.

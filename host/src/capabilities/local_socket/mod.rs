@@ -58,7 +58,10 @@ pub enum SocketError {
     #[error("nobody is listening on {0:?}")]
     NotListening(String),
     #[error("cannot connect to {path:?}: data dir: {source}")]
-    DataDir { path: String, source: std::io::Error },
+    DataDir { path: String, source: nix::errno::Errno },
+    /// Opening or checking the socket's path beneath the data dir failed.
+    #[error("cannot connect to {path:?}: {source}")]
+    Open { path: String, source: nix::errno::Errno },
     #[error("cannot connect to {path:?}: {source}")]
     Connect { path: String, source: std::io::Error },
     #[error("too many open connections (at most {MAX_CONNECTIONS})")]
@@ -85,6 +88,7 @@ impl From<SocketError> for BrokerError {
             SocketError::NotASocket(_) | SocketError::TooMany => BrokerError::InvalidParams(message),
             SocketError::Timeout(_) => BrokerError::Timeout(message),
             SocketError::DataDir { .. }
+            | SocketError::Open { .. }
             | SocketError::Connect { .. }
             | SocketError::LineTooLong
             | SocketError::NotUtf8
@@ -211,6 +215,7 @@ impl Room for LocalSocket {
     type Grant = bool;
     type Backend = dyn SocketBackend;
     type Ctx = LocalSocketCtx;
+    type Prepared = ();
 
     fn host_backend() -> Option<Arc<dyn SocketBackend>> {
         Some(Arc::new(HostSockets))

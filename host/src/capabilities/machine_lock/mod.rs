@@ -70,6 +70,7 @@ impl Room for MachineLockRoom {
     type Grant = bool;
     type Backend = MachineLock;
     type Ctx = MachineLockCtx;
+    type Prepared = ();
 
     fn host_backend() -> Option<Arc<MachineLock>> {
         None

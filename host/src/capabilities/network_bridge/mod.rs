@@ -8,7 +8,7 @@ use crate::network::backend::HostNetwork;
 use crate::network::backend::NetworkBackend;
 use crate::network::{BridgeError, Device, DeviceToBridge, names};
 use crate::runtime::HostState;
-use crate::runtime::rooms::{GrantValue, Linking, Room, StoreSetup};
+use crate::runtime::rooms::{GrantLine, GrantValue, Linking, Room, StoreSetup};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::sync::Arc;
@@ -270,6 +270,7 @@ impl Room for NetworkBridge {
     type Grant = Option<BridgeGrant>;
     type Backend = dyn NetworkBackend;
     type Ctx = BridgeCtx;
+    type Prepared = ();
 
     fn host_backend() -> Option<Arc<dyn NetworkBackend>> {
         Some(Arc::new(HostNetwork))
@@ -291,11 +292,11 @@ impl Room for NetworkBridge {
         ])
     }
 
-    fn shown_view(view: &Map<String, Value>) -> Vec<(String, String)> {
+    fn shown_view(view: &Map<String, Value>) -> Vec<GrantLine> {
         let list = |key: &str| view.get(key).and_then(|v| Vec::<String>::deserialize(v).ok());
         [("bridge devices", VIEW_DEVICES), ("bridge bridges", VIEW_BRIDGES)]
             .into_iter()
-            .filter_map(|(label, key)| list(key).map(|items| (label.to_owned(), shown_list(items))))
+            .filter_map(|(label, key)| list(key).map(|items| GrantLine::new(key, label, shown_list(items))))
             .collect()
     }
 }
@@ -329,6 +330,7 @@ mod tests {
             denials: &denials,
             acts_outside_the_store: true,
             sandbox_user: None,
+            prepared: &Default::default(),
         };
         let grant = Some(BridgeGrant { devices: vec!["eth0".into()], bridges: vec!["br-*".into()] });
         let mut sealed = NetworkBridge::ctx(&grant, None, &store);
@@ -344,9 +346,13 @@ mod tests {
             (&serde_json::json!(["eth0"]), &serde_json::json!(["br-*"]))
         );
         let shown = NetworkBridge::shown_view(&view);
-        assert_eq!(shown, [("bridge devices".into(), "eth0".into()), ("bridge bridges".into(), "br-*".into())]);
+        let line = |key, label, text: &str| GrantLine::new(key, label, text.to_owned());
+        assert_eq!(shown, [line(VIEW_DEVICES, "bridge devices", "eth0"), line(VIEW_BRIDGES, "bridge bridges", "br-*")]);
         let none = NetworkBridge::shown_view(&NetworkBridge::view(&None));
-        assert_eq!(none, [("bridge devices".into(), "denied".into()), ("bridge bridges".into(), "denied".into())]);
+        assert_eq!(
+            none,
+            [line(VIEW_DEVICES, "bridge devices", "denied"), line(VIEW_BRIDGES, "bridge bridges", "denied")]
+        );
         assert_eq!(NetworkBridge::widening(&grant, &None).as_deref(), Some("[grants.bridge]"));
         let wider = Some(BridgeGrant { devices: vec!["eth0".into(), "eth1".into()], bridges: vec!["br-*".into()] });
         assert_eq!(NetworkBridge::widening(&wider, &grant).as_deref(), Some("bridge device \"eth1\""));

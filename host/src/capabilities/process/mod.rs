@@ -4,6 +4,11 @@
 //! ([`ProcessBackend`]): the host's programs ([`HostProcesses`]), a simulated
 //! process table for the conformance kit ([`simulated`]), or either with every
 //! call written down ([`Recorded`], [`tape`]).
+//!
+//! The room is [`Process`]: its grant spreads over `process`, `paths`,
+//! `paths-rw`, `devices` and `env` under `[grants]` ([`ProcessGrant`]); when a
+//! provider version loads it looks the programs up and confines them
+//! ([`Room::prepare`]: a [`ProcessPolicy`]), which each store's part uses.
 
 mod backend;
 mod children;
@@ -22,8 +27,14 @@ pub use tape::{ProcessTape, RecordedSockets};
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::process::{self as wit, ChildStatus, Output};
 use crate::capabilities::denials::Denials;
+use crate::capabilities::network_bridge::NetworkBridge;
 use crate::capabilities::view::{View, ViewOf};
+use crate::runtime::rooms::{GrantLine, GrantValue, Linking, LoadSetup, Room, StoreSetup};
+use crate::runtime::{BoxError, HostState};
 use nix::sys::signal::Signal;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use wasmtime::component::{Linker, Resource};
@@ -36,11 +47,14 @@ pub struct HeldChild {
     record: ChildRecord,
 }
 
+/// Per-store context; the default grants nothing and reaches nothing.
+#[derive(Default)]
 pub struct ProcessCtx {
     provider: String,
     /// `None` when the manifest grants no programs.
     policy: Option<Arc<ProcessPolicy>>,
-    backend: Arc<dyn ProcessBackend>,
+    /// `None` without the grant, or in a sandbox that gives no programs.
+    backend: Option<Arc<dyn ProcessBackend>>,
     denials: Denials,
 }
 
@@ -48,7 +62,7 @@ impl ProcessCtx {
     pub fn new(
         provider: &str,
         policy: Option<Arc<ProcessPolicy>>,
-        backend: Arc<dyn ProcessBackend>,
+        backend: Option<Arc<dyn ProcessBackend>>,
         denials: Denials,
     ) -> Self {
         ProcessCtx { provider: provider.to_owned(), policy, backend, denials }
@@ -59,6 +73,13 @@ impl ProcessCtx {
             BrokerError::AccessDenied(
                 "process is not granted: list programs in `process = [...]` under [grants]".into(),
             )
+        })
+    }
+
+    /// What granted calls reach.
+    fn backend(&self) -> Result<&Arc<dyn ProcessBackend>, BrokerError> {
+        self.backend.as_ref().ok_or_else(|| {
+            BrokerError::AccessDenied("process has no backend here: this sandbox runs no programs".into())
         })
     }
 }
@@ -142,7 +163,7 @@ impl ProcessCtx {
         timeout_ms: u64,
     ) -> Result<Output, BrokerError> {
         let (policy, checked) = self.check(program, guest_args, env)?;
-        self.backend.run(checked.launch(self, policy, program, guest_args), stdin, timeout_ms).await
+        self.backend()?.run(checked.launch(self, policy, program, guest_args), stdin, timeout_ms).await
     }
 
     async fn spawn(
@@ -159,20 +180,21 @@ impl ProcessCtx {
             )));
         }
         let (policy, checked) = self.check(program, guest_args, env)?;
-        self.backend.spawn(checked.launch(self, policy, program, guest_args), name).await
+        self.backend()?.spawn(checked.launch(self, policy, program, guest_args), name).await
     }
 
     async fn adopt(&self, name: &str) -> Result<Option<ChildRecord>, BrokerError> {
         self.policy()?;
-        self.backend.adopt(&self.provider, name).await
+        self.backend()?.adopt(&self.provider, name).await
     }
 
     fn signal(&self, record: &ChildRecord, signal: Signal) -> Result<(), BrokerError> {
         // Only the very process we started: pid and start time must both match.
-        if self.backend.liveness(record) != Liveness::Running {
+        let backend = self.backend()?;
+        if backend.liveness(record) != Liveness::Running {
             return Err(BrokerError::NotFound(format!("child {:?} is not running", record.name)));
         }
-        self.backend.signal(record, signal)
+        backend.signal(record, signal)
     }
 }
 
@@ -223,10 +245,10 @@ impl wit::Host for ProcessView<'_> {
     }
 
     async fn children(&mut self) -> wasmtime::Result<Vec<String>> {
-        if self.ctx.policy.is_none() {
+        let (Some(_), Some(backend)) = (&self.ctx.policy, &self.ctx.backend) else {
             return Ok(Vec::new());
-        }
-        match self.ctx.backend.children(&self.ctx.provider) {
+        };
+        match backend.children(&self.ctx.provider) {
             Ok(names) => Ok(names),
             Err(e) => {
                 tracing::warn!(provider = %self.ctx.provider, error = %e, "cannot list child records");
@@ -247,7 +269,7 @@ impl wit::HostChild for ProcessView<'_> {
 
     async fn status(&mut self, handle: Resource<HeldChild>) -> wasmtime::Result<ChildStatus> {
         let record = self.record(&handle)?;
-        Ok(status_of(self.ctx.backend.liveness(&record)))
+        Ok(self.ctx.backend.as_ref().map_or(ChildStatus::Gone, |backend| status_of(backend.liveness(&record))))
     }
 
     async fn signal(&mut self, handle: Resource<HeldChild>, signal: i32) -> wasmtime::Result<Result<(), BrokerError>> {
@@ -260,12 +282,15 @@ impl wit::HostChild for ProcessView<'_> {
 
     async fn wait(&mut self, handle: Resource<HeldChild>, timeout_ms: u64) -> wasmtime::Result<ChildStatus> {
         let record = self.record(&handle)?;
-        Ok(status_of(self.ctx.backend.wait(&record, Duration::from_millis(timeout_ms)).await))
+        let Some(backend) = self.ctx.backend.clone() else { return Ok(ChildStatus::Gone) };
+        Ok(status_of(backend.wait(&record, Duration::from_millis(timeout_ms)).await))
     }
 
     async fn forget(&mut self, handle: Resource<HeldChild>) -> wasmtime::Result<()> {
         let record = self.record(&handle)?;
-        self.ctx.backend.forget(&record).await;
+        if let Some(backend) = self.ctx.backend.clone() {
+            backend.forget(&record).await;
+        }
         Ok(())
     }
 
@@ -281,4 +306,153 @@ pub fn add_to_linker<T: Send + 'static>(
     getter: fn(&mut T) -> ProcessView<'_>,
 ) -> wasmtime::Result<()> {
     wit::add_to_linker::<T, ViewOf<ProcessCtx>>(linker, getter)
+}
+
+/// The programs a provider may run and what they may reach, as `[grants]`
+/// spells it (`process`, `paths`, `paths-rw`, `devices`, `env`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ProcessGrant {
+    /// Programs the provider may run (names on the host's PATH, or absolute paths).
+    #[serde(default)]
+    pub process: Vec<String>,
+    /// Host paths (read by granted programs, e.g. base images) that arguments may
+    /// name; bound read-only into the programs' sandbox.
+    #[serde(default)]
+    pub paths: Vec<PathBuf>,
+    /// Host paths bound read-write into the programs' sandbox.
+    #[serde(default)]
+    pub paths_rw: Vec<PathBuf>,
+    /// Device nodes the programs may open (`/dev/kvm`, `/dev/net/tun`); the
+    /// provider's sandbox user is given read and write on them.
+    #[serde(default)]
+    pub devices: Vec<PathBuf>,
+    /// Environment names the programs may be given besides the base allow-list
+    /// (never `LD_*` or the like: refused at load).
+    #[serde(default)]
+    pub env: Vec<String>,
+}
+
+impl GrantValue for ProcessGrant {
+    fn granted(&self) -> bool {
+        !self.process.is_empty()
+    }
+
+    fn widening(&self, approved: &Self, _key: &str) -> Option<String> {
+        let new_item = |now: &[String], before: &[String], what: &str| {
+            now.iter().find(|item| !before.contains(item)).map(|item| format!("{what} {item:?}"))
+        };
+        // A path is covered by an approved one it lies under.
+        let paths = |now: &[PathBuf], before: &[PathBuf], what: &str| {
+            now.iter().find(|p| !before.iter().any(|b| p.starts_with(b))).map(|p| format!("{what} {}", p.display()))
+        };
+        new_item(&self.process, &approved.process, "process")
+            .or_else(|| paths(&self.paths, &[approved.paths.clone(), approved.paths_rw.clone()].concat(), "paths"))
+            .or_else(|| paths(&self.paths_rw, &approved.paths_rw, "paths-rw"))
+            .or_else(|| paths(&self.devices, &approved.devices, "devices"))
+            .or_else(|| new_item(&self.env, &approved.env, "env"))
+    }
+
+    fn shown(&self) -> String {
+        shown_list(self.process.clone())
+    }
+}
+
+fn shown_list(items: Vec<String>) -> String {
+    if items.is_empty() { "denied".to_owned() } else { items.join(", ") }
+}
+
+/// Why a provider's programs cannot be made ready when it loads.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessPrepareError {
+    #[error("grants: {0}")]
+    Grant(#[source] PolicyError),
+    #[error("sandbox: {0}")]
+    Sandbox(#[source] crate::sandbox::SandboxError),
+}
+
+/// The room: `process = [...]` and what the programs may reach. Linked for
+/// every provider (an ungranted call answers `access-denied`). Its backend
+/// keeps the host's child records, so only the host (or the kit, a
+/// simulation) can give it.
+pub struct Process;
+
+impl Room for Process {
+    const INTERFACE: &'static str = INTERFACE;
+    const GRANT: &'static str = "process";
+    const MORE_KEYS: &'static [&'static str] = &["paths", "paths-rw", "devices", "env"];
+    const LINKING: Linking = Linking::Always;
+    type Grant = ProcessGrant;
+    type Backend = dyn ProcessBackend;
+    type Ctx = ProcessCtx;
+    /// The programs looked up and confined; `None` when none are granted.
+    type Prepared = Option<Arc<ProcessPolicy>>;
+
+    fn host_backend() -> Option<Arc<dyn ProcessBackend>> {
+        None
+    }
+
+    /// Programs are looked up on the host and confined only where they
+    /// really run (a simulation only names them).
+    fn prepare(grant: &ProcessGrant, load: &LoadSetup<'_>) -> Result<Option<Arc<ProcessPolicy>>, BoxError> {
+        if grant.process.is_empty() {
+            return Ok(None);
+        }
+        // Arguments may name granted paths, read-only or read-write.
+        let paths = [grant.paths.clone(), grant.paths_rw.clone()].concat();
+        let runs_programs = load.backends.of::<Process>().is_some_and(|backend| backend.runs_programs());
+        let policy = if runs_programs {
+            ProcessPolicy::resolve(&grant.process, &paths, load.data_dir)
+        } else {
+            ProcessPolicy::unresolved(&grant.process, &paths, load.data_dir)
+        }
+        .map_err(ProcessPrepareError::Grant)?
+        .with_env(&grant.env)
+        .map_err(ProcessPrepareError::Sandbox)?;
+        if !runs_programs {
+            return Ok(Some(Arc::new(policy)));
+        }
+        let confinement = load
+            .sandbox
+            .confine(
+                load.provider,
+                &crate::sandbox::Grants {
+                    data_dir: load.data_dir,
+                    paths: &grant.paths,
+                    paths_rw: &grant.paths_rw,
+                    devices: &grant.devices,
+                    share_net: load.grants.rooms.of::<NetworkBridge>().is_some(),
+                },
+            )
+            .map_err(ProcessPrepareError::Sandbox)?;
+        Ok(Some(Arc::new(policy.confined(confinement))))
+    }
+
+    fn ctx(_: &ProcessGrant, backend: Option<Arc<dyn ProcessBackend>>, store: &StoreSetup<'_>) -> ProcessCtx {
+        ProcessCtx::new(store.provider, store.prepared.of::<Process>(), backend, store.denials.clone())
+    }
+
+    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state| {
+            let (ctx, table) = state.room::<Process>();
+            ProcessView { ctx, table }
+        })
+    }
+
+    /// The programs and the read-only paths, as the API always listed them.
+    fn view(grant: &ProcessGrant) -> Map<String, Value> {
+        let paths: Vec<String> = grant.paths.iter().map(|p| p.display().to_string()).collect();
+        Map::from_iter([
+            ("process".to_owned(), Value::from(grant.process.clone())),
+            ("paths".to_owned(), Value::from(paths)),
+        ])
+    }
+
+    fn shown_view(view: &Map<String, Value>) -> Vec<GrantLine> {
+        let list = |key: &str| view.get(key).and_then(|v| Vec::<String>::deserialize(v).ok());
+        ["process", "paths"]
+            .into_iter()
+            .filter_map(|key| list(key).map(|items| GrantLine::new(key, key, shown_list(items))))
+            .collect()
+    }
 }
