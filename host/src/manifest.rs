@@ -209,8 +209,8 @@ pub struct Grants {
 }
 
 impl Grants {
-    /// The first grant this one has that `approved` does not, if any: what an
-    /// operator must approve before it applies.
+    /// What this grants that `approved` does not, if anything (each room's
+    /// first new grant): what an operator must approve before it applies.
     pub fn widening(&self, approved: &Grants) -> Option<String> {
         self.rooms.widening(&approved.rooms)
     }
@@ -485,7 +485,7 @@ mod tests {
     }
 
     #[test]
-    fn widening_names_the_first_grant_not_approved_and_narrowing_is_none() {
+    fn widening_names_what_is_not_approved_and_narrowing_is_none() {
         let approved = parse(
             "name = \"x\"\ncomponent = \"x\"\n[grants]\nkv = true\nprocess = [\"qemu-img\"]\npaths = [\"/img\"]\n",
         )
@@ -500,6 +500,14 @@ mod tests {
         assert_eq!(with("machine-lock = true\n").widening(&approved).as_deref(), Some("machine-lock = true"));
         assert_eq!(with("devices = [\"/dev/kvm\"]\n").widening(&approved).as_deref(), Some("devices /dev/kvm"));
         assert!(with("[grants.http]\nx = \"http://127.0.0.1:1\"\n").widening(&approved).is_some());
+        // Several at once are all named: approving one must not hide the others.
+        let several =
+            with("kv = true\nprocess = [\"sh\"]\nlocal-sockets = true\n[grants.bridge]\ndevices = [\"eth0\"]\n");
+        assert_eq!(
+            several.widening(&approved).as_deref(),
+            Some("process \"sh\", local-sockets = true, [grants.bridge]"),
+            "kv was approved"
+        );
     }
 
     /// A room's grant (`local-sockets`) is parsed by its room, among the

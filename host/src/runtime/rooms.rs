@@ -398,9 +398,12 @@ impl RoomGrants {
         self.0.get(key).map(|g| &**g)
     }
 
-    /// The first thing these grant that `approved` does not.
+    /// What these grant that `approved` does not: each room's first new
+    /// grant, so an operator asked to approve one sees all that approval brings.
     pub fn widening(&self, approved: &RoomGrants) -> Option<String> {
-        sections().find_map(|s| s.widening(self.get(s.key()), approved.get(s.key())))
+        let wider: Vec<String> =
+            sections().filter_map(|s| s.widening(self.get(s.key()), approved.get(s.key()))).collect();
+        (!wider.is_empty()).then(|| wider.join(", "))
     }
 
     /// What each room makes ready for a provider version that loads; the

@@ -428,8 +428,10 @@ impl Room for Process {
         Ok(Some(Arc::new(policy.confined(confinement))))
     }
 
-    fn ctx(_: &ProcessGrant, backend: Option<Arc<dyn ProcessBackend>>, store: &StoreSetup<'_>) -> ProcessCtx {
-        ProcessCtx::new(store.provider, store.prepared.of::<Process>(), backend, store.denials.clone())
+    fn ctx(grant: &ProcessGrant, backend: Option<Arc<dyn ProcessBackend>>, store: &StoreSetup<'_>) -> ProcessCtx {
+        // The policy was prepared from this same grant; checked again all the same.
+        let policy = store.prepared.of::<Process>().filter(|_| grant.granted());
+        ProcessCtx::new(store.provider, policy, backend, store.denials.clone())
     }
 
     fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
