@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use wasmtime_wasi_http::io::TokioIo;
 
 #[derive(Debug, thiserror::Error)]
-pub enum ClientError {
+pub(crate) enum ClientError {
     #[error("cannot reach the broker daemon on {socket}: {source}")]
     Connect { socket: String, source: std::io::Error },
     #[error("the broker daemon on {socket} broke off: {source}")]
@@ -30,7 +30,7 @@ pub enum ClientError {
 
 /// Where `broker serve` listens, known to answer.
 #[derive(Debug, Clone)]
-pub struct DaemonClient {
+pub(crate) struct DaemonClient {
     socket: PathBuf,
 }
 

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! wasm-broker's host: runs provider components behind Juju's
 //! `environs.InstanceBroker` contract (`wit/`), with nothing ambient.
 

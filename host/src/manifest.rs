@@ -40,18 +40,48 @@ use std::time::Duration;
 /// Largest linear memory any provider may ask for.
 pub const MAX_GUEST_MEMORY_BYTES: u64 = 4 << 30;
 
+/// Why a manifest or its component could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
+    /// The manifest file could not be read (or is not a regular file).
     #[error("cannot read manifest {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        /// The manifest.
+        path: String,
+        /// Why it could not be read.
+        source: std::io::Error,
+    },
+    /// The text is not an acceptable manifest.
     #[error("invalid manifest {path}: {message}")]
-    Invalid { path: String, message: String },
+    Invalid {
+        /// The manifest.
+        path: String,
+        /// What is wrong; quotes the file only if it is a provider manifest.
+        message: String,
+    },
+    /// The component the manifest names could not be read.
     #[error("cannot read component {path} named by manifest {manifest}: {source}")]
-    Component { manifest: String, path: String, source: std::io::Error },
+    Component {
+        /// The manifest naming it.
+        manifest: String,
+        /// The component, resolved against the manifest's directory.
+        path: String,
+        /// Why it could not be read.
+        source: std::io::Error,
+    },
+    /// The component's bytes do not hash to the manifest's `sha256` pin.
     #[error("component {path} does not match the manifest's sha256 pin: expected {expected}, found {actual}")]
-    HashMismatch { path: String, expected: String, actual: String },
+    HashMismatch {
+        /// The component.
+        path: String,
+        /// The pin, lowercase hex.
+        expected: String,
+        /// The component's SHA-256, lowercase hex.
+        actual: String,
+    },
 }
 
+/// Whether a provider's guest instances are reused across calls (`isolation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Isolation {
@@ -64,7 +94,7 @@ pub enum Isolation {
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
-pub struct Limits {
+pub(crate) struct Limits {
     #[serde(default = "default_memory_mib")]
     pub memory_mib: u64,
     #[serde(default = "default_pool_size")]
@@ -123,37 +153,43 @@ impl Default for Limits {
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct Deadlines {
     #[serde(default, deserialize_with = "optional_duration")]
-    pub default: Option<Duration>,
+    pub(crate) default: Option<Duration>,
     #[serde(default, deserialize_with = "optional_duration")]
-    pub describe: Option<Duration>,
+    pub(crate) describe: Option<Duration>,
     #[serde(default, deserialize_with = "optional_duration")]
-    pub validate_config: Option<Duration>,
+    pub(crate) validate_config: Option<Duration>,
     #[serde(default, deserialize_with = "optional_duration")]
-    pub start_instance: Option<Duration>,
+    pub(crate) start_instance: Option<Duration>,
     #[serde(default, deserialize_with = "optional_duration")]
-    pub stop_instances: Option<Duration>,
+    pub(crate) stop_instances: Option<Duration>,
     #[serde(default, deserialize_with = "optional_duration")]
-    pub all_instances: Option<Duration>,
+    pub(crate) all_instances: Option<Duration>,
     #[serde(default, deserialize_with = "optional_duration")]
-    pub maintain_instance: Option<Duration>,
+    pub(crate) maintain_instance: Option<Duration>,
 }
 
-pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
-pub const DEFAULT_START_DEADLINE: Duration = Duration::from_secs(600);
+pub(crate) const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_START_DEADLINE: Duration = Duration::from_secs(600);
 
 /// The contract's methods, as manifests and errors name them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Method {
+    /// Name, version and supported features.
     Describe,
+    /// Check the manifest's `[config]` before it is used.
     ValidateConfig,
+    /// Start one instance.
     StartInstance,
+    /// Stop instances by id; unknown ids are ignored.
     StopInstances,
+    /// List the instances the provider knows.
     AllInstances,
+    /// Run at host start for each recorded instance, with the params it was started with.
     MaintainInstance,
 }
 
 impl Method {
-    pub const ALL: [Method; 6] = [
+    pub(crate) const ALL: [Method; 6] = [
         Method::Describe,
         Method::ValidateConfig,
         Method::StartInstance,
@@ -162,6 +198,7 @@ impl Method {
         Method::MaintainInstance,
     ];
 
+    /// As manifests (`[limits.deadlines]`) and errors spell it: `start-instance`.
     pub fn name(self) -> &'static str {
         match self {
             Method::Describe => "describe",
@@ -186,7 +223,7 @@ impl Deadlines {
         Method::ALL.iter().map(|m| self.for_method(*m)).max().unwrap_or(DEFAULT_DEADLINE)
     }
 
-    pub fn for_method(&self, method: Method) -> Duration {
+    pub(crate) fn for_method(&self, method: Method) -> Duration {
         let specific = match method {
             Method::Describe => self.describe,
             Method::ValidateConfig => self.validate_config,
@@ -235,12 +272,15 @@ struct RawManifest {
 /// A checked manifest, with the component path resolved.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Manifest {
+    /// The manifest file, as given.
     pub path: PathBuf,
-    pub name: String,
+    pub(crate) name: String,
+    /// The component file, resolved against the manifest's directory.
     pub component: PathBuf,
-    pub sha256: Option<String>,
-    pub isolation: Isolation,
-    pub limits: Limits,
+    pub(crate) sha256: Option<String>,
+    pub(crate) isolation: Isolation,
+    pub(crate) limits: Limits,
+    /// What the provider may import, and how far.
     pub grants: Grants,
     /// The `[config]` table as JSON, as the guest receives it.
     pub config_json: String,

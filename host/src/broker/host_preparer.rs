@@ -15,20 +15,25 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-pub const LOCK_WORKER: &str = "broker";
-pub const LOCK_COMMENT: &str = "bridging devices";
+pub(crate) const LOCK_WORKER: &str = "broker";
+pub(crate) const LOCK_COMMENT: &str = "bridging devices";
 
 /// The messages are Juju's.
 #[derive(Debug, thiserror::Error)]
 pub enum PrepareError {
+    /// The machine lock was not taken: timed out, cancelled or failed.
     #[error("failed to acquire machine lock for bridging: {0}")]
     Lock(LockError),
+    /// The devices could not be listed, or a bridge has no device to go over.
     #[error("unable to setup network: {0}")]
     Changes(String),
+    /// Making a bridge failed.
     #[error("failed to bridge devices: {0}")]
     Bridge(BridgeError),
+    /// The devices could not be listed after bridging.
     #[error("cannot discover observed network config: {0}")]
     Observe(BridgeError),
+    /// The observed devices could not be stored.
     #[error("cannot record observed network config: {0}")]
     Record(#[source] StoreError),
 }
@@ -73,7 +78,7 @@ pub fn host_changes(
     Ok(changes)
 }
 
-pub struct HostPreparer<'a> {
+pub(crate) struct HostPreparer<'a> {
     pub lock: &'a MachineLock,
     pub network: &'a dyn NetworkBackend,
     pub sink: &'a dyn ObservedNetworkSink,

@@ -10,8 +10,9 @@ use crate::store::Event;
 /// What a reconcile found for one provider.
 #[derive(Debug, Default, Clone, PartialEq, serde::Serialize)]
 pub struct Reconciled {
+    /// The provider reconciled.
     pub provider: String,
-    pub maintained: Vec<String>,
+    pub(crate) maintained: Vec<String>,
     /// Instance id and why `maintain-instance` failed.
     pub maintain_failed: Vec<(String, String)>,
     /// Reported by the provider, never recorded by the host.
@@ -27,6 +28,7 @@ pub struct Reconciled {
 }
 
 impl Reconciled {
+    /// One line for the `reconciled` event: counts, failures and differences, or why it could not run.
     pub fn summary(&self) -> String {
         if let Some(error) = &self.error {
             return format!("cannot reconcile: {error}");

@@ -20,41 +20,86 @@ use std::sync::Arc;
 
 pub use crate::store::InstanceRecord;
 
+/// Why a broker operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerServiceError {
+    /// Finding, loading or changing a registered provider failed.
     #[error(transparent)]
     Registry(#[from] RegistryError),
+    /// The provider call failed.
     #[error(transparent)]
     Call(#[from] CallError),
+    /// The host's store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The wasm runtime could not be set up.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+    /// The machine lock could not be set up.
     #[error(transparent)]
     Lock(#[from] LockError),
+    /// The host could not be bridged for a start.
     #[error(transparent)]
     Prepare(#[from] PrepareError),
+    /// `host.toml` could not be read or parsed.
     #[error("host config {path}: {reason}")]
-    HostConfig { path: String, reason: String },
+    HostConfig {
+        /// Its path.
+        path: String,
+        /// The read or parse error.
+        reason: String,
+    },
+    /// No provider has a record of this instance id.
     #[error("unknown instance {0:?}: the host has no record of it (pass --provider to ask a provider directly)")]
     UnknownInstance(String),
+    /// Several providers have a record of this instance id.
     #[error("instance id {id:?} is recorded for several providers ({providers}); pass --provider")]
-    AmbiguousInstance { id: String, providers: String },
+    AmbiguousInstance {
+        /// The instance id.
+        id: String,
+        /// Those providers, comma-separated.
+        providers: String,
+    },
+    /// A started instance could not be recorded, so it was stopped.
     #[error("provider {provider}: started {id} but could not record it ({source}); the instance was stopped again")]
-    RecordFailed { provider: String, id: String, source: StoreError },
+    RecordFailed {
+        /// The provider that started it.
+        provider: String,
+        /// The instance id.
+        id: String,
+        /// The store's failure.
+        source: StoreError,
+    },
+    /// The provider returned an id the host does not take, so the instance was stopped.
     #[error(
         "provider {provider} returned an unusable instance id {id}: {reason}; nothing was recorded and the instance was stopped again"
     )]
-    InvalidInstanceId { provider: String, id: String, reason: String },
+    InvalidInstanceId {
+        /// The provider that started it.
+        provider: String,
+        /// The id, escaped for a message.
+        id: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The provider returned an id recorded for another provider; the instance is left running.
     #[error(
         "provider {provider} returned instance id {id}, which is recorded for provider {owner}; nothing was recorded, and the instance was not stopped, as the id may name {owner}'s instance"
     )]
-    InstanceIdTaken { provider: String, id: String, owner: String },
+    InstanceIdTaken {
+        /// The provider that started it.
+        provider: String,
+        /// The id, escaped for a message.
+        id: String,
+        /// The provider it is recorded for.
+        owner: String,
+    },
     /// Only a sandbox without a network has none; a host always has its own.
     #[error("unable to setup network: this host gives no network backend")]
     NoNetwork,
 }
 
+/// The host's service: the registered providers, the store of what they did, and the machine lock.
 pub struct Broker {
     store: Arc<Store>,
     registry: Registry,
@@ -76,7 +121,7 @@ pub struct Broker {
 /// (`br-eth0` over `eth0`).
 #[derive(Debug, Clone, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct HostConfig {
+pub(crate) struct HostConfig {
     #[serde(default)]
     pub bridges: BTreeMap<String, String>,
     /// How granted programs are confined (`[sandbox]`: `bwrap`, `user`, `uid-base`).
@@ -108,7 +153,12 @@ impl Broker {
         Ok(Broker::with_parts(runtime, store, machine_lock, host))
     }
 
-    pub fn with_parts(runtime: Arc<Runtime>, store: Arc<Store>, machine_lock: MachineLock, host: HostConfig) -> Broker {
+    pub(crate) fn with_parts(
+        runtime: Arc<Runtime>,
+        store: Arc<Store>,
+        machine_lock: MachineLock,
+        host: HostConfig,
+    ) -> Broker {
         let sandbox = Sandbox::new(host.sandbox.clone(), Some(store.clone() as Arc<dyn UidAllocations>));
         let on_host =
             HostCapabilities::on_host(store.kv(), store.data_dir().join(DATA_DIRS), sandbox, store.child_records());
@@ -117,10 +167,12 @@ impl Broker {
         Broker { registry: Registry::new(runtime, store.clone(), capabilities), store, machine_lock, host }
     }
 
+    /// The registered providers and the versions loaded for them.
     pub fn registry(&self) -> &Registry {
         &self.registry
     }
 
+    /// The host's state: provider and instance records, events, every provider's kv.
     pub fn store(&self) -> &Store {
         &self.store
     }
@@ -130,6 +182,8 @@ impl Broker {
         &self.machine_lock
     }
 
+    /// Bridge the host if the params' network needs it, then start the instance and record it
+    /// in one commit with the provider's kv changes.
     #[tracing::instrument(skip_all, fields(provider = %provider, instance_id = tracing::field::Empty))]
     pub async fn start_instance(
         &self,
@@ -216,6 +270,7 @@ impl Broker {
         Ok(())
     }
 
+    /// The provider's `maintain-instance` on `id`, with the params recorded at its start (empty if none).
     #[tracing::instrument(skip(self, id), fields(instance_id = %id))]
     pub async fn maintain_instance(&self, provider: &str, id: &str) -> Result<(), BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;

@@ -15,22 +15,41 @@ pub const INTERFACE: &str = "context";
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[serde(tag = "event", rename_all = "kebab-case")]
 pub enum CallEvent {
-    Status { status: InstanceStatus, info: String, data: Vec<(String, String)> },
-    Cleanup { info: String },
+    /// The guest's `set-status`.
+    Status {
+        /// The instance's new status.
+        status: InstanceStatus,
+        /// The status message, cut to 4096 bytes.
+        info: String,
+        /// Extra key/value details, as the guest gave them.
+        data: Vec<(String, String)>,
+    },
+    /// The guest's `cleanup` (Juju's CleanupCallback).
+    Cleanup {
+        /// What is being cleaned up, cut to 4096 bytes.
+        info: String,
+    },
 }
 
+/// Where a call's [`CallEvent`]s go.
 pub type EventSink = Arc<dyn Fn(CallEvent) + Send + Sync>;
+/// Juju's DistributionGroup: ids of the instances to keep a new one apart from;
+/// an `Err` reaches the guest as a provider error.
 pub type DistributionGroupFn = Arc<dyn Fn() -> Result<Vec<String>, String> + Send + Sync>;
 
 /// Caller-side hooks for one call. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct CallHooks {
+    /// Receives status and cleanup reports; `None` drops them.
     pub events: Option<EventSink>,
+    /// Asked only when the guest calls `distribution-group`; `None` answers an empty group.
     pub distribution_group: Option<DistributionGroupFn>,
+    /// Set to tell the guest the call is aborted.
     pub abort: Arc<AtomicBool>,
 }
 
 impl CallHooks {
+    /// Hooks that send events to `events`, with no distribution group.
     pub fn with_events(events: impl Fn(CallEvent) + Send + Sync + 'static) -> Self {
         CallHooks { events: Some(Arc::new(events)), ..Default::default() }
     }
@@ -38,7 +57,9 @@ impl CallHooks {
 
 /// The host object behind a guest's `call-context` handle.
 pub struct CallContext {
+    /// The caller's hooks for this call.
     pub hooks: CallHooks,
+    /// The provider's config as JSON text, handed to the guest on request.
     pub provider_config: Arc<str>,
 }
 
@@ -52,6 +73,7 @@ impl CallContext {
 
 /// What the context interface needs from the store: the resource table.
 pub struct ContextView<'a> {
+    /// The store's table, where `call-context` handles live.
     pub table: &'a mut ResourceTable,
 }
 
@@ -61,7 +83,7 @@ impl ContextView<'_> {
     }
 }
 
-pub struct ContextData;
+pub(crate) struct ContextData;
 
 impl HasData for ContextData {
     type Data<'a> = ContextView<'a>;
@@ -122,7 +144,7 @@ impl wit::HostCallContext for ContextView<'_> {
 
 impl wit::Host for ContextView<'_> {}
 
-pub fn add_to_linker<T: Send + 'static>(
+pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> ContextView<'_>,
 ) -> wasmtime::Result<()> {

@@ -32,7 +32,7 @@ impl Denials {
         error
     }
 
-    pub fn note(&self, interface: &str, message: &str) {
+    pub(crate) fn note(&self, interface: &str, message: &str) {
         tracing::warn!(provider = &*self.provider, interface, reason = message, "host call refused: not granted");
         if let Some(collected) = &self.collected {
             collected.lock().unwrap_or_else(|p| p.into_inner()).push(format!("{interface}: {message}"));

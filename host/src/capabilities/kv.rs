@@ -21,12 +21,16 @@ pub const MAX_KEY_BYTES: usize = 1024;
 /// Values larger than this are refused.
 pub const MAX_VALUE_BYTES: usize = 1 << 20;
 
+/// A refused or failed kv call; the guest gets the matching WIT `kv-error`.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum KvError {
+    /// A key or value past [`MAX_KEY_BYTES`] or [`MAX_VALUE_BYTES`].
     #[error("too large: {0}")]
     TooLarge(String),
+    /// Not applicable to what is stored (a non-counter, an overflow).
     #[error("invalid: {0}")]
     Invalid(String),
+    /// The backend failed, or there is none.
     #[error("storage: {0}")]
     Storage(String),
 }
@@ -44,7 +48,9 @@ impl From<KvError> for wit::KvError {
 /// A change to one key.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvChange {
+    /// Replace the value.
     Set(Vec<u8>),
+    /// Remove the key; an absent key is no error.
     Delete,
     /// Add to the little-endian i64 counter (absent counts as 0).
     Increment(i64),
@@ -53,6 +59,7 @@ pub enum KvChange {
 /// What a change did.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvChanged {
+    /// The value was written.
     Set,
     /// Whether the key was there.
     Deleted(bool),
@@ -75,16 +82,16 @@ impl KvChange {
 /// but not yet known to be durable: what [`KvBackend::persist`] makes durable.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvWrites {
-    pub namespace: Arc<str>,
-    pub keys: BTreeSet<String>,
+    pub(crate) namespace: Arc<str>,
+    pub(crate) keys: BTreeSet<String>,
 }
 
 impl KvWrites {
-    pub fn new(namespace: Arc<str>) -> Self {
+    pub(crate) fn new(namespace: Arc<str>) -> Self {
         KvWrites { namespace, keys: BTreeSet::new() }
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.keys.is_empty()
     }
 }
@@ -98,6 +105,7 @@ impl KvWrites {
 /// never on the executor). The blocking forms are for tests and tools, which
 /// are not async.
 pub trait KvBackend: Send + Sync + 'static {
+    /// The value under `key`, if any.
     fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError>;
     /// Entries under `prefix`, already packed as `scan` returns them to guests.
     fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError>;
@@ -119,6 +127,7 @@ pub trait KvBackend: Send + Sync + 'static {
         self.persist_blocking(writes)?;
         Ok(answer)
     }
+    /// Set `key` and wait until it is durable.
     fn set(&self, namespace: &str, key: &str, value: &[u8]) -> Result<(), KvError> {
         self.change_blocking(namespace, key, KvChange::Set(value.to_vec())).map(drop)
     }
@@ -187,14 +196,14 @@ pub fn decode_counter(bytes: &[u8]) -> Result<i64, KvError> {
     Ok(i64::from_le_bytes(array))
 }
 
-pub fn check_key(key: &str) -> Result<(), KvError> {
+pub(crate) fn check_key(key: &str) -> Result<(), KvError> {
     if key.len() > MAX_KEY_BYTES {
         return Err(KvError::TooLarge(format!("key of {} bytes (limit {MAX_KEY_BYTES})", key.len())));
     }
     Ok(())
 }
 
-pub fn check_value(value: &[u8]) -> Result<(), KvError> {
+pub(crate) fn check_value(value: &[u8]) -> Result<(), KvError> {
     if value.len() > MAX_VALUE_BYTES {
         return Err(KvError::TooLarge(format!("value of {} bytes (limit {MAX_VALUE_BYTES})", value.len())));
     }
@@ -266,7 +275,7 @@ impl Default for KvCtx {
 }
 
 impl KvCtx {
-    pub fn new(namespace: Arc<str>, backend: Arc<dyn KvBackend>, durability: KvDurability) -> Self {
+    pub(crate) fn new(namespace: Arc<str>, backend: Arc<dyn KvBackend>, durability: KvDurability) -> Self {
         KvCtx { backend: Some(backend), durability, unpersisted: KvWrites::new(namespace) }
     }
 
@@ -349,7 +358,7 @@ impl wit::Host for KvCtx {
     }
 }
 
-pub fn add_to_linker<T: Send + 'static>(
+pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> &mut KvCtx,
 ) -> wasmtime::Result<()> {

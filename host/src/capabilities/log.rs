@@ -12,13 +12,14 @@ pub const INTERFACE: &str = "log";
 /// Longest message kept; the rest is cut so a guest cannot flood the logs with one line.
 const MAX_MESSAGE_BYTES: usize = 4096;
 
+/// Per-store context: the provider its lines are tagged with.
 #[derive(Default)]
 pub struct LogCtx {
     provider: Arc<str>,
 }
 
 impl LogCtx {
-    pub fn new(provider: Arc<str>) -> Self {
+    pub(crate) fn new(provider: Arc<str>) -> Self {
         LogCtx { provider }
     }
 }
@@ -50,7 +51,7 @@ pub fn truncate(text: &str, max: usize) -> &str {
     &text[..end]
 }
 
-pub fn add_to_linker<T: Send + 'static>(
+pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> &mut LogCtx,
 ) -> wasmtime::Result<()> {

@@ -4,8 +4,11 @@
 use std::marker::PhantomData;
 use wasmtime::component::{HasData, ResourceTable};
 
+/// A capability's per-store context and the store's resource table, borrowed together.
 pub struct View<'a, C> {
+    /// The capability's per-store context.
     pub ctx: &'a mut C,
+    /// Where the capability's handles live.
     pub table: &'a mut ResourceTable,
 }
 

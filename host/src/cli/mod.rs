@@ -15,6 +15,7 @@ use clap::{Args, Parser, Subcommand};
 use std::io::Write;
 use std::path::PathBuf;
 
+/// The parsed command line (its help comes from `about`/`long_about`, not this comment).
 #[derive(Debug, Parser)]
 #[command(
     name = "broker",
@@ -37,11 +38,11 @@ pub struct Cli {
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
     #[command(subcommand)]
-    pub command: Command,
+    pub(crate) command: Command,
 }
 
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Register, list and remove provider components.
     #[command(subcommand)]
     Provider(ProviderCommand),
@@ -84,7 +85,7 @@ pub enum Command {
 }
 
 #[derive(Debug, Subcommand)]
-pub enum ProviderCommand {
+pub(crate) enum ProviderCommand {
     /// Check a provider's manifest and component (sha256 pin, imports against
     /// grants, contract version, validate-config) and register it.
     Add {
@@ -148,7 +149,7 @@ pub enum ProviderCommand {
 }
 
 #[derive(Debug, Subcommand)]
-pub enum InstanceCommand {
+pub(crate) enum InstanceCommand {
     /// Start an instance. Status updates are shown as they happen on stderr: one
     /// line redrawn in a terminal, a line each otherwise, JSON lines with --json.
     Start(StartArgs),
@@ -177,7 +178,7 @@ pub enum InstanceCommand {
 }
 
 #[derive(Debug, Args)]
-pub struct StartArgs {
+pub(crate) struct StartArgs {
     /// The registered provider to start it with.
     #[arg(long)]
     provider: String,
@@ -194,7 +195,7 @@ pub struct StartArgs {
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub enum ReportFormat {
+pub(crate) enum ReportFormat {
     Text,
     Json,
     /// JUnit XML, for CI systems.

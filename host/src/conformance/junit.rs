@@ -20,7 +20,7 @@ fn escape(text: &str) -> String {
 }
 
 impl Report {
-    pub fn junit(&self) -> String {
+    pub(crate) fn junit(&self) -> String {
         let failures = self.cases.iter().filter(|c| !c.passed).count();
         let seconds = self.millis as f64 / 1000.0;
         let suite = escape(&format!("broker provider test: {} {}", self.provider, self.version));

@@ -57,7 +57,9 @@ pub use trace::HostCallLog;
 /// One scenario's outcome.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Case {
+    /// What the scenario checks, as a sentence (`double stop is ok`).
     pub name: &'static str,
+    /// Whether the provider did what the contract asks.
     pub passed: bool,
     /// Why it failed, or what was checked.
     pub detail: String,
@@ -66,19 +68,24 @@ pub struct Case {
     pub trace: Vec<String>,
 }
 
+/// A run of every scenario against one provider component.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    pub provider: String,
-    pub version: String,
+    pub(crate) provider: String,
+    pub(crate) version: String,
+    /// One per scenario, in the order run.
     pub cases: Vec<Case>,
-    pub millis: u128,
+    pub(crate) millis: u128,
 }
 
 impl Report {
+    /// Whether every case passed.
     pub fn passed(&self) -> bool {
         self.cases.iter().all(|c| c.passed)
     }
 
+    /// One line per case, each failure followed by its last host calls; what
+    /// the provider said is escaped.
     pub fn text(&self) -> String {
         // What the provider said (its version, errors, host calls) is escaped: one line each.
         use crate::error_text::escape_unprintable as esc;
@@ -103,16 +110,26 @@ impl Report {
     }
 }
 
+/// Why the kit could not run the scenarios (a failed scenario is not an error).
 #[derive(Debug, thiserror::Error)]
 pub enum ConformanceError {
+    /// The component could not be loaded.
     #[error(transparent)]
     Load(#[from] crate::version::LoadError),
+    /// The throwaway host the scenarios run in could not be set up.
     #[error("cannot set up the sandbox: {0}")]
     Sandbox(String),
+    /// The script could not be read or parsed.
     #[error("script {path}: {reason}")]
-    Script { path: String, reason: String },
+    Script {
+        /// The script file.
+        path: String,
+        /// Why it was refused.
+        reason: String,
+    },
 }
 
+/// How a kit run gets its answers and treats what the script lacks.
 pub struct KitOptions {
     /// Where the granted capabilities' answers come from.
     pub answers: Answers,
@@ -138,7 +155,7 @@ pub fn script_path(manifest: &std::path::Path) -> std::path::PathBuf {
     manifest.with_extension("script.json")
 }
 
-pub fn load_script(path: &std::path::Path) -> Result<Scripted, ConformanceError> {
+pub(crate) fn load_script(path: &std::path::Path) -> Result<Scripted, ConformanceError> {
     let error = |reason: String| ConformanceError::Script { path: path.display().to_string(), reason };
     let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
     Scripted::parse(&text).map_err(error)

@@ -21,21 +21,25 @@ use crate::network::simulated::SimNetwork;
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
 
+/// A script file's contents, one section per capability.
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScriptFile {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub http: Vec<Exchange>,
+    pub(crate) http: Vec<Exchange>,
+    /// Programs run to completion, answered in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub runs: Vec<ScriptedRun>,
+    /// Long-running programs, one per spawn, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<ScriptedChild>,
+    /// The host network devices (and bridges) the provider finds.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<Device>,
 }
 
 impl ScriptFile {
-    pub fn to_json(&self) -> String {
+    pub(crate) fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("a script is plain data") + "\n"
     }
 }
@@ -43,13 +47,13 @@ impl ScriptFile {
 /// The simulations a script file sets up.
 #[derive(Default)]
 pub struct Scripted {
-    pub http: Arc<Script>,
-    pub processes: Arc<SimProcesses>,
-    pub network: Arc<SimNetwork>,
+    pub(crate) http: Arc<Script>,
+    pub(crate) processes: Arc<SimProcesses>,
+    pub(crate) network: Arc<SimNetwork>,
 }
 
 impl Scripted {
-    pub fn new(file: ScriptFile) -> Scripted {
+    pub(crate) fn new(file: ScriptFile) -> Scripted {
         Scripted {
             http: Arc::new(Script::new(file.http)),
             processes: Arc::new(SimProcesses::new(file.runs, file.children)),
@@ -57,6 +61,7 @@ impl Scripted {
         }
     }
 
+    /// Set up the simulations a script file's JSON describes.
     pub fn parse(text: &str) -> Result<Scripted, String> {
         let file: ScriptFile = serde_json::from_str(text).map_err(|e| format!("invalid script: {e}"))?;
         Ok(Scripted::new(file))
@@ -78,8 +83,9 @@ impl Scripted {
 /// What a run against the real capabilities did, to be written as a script.
 #[derive(Default)]
 pub struct Recording {
+    /// The HTTP exchanges made, in order.
     pub http: Arc<Tape>,
-    pub processes: Arc<ProcessTape>,
+    pub(crate) processes: Arc<ProcessTape>,
     /// The granted devices as the run found them.
     devices: Mutex<Vec<Device>>,
 }
@@ -95,12 +101,14 @@ impl Recording {
         Ok(())
     }
 
+    /// What was recorded so far, as a script.
     pub fn script(&self) -> ScriptFile {
         let (runs, children) = self.processes.script();
         let devices = self.devices.lock().unwrap_or_else(|p| p.into_inner()).clone();
         ScriptFile { http: self.http.exchanges(), runs, children, devices }
     }
 
+    /// [`Recording::script`] as a script file's JSON.
     pub fn to_script_json(&self) -> String {
         self.script().to_json()
     }

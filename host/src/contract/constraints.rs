@@ -4,18 +4,33 @@
 
 use crate::bindings::Constraints;
 
+/// Why a constraints string was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConstraintsError {
+    /// An item without `=`.
     #[error("malformed constraint {0:?}: expected key=value")]
     Malformed(String),
+    /// A key Juju's syntax does not have.
     #[error("unknown constraint {0:?}")]
     UnknownKey(String),
+    /// A key given twice (`cpu-cores` and `cores` are one key).
     #[error("bad {key:?} constraint: already set")]
-    Duplicate { key: String },
+    Duplicate {
+        /// The key.
+        key: String,
+    },
+    /// A value the key does not take.
     #[error("bad {key:?} constraint: {reason}")]
-    BadValue { key: String, reason: String },
+    BadValue {
+        /// The key.
+        key: String,
+        /// What is wrong with the value.
+        reason: String,
+    },
 }
 
+/// Parse Juju's `key=value` constraints, separated by whitespace; an empty
+/// string is no constraints.
 pub fn parse(text: &str) -> Result<Constraints, ConstraintsError> {
     let mut c = empty();
     let mut seen: Vec<&str> = Vec::new();

@@ -119,7 +119,7 @@ where
     }
 }
 
-pub fn router(broker: Shared) -> Router {
+pub(crate) fn router(broker: Shared) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/metrics", get(metrics))

@@ -15,7 +15,7 @@ use std::sync::Arc;
 const MIN_TOKEN_CHARS: usize = 16;
 
 #[derive(Debug, thiserror::Error)]
-pub enum AuthError {
+pub(crate) enum AuthError {
     #[error("--listen {0}: plain HTTP with a bearer token is only offered on a loopback address (127.0.0.1, ::1)")]
     NotLoopback(SocketAddr),
     #[error("cannot read token file {path}: {source}")]
@@ -32,7 +32,7 @@ pub struct BearerToken(Arc<str>);
 
 impl BearerToken {
     /// Read the token file: private to its owner, at least 16 characters (surrounding whitespace ignored).
-    pub fn load(path: &Path) -> Result<BearerToken, AuthError> {
+    pub(crate) fn load(path: &Path) -> Result<BearerToken, AuthError> {
         let shown = path.display().to_string();
         let read = |source| AuthError::Read { path: shown.clone(), source };
         let mode = std::fs::metadata(path).map_err(read)?.permissions().mode();
@@ -55,7 +55,7 @@ impl BearerToken {
     }
 }
 
-pub fn check_loopback(addr: SocketAddr) -> Result<(), AuthError> {
+pub(crate) fn check_loopback(addr: SocketAddr) -> Result<(), AuthError> {
     if addr.ip().is_loopback() { Ok(()) } else { Err(AuthError::NotLoopback(addr)) }
 }
 

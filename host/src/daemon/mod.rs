@@ -10,8 +10,9 @@ mod auth;
 mod progress;
 pub mod wire;
 
-pub use api::router;
-pub use auth::{AuthError, BearerToken, check_loopback};
+pub(crate) use api::router;
+pub use auth::BearerToken;
+pub(crate) use auth::check_loopback;
 
 use crate::broker::Broker;
 use anyhow::{Context, Result};
@@ -29,7 +30,9 @@ pub fn default_socket(data_dir: &Path) -> PathBuf {
 
 /// Where the API listens besides its unix socket.
 pub struct TcpListen {
+    /// A loopback address; any other is refused.
     pub addr: std::net::SocketAddr,
+    /// What every request but `/healthz` must present as `Authorization: Bearer`.
     pub token: BearerToken,
 }
 

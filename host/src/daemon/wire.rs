@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 /// reports them, then exactly one `started` or `failed`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "kebab-case")]
-pub enum StartLine {
+pub(crate) enum StartLine {
     Status { status: String, info: String, data: Vec<(String, String)> },
     Cleanup { info: String },
     Started { instance: Box<InstanceRecord> },

@@ -24,18 +24,25 @@ use tokio::sync::Notify;
 /// process holds, and re-checks its abort flag.
 const POLL: Duration = Duration::from_millis(10);
 
+/// Why the lock could not be made or taken.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
+    /// The spec's timeout passed first.
     #[error("timeout acquiring mutex")]
     Timeout,
+    /// The spec's abort flag was set.
     #[error("cancelled acquiring mutex")]
     Cancelled,
+    /// The lock file or its directory failed.
     #[error("machine lock {path}: {source}")]
     Io {
+        /// The lock file's path.
         path: String,
+        /// The OS error.
         #[source]
         source: std::io::Error,
     },
+    /// A bad lock name, worker or comment.
     #[error("invalid lock spec: {0}")]
     InvalidSpec(String),
 }
@@ -52,6 +59,7 @@ pub const MAX_COMMENT_BYTES: usize = 256;
 pub struct Spec {
     /// Required: who holds the lock, e.g. `uniter` or `broker`.
     pub worker: String,
+    /// Why it is held, shown beside the worker; may be empty.
     pub comment: String,
     /// `None` (or zero) waits forever.
     pub timeout: Option<Duration>,
@@ -91,9 +99,13 @@ fn check_field(field: &str, value: &str, max: usize) -> Result<(), LockError> {
 /// One holder or waiter, as the report shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Party {
+    /// The agent of the process (as in history lines).
     pub agent: String,
+    /// Its process; a party whose process is gone is left out of reports.
     pub pid: u32,
+    /// As in [`Spec::worker`].
     pub worker: String,
+    /// As in [`Spec::comment`].
     pub comment: String,
     /// Unix seconds when it started holding or waiting.
     pub since: u64,
@@ -119,9 +131,13 @@ impl Party {
 /// The lock's state as `broker lock` reports it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Report {
+    /// `machine-lock` or `machine-lock-<group>`.
     pub name: String,
+    /// `None` when free, or when its holder's process is gone.
     pub holder: Option<Party>,
+    /// Of every process on the machine, longest waiting first.
     pub waiting: Vec<Party>,
+    /// The last history lines, oldest first.
     pub history: Vec<String>,
 }
 
@@ -222,10 +238,12 @@ impl MachineLock {
         })
     }
 
+    /// `machine-lock` or `machine-lock-<group>`.
     pub fn name(&self) -> &str {
         &self.inner.name
     }
 
+    /// The lock file; the history, holder and waiter files sit beside it.
     pub fn path(&self) -> &Path {
         &self.inner.path
     }
@@ -404,10 +422,12 @@ impl LockGuard {
         self.inner.changed.notify_waiters();
     }
 
+    /// False once released.
     pub fn is_held(&self) -> bool {
         self.file.is_some()
     }
 
+    /// How long the acquire waited for it.
     pub fn waited(&self) -> Duration {
         self.waited
     }

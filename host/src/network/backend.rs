@@ -14,7 +14,9 @@ pub trait NetworkBackend: Send + Sync + 'static {
     fn devices(&self) -> BoxFuture<'_, Result<Vec<Device>, BridgeError>>;
     /// Move `change.device` into a new bridge (its MAC and addresses go with it).
     fn bridge<'a>(&'a self, change: &'a DeviceToBridge) -> BoxFuture<'a, Result<(), BridgeError>>;
+    /// Undo [`NetworkBackend::bridge`]: the addresses go back to the device, the bridge is deleted.
     fn unbridge<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>>;
+    /// A veth pair: `name` attached to `bridge` and up, `peer` up and left for the instance.
     fn create_veth<'a>(
         &'a self,
         name: &'a str,
@@ -29,11 +31,14 @@ pub trait NetworkBackend: Send + Sync + 'static {
         mac: &'a str,
         owner: Option<u32>,
     ) -> BoxFuture<'a, Result<(), BridgeError>>;
+    /// Attach an existing device (a tap, a veth) to `bridge` and bring it up.
     fn attach<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>>;
     /// Delete a veth, or a tap that is `owner`'s (root's if `None`) or no one's.
     fn delete_owned<'a>(&'a self, name: &'a str, owner: Option<u32>) -> BoxFuture<'a, Result<(), BridgeError>>;
+    /// Delete a device (a veth's peer goes too), whoever owns it.
     fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), BridgeError>>;
 
+    /// The device named `name`, if there is one.
     fn device<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<Device>, BridgeError>> {
         Box::pin(async move { Ok(self.devices().await?.into_iter().find(|d| d.name == name)) })
     }

@@ -18,7 +18,9 @@ use std::net::IpAddr;
 /// Juju's `network.DeviceToBridge`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceToBridge {
+    /// The host device to bridge (`eth0`).
     pub device: String,
+    /// The bridge it goes into, made if missing (`br-eth0`).
     pub bridge: String,
     /// The MAC the bridge takes; empty = the device's own.
     pub mac: String,
@@ -27,7 +29,9 @@ pub struct DeviceToBridge {
 /// An address on a device: `10.0.0.5/24`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DeviceAddress {
+    /// IPv4 or IPv6.
     pub address: IpAddr,
+    /// Prefix length in bits.
     pub prefix: u8,
 }
 
@@ -40,48 +44,76 @@ impl std::fmt::Display for DeviceAddress {
 /// One network device as observed on the host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Device {
+    /// The interface name: at most 15 bytes.
     pub name: String,
     /// The kernel's; a script may leave it out.
     #[serde(default)]
     pub index: u32,
     /// `aa:bb:cc:dd:ee:ff`; empty for devices without one (lo has zeros).
     pub mac: String,
+    /// In bytes.
     pub mtu: u32,
     /// `bridge`, `veth`, `dummy`, `tun`, … ; empty for physical devices.
     #[serde(default)]
     pub kind: String,
     /// The bridge (or bond) this device is enslaved to.
     pub controller: Option<String>,
+    /// Administratively up (`IFF_UP`).
     pub up: bool,
+    /// Every address on it, IPv6 link-local ones included.
     #[serde(default)]
     pub addresses: Vec<DeviceAddress>,
 }
 
+/// Why a bridging call failed, on the kernel or in the simulation.
 #[derive(Debug, thiserror::Error)]
 pub enum BridgeError {
+    /// A netlink request the kernel refused.
     #[error("netlink: {0}")]
     Netlink(#[source] rtnetlink::Error),
     /// A system call of the bridger's own (a tap's ioctls, the netlink socket).
     #[error("netlink: {what}: {source}")]
     Io {
+        /// What was being done.
         what: String,
+        /// The OS error.
         #[source]
         source: std::io::Error,
     },
+    /// No device of that name.
     #[error("device {0:?} not found")]
     NoDevice(String),
+    /// The device is already in another bridge; it is left there.
     #[error("device {device:?} is already bridged into {existing:?}, not {wanted:?}")]
-    BridgedElsewhere { device: String, wanted: String, existing: String },
+    BridgedElsewhere {
+        /// The device asked for.
+        device: String,
+        /// The bridge asked for.
+        wanted: String,
+        /// The bridge it is in.
+        existing: String,
+    },
+    /// A device to attach to, or to bridge into, that is not a bridge.
     #[error("{0:?} exists and is not a bridge")]
     NotABridge(String),
+    /// Not six `:`-separated pairs of hex digits.
     #[error("invalid MAC address {0:?}")]
     BadMac(String),
+    /// Not a valid Linux interface name.
     #[error("invalid device name {0:?}: 1-15 characters of letters, digits, '-', '_' or '.'")]
     BadName(String),
     /// A tap is only ever given to the user it was made for: re-owning another's
     /// would hand a confined program someone else's traffic.
     #[error("tap {device:?} exists and belongs to {owner}, not to uid {wanted} (this provider's)")]
-    TapOwnedElsewhere { device: String, owner: String, wanted: u32 },
+    TapOwnedElsewhere {
+        /// The tap.
+        device: String,
+        /// Its owner now: a uid, or a group.
+        owner: String,
+        /// This provider's sandbox user.
+        wanted: u32,
+    },
+    /// A device that exists and is not a tap, where a tap is wanted.
     #[error("{0:?} exists and is not a tap")]
     NotATap(String),
     /// A sandbox that gives its provider no network (the kit's, sealed).
@@ -89,11 +121,11 @@ pub enum BridgeError {
     NoBackend,
 }
 
-pub fn format_mac(bytes: &[u8]) -> String {
+pub(crate) fn format_mac(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
 }
 
-pub fn parse_mac(text: &str) -> Result<Vec<u8>, BridgeError> {
+pub(crate) fn parse_mac(text: &str) -> Result<Vec<u8>, BridgeError> {
     let bytes: Result<Vec<u8>, _> = text.split(':').map(|part| u8::from_str_radix(part, 16)).collect();
     match bytes {
         Ok(bytes) if bytes.len() == 6 && text.split(':').all(|p| p.len() == 2) => Ok(bytes),

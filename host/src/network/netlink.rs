@@ -128,6 +128,8 @@ fn movable(address: &DeviceAddress) -> bool {
 }
 
 impl Netlink {
+    /// A connection in this thread's network namespace; its driver task is
+    /// spawned on the current tokio runtime.
     pub fn connect() -> Result<Netlink, BridgeError> {
         let (connection, handle, _) =
             rtnetlink::new_connection().map_err(|source| BridgeError::Io { what: "connect".into(), source })?;
@@ -174,6 +176,7 @@ impl Netlink {
         Ok(devices)
     }
 
+    /// The device named `name`, if there is one.
     pub async fn device(&self, name: &str) -> Result<Option<Device>, BridgeError> {
         Ok(self.devices().await?.into_iter().find(|d| d.name == name))
     }

@@ -40,6 +40,7 @@ impl State {
     }
 }
 
+/// The simulated network: one per kit run, shared by its stores.
 #[derive(Debug, Default)]
 pub struct SimNetwork {
     state: Mutex<State>,
@@ -60,11 +61,11 @@ impl SimNetwork {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn devices(&self) -> Vec<Device> {
+    pub(crate) fn devices(&self) -> Vec<Device> {
         self.lock().devices.values().cloned().collect()
     }
 
-    pub fn bridge(&self, change: &DeviceToBridge) -> Result<(), BridgeError> {
+    pub(crate) fn bridge(&self, change: &DeviceToBridge) -> Result<(), BridgeError> {
         check_name(&change.device)?;
         check_name(&change.bridge)?;
         let mut state = self.lock();
@@ -90,7 +91,7 @@ impl SimNetwork {
         Ok(())
     }
 
-    pub fn unbridge(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
+    pub(crate) fn unbridge(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
         let mut state = self.lock();
         for name in [device, bridge] {
             state.devices.get(name).ok_or_else(|| BridgeError::NoDevice(name.to_owned()))?;
@@ -151,7 +152,7 @@ impl SimNetwork {
         Ok(())
     }
 
-    pub fn attach(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
+    pub(crate) fn attach(&self, device: &str, bridge: &str) -> Result<(), BridgeError> {
         let mut state = self.lock();
         if !state.devices.contains_key(device) {
             return Err(BridgeError::NoDevice(device.to_owned()));

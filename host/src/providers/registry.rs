@@ -13,36 +13,95 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+/// Why a registration change or a lookup failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
+    /// No provider is registered under this name.
     #[error("unknown provider {0:?} (see `broker provider list`)")]
     UnknownProvider(String),
+    /// The name is taken by a provider registered from another manifest.
     #[error("provider {name:?} is already registered from {existing}; remove it first")]
-    AlreadyRegistered { name: String, existing: String },
+    AlreadyRegistered {
+        /// The provider.
+        name: String,
+        /// The manifest path it is registered from.
+        existing: String,
+    },
+    /// Removal refused: the host still records instances of it.
     #[error("provider {name:?} still has {count} recorded instance(s); stop them first")]
-    HasInstances { name: String, count: usize },
+    HasInstances {
+        /// The provider.
+        name: String,
+        /// Instances recorded.
+        count: usize,
+    },
+    /// Its `validate-config` refused the manifest's config.
     #[error("provider {name:?} rejected its config: {source}")]
-    ConfigRejected { name: String, source: CallError },
+    ConfigRejected {
+        /// The provider.
+        name: String,
+        /// What the call returned.
+        source: CallError,
+    },
+    /// The provider version could not be loaded.
     #[error(transparent)]
     Load(#[from] LoadError),
+    /// A call to the provider failed.
     #[error(transparent)]
     Call(#[from] CallError),
+    /// The host's store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The manifest path could not be resolved.
     #[error("cannot resolve manifest path {path}: {source}")]
-    Path { path: String, source: std::io::Error },
+    Path {
+        /// The path as given.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A swap candidate's component could not be read or kept.
     #[error("cannot read candidate component {path}: {source}")]
-    Candidate { path: String, source: std::io::Error },
+    Candidate {
+        /// The candidate's path, or where it was to be kept.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The candidate failed a check; nothing changed.
     #[error("swap of {name:?} refused; version {serving} keeps serving: {reason}")]
-    SwapRefused { name: String, serving: String, reason: String },
+    SwapRefused {
+        /// The provider.
+        name: String,
+        /// The version that keeps serving.
+        serving: String,
+        /// Why, on one line (also the `swap-refused` event's detail).
+        reason: String,
+    },
+    /// The provider is being removed and takes no new calls.
     #[error("provider {0:?} is being removed: it takes no new calls while those in flight finish")]
     Removing(String),
+    /// Removal gave up: calls in flight outlasted the wait; the provider stays.
     #[error("provider {name:?} was not removed: its calls in flight did not finish within {waited:?}")]
-    DrainTimeout { name: String, waited: std::time::Duration },
+    DrainTimeout {
+        /// The provider.
+        name: String,
+        /// How long it waited: the longest deadline plus a slack.
+        waited: std::time::Duration,
+    },
+    /// The manifest on disk grants more than the one the operator approved.
     #[error(
         "provider {name:?}: its manifest {manifest} now grants {grant}, which was not approved; add it again to approve (`broker provider add {manifest}`)"
     )]
-    GrantsWidened { name: String, manifest: String, grant: String },
+    GrantsWidened {
+        /// The provider.
+        name: String,
+        /// The manifest's path.
+        manifest: String,
+        /// Each room's first new grant, comma-separated.
+        grant: String,
+    },
+    /// A swap candidate lies in a provider's data dir.
     #[error("{0}")]
     InDataDir(String),
 }
@@ -51,10 +110,12 @@ pub enum RegistryError {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct SwapReport {
-    pub provider: String,
-    pub old_sha256: String,
-    pub new_sha256: String,
+    pub(crate) provider: String,
+    pub(crate) old_sha256: String,
+    pub(crate) new_sha256: String,
+    /// What the replaced component's `describe` reported.
     pub old_version: String,
+    /// What the candidate's `describe` reported.
     pub new_version: String,
     /// The candidate passed the conformance scenarios before it was swapped in.
     pub checked: bool,
@@ -67,6 +128,7 @@ pub trait CandidateCheck: Send + Sync {
     fn check<'a>(&'a self, manifest: &'a Manifest) -> BoxFuture<'a, Result<Vec<String>, String>>;
 }
 
+/// The registered providers and, for each, the version new calls get.
 pub struct Registry {
     runtime: Arc<Runtime>,
     store: Arc<Store>,
@@ -97,7 +159,7 @@ struct Slots {
 /// A version no longer serving new calls: its counters, kept for a while so a
 /// scrape after a swap still sees its last increments.
 #[derive(Clone)]
-pub struct Retired {
+pub(crate) struct Retired {
     pub name: String,
     pub sha256: String,
     pub stats: Arc<crate::version::ProviderStats>,
@@ -110,8 +172,9 @@ pub const RETIRED_METRICS_FOR: std::time::Duration = std::time::Duration::from_s
 /// Swaps since this process started, for `/metrics` (the event log has them all).
 #[derive(Debug, Default)]
 pub struct SwapCounts {
+    /// Candidates swapped in.
     pub swapped: AtomicU64,
-    pub refused: AtomicU64,
+    pub(crate) refused: AtomicU64,
 }
 
 impl Registry {
@@ -120,7 +183,7 @@ impl Registry {
         &self.capabilities
     }
 
-    pub fn new(runtime: Arc<Runtime>, store: Arc<Store>, capabilities: HostCapabilities) -> Self {
+    pub(crate) fn new(runtime: Arc<Runtime>, store: Arc<Store>, capabilities: HostCapabilities) -> Self {
         Registry {
             runtime,
             store,
@@ -403,6 +466,7 @@ impl Registry {
         Ok((record, manifest))
     }
 
+    /// Every registered provider's record, as the store has it.
     pub fn list(&self) -> Result<Vec<ProviderRecord>, RegistryError> {
         Ok(self.store.providers()?)
     }
@@ -449,23 +513,24 @@ impl Registry {
         }
     }
 
-    pub fn store(&self) -> &Store {
+    pub(crate) fn store(&self) -> &Store {
         &self.store
     }
 
-    /// The versions loaded now, one per provider (the ones new calls get).
+    /// Swaps done and refused since this process started.
     pub fn swap_counts(&self) -> &SwapCounts {
         &self.swap_counts
     }
 
-    pub fn loaded(&self) -> Vec<Arc<ProviderVersion>> {
+    /// The versions loaded now, one per provider (the ones new calls get).
+    pub(crate) fn loaded(&self) -> Vec<Arc<ProviderVersion>> {
         let mut providers: Vec<_> = self.slots().loaded.values().cloned().collect();
         providers.sort_by(|a, b| a.name().cmp(b.name()));
         providers
     }
 
     /// Versions retired within [`RETIRED_METRICS_FOR`], oldest first.
-    pub fn retired(&self) -> Vec<Retired> {
+    pub(crate) fn retired(&self) -> Vec<Retired> {
         let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
         retired.retain(|r| r.since.elapsed() < RETIRED_METRICS_FOR);
         retired.clone()

@@ -19,7 +19,7 @@ pub struct GrantsView {
 /// A provider as `provider show` prints it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub struct ProviderView {
+pub(crate) struct ProviderView {
     pub name: String,
     pub version: String,
     pub component: String,
@@ -42,7 +42,7 @@ pub struct ProviderView {
 /// The crash policy's state for the version new calls get.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub struct BreakerView {
+pub(crate) struct BreakerView {
     pub half_open: bool,
     pub trips: u64,
 }

@@ -16,9 +16,13 @@ use std::path::{Path, PathBuf};
 /// What a rescan did about one provider.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
+    /// A new manifest: the provider was registered.
     Added(String),
+    /// Its component changed: the new one serves.
     Swapped(String),
+    /// Its manifest changed (no grant widened): reloaded from it.
     Reloaded(String),
+    /// Its manifest is gone: unregistered.
     Removed(String),
     /// Name (or manifest path) and why.
     Refused(String, String),
@@ -50,6 +54,7 @@ struct Seen {
     component_stamp: Option<Stamp>,
 }
 
+/// The watched directory, and what each manifest in it looked like at the last rescan.
 pub struct ProvidersDir {
     dir: PathBuf,
     /// Manifest path -> what it and its component looked like last time.
@@ -65,6 +70,7 @@ impl ProvidersDir {
         Ok(ProvidersDir { dir: std::fs::canonicalize(dir)?, seen: HashMap::new(), removal_refused: HashMap::new() })
     }
 
+    /// The directory, canonicalized.
     pub fn dir(&self) -> &Path {
         &self.dir
     }

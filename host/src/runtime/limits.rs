@@ -3,13 +3,13 @@
 
 use wasmtime::ResourceLimiter;
 
-pub struct GuestLimiter {
+pub(crate) struct GuestLimiter {
     memory_bytes: usize,
     hit: Option<String>,
 }
 
 impl GuestLimiter {
-    pub fn new(memory_bytes: usize) -> Self {
+    pub(crate) fn new(memory_bytes: usize) -> Self {
         GuestLimiter { memory_bytes, hit: None }
     }
 

@@ -7,7 +7,7 @@ pub mod rooms;
 mod state;
 mod ticker;
 
-pub use limits::GuestLimiter;
+pub(crate) use limits::GuestLimiter;
 pub use rooms::{Capability, Linking, ROOMS, Room};
 pub use state::{HostCapabilities, HostState, ProviderCapabilities};
 
@@ -25,18 +25,25 @@ pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 /// A cause from wasmtime, kept whole (its own causes reachable through `source`).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// Why the engine could not be set up or a component not compiled.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
+    /// wasmtime refused the engine's configuration.
     #[error("cannot configure the wasm engine: {0}")]
     Engine(#[source] BoxError),
+    /// The on-disk compilation cache could not be set up.
     #[error("cannot configure the wasm engine: cache: {0}")]
     Cache(#[source] BoxError),
+    /// The bytes are not a component this engine can compile.
     #[error("cannot compile component {path}: {}", crate::error_text::error_text(&**source))]
     Compile {
+        /// The component file.
         path: String,
+        /// wasmtime's error.
         #[source]
         source: BoxError,
     },
+    /// The thread that advances the epoch could not be spawned.
     #[error("cannot start the epoch thread, without which no guest deadline holds: {0}")]
     Ticker(#[source] std::io::Error),
 }
@@ -69,11 +76,11 @@ impl Runtime {
         Ok(Arc::new(Runtime { engine, _ticker: ticker }))
     }
 
-    pub fn engine(&self) -> &Engine {
+    pub(crate) fn engine(&self) -> &Engine {
         &self.engine
     }
 
-    pub fn compile(&self, path: &Path, bytes: &[u8]) -> Result<Component, RuntimeError> {
+    pub(crate) fn compile(&self, path: &Path, bytes: &[u8]) -> Result<Component, RuntimeError> {
         Component::new(&self.engine, bytes)
             .map_err(|e| RuntimeError::Compile { path: path.display().to_string(), source: e.into_boxed_dyn_error() })
     }

@@ -44,8 +44,11 @@ pub trait Capability: Send + Sync {
     fn interface(&self) -> &'static str;
     /// Its key under `[grants]`, as a manifest spells it (`local-sockets`).
     fn grant(&self) -> &'static str;
+    /// Whether it is linked for every provider or only when granted.
     fn linking(&self) -> Linking;
+    /// Whether `grants` grant it.
     fn granted(&self, grants: &Grants) -> bool;
+    /// Add its host functions to a provider's linker.
     fn add_to_linker(&self, linker: &mut Linker<HostState>) -> wasmtime::Result<()>;
     /// Its grant's hooks, when the grant is its own (a [`Room`]'s).
     fn section(&self) -> Option<&dyn Section> {
@@ -60,7 +63,7 @@ pub trait Capability: Send + Sync {
 
 /// What the host knows of a provider version it is loading, for a room to prepare.
 pub struct LoadSetup<'a> {
-    pub provider: &'a str,
+    pub(crate) provider: &'a str,
     /// The provider's data dir on the host (`/data` to the guest).
     pub data_dir: &'a Path,
     /// All its grants (a room may depend on another's: confined programs
@@ -85,7 +88,7 @@ impl PreparedParts {
 
 /// What the host knows of a store it is making, for a room's part of it.
 pub struct StoreSetup<'a> {
-    pub provider: &'a Arc<str>,
+    pub(crate) provider: &'a Arc<str>,
     /// The provider's data dir on the host (`/data` to the guest).
     pub data_dir: &'a Path,
     /// Where the room's refusals are noted.
@@ -101,6 +104,7 @@ pub struct StoreSetup<'a> {
 
 /// A capability in a room of its own: everything of it is in its folder.
 pub trait Room: Send + Sync + Sized + 'static {
+    /// Its interface in the contract package (`local-socket`).
     const INTERFACE: &'static str;
     /// Its key under `[grants]`.
     const GRANT: &'static str;
@@ -108,6 +112,7 @@ pub trait Room: Send + Sync + Sized + 'static {
     /// table of all its keys; `process` and the paths, devices and
     /// environment its programs get).
     const MORE_KEYS: &'static [&'static str] = &[];
+    /// Whether it is linked for every provider or only when granted.
     const LINKING: Linking;
     /// Whether its backend reaches outside the host process (programs,
     /// sockets, the network): then a sealed sandbox must inject one, and
@@ -133,6 +138,7 @@ pub trait Room: Send + Sync + Sized + 'static {
     fn prepare(_grant: &Self::Grant, _load: &LoadSetup<'_>) -> Result<Self::Prepared, BoxError> {
         Ok(Self::Prepared::default())
     }
+    /// Whether the grant grants anything; by default the grant's own say.
     fn granted(grant: &Self::Grant) -> bool {
         grant.granted()
     }
@@ -165,6 +171,7 @@ pub trait Room: Send + Sync + Sized + 'static {
     /// gives it none) it must refuse every call, saying so, and note each
     /// refusal in `store.denials` like any other.
     fn ctx(grant: &Self::Grant, backend: Option<Arc<Self::Backend>>, store: &StoreSetup<'_>) -> Self::Ctx;
+    /// Add its host functions to a provider's linker.
     fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()>;
     /// A call is about to run in the store (`abort` is set when it is cancelled).
     fn begin_call(_ctx: &mut Self::Ctx, _abort: &Arc<AtomicBool>) {}
@@ -175,13 +182,13 @@ pub trait Room: Send + Sync + Sized + 'static {
 /// One line of `provider show`'s grants: what it says of the reported `key`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GrantLine {
-    pub key: &'static str,
-    pub label: &'static str,
-    pub text: String,
+    pub(crate) key: &'static str,
+    pub(crate) label: &'static str,
+    pub(crate) text: String,
 }
 
 impl GrantLine {
-    pub fn new(key: &'static str, label: &'static str, text: String) -> Self {
+    pub(crate) fn new(key: &'static str, label: &'static str, text: String) -> Self {
         GrantLine { key, label, text }
     }
 }
@@ -190,9 +197,11 @@ impl GrantLine {
 pub trait GrantValue:
     for<'de> Deserialize<'de> + Serialize + Clone + Default + PartialEq + fmt::Debug + Send + Sync
 {
+    /// Whether it grants anything at all.
     fn granted(&self) -> bool;
     /// What `self` grants beyond `approved`, under the room's `key`.
     fn widening(&self, approved: &Self, key: &str) -> Option<String>;
+    /// As `provider show` prints it.
     fn shown(&self) -> String;
 }
 
@@ -215,11 +224,12 @@ impl GrantValue for bool {
 pub struct Own<R>(PhantomData<fn() -> R>);
 
 impl<R> Own<R> {
-    pub const ROOM: Own<R> = Own(PhantomData);
+    pub(crate) const ROOM: Own<R> = Own(PhantomData);
 }
 
 /// A room's grant, its type erased.
 pub trait AnyGrant: Any + fmt::Debug + Send + Sync {
+    /// Itself, for a downcast to the room's grant type.
     fn as_any(&self) -> &dyn Any;
 }
 
@@ -231,6 +241,7 @@ impl<T: Any + fmt::Debug + Send + Sync> AnyGrant for T {
 
 /// A room's grant hooks, its types erased.
 pub trait Section: Send + Sync {
+    /// Its own key under `[grants]`.
     fn key(&self) -> &'static str;
     /// Every key its grant spreads over under `[grants]` (its own first).
     fn keys(&self) -> Vec<&'static str>;
@@ -238,13 +249,17 @@ pub trait Section: Send + Sync {
     fn parse(&self, keys: toml::Table) -> Result<Arc<dyn AnyGrant>, String>;
     /// `None` stands for the default grant (nothing).
     fn same(&self, a: Option<&dyn AnyGrant>, b: Option<&dyn AnyGrant>) -> bool;
+    /// See [`Room::widening`].
     fn widening(&self, now: Option<&dyn AnyGrant>, approved: Option<&dyn AnyGrant>) -> Option<String>;
+    /// See [`Room::acts_outside_the_store`].
     fn acts_outside_the_store(&self, grant: Option<&dyn AnyGrant>) -> bool;
     /// As the API reports it, by key.
     fn view(&self, grant: Option<&dyn AnyGrant>) -> Map<String, Value>;
     /// The lines `provider show` prints for the API's report (none: no key of this room's).
     fn shown(&self, view: &Map<String, Value>) -> Vec<GrantLine>;
+    /// Its part of a store: backend only if granted (see [`Room::ctx`]).
     fn part(&self, grant: Option<&dyn AnyGrant>, backends: &Backends, store: &StoreSetup<'_>) -> Part;
+    /// [`Room::prepare`], keyed by the room for [`PreparedParts`].
     fn prepare(
         &self,
         grant: Option<&dyn AnyGrant>,
@@ -329,8 +344,8 @@ impl<R: Room> Section for Own<R> {
 /// A capability with no grant of its own, linked for every provider (the
 /// call context: what the host lends a call, nothing the provider reaches).
 pub struct NoGrant {
-    pub interface: &'static str,
-    pub add_to_linker: fn(&mut Linker<HostState>) -> wasmtime::Result<()>,
+    pub(crate) interface: &'static str,
+    pub(crate) add_to_linker: fn(&mut Linker<HostState>) -> wasmtime::Result<()>,
 }
 
 impl Capability for NoGrant {
@@ -577,7 +592,7 @@ impl Part {
 pub struct Parts(Vec<Part>);
 
 impl Parts {
-    pub fn new(grants: &RoomGrants, backends: &Backends, store: &StoreSetup<'_>) -> Self {
+    pub(crate) fn new(grants: &RoomGrants, backends: &Backends, store: &StoreSetup<'_>) -> Self {
         Parts(sections().map(|s| s.part(grants.get(s.key()), backends, store)).collect())
     }
 

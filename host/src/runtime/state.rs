@@ -16,13 +16,16 @@ use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{WasiHttpCtxView, WasiHttpView};
 
+/// What a guest store holds: the provider's name, its resources, WASI and
+/// each capability's part, as far as the manifest grants them.
 pub struct HostState {
+    /// The provider's name.
     pub provider: Arc<str>,
-    pub table: ResourceTable,
-    pub wasi: WasiCtx,
+    pub(crate) table: ResourceTable,
+    pub(crate) wasi: WasiCtx,
     /// The parts of the capabilities in rooms of their own.
     pub(crate) rooms: Parts,
-    pub limiter: GuestLimiter,
+    pub(crate) limiter: GuestLimiter,
     /// Where refusals outside any one capability (the filesystem's) are noted.
     denials: Denials,
 }
@@ -67,8 +70,8 @@ impl HostCapabilities {
 /// What one provider's stores get: the host capabilities narrowed to its grants.
 #[derive(Clone)]
 pub struct ProviderCapabilities {
-    pub host: HostCapabilities,
-    pub data_dir: PathBuf,
+    pub(crate) host: HostCapabilities,
+    pub(crate) data_dir: PathBuf,
     /// The grants of the capabilities in rooms.
     pub rooms: RoomGrants,
     /// What the rooms made ready when the version loaded (confined programs).
@@ -100,7 +103,7 @@ impl ProviderCapabilities {
 }
 
 impl HostState {
-    pub fn new(provider: Arc<str>, caps: &ProviderCapabilities, memory_bytes: usize) -> Self {
+    pub(crate) fn new(provider: Arc<str>, caps: &ProviderCapabilities, memory_bytes: usize) -> Self {
         let host = &caps.host;
         let denials = host.denials.for_provider(provider.clone());
         // Taps a provider makes go to the user its programs run as.
@@ -126,7 +129,7 @@ impl HostState {
         }
     }
 
-    pub fn context_view(&mut self) -> ContextView<'_> {
+    pub(crate) fn context_view(&mut self) -> ContextView<'_> {
         ContextView { table: &mut self.table }
     }
 

@@ -24,9 +24,9 @@ const MASK: u16 = 0x10;
 const OTHER: u16 = 0x20;
 const UNDEFINED_ID: u32 = u32::MAX;
 
-pub const READ: u16 = 4;
-pub const WRITE: u16 = 2;
-pub const SEARCH: u16 = 1;
+pub(crate) const READ: u16 = 4;
+pub(crate) const WRITE: u16 = 2;
+pub(crate) const SEARCH: u16 = 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Entry {

@@ -8,12 +8,23 @@ use nix::sys::stat::Mode;
 use std::os::fd::OwnedFd;
 use std::path::Path;
 
+/// Why a file beneath a data dir was not opened.
 #[derive(Debug, thiserror::Error)]
 pub enum BeneathError {
+    /// The path is a symlink or resolves outside the root (`ELOOP`, `EXDEV`).
     #[error("{path} is a link or leaves the data dir: the host follows no link a provider made")]
-    Escapes { path: String },
+    Escapes {
+        /// The path as the host names it.
+        path: String,
+    },
+    /// Any other failure of the open.
     #[error("{path}: {source}")]
-    Io { path: String, source: Errno },
+    Io {
+        /// The path as the host names it.
+        path: String,
+        /// The errno.
+        source: Errno,
+    },
 }
 
 fn how(flags: OFlag, mode: Mode) -> OpenHow {

@@ -28,24 +28,49 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// Why a provider's programs cannot be confined or run as asked.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
+    /// No `bwrap` on the PATH, and none configured.
     #[error(
         "bubblewrap (`bwrap`) was not found on the host's PATH: granted programs run only confined (apt-get install bubblewrap)"
     )]
     NoBubblewrap,
+    /// `bwrap` is there but too old or does not run.
     #[error("{path}: {reason}; granted programs run only confined by bubblewrap {MIN_BWRAP} or later")]
-    BubblewrapUnusable { path: String, reason: String },
+    BubblewrapUnusable {
+        /// The `bwrap` binary.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A variable neither in [`BASE_ENV`] nor granted.
     #[error("environment variable {0:?} may not be passed to a granted program (allowed: {allowed}; a manifest may grant more in `env = [...]`)", allowed = BASE_ENV.join(", "))]
     EnvDenied(String),
+    /// A variable no manifest may grant (loader, libc, interpreters), or a malformed name.
     #[error("environment variable {0:?} can never be granted: the dynamic loader and libc act on it")]
     EnvNeverGranted(String),
+    /// A granted device that is not a plain device node under `/dev`.
     #[error("granted device {0:?} must be a character or block device node under /dev, named without links or `..`")]
     BadDevice(String),
+    /// A POSIX ACL for the sandbox user could not be set.
     #[error("cannot share {path} with the sandbox user {uid}: {source}")]
-    Share { path: String, uid: u32, source: std::io::Error },
+    Share {
+        /// The file or directory shared.
+        path: String,
+        /// The sandbox user.
+        uid: u32,
+        /// Why the ACL could not be set.
+        source: std::io::Error,
+    },
+    /// No uid could be allocated or recorded for the provider.
     #[error("cannot allocate a sandbox user for provider {provider:?}: {reason}")]
-    User { provider: String, reason: String },
+    User {
+        /// The provider.
+        provider: String,
+        /// Why not.
+        reason: String,
+    },
 }
 
 /// Names a guest may set in a granted program's environment without a grant.
@@ -117,7 +142,7 @@ pub struct SandboxConfig {
     pub uid_base: Option<u32>,
 }
 
-pub const DEFAULT_UID_BASE: u32 = 2_000_000_000;
+pub(crate) const DEFAULT_UID_BASE: u32 = 2_000_000_000;
 /// The range of per-provider uids the store hands out: base .. base + this;
 /// the next range up is for sandboxes without a store.
 pub const UID_RANGE: u32 = 1 << 24;
@@ -309,9 +334,13 @@ fn running_as_root() -> bool {
 
 /// What a provider's manifest grants its programs.
 pub struct Grants<'a> {
+    /// The provider's data dir, bound read-write at its own path; the programs' working dir.
     pub data_dir: &'a Path,
+    /// Host paths bound read-only, at their own paths.
     pub paths: &'a [PathBuf],
+    /// Host paths bound read-write, at their own paths.
     pub paths_rw: &'a [PathBuf],
+    /// Device nodes under `/dev` to bind in.
     pub devices: &'a [PathBuf],
     /// Stay in the host's network namespace (bridging and taps are granted).
     pub share_net: bool,
@@ -346,7 +375,7 @@ const STANDARD_DEVICES: [&str; 6] = ["/dev/null", "/dev/zero", "/dev/full", "/de
 const SYSTEM_DIRS: [&str; 6] = ["/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"];
 
 impl Confinement {
-    pub fn uid(&self) -> u32 {
+    pub(crate) fn uid(&self) -> u32 {
         self.uid
     }
 

@@ -18,20 +18,28 @@ pub struct Event {
     /// `added`, `reloaded`, `swapped`, `swap-refused`, `removed`, `remove-refused`,
     /// `watch-refused`, `reconciled`.
     pub kind: String,
+    /// The provider it happened to.
     pub provider: String,
+    /// The component hash before (of the version replaced or removed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub old_sha256: Option<String>,
+    /// The component hash after the change, or the one refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub new_sha256: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// The version `describe` reported before.
     pub old_version: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// The version `describe` reported after, or the one refused.
     pub new_version: Option<String>,
+    /// Why, or what else happened (a refusal's reason, calls drained); may be empty.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub detail: String,
 }
 
 impl Event {
+    /// An event of `kind` for `provider`, timed now, with no versions or detail;
+    /// the store assigns `seq`.
     pub fn new(kind: &str, provider: &str) -> Event {
         Event {
             seq: 0,

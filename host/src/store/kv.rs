@@ -18,6 +18,8 @@ use std::sync::{Arc, RwLock};
 
 type Namespace = Arc<RwLock<BTreeMap<String, Vec<u8>>>>;
 
+/// The store's [`KvBackend`](crate::capabilities::kv::KvBackend): each namespace
+/// mirrored in memory, writes made durable through the store's writer.
 pub struct RedbKv {
     db: Arc<Database>,
     writer: Arc<Writer>,

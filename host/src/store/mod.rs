@@ -42,33 +42,46 @@ const OBSERVED_NETWORK: TableDefinition<&str, &[u8]> = TableDefinition::new("obs
 /// Key: (provider, child name).
 const CHILDREN: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("children");
 
+/// Why the state database could not be opened, read or written.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
+    /// The state file or its directory could not be created or opened.
     #[error("state database {path}: {source}")]
     Open {
+        /// `state.redb` in the data dir.
         path: String,
+        /// redb's error.
         #[source]
         source: Arc<redb::Error>,
     },
+    /// A read, write or commit failed.
     #[error("state database: {0}")]
     Db(#[source] Arc<redb::Error>),
+    /// A record could not be serialized; nothing was written.
     #[error("cannot encode a {what} record: {source}")]
     Encode {
+        /// The kind of record (`provider`, `instance`, …).
         what: &'static str,
+        /// serde_json's error.
         #[source]
         source: Arc<serde_json::Error>,
     },
+    /// A stored record does not decode.
     #[error("state database holds a corrupt {what} record: {source}")]
     Corrupt {
+        /// The kind of record (`provider`, `instance`, …).
         what: &'static str,
+        /// serde_json's error.
         #[source]
         source: Arc<serde_json::Error>,
     },
+    /// The write-ahead log could not be opened, replayed or appended to.
     #[error(transparent)]
     Log(Arc<WalError>),
     /// A write that panicked fails alone; the writer serves on.
     #[error("state database: a write panicked while it was applied")]
     WritePanicked,
+    /// The writer has stopped; nothing more can be written.
     #[error("state database is closed")]
     Closed,
 }
@@ -83,6 +96,8 @@ fn encoded(what: &'static str, value: &impl serde::Serialize) -> Result<Vec<u8>,
     serde_json::to_vec(value).map_err(|e| StoreError::Encode { what, source: Arc::new(e) })
 }
 
+/// The host's state: `state.redb` in the data dir and its write-ahead log;
+/// every write goes through one writer thread.
 pub struct Store {
     db: Arc<Database>,
     /// Every write goes through it: one thread, concurrent writes in one commit.
@@ -140,6 +155,7 @@ impl Store {
         Pending::new(&self.writer, op)
     }
 
+    /// The host's data dir, where `state.redb` and `state.wal` are.
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
     }
@@ -155,6 +171,7 @@ impl Store {
         })
     }
 
+    /// The host network as last recorded (`None`: never observed).
     pub fn observed_network(&self) -> Result<Option<ObservedNetwork>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(OBSERVED_NETWORK).map_err(db_error)?;
@@ -197,6 +214,7 @@ impl Store {
         })
     }
 
+    /// A registered provider's record, if it is registered.
     pub fn provider(&self, name: &str) -> Result<Option<ProviderRecord>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(PROVIDERS).map_err(db_error)?;
@@ -204,7 +222,7 @@ impl Store {
         value.map(|v| decode("provider", v.value())).transpose()
     }
 
-    pub fn providers(&self) -> Result<Vec<ProviderRecord>, StoreError> {
+    pub(crate) fn providers(&self) -> Result<Vec<ProviderRecord>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(PROVIDERS).map_err(db_error)?;
         let mut records = Vec::new();
@@ -272,6 +290,7 @@ impl Store {
         Ok(table.get(id).map_err(db_error)?.map(|owner| owner.value().to_owned()))
     }
 
+    /// One instance's record, if it is recorded for `provider`.
     pub fn instance(&self, provider: &str, id: &str) -> Result<Option<InstanceRecord>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(INSTANCES).map_err(db_error)?;

@@ -7,11 +7,15 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct ProviderRecord {
+    /// The provider's name, from its manifest; the key it is registered under.
     pub name: String,
     /// Absolute path of the manifest.
     pub manifest: String,
+    /// sha256 of the component serving now, hex.
     pub component_sha256: String,
+    /// The version its component's `describe` reported when added or swapped in.
     pub version: String,
+    /// When it was added, RFC 3339, UTC.
     pub added: String,
     /// A component swapped in (`broker provider swap`), kept in the data dir; it
     /// replaces the manifest's `component` until the provider is re-added.
@@ -29,22 +33,31 @@ pub struct ProviderRecord {
 #[serde(rename_all = "kebab-case")]
 pub struct Hardware {
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// Architecture, as Juju names it (`amd64`).
     pub arch: Option<String>,
+    /// Memory, MiB.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mem: Option<u64>,
+    /// Root disk size, MiB.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub root_disk: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// Where the root disk lives (a pool or storage name), as the provider says.
     pub root_disk_source: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// Number of CPU cores.
     pub cpu_cores: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// CPU power in Juju's units (100 = one core of a reference machine).
     pub cpu_power: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// Tags the instance's hardware was matched on.
     pub tags: Option<Vec<String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// The zone it runs in.
     pub availability_zone: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// How it is virtualised (`container`, `virtual-machine`).
     pub virt_type: Option<String>,
 }
 
@@ -134,14 +147,22 @@ pub fn status_from_name(name: &str) -> Option<InstanceStatus> {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct InstanceRecord {
+    /// The provider's id for it; unique across the host.
     pub id: String,
+    /// The provider that started it.
     pub provider: String,
+    /// Last known status, as [`status_name`] spells it (`running`).
     pub status: String,
+    /// The provider's word on the status; may be empty.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
+    /// The provider's name for it, for people; may be empty.
     pub display_name: String,
+    /// What the provider reported it got.
     pub hardware: Hardware,
+    /// Tags the provider gave it.
     pub tags: Vec<String>,
+    /// Its addresses, as the provider reported them.
     pub addresses: Vec<String>,
     /// RFC 3339, UTC.
     pub created: String,
@@ -193,6 +214,7 @@ pub fn id_for_message(id: &str) -> String {
 pub struct ObservedNetwork {
     /// RFC 3339, UTC.
     pub observed: String,
+    /// The devices and bridges found.
     pub devices: Vec<crate::network::Device>,
 }
 

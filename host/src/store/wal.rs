@@ -80,21 +80,40 @@ impl Default for Checkpoints {
 /// Why the log cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum WalError {
+    /// Opening, reading, writing or syncing it failed.
     #[error("write-ahead log {path}: {source}")]
     Io {
+        /// The log file.
         path: String,
+        /// The I/O error.
         #[source]
         source: io::Error,
     },
+    /// Something other than a regular file is at its path.
     #[error("write-ahead log {path} is not a regular file")]
-    NotAFile { path: String },
+    NotAFile {
+        /// The log file.
+        path: String,
+    },
+    /// Its header does not check.
     #[error(
         "write-ahead log {path} has a corrupt header; the changes committed since the last \
          checkpoint are in it. Move it aside to open the state file without them"
     )]
-    CorruptHeader { path: String },
+    CorruptHeader {
+        /// The log file.
+        path: String,
+    },
+    /// A frame whose checksum holds could not be decoded or replayed.
     #[error("write-ahead log {path}, frame at byte {offset}: {reason}")]
-    CorruptFrame { path: String, offset: u64, reason: String },
+    CorruptFrame {
+        /// The log file.
+        path: String,
+        /// Where the frame starts, in bytes from the start of the file.
+        offset: u64,
+        /// What was wrong with it.
+        reason: String,
+    },
 }
 
 /// How the frames of the header's generation are checked.

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 #[derive(Debug)]
-pub struct Breaker {
+pub(crate) struct Breaker {
     failures: usize,
     window: Duration,
     state: Mutex<State>,

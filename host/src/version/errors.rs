@@ -4,31 +4,81 @@ use crate::bindings::BrokerError;
 use crate::manifest::Method;
 use std::time::Duration;
 
+/// Why one call to a provider did not return its answer.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
     /// The provider answered with a typed error (the inner result of the call).
     #[error("provider {provider}: {method}: {}", describe_broker_error(.error))]
-    Guest { provider: String, method: Method, error: BrokerError },
+    Guest {
+        /// The provider called.
+        provider: String,
+        /// The export called.
+        method: Method,
+        /// What the provider answered.
+        error: BrokerError,
+    },
+    /// The guest trapped; its instance is discarded.
     #[error("provider {provider}: {method} trapped: {reason}")]
-    Trap { provider: String, method: Method, reason: String },
+    Trap {
+        /// The provider called.
+        provider: String,
+        /// The export called.
+        method: Method,
+        /// The trap code, or wasmtime's error text.
+        reason: String,
+    },
+    /// The call ran past the method's deadline; its instance is discarded.
     #[error("provider {provider}: {method} exceeded its deadline of {deadline:?} and was stopped")]
-    Deadline { provider: String, method: Method, deadline: Duration },
+    Deadline {
+        /// The provider called.
+        provider: String,
+        /// The export called.
+        method: Method,
+        /// The method's deadline, instantiation included.
+        deadline: Duration,
+    },
+    /// The guest hit a store limit; its instance is discarded.
     #[error("provider {provider}: {method} was stopped: it hit its {limit}")]
-    Limit { provider: String, method: Method, limit: String },
+    Limit {
+        /// The provider called.
+        provider: String,
+        /// The export called.
+        method: Method,
+        /// Which limit, as the limiter names it.
+        limit: String,
+    },
+    /// No instance could be made to run the call on.
     #[error("provider {provider}: {method}: cannot instantiate the component: {reason}")]
-    Instantiate { provider: String, method: Method, reason: String },
+    Instantiate {
+        /// The provider called.
+        provider: String,
+        /// The export called.
+        method: Method,
+        /// wasmtime's error text.
+        reason: String,
+    },
     /// The host could not make the call's kv changes durable (the host's
     /// storage failed, not the provider).
     #[error("provider {provider}: {method}: the host could not make its kv changes durable: {source}")]
     Storage {
+        /// The provider called.
         provider: String,
+        /// The export called.
         method: Method,
+        /// The store's failure.
         #[source]
         source: crate::capabilities::kv::KvError,
     },
     /// Half-open after repeated crashes, and its `all-instances` re-observe failed.
     #[error("provider {provider}: {method} refused: the provider is half-open ({reason})")]
-    Unavailable { provider: String, method: Method, reason: String },
+    Unavailable {
+        /// The provider called.
+        provider: String,
+        /// The export called.
+        method: Method,
+        /// The crash policy and why the re-observe failed.
+        reason: String,
+    },
 }
 
 impl CallError {

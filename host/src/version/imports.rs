@@ -6,17 +6,34 @@ use crate::manifest::Grants;
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
+/// Why a component cannot be loaded as a provider under its manifest.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ContractError {
+    /// An import this host links only under a grant the manifest lacks.
     #[error("component imports {import}, which the manifest does not grant (add `{grant} = true` under [grants])")]
-    NotGranted { import: String, grant: &'static str },
+    NotGranted {
+        /// The full import name (`ns:pkg/iface@version`).
+        import: String,
+        /// The `[grants]` key that would link it.
+        grant: &'static str,
+    },
+    /// An import this host never links, or not at that version.
     #[error("component imports {import}, which this host does not provide{hint}")]
-    Unsupported { import: String, hint: String },
+    Unsupported {
+        /// The full import name.
+        import: String,
+        /// Empty, or ` (…)` appended to the message, saying why.
+        hint: String,
+    },
+    /// No compatible `instance-broker` export.
     #[error(
         "component does not export {CONTRACT_PACKAGE}/instance-broker@{CONTRACT_VERSION} \
          (this host speaks contract {CONTRACT_VERSION}); it exports: {exports}"
     )]
-    MissingExport { exports: String },
+    MissingExport {
+        /// What it exports, comma-separated (`nothing` if none).
+        exports: String,
+    },
 }
 
 /// Split `ns:pkg/iface@version` into (`ns:pkg`, `iface`, `version`).
@@ -37,7 +54,7 @@ fn compatible(version: &str, ours: &str) -> bool {
     }
 }
 
-pub fn check(engine: &Engine, component: &Component, grants: &Grants) -> Result<(), ContractError> {
+pub(crate) fn check(engine: &Engine, component: &Component, grants: &Grants) -> Result<(), ContractError> {
     let ty = component.component_type();
     for (import, _) in ty.imports(engine) {
         check_import(import, grants)?;

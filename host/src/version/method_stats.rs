@@ -12,9 +12,11 @@ pub const BUCKETS_SECONDS: [f64; 12] = [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05
 /// How a call ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
+    /// The provider answered with a result.
     Ok,
     /// The provider answered with a typed error.
     Error,
+    /// The guest trapped.
     Trap,
     /// Stopped at its deadline.
     Deadline,
@@ -29,7 +31,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 8] = [
+    pub(crate) const ALL: [Outcome; 8] = [
         Outcome::Ok,
         Outcome::Error,
         Outcome::Trap,
@@ -40,7 +42,7 @@ impl Outcome {
         Outcome::Storage,
     ];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
             Outcome::Error => "error",
@@ -53,7 +55,7 @@ impl Outcome {
         }
     }
 
-    pub fn of<T>(result: &Result<T, CallError>) -> Outcome {
+    pub(crate) fn of<T>(result: &Result<T, CallError>) -> Outcome {
         match result {
             Ok(_) => Outcome::Ok,
             Err(CallError::Guest { .. }) => Outcome::Error,
@@ -77,7 +79,7 @@ pub struct MethodStats {
 }
 
 impl MethodStats {
-    pub fn observe(&self, outcome: Outcome, elapsed: Duration) {
+    pub(crate) fn observe(&self, outcome: Outcome, elapsed: Duration) {
         let index = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
         self.outcomes[index].fetch_add(1, Ordering::Relaxed);
         let seconds = elapsed.as_secs_f64();
@@ -86,6 +88,7 @@ impl MethodStats {
         self.sum_micros.fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
     }
 
+    /// Calls that ended with `outcome`.
     pub fn outcome(&self, outcome: Outcome) -> u64 {
         let index = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
         self.outcomes[index].load(Ordering::Relaxed)
@@ -109,7 +112,7 @@ impl MethodStats {
             .collect()
     }
 
-    pub fn sum_seconds(&self) -> f64 {
+    pub(crate) fn sum_seconds(&self) -> f64 {
         self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6
     }
 }
@@ -119,11 +122,12 @@ impl MethodStats {
 pub struct MethodTable([MethodStats; 6]);
 
 impl MethodTable {
+    /// The counters of `method`.
     pub fn get(&self, method: Method) -> &MethodStats {
         &self.0[Method::ALL.iter().position(|m| *m == method).unwrap_or(0)]
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = (Method, &MethodStats)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (Method, &MethodStats)> {
         Method::ALL.into_iter().zip(&self.0)
     }
 }

@@ -29,23 +29,57 @@ use tracing::Instrument;
 use wasmtime::Store;
 use wasmtime::component::Resource;
 
+/// Why a provider version could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
+    /// The manifest or its component could not be read or does not verify.
     #[error(transparent)]
     Manifest(#[from] ManifestError),
+    /// The component did not compile.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+    /// Its imports or exports do not fit this host and the manifest's grants.
     #[error("provider {provider}: {source}")]
-    Contract { provider: String, source: imports::ContractError },
+    Contract {
+        /// The provider being loaded.
+        provider: String,
+        /// The offending import or missing export.
+        source: imports::ContractError,
+    },
+    /// wasmtime could not link or pre-instantiate it.
     #[error("provider {provider}: cannot link component: {}", crate::error_text::error_text(&**source))]
-    Link { provider: String, source: crate::runtime::BoxError },
+    Link {
+        /// The provider being loaded.
+        provider: String,
+        /// wasmtime's error.
+        source: crate::runtime::BoxError,
+    },
     /// A room could not make its grant ready (programs looked up and confined).
     #[error("provider {provider}: {source}")]
-    Prepare { provider: String, source: crate::runtime::BoxError },
+    Prepare {
+        /// The provider being loaded.
+        provider: String,
+        /// The room's error.
+        source: crate::runtime::BoxError,
+    },
+    /// Its data dir could not be created.
     #[error("provider {provider}: cannot make its data dir {path}: {source}")]
-    DataDir { provider: String, path: String, source: std::io::Error },
+    DataDir {
+        /// The provider being loaded.
+        provider: String,
+        /// The data dir on the host.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Its manifest or component lies in a data dir, which a provider can write.
     #[error("provider {provider}: {reason}")]
-    InDataDir { provider: String, reason: String },
+    InDataDir {
+        /// The provider being loaded.
+        provider: String,
+        /// Which file, in whose data dir.
+        reason: String,
+    },
 }
 
 /// Who persists the kv changes a call leaves for its end.
@@ -70,8 +104,9 @@ struct Warm {
 pub struct ProviderStats {
     /// Calls this version began (each is answered by this version alone).
     pub calls: AtomicU64,
+    /// Fresh guest instances made (one per call under per-call isolation).
     pub instantiations: AtomicU64,
-    pub discarded: AtomicU64,
+    pub(crate) discarded: AtomicU64,
     /// Outcomes and latency per method.
     pub methods: method_stats::MethodTable,
 }
@@ -199,7 +234,7 @@ impl ProviderVersion {
         tokio::time::timeout(limit, waiting).await.is_ok()
     }
 
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.name
     }
 
@@ -208,6 +243,7 @@ impl ProviderVersion {
         &self.capabilities.data_dir
     }
 
+    /// The manifest this version was loaded from (component path and pin as loaded).
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
     }
@@ -217,6 +253,7 @@ impl ProviderVersion {
         &self.sha256
     }
 
+    /// This version's counters, as `/metrics` reads them.
     pub fn stats(&self) -> &ProviderStats {
         &self.stats
     }
@@ -231,6 +268,7 @@ impl ProviderVersion {
         self.lock_pool().len()
     }
 
+    /// The contract's `describe`: the provider's name, version and what it supports.
     pub async fn describe(&self) -> Result<ProviderInfo, CallError> {
         self.call(Method::Describe, &CallHooks::default(), |store, exports, _ctx| {
             Box::pin(async move { exports.broker_provider_instance_broker().call_describe(store).await.map(Ok) })
@@ -238,6 +276,7 @@ impl ProviderVersion {
         .await
     }
 
+    /// The contract's `validate-config` on `config_json` (the manifest's `[config]` as JSON).
     pub async fn validate_config(&self, config_json: &str) -> Result<(), CallError> {
         let config = config_json.to_owned();
         self.call(Method::ValidateConfig, &CallHooks::default(), move |store, exports, _ctx| {
@@ -248,6 +287,7 @@ impl ProviderVersion {
         .await
     }
 
+    /// The contract's `start-instance`; its kv changes are durable before it returns.
     pub async fn start_instance(
         &self,
         hooks: &CallHooks,
@@ -286,6 +326,7 @@ impl ProviderVersion {
         .await
     }
 
+    /// The contract's `stop-instances`; unknown ids are the provider's to ignore.
     pub async fn stop_instances(&self, hooks: &CallHooks, ids: &[InstanceId]) -> Result<(), CallError> {
         let ids = ids.to_vec();
         self.call(Method::StopInstances, hooks, move |store, exports, ctx| {
@@ -296,6 +337,7 @@ impl ProviderVersion {
         .await
     }
 
+    /// The contract's `all-instances`: every instance the provider can see.
     pub async fn all_instances(&self, hooks: &CallHooks) -> Result<Vec<Instance>, CallError> {
         self.call(Method::AllInstances, hooks, move |store, exports, ctx| {
             Box::pin(async move { exports.broker_provider_instance_broker().call_all_instances(store, ctx).await })
@@ -303,6 +345,7 @@ impl ProviderVersion {
         .await
     }
 
+    /// The contract's `maintain-instance` on instance `id`, with the params it was started with.
     pub async fn maintain_instance(
         &self,
         hooks: &CallHooks,

@@ -48,7 +48,12 @@ pub enum EgressTarget {
     /// `unix:/absolute/path`: an HTTP server on a unix socket.
     Unix(PathBuf),
     /// `http://host[:port]`: plain HTTP over TCP.
-    Tcp { host: String, port: u16 },
+    Tcp {
+        /// A name or an IP address, as the grant writes it.
+        host: String,
+        /// 80 unless the grant gives one.
+        port: u16,
+    },
 }
 
 impl std::str::FromStr for EgressTarget {
@@ -99,6 +104,7 @@ pub struct HttpGrant {
 }
 
 impl HttpGrant {
+    /// Fails on an authority that is not lowercase letters, digits, `-`, `.` and an optional `:port`.
     pub fn new(authorities: impl IntoIterator<Item = (String, EgressTarget)>) -> Result<Self, String> {
         let authorities: BTreeMap<_, _> = authorities.into_iter().collect();
         for name in authorities.keys() {
@@ -114,14 +120,15 @@ impl HttpGrant {
         Ok(HttpGrant { authorities })
     }
 
-    pub fn target(&self, authority: &str) -> Option<&EgressTarget> {
+    pub(crate) fn target(&self, authority: &str) -> Option<&EgressTarget> {
         self.authorities.get(authority)
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.authorities.is_empty()
     }
 
+    /// Authorities and their targets, in authority order.
     pub fn iter(&self) -> impl Iterator<Item = (&String, &EgressTarget)> {
         self.authorities.iter()
     }
@@ -183,22 +190,48 @@ impl<'de> Deserialize<'de> for HttpGrant {
 /// gets the matching `wasi:http` error code.
 #[derive(Debug, thiserror::Error)]
 pub enum EgressError {
+    /// Refused: not in `[grants.http]`.
     #[error(
         "no http grant for authority `{authority}` (grant it under [grants.http], e.g. `{authority} = \"unix:/path/to/socket\"`)"
     )]
-    NotGranted { authority: String },
+    NotGranted {
+        /// As the request named it, port included.
+        authority: String,
+    },
+    /// Refused: the URI has no authority to look up.
     #[error("the request names no authority")]
     NoAuthority,
+    /// Refused: only plain `http` goes out.
     #[error("{scheme} is not supported: granted authorities are reached over plain http")]
-    Scheme { scheme: String },
+    Scheme {
+        /// The scheme the request asked for.
+        scheme: String,
+    },
+    /// The target could not be reached.
     #[error("cannot connect to {target} for authority `{authority}`: {source}")]
-    Connect { authority: String, target: String, source: std::io::Error },
+    Connect {
+        /// The granted authority.
+        authority: String,
+        /// Where the grant sends it.
+        target: String,
+        /// The connect's or the handshake's error.
+        source: std::io::Error,
+    },
+    /// Connecting (or the HTTP handshake) took longer than the connect timeout.
     #[error("connecting to {target} for authority `{authority}` timed out")]
-    ConnectTimeout { authority: String, target: String },
+    ConnectTimeout {
+        /// The granted authority.
+        authority: String,
+        /// Where the grant sends it.
+        target: String,
+    },
+    /// A script had no answer for the request (conformance kit).
     #[error("{0}")]
     Unscripted(String),
+    /// The guest's request body could not be read.
     #[error("reading the request body: {0}")]
     Body(String),
+    /// Refused: the sandbox gives no egress backend.
     #[error("wasi:http has no backend here: this sandbox sends no requests")]
     NoBackend,
 }
@@ -226,6 +259,8 @@ impl EgressError {
 /// a script ([`Script`], nothing leaves the host), or any backend with every
 /// exchange written to a tape ([`RecordedEgress`]).
 pub trait EgressBackend: Send + Sync + 'static {
+    /// Send one granted request. The outer `Err` is a refusal or a failure to
+    /// connect; the inner one is the `wasi:http` error the guest sees.
     fn send(
         self: Arc<Self>,
         grant: Arc<HttpGrant>,
@@ -261,7 +296,7 @@ pub struct EgressHooks {
 }
 
 impl EgressHooks {
-    pub fn new(
+    pub(crate) fn new(
         provider: Arc<str>,
         grant: Arc<HttpGrant>,
         backend: Option<Arc<dyn EgressBackend>>,
@@ -411,8 +446,8 @@ pub fn add_to_linker<T: WasiHttpView + 'static>(linker: &mut Linker<T>) -> wasmt
 /// every request goes through.
 #[derive(Default)]
 pub struct EgressCtx {
-    pub http: WasiHttpCtx,
-    pub hooks: EgressHooks,
+    pub(crate) http: WasiHttpCtx,
+    pub(crate) hooks: EgressHooks,
 }
 
 /// The room: `[grants.http]` (authority -> target), over plain `wasi:http`.

@@ -19,13 +19,18 @@ use wasmtime_wasi_http::{RequestOptions, WasiBody};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct Exchange {
+    /// As the guest wrote it in the URL (`lxd`).
     pub authority: String,
+    /// `GET`, `POST`, …
     pub method: String,
     /// Path and query, as sent.
     pub path: String,
+    /// As text; empty when there was none.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub request_body: String,
+    /// The answer's HTTP status code.
     pub status: u16,
+    /// As text.
     #[serde(default)]
     pub response_body: String,
 }
@@ -43,6 +48,7 @@ pub struct Tape {
 }
 
 impl Tape {
+    /// A copy of what was recorded so far.
     pub fn exchanges(&self) -> Vec<Exchange> {
         self.exchanges.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -56,6 +62,7 @@ pub struct Script {
 }
 
 impl Script {
+    /// Answers `exchanges`, in this order.
     pub fn new(exchanges: Vec<Exchange>) -> Script {
         Script { pending: Mutex::new(exchanges.into()), unexpected: Mutex::default() }
     }
@@ -110,7 +117,7 @@ pub struct RecordedEgress {
 }
 
 impl RecordedEgress {
-    pub fn new(inner: Arc<dyn EgressBackend>, tape: Arc<Tape>) -> Self {
+    pub(crate) fn new(inner: Arc<dyn EgressBackend>, tape: Arc<Tape>) -> Self {
         RecordedEgress { inner, tape }
     }
 }

@@ -40,38 +40,67 @@ pub const MAX_LINE_BYTES: usize = 1 << 20;
 pub const MAX_CONNECTIONS: usize = 32;
 const GUEST_DATA_PREFIX: &str = "/data/";
 
+/// Why a connect, send or read failed; the guest gets the matching [`BrokerError`].
 #[derive(Debug, thiserror::Error)]
 pub enum SocketError {
+    /// Refused: no grant.
     #[error("local-sockets is not granted: add `local-sockets = true` under [grants]")]
     NotGranted,
+    /// Refused: the sandbox gives no backend.
     #[error("local-socket has no backend here: this sandbox gives the provider no sockets")]
     NoBackend,
+    /// Refused: not a plain path below `/data`.
     #[error("socket path {0:?} is not inside /data (the provider's data dir) or is not a clean path")]
     OutsideDataDir(String),
+    /// Refused: resolving it met a symlink or left the data dir.
     #[error("socket path {0:?} leads through a symlink or out of /data")]
     Escapes(String),
+    /// Nothing at the path.
     #[error("no socket at {0:?}")]
     Missing(String),
+    /// Something other than a socket at the path.
     #[error("{0:?} is not a socket")]
     NotASocket(String),
     /// The socket exists but nobody listens yet (bound, not listening) or any more.
     #[error("nobody is listening on {0:?}")]
     NotListening(String),
+    /// The data dir itself could not be opened.
     #[error("cannot connect to {path:?}: data dir: {source}")]
-    DataDir { path: String, source: nix::errno::Errno },
+    DataDir {
+        /// As the guest wrote it.
+        path: String,
+        /// From opening the data dir.
+        source: nix::errno::Errno,
+    },
     /// Opening or checking the socket's path beneath the data dir failed.
     #[error("cannot connect to {path:?}: {source}")]
-    Open { path: String, source: nix::errno::Errno },
+    Open {
+        /// As the guest wrote it.
+        path: String,
+        /// From `openat2` or `fstat`.
+        source: nix::errno::Errno,
+    },
+    /// Connecting failed for another reason than nobody listening.
     #[error("cannot connect to {path:?}: {source}")]
-    Connect { path: String, source: std::io::Error },
+    Connect {
+        /// As the guest wrote it.
+        path: String,
+        /// From `connect`.
+        source: std::io::Error,
+    },
+    /// The store already holds [`MAX_CONNECTIONS`].
     #[error("too many open connections (at most {MAX_CONNECTIONS})")]
     TooMany,
+    /// No full line within the timeout, in milliseconds.
     #[error("timed out after {0} ms waiting for a line")]
     Timeout(u64),
+    /// A line past [`MAX_LINE_BYTES`].
     #[error("line longer than {MAX_LINE_BYTES} bytes")]
     LineTooLong,
+    /// A line that is not UTF-8.
     #[error("line is not UTF-8")]
     NotUtf8,
+    /// Reading or writing the stream failed.
     #[error("socket i/o: {0}")]
     Io(#[source] std::io::Error),
 }
@@ -100,21 +129,25 @@ impl From<SocketError> for BrokerError {
 /// A socket a provider asked for, checked to be a plain path below its data dir.
 #[derive(Clone, Copy)]
 pub struct SocketAt<'a> {
+    /// The provider asking.
     pub provider: &'a str,
     /// As the provider wrote it (`/data/run/vm.qmp`).
     pub guest_path: &'a str,
     /// The provider's data dir on the host, and the path below it.
     pub data_dir: &'a Path,
+    /// `guest_path` without its `/data/`: plain components only.
     pub relative: &'a Path,
 }
 
 /// Where checked connections go.
 pub trait SocketBackend: Send + Sync + 'static {
+    /// Connect to the socket at `at`.
     fn connect<'a>(self: Arc<Self>, at: SocketAt<'a>) -> BoxFuture<'a, Result<Box<dyn Connection>, SocketError>>;
 }
 
 /// One open stream connection, read by lines.
 pub trait Connection: Send {
+    /// Write all of `data`.
     fn send<'a>(&'a mut self, data: &'a [u8]) -> BoxFuture<'a, Result<(), SocketError>>;
     /// The next line, or `None` at the end of the stream.
     fn receive_line(&mut self, timeout: Duration) -> BoxFuture<'_, Result<Option<String>, SocketError>>;
@@ -124,7 +157,7 @@ pub trait Connection: Send {
 pub struct HeldConnection(Box<dyn Connection>);
 
 impl HeldConnection {
-    pub async fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
+    pub(crate) async fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
         self.0.send(data).await
     }
 
@@ -134,6 +167,8 @@ impl HeldConnection {
     }
 }
 
+/// Per-store context: the data dir if granted, the backend, and how many
+/// connections are open. The default refuses every connect.
 pub struct LocalSocketCtx {
     provider: Arc<str>,
     /// `None` unless `local-sockets` is granted.
@@ -157,6 +192,7 @@ impl LocalSocketCtx {
         self.data_dir.is_some() && self.backend.is_some()
     }
 
+    /// `data_dir` is `None` when `local-sockets` is not granted.
     pub fn new(
         provider: Arc<str>,
         data_dir: Option<PathBuf>,
@@ -166,7 +202,7 @@ impl LocalSocketCtx {
         LocalSocketCtx { provider, data_dir, backend: Some(backend), open: 0, denials }
     }
 
-    pub async fn connect(&mut self, guest_path: &str) -> Result<HeldConnection, SocketError> {
+    pub(crate) async fn connect(&mut self, guest_path: &str) -> Result<HeldConnection, SocketError> {
         let data_dir = self.data_dir.as_deref().ok_or(SocketError::NotGranted)?;
         let backend = self.backend.clone().ok_or(SocketError::NoBackend)?;
         if self.open >= MAX_CONNECTIONS {
@@ -196,9 +232,9 @@ fn inside_data_dir(guest_path: &str) -> Result<&Path, SocketError> {
     Ok(relative)
 }
 
-pub type LocalSocketView<'a> = View<'a, LocalSocketCtx>;
+pub(crate) type LocalSocketView<'a> = View<'a, LocalSocketCtx>;
 
-pub fn add_to_linker<T: Send + 'static>(
+pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> LocalSocketView<'_>,
 ) -> wasmtime::Result<()> {

@@ -57,7 +57,7 @@ impl MachineLockCtx {
     }
 }
 
-pub type MachineLockView<'a> = View<'a, MachineLockCtx>;
+pub(crate) type MachineLockView<'a> = View<'a, MachineLockCtx>;
 
 /// The room: `machine-lock = true` under `[grants]`. Its backend is the
 /// host's one lock, which only the host (or the kit, its own) can inject.
@@ -103,7 +103,7 @@ impl Room for MachineLockRoom {
     }
 }
 
-pub fn add_to_linker<T: Send + 'static>(
+pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> MachineLockView<'_>,
 ) -> wasmtime::Result<()> {

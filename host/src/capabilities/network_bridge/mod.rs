@@ -21,8 +21,10 @@ pub const INTERFACE: &str = "network-bridge";
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BridgeGrant {
+    /// Devices the provider may act on.
     #[serde(default)]
     pub devices: Vec<String>,
+    /// Bridges the provider may make, attach to or remove.
     #[serde(default)]
     pub bridges: Vec<String>,
 }
@@ -75,7 +77,7 @@ pub struct BridgeCtx {
 }
 
 impl BridgeCtx {
-    pub fn new(
+    pub(crate) fn new(
         grant: Option<BridgeGrant>,
         network: Option<Arc<dyn NetworkBackend>>,
         tap_owner: Option<u32>,
@@ -220,7 +222,7 @@ impl wit::Host for BridgeCtx {
     }
 }
 
-pub fn add_to_linker<T: Send + 'static>(
+pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> &mut BridgeCtx,
 ) -> wasmtime::Result<()> {

@@ -19,6 +19,7 @@ use std::time::Duration;
 /// One granted program call, checked: what the provider wrote, and what the host will run.
 #[derive(Clone, Copy)]
 pub struct Launch<'a> {
+    /// The provider making the call.
     pub provider: &'a str,
     /// The granted name, as the provider asked for it (what scripts and tapes hold).
     pub program: &'a str,
@@ -26,7 +27,9 @@ pub struct Launch<'a> {
     pub guest_args: &'a [String],
     /// The program on the host, and the arguments and environment in host paths.
     pub path: &'a Path,
+    /// Translated to host paths.
     pub args: &'a [String],
+    /// Values translated to host paths.
     pub env: &'a [(String, String)],
     /// The grant it was checked against, with its confinement.
     pub policy: &'a ProcessPolicy,
@@ -53,6 +56,7 @@ pub trait ProcessBackend: Send + Sync + 'static {
     fn adopt<'a>(&'a self, provider: &'a str, name: &'a str)
     -> BoxFuture<'a, Result<Option<ChildRecord>, BrokerError>>;
 
+    /// How the child is doing now.
     fn liveness(&self, record: &ChildRecord) -> Liveness;
 
     /// Wait up to `timeout` for a running child to end; its state then.
@@ -76,7 +80,7 @@ pub struct Recorded<B> {
 }
 
 impl<B: ProcessBackend> Recorded<B> {
-    pub fn new(inner: B, tape: Arc<ProcessTape>) -> Self {
+    pub(crate) fn new(inner: B, tape: Arc<ProcessTape>) -> Self {
         Recorded { inner, tape }
     }
 }

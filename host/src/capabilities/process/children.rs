@@ -10,14 +10,20 @@ use std::sync::Mutex;
 /// What the host remembers of a spawned child.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChildRecord {
+    /// The provider that spawned it.
     pub provider: String,
+    /// Unique per provider: how the provider finds it again.
     pub name: String,
+    /// Also its process group id: signals go to the whole group.
     pub pid: u32,
     /// Field 22 of `/proc/<pid>/stat`: with the pid, it names one process for
     /// good, so a recycled pid is never mistaken for the child.
     pub start_time: u64,
+    /// The program as run: its host path.
     pub program: String,
+    /// The arguments as run, in host paths.
     pub args: Vec<String>,
+    /// Where its stdout and stderr go (`logs/<name>.log` in the data dir).
     pub log: String,
 }
 
@@ -41,7 +47,7 @@ impl std::error::Error for RecordsError {
 }
 
 impl RecordsError {
-    pub fn new(source: impl std::error::Error + Send + Sync + 'static) -> Self {
+    pub(crate) fn new(source: impl std::error::Error + Send + Sync + 'static) -> Self {
         RecordsError { source: Box::new(source) }
     }
 
@@ -55,12 +61,17 @@ impl RecordsError {
 /// is made when it is asked for (a future dropped unpolled still makes it)
 /// and is durable when its future is done; reads are served at once.
 pub trait ChildRecords: Send + Sync + 'static {
+    /// Record `record`, replacing any under its provider and name.
     fn put(&self, record: &ChildRecord) -> BoxFuture<'static, Result<(), RecordsError>>;
+    /// The record of `provider`'s child `name`, if any.
     fn get(&self, provider: &str, name: &str) -> Result<Option<ChildRecord>, RecordsError>;
+    /// Forget a record; an absent one is no error.
     fn remove(&self, provider: &str, name: &str) -> BoxFuture<'static, Result<(), RecordsError>>;
+    /// Every record of `provider`.
     fn list(&self, provider: &str) -> Result<Vec<ChildRecord>, RecordsError>;
 }
 
+/// Child records in memory (lost with the process), for tests.
 #[derive(Default)]
 pub struct MemoryChildRecords {
     records: Mutex<BTreeMap<(String, String), ChildRecord>>,
@@ -92,9 +103,13 @@ impl ChildRecords for MemoryChildRecords {
 /// How a child is doing, as far as the host can see.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Liveness {
+    /// Still running.
     Running,
+    /// Exited with this code.
     Exited(i32),
+    /// Killed by this signal.
     Signalled(i32),
+    /// No such process any more (or its pid now names another one).
     Gone,
 }
 
@@ -122,7 +137,7 @@ impl LiveChildren {
         self.handles.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn insert(&self, provider: &str, name: &str, child: Child) {
+    pub(crate) fn insert(&self, provider: &str, name: &str, child: Child) {
         self.lock().insert((provider.to_owned(), name.to_owned()), child);
     }
 
@@ -148,7 +163,7 @@ impl LiveChildren {
         }
     }
 
-    pub fn remove(&self, provider: &str, name: &str) {
+    pub(crate) fn remove(&self, provider: &str, name: &str) {
         self.lock().remove(&(provider.to_owned(), name.to_owned()));
     }
 

@@ -59,6 +59,8 @@ pub struct ProcessCtx {
 }
 
 impl ProcessCtx {
+    /// `policy` is `None` when no programs are granted; `backend` is `None`
+    /// where nothing runs.
     pub fn new(
         provider: &str,
         policy: Option<Arc<ProcessPolicy>>,
@@ -198,6 +200,7 @@ impl ProcessCtx {
     }
 }
 
+/// What the process host functions see of a store.
 pub type ProcessView<'a> = View<'a, ProcessCtx>;
 
 impl ProcessView<'_> {
@@ -301,7 +304,7 @@ impl wit::HostChild for ProcessView<'_> {
     }
 }
 
-pub fn add_to_linker<T: Send + 'static>(
+pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> ProcessView<'_>,
 ) -> wasmtime::Result<()> {
@@ -365,8 +368,10 @@ fn shown_list(items: Vec<String>) -> String {
 /// Why a provider's programs cannot be made ready when it loads.
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessPrepareError {
+    /// The granted programs or paths are refused.
     #[error("grants: {0}")]
     Grant(#[source] PolicyError),
+    /// The programs cannot be confined, or the env grant is refused.
     #[error("sandbox: {0}")]
     Sandbox(#[source] crate::sandbox::SandboxError),
 }

@@ -28,6 +28,8 @@ pub struct HostProcesses {
 }
 
 impl HostProcesses {
+    /// `records` keep children across restarts; `live` holds the handles of
+    /// those this process spawned.
     pub fn new(records: Arc<dyn ChildRecords>, live: Arc<LiveChildren>) -> Self {
         HostProcesses { records, live }
     }

@@ -3,18 +3,25 @@
 use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
 
+/// Why a grant is refused when a provider loads, or a call when it is made.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
+    /// At load: not on the host's PATH.
     #[error("granted program {0:?} was not found on the host's PATH")]
     ProgramNotFound(String),
+    /// At load: not a file with an execute bit.
     #[error("granted program {0:?} is not an executable file")]
     NotExecutable(String),
+    /// At load: relative, or with `..` or `.`.
     #[error("granted path {0:?} must be absolute and free of '..'")]
     BadGrantedPath(String),
+    /// A call for a program not in `process = [...]`.
     #[error("program {0:?} is not granted: add it to `process = [...]` under [grants]")]
     ProgramDenied(String),
+    /// A call whose argument names a path it may not.
     #[error("argument path {0:?} is outside the provider's data dir and its granted paths")]
     PathDenied(String),
+    /// A call on a host without confinement.
     #[error("granted programs run only confined, and this host has no confinement for them")]
     Unconfined,
 }
@@ -117,7 +124,7 @@ impl ProcessPolicy {
         crate::sandbox::check_env(env, &self.env)
     }
 
-    pub fn confinement(&self) -> Option<&crate::sandbox::Confinement> {
+    pub(crate) fn confinement(&self) -> Option<&crate::sandbox::Confinement> {
         self.confinement.as_deref()
     }
 
@@ -126,7 +133,7 @@ impl ProcessPolicy {
         self.programs.get(asked).cloned().ok_or_else(|| PolicyError::ProgramDenied(asked.to_owned()))
     }
 
-    pub fn data_dir(&self) -> &Path {
+    pub(crate) fn data_dir(&self) -> &Path {
         &self.data_dir
     }
 

@@ -27,12 +27,16 @@ pub struct ScriptedRun {
     pub program: String,
     /// As the provider wrote them (`/data/...`, not the host's paths).
     pub args: Vec<String>,
+    /// `None` when a signal ended it; 0 unless the script says otherwise.
     #[serde(default = "exited_zero")]
     pub exit_code: Option<i32>,
+    /// The signal that ended it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signal: Option<i32>,
+    /// As text.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub stdout: String,
+    /// As text.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub stderr: String,
     /// It ran out of its timeout and was killed.
@@ -45,7 +49,7 @@ fn exited_zero() -> Option<i32> {
 }
 
 impl ScriptedRun {
-    pub fn call(&self) -> String {
+    pub(crate) fn call(&self) -> String {
         call_text(&self.program, &self.args)
     }
 }
@@ -58,6 +62,7 @@ fn call_text(program: &str, args: &[String]) -> String {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct ScriptedChild {
+    /// The granted name it is spawned as.
     pub program: String,
     /// Lines written first on every connection (QMP's greeting).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -72,10 +77,13 @@ pub struct ScriptedChild {
     pub exit: Option<i32>,
 }
 
+/// A child's scripted reply to one line it is sent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct Answer {
+    /// The line as sent, without its line end.
     pub line: String,
+    /// Lines written back, in order.
     #[serde(default)]
     pub reply: Vec<String>,
     /// The child exits with this code after replying (QMP `quit`).
@@ -139,7 +147,7 @@ impl SimProcesses {
         table.runs.len() + table.spawns.len()
     }
 
-    pub fn run(&self, program: &str, args: &[String]) -> Result<Output, BrokerError> {
+    pub(crate) fn run(&self, program: &str, args: &[String]) -> Result<Output, BrokerError> {
         let mut table = self.lock();
         let next = table.runs.front().is_some_and(|r| r.program == program && r.args == args);
         if next && let Some(run) = table.runs.pop_front() {
@@ -160,7 +168,7 @@ impl SimProcesses {
         Err(self.unscripted(format!("unscripted run {} ({expected})", call_text(program, args))))
     }
 
-    pub fn spawn(
+    pub(crate) fn spawn(
         &self,
         provider: &str,
         name: &str,
@@ -201,11 +209,11 @@ impl SimProcesses {
         table.children.get(&(provider.to_owned(), name.to_owned())).map(|c| c.record.clone())
     }
 
-    pub fn children(&self, provider: &str) -> Vec<String> {
+    pub(crate) fn children(&self, provider: &str) -> Vec<String> {
         self.lock().children.keys().filter(|(p, _)| p == provider).map(|(_, name)| name.clone()).collect()
     }
 
-    pub fn liveness(&self, record: &ChildRecord) -> Liveness {
+    pub(crate) fn liveness(&self, record: &ChildRecord) -> Liveness {
         self.liveness_of(&(record.provider.clone(), record.name.clone()))
     }
 
@@ -225,7 +233,7 @@ impl SimProcesses {
         }
     }
 
-    pub fn forget(&self, record: &ChildRecord) {
+    pub(crate) fn forget(&self, record: &ChildRecord) {
         self.lock().children.remove(&(record.provider.clone(), record.name.clone()));
     }
 
@@ -327,7 +335,7 @@ pub struct SimConnection {
 }
 
 impl SimConnection {
-    pub fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
+    pub(crate) fn send(&mut self, data: &[u8]) -> Result<(), SocketError> {
         if self.closed {
             return Err(SocketError::Io(std::io::Error::from_raw_os_error(nix::libc::EPIPE)));
         }

@@ -35,6 +35,7 @@ struct Conversation {
     first: bool,
 }
 
+/// What a recorded run's programs, children and connections did; [`ProcessTape::script`] replays it.
 #[derive(Default)]
 pub struct ProcessTape {
     recorded: Mutex<Recorded>,
@@ -49,7 +50,7 @@ impl ProcessTape {
         self.recorded.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn ran(&self, program: &str, args: &[String], output: &Output) {
+    pub(crate) fn ran(&self, program: &str, args: &[String], output: &Output) {
         self.lock().runs.push(ScriptedRun {
             program: program.to_owned(),
             args: args.to_vec(),
@@ -61,7 +62,7 @@ impl ProcessTape {
         });
     }
 
-    pub fn spawned(&self, record: &ChildRecord, program: &str, guest_args: &[String]) {
+    pub(crate) fn spawned(&self, record: &ChildRecord, program: &str, guest_args: &[String]) {
         let mut recorded = self.lock();
         recorded.children.push(ScriptedChild { program: program.to_owned(), ..ScriptedChild::default() });
         let entry = recorded.children.len() - 1;
@@ -84,7 +85,7 @@ impl ProcessTape {
         Some(ConnectionId(recorded.connections.len() - 1))
     }
 
-    pub fn sent(&self, connection: ConnectionId, data: &[u8]) {
+    pub(crate) fn sent(&self, connection: ConnectionId, data: &[u8]) {
         let mut recorded = self.lock();
         let entry = recorded.connections[connection.0].entry;
         for line in String::from_utf8_lossy(data).split_terminator('\n') {
@@ -95,7 +96,7 @@ impl ProcessTape {
         }
     }
 
-    pub fn received(&self, connection: ConnectionId, line: &str) {
+    pub(crate) fn received(&self, connection: ConnectionId, line: &str) {
         let mut recorded = self.lock();
         let Conversation { entry, answering, first } = recorded.connections[connection.0];
         let child = &mut recorded.children[entry];
@@ -149,7 +150,7 @@ pub struct RecordedSockets<B> {
 }
 
 impl<B: SocketBackend> RecordedSockets<B> {
-    pub fn new(inner: B, tape: Arc<ProcessTape>) -> Self {
+    pub(crate) fn new(inner: B, tape: Arc<ProcessTape>) -> Self {
         RecordedSockets { inner: Arc::new(inner), tape }
     }
 }
