@@ -41,3 +41,4 @@ cargo bench -p broker-tests --bench lxd_start -- --test
 cargo bench -p broker-tests --bench conformance -- --test
 cargo bench -p broker-tests --bench confinement -- --test
 cargo bench -p broker-tests --bench durable_start -- --test
+cargo bench -p broker-tests --bench bystander -- --test

@@ -14,6 +14,13 @@
 //! max-age = "1h"                 # … or this age
 //! breaker-failures = 5           # traps/deadlines/limits within breaker-window that put it
 //! breaker-window = "60s"         # half-open (0 = off); an all-instances re-observe reopens it
+//! call-data-mib = 16             # most data the guest hands the host in one host call or answer
+//! max-records = 10000            # most instances in one all-instances answer
+//! log-lines-per-second = 100     # over all its calls; a 10 s burst passes, the rest is counted
+//! max-concurrent-calls = 32      # more wait up to queue-wait, then are refused as busy
+//! queue-wait = "2s"
+//! kv-keys = 100000               # its kv namespace: keys, and keys and values in MiB
+//! kv-mib = 64
 //! [limits.deadlines]
 //! default = "30s"
 //! start-instance = "10m"
@@ -39,6 +46,14 @@ use std::time::Duration;
 
 /// Largest linear memory any provider may ask for.
 pub const MAX_GUEST_MEMORY_BYTES: u64 = 4 << 30;
+
+/// Most a provider may let its guest hand the host in one call (`call-data-mib`).
+pub const MAX_CALL_DATA_MIB: u64 = 1024;
+/// Most a provider's kv namespace may hold (`kv-mib`): it is mirrored in memory.
+pub const MAX_KV_MIB: u64 = 1024;
+/// Most calls one provider may run at once (`max-concurrent-calls`): the
+/// engine's instance pool is shared by every provider.
+pub const MAX_CONCURRENT_CALLS: usize = 128;
 
 /// Why a manifest or its component could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -111,6 +126,52 @@ pub(crate) struct Limits {
     pub breaker_failures: usize,
     #[serde(default = "default_breaker_window", deserialize_with = "duration")]
     pub breaker_window: Duration,
+    /// Most data the guest may hand the host in one host call or one answer
+    /// (strings and lists as the host holds them once lifted), in MiB.
+    #[serde(default = "default_call_data_mib")]
+    pub call_data_mib: u64,
+    /// Most instances one `all-instances` answer may hold.
+    #[serde(default = "default_max_records")]
+    pub max_records: usize,
+    /// Log lines per second the provider may write, over all its calls (a
+    /// burst of ten seconds' worth is let through at once).
+    #[serde(default = "default_log_lines_per_second")]
+    pub log_lines_per_second: u32,
+    /// Calls of this provider that run at once; more wait up to `queue-wait`.
+    #[serde(default = "default_max_concurrent_calls")]
+    pub max_concurrent_calls: usize,
+    /// How long a call waits for a free slot before it is refused as busy.
+    #[serde(default = "default_queue_wait", deserialize_with = "duration")]
+    pub queue_wait: Duration,
+    /// Most keys in the provider's kv namespace.
+    #[serde(default = "default_kv_keys")]
+    pub kv_keys: usize,
+    /// Most bytes (keys and values) in the provider's kv namespace, in MiB.
+    #[serde(default = "default_kv_mib")]
+    pub kv_mib: u64,
+}
+
+fn default_kv_keys() -> usize {
+    100_000
+}
+fn default_kv_mib() -> u64 {
+    64
+}
+
+fn default_call_data_mib() -> u64 {
+    16
+}
+fn default_max_records() -> usize {
+    10_000
+}
+fn default_log_lines_per_second() -> u32 {
+    100
+}
+fn default_max_concurrent_calls() -> usize {
+    32
+}
+fn default_queue_wait() -> Duration {
+    Duration::from_secs(2)
 }
 
 fn default_breaker_failures() -> usize {
@@ -143,6 +204,13 @@ impl Default for Limits {
             deadlines: Deadlines::default(),
             breaker_failures: default_breaker_failures(),
             breaker_window: default_breaker_window(),
+            call_data_mib: default_call_data_mib(),
+            max_records: default_max_records(),
+            log_lines_per_second: default_log_lines_per_second(),
+            max_concurrent_calls: default_max_concurrent_calls(),
+            queue_wait: default_queue_wait(),
+            kv_keys: default_kv_keys(),
+            kv_mib: default_kv_mib(),
         }
     }
 }
@@ -335,6 +403,18 @@ impl Manifest {
         }
         if raw.limits.pool_size == 0 {
             return Err(invalid("limits.pool-size must be at least 1".into()));
+        }
+        if raw.limits.call_data_mib == 0 || raw.limits.call_data_mib > MAX_CALL_DATA_MIB {
+            return Err(invalid(format!("limits.call-data-mib must be between 1 and {MAX_CALL_DATA_MIB}")));
+        }
+        if raw.limits.kv_mib == 0 || raw.limits.kv_mib > MAX_KV_MIB {
+            return Err(invalid(format!("limits.kv-mib must be between 1 and {MAX_KV_MIB}")));
+        }
+        if raw.limits.max_records == 0 {
+            return Err(invalid("limits.max-records must be at least 1".into()));
+        }
+        if raw.limits.max_concurrent_calls == 0 || raw.limits.max_concurrent_calls > MAX_CONCURRENT_CALLS {
+            return Err(invalid(format!("limits.max-concurrent-calls must be between 1 and {MAX_CONCURRENT_CALLS}")));
         }
         let base = path.parent().unwrap_or(Path::new("."));
         let component = if raw.component.is_absolute() { raw.component.clone() } else { base.join(&raw.component) };

@@ -34,6 +34,7 @@ impl From<host_kv::KvError> for types::BrokerError {
             host_kv::KvError::TooLarge(m) => format!("kv: too large: {m}"),
             host_kv::KvError::Invalid(m) => format!("kv: invalid: {m}"),
             host_kv::KvError::Storage(m) => format!("kv: storage: {m}"),
+            host_kv::KvError::QuotaExceeded(m) => format!("kv: quota exceeded: {m}"),
         };
         types::BrokerError::Provider(detail)
     }

@@ -24,7 +24,21 @@
 //! - `fs`: writes `/data/hello.txt` and reads it back, returning its text as the id;
 //! - `bridge:<dev>`: bridges `<dev>` into its Juju bridge and returns the visible devices, comma-separated;
 //! - `ids`: returns one instance per NUL-separated entry of kv key `ids`, verbatim
-//!   (ids with escape sequences, newlines, another provider's ids).
+//!   (ids with escape sequences, newlines, another provider's ids);
+//! - `status-flood`: calls `set-status` kv `flood-calls` times, each with kv
+//!   `flood-entries` data entries whose values all name one string of kv
+//!   `flood-bytes` bytes (aliased: the host copies it once per entry), returning `flooded`;
+//! - `records`: returns kv `flood-entries` instances, each with its own id;
+//! - `aliased-records`: as `records`, every message naming one string of kv
+//!   `flood-bytes` bytes (the host must refuse the copy: the guest's frees
+//!   after such an answer would be wrong);
+//! - `kv-flood`: sets kv keys `flood/0`, `flood/1` … to values of kv
+//!   `flood-bytes` bytes until the host refuses one, returning instance
+//!   `refused-after-<n>` whose message is the refusal;
+//! - `log-flood`: writes kv `flood-entries` lines to stderr (no grant needed:
+//!   they reach the host's log as guest output), returning `logged`.
+//!
+//! Numbers in kv are decimal text.
 //!
 //! `start-instance` returns an instance whose id is kv key `start-id`, verbatim,
 //! in the zone kv `start-zone` names, verbatim, when those are set (and refuses
@@ -42,10 +56,23 @@ static CALLS_SERVED: AtomicU64 = AtomicU64::new(0);
 
 struct Hostile;
 
-fn mode() -> String {
+/// Kv `mode`, else the config's `mode` (a daemon's test cannot write kv), else `count`.
+fn mode(ctx: &CallContext) -> String {
     match host_kv::get("mode") {
         Ok(Some(bytes)) => String::from_utf8_lossy(&bytes).into_owned(),
-        _ => "count".into(),
+        _ => config_value(ctx, "mode").unwrap_or_else(|| "count".into()),
+    }
+}
+
+/// A string or number at the top of the config's JSON (`"key":"text"` or
+/// `"key":123`, as the host writes it: compact).
+fn config_value(ctx: &CallContext, key: &str) -> Option<String> {
+    let config = ctx.provider_config();
+    let at = config.find(&format!("\"{key}\":"))? + key.len() + 3;
+    let rest = &config[at..];
+    match rest.strip_prefix('"') {
+        Some(text) => Some(text[..text.find('"')?].to_owned()),
+        None => Some(rest.chars().take_while(char::is_ascii_digit).collect()),
     }
 }
 
@@ -62,31 +89,18 @@ impl Guest for Hostile {
         Ok(())
     }
 
-    fn start_instance(_ctx: &CallContext, _params: StartInstanceParams) -> Result<StartInstanceResult, BrokerError> {
+    fn start_instance(ctx: &CallContext, _params: StartInstanceParams) -> Result<StartInstanceResult, BrokerError> {
+        if mode(ctx) == "status-flood" {
+            Self::all_instances(ctx)?;
+            let id = format!("flood-{}", CALLS_SERVED.load(Ordering::SeqCst));
+            return Ok(started(&id, None));
+        }
         let Some(id) = host_kv::get("start-id")? else {
             return Err(BrokerError::NotSupported("the hostile provider starts nothing".into()));
         };
         let id = String::from_utf8_lossy(&id).into_owned();
         let zone = host_kv::get("start-zone")?.map(|zone| String::from_utf8_lossy(&zone).into_owned());
-        Ok(StartInstanceResult {
-            display_name: id.clone(),
-            instance: instance(&id),
-            config: vec![],
-            hardware: zone.map(|zone| HardwareCharacteristics {
-                arch: None,
-                mem: None,
-                root_disk: None,
-                root_disk_source: None,
-                cpu_cores: None,
-                cpu_power: None,
-                tags: None,
-                availability_zone: Some(zone),
-                virt_type: None,
-            }),
-            network_info: vec![],
-            volumes: vec![],
-            volume_attachments: vec![],
-        })
+        Ok(started(&id, zone))
     }
 
     fn stop_instances(_ctx: &CallContext, ids: Vec<String>) -> Result<(), BrokerError> {
@@ -99,9 +113,46 @@ impl Guest for Hostile {
         Ok(())
     }
 
-    fn all_instances(_ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
+    fn all_instances(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
         let served = CALLS_SERVED.fetch_add(1, Ordering::SeqCst) + 1;
-        match mode().as_str() {
+        match mode(ctx).as_str() {
+            "status-flood" => {
+                let value = "v".repeat(number(ctx, "flood-bytes")?);
+                let data = aliased((0..number(ctx, "flood-entries")?).map(|i| format!("k{i}")), &value);
+                for _ in 0..number(ctx, "flood-calls")? {
+                    ctx.set_status(InstanceStatus::Allocating, "flooding", &data)?;
+                }
+                // The values were never allocated apart: never free them.
+                std::mem::forget(data);
+                Ok(vec![instance("flooded")])
+            }
+            "records" => Ok((0..number(ctx, "flood-entries")?).map(|i| instance(&format!("i-{i}"))).collect()),
+            "aliased-records" => {
+                // Leaked: the answer names it after this function returns.
+                let message: &'static str = "m".repeat(number(ctx, "flood-bytes")?).leak();
+                let messages = aliased(0..number(ctx, "flood-entries")?, message);
+                Ok(messages
+                    .into_iter()
+                    .map(|(i, message)| Instance { message, ..instance(&format!("i-{i}")) })
+                    .collect())
+            }
+            "kv-flood" => {
+                let value = vec![7u8; number(ctx, "flood-bytes")?];
+                let mut written = 0;
+                let refusal = loop {
+                    match host_kv::set(&format!("flood/{written}"), &value) {
+                        Ok(()) => written += 1,
+                        Err(refused) => break format!("{refused:?}"),
+                    }
+                };
+                Ok(vec![Instance { message: refusal, ..instance(&format!("refused-after-{written}")) }])
+            }
+            "log-flood" => {
+                for i in 0..number(ctx, "flood-entries")? {
+                    eprintln!("flood line {i}");
+                }
+                Ok(vec![instance("logged")])
+            }
             "trap" => panic!("hostile guest traps on purpose"),
             "loop" => {
                 let mut spins: u64 = 0;
@@ -256,6 +307,51 @@ fn command() -> Result<Command, BrokerError> {
     }
     let program = words.remove(0);
     Ok((program, words, env))
+}
+
+/// A number the test put in kv as decimal text, else in the config.
+fn number(ctx: &CallContext, key: &str) -> Result<usize, BrokerError> {
+    let text = match host_kv::get(key)? {
+        Some(text) => String::from_utf8_lossy(&text).into_owned(),
+        None => config_value(ctx, key).unwrap_or_default(),
+    };
+    text.parse().map_err(|_| BrokerError::InvalidParams(format!("{key} is no number")))
+}
+
+/// Each of `keys` with a `String` that names the very bytes of `value`: the
+/// list a hostile guest hands the host costs it one copy of `value`, however
+/// many entries name it. The caller must never drop these values.
+fn aliased<K>(keys: impl Iterator<Item = K>, value: &str) -> Vec<(K, String)> {
+    keys.map(|key| {
+        // SAFETY (as far as a hostile test guest goes): the bytes outlive the
+        // list, are only read, and the copies are forgotten, never freed.
+        let alias = unsafe { String::from_raw_parts(value.as_ptr().cast_mut(), value.len(), value.len()) };
+        (key, alias)
+    })
+    .collect()
+}
+
+/// What a start answers for `id`, in `zone` if given.
+fn started(id: &str, zone: Option<String>) -> StartInstanceResult {
+    StartInstanceResult {
+        display_name: id.to_owned(),
+        instance: instance(id),
+        config: vec![],
+        hardware: zone.map(|zone| HardwareCharacteristics {
+            arch: None,
+            mem: None,
+            root_disk: None,
+            root_disk_source: None,
+            cpu_cores: None,
+            cpu_power: None,
+            tags: None,
+            availability_zone: Some(zone),
+            virt_type: None,
+        }),
+        network_info: vec![],
+        volumes: vec![],
+        volume_attachments: vec![],
+    }
 }
 
 fn instance(id: &str) -> Instance {

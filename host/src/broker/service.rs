@@ -293,43 +293,63 @@ impl Broker {
     /// What the providers report, joined with the host's records: live status
     /// from `all-instances`; records the provider no longer reports show as
     /// `unknown`, and instances the host never recorded appear without hardware.
+    /// Listing every provider asks them all at once, and one that fails to
+    /// answer fails no other: its records show as `unknown`, its error named.
     pub async fn list_instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>, BrokerServiceError> {
-        let names: Vec<String> = match provider {
-            Some(name) => vec![name.to_owned()],
-            None => self.registry.list()?.into_iter().map(|p| p.name).collect(),
-        };
+        if let Some(name) = provider {
+            let mut out = self.instances_of(name).await?;
+            out.sort_by(|a, b| a.id.cmp(&b.id));
+            return Ok(out);
+        }
+        let names: Vec<String> = self.registry.list()?.into_iter().map(|p| p.name).collect();
+        let answers = futures_util::future::join_all(names.iter().map(|name| self.instances_of(name))).await;
         let mut out = Vec::new();
-        for name in names {
-            let wasm = match self.registry.get(&name).await {
-                Ok(wasm) => wasm,
+        for (name, answer) in names.iter().zip(answers) {
+            match answer {
+                Ok(records) => out.extend(records),
                 // Being removed, so it has no recorded instances; listing all is not its business.
-                Err(RegistryError::Removing(_)) if provider.is_none() => continue,
-                Err(e) => return Err(e.into()),
-            };
-            let live = wasm.all_instances(&CallHooks::default()).await?;
-            let (live, refused) = self.screen_reported(&name, live)?;
-            for why in &refused {
-                tracing::warn!(provider = %name, refused = %why, "dropped an instance the provider reported");
-            }
-            let mut records = self.store.instances(Some(&name))?;
-            for instance in &live {
-                match records.iter().position(|r| r.id == instance.id) {
-                    Some(i) => {
-                        let mut record = records.swap_remove(i);
-                        record.status = status_name(instance.status).to_owned();
-                        record.message = instance.message.clone();
+                Err(BrokerServiceError::Registry(RegistryError::Removing(_))) => {}
+                Err(failed) => {
+                    let why = crate::error_text::error_text(&failed);
+                    tracing::warn!(provider = %name, error = %why, "a provider did not answer the listing of all");
+                    for mut record in self.store.instances(Some(name))? {
+                        record.status = "unknown".into();
+                        record.message = format!("provider {name} did not answer: {why}");
                         out.push(record);
                     }
-                    None => out.push(unrecorded(&name, instance)),
                 }
-            }
-            for mut missing in records {
-                missing.status = "unknown".into();
-                missing.message = "not reported by the provider".into();
-                out.push(missing);
             }
         }
         out.sort_by(|a, b| (&a.provider, &a.id).cmp(&(&b.provider, &b.id)));
+        Ok(out)
+    }
+
+    /// One provider's instances: what it reports joined with the host's records.
+    async fn instances_of(&self, name: &str) -> Result<Vec<InstanceRecord>, BrokerServiceError> {
+        let wasm = self.registry.get(name).await?;
+        let live = wasm.all_instances(&CallHooks::default()).await?;
+        let (live, refused) = self.screen_reported(name, live)?;
+        for why in &refused {
+            tracing::warn!(provider = %name, refused = %why, "dropped an instance the provider reported");
+        }
+        let mut records = self.store.instances(Some(name))?;
+        let mut out = Vec::new();
+        for instance in &live {
+            match records.iter().position(|r| r.id == instance.id) {
+                Some(i) => {
+                    let mut record = records.swap_remove(i);
+                    record.status = status_name(instance.status).to_owned();
+                    record.message = instance.message.clone();
+                    out.push(record);
+                }
+                None => out.push(unrecorded(name, instance)),
+            }
+        }
+        for mut missing in records {
+            missing.status = "unknown".into();
+            missing.message = "not reported by the provider".into();
+            out.push(missing);
+        }
         Ok(out)
     }
 

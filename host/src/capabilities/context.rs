@@ -4,6 +4,7 @@
 
 use crate::bindings::broker::provider::context::{self as wit};
 use crate::bindings::{BrokerError, InstanceStatus};
+use crate::runtime::quotas::{Quota, Quotas};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
@@ -21,7 +22,10 @@ pub enum CallEvent {
         status: InstanceStatus,
         /// The status message, cut to 4096 bytes.
         info: String,
-        /// Extra key/value details, as the guest gave them.
+        /// Extra key/value details, as the guest gave them up to the host's
+        /// cut: [`MAX_STATUS_ENTRIES`] entries, keys and values cut to
+        /// [`MAX_STATUS_KEY_BYTES`] and [`MAX_STATUS_VALUE_BYTES`], and no
+        /// entries past [`MAX_STATUS_DATA_BYTES`] in all.
         data: Vec<(String, String)>,
     },
     /// The guest's `cleanup` (Juju's CleanupCallback).
@@ -61,6 +65,8 @@ pub struct CallContext {
     pub hooks: CallHooks,
     /// The provider's config as JSON text, handed to the guest on request.
     pub provider_config: Arc<str>,
+    /// Where status data cut short is counted.
+    pub quotas: Arc<Quotas>,
 }
 
 impl CallContext {
@@ -91,6 +97,35 @@ impl HasData for ContextData {
 
 /// Longest `info` string kept from a guest.
 const MAX_INFO_BYTES: usize = 4096;
+/// Most status `data` entries kept from one `set-status`.
+pub const MAX_STATUS_ENTRIES: usize = 32;
+/// Longest status `data` key kept.
+pub const MAX_STATUS_KEY_BYTES: usize = 128;
+/// Longest status `data` value kept.
+pub const MAX_STATUS_VALUE_BYTES: usize = 1024;
+/// Most status `data` kept from one `set-status`, keys and values together.
+pub const MAX_STATUS_DATA_BYTES: usize = 8192;
+
+/// Status `data` as the host keeps it, and how many entries were cut short
+/// or left out. A status is held (queued for a client, kept as the
+/// instance's latest) long after the call, so it never holds more than this.
+pub fn cut_status_data(data: Vec<(String, String)>) -> (Vec<(String, String)>, u64) {
+    let given = data.len();
+    let mut kept = Vec::new();
+    let (mut bytes, mut shortened) = (0, 0u64);
+    for (key, value) in data.into_iter().take(MAX_STATUS_ENTRIES) {
+        let (cut_key, cut_value) =
+            (super::log::truncate(&key, MAX_STATUS_KEY_BYTES), super::log::truncate(&value, MAX_STATUS_VALUE_BYTES));
+        if bytes + cut_key.len() + cut_value.len() > MAX_STATUS_DATA_BYTES {
+            break;
+        }
+        bytes += cut_key.len() + cut_value.len();
+        shortened += u64::from(cut_key.len() < key.len() || cut_value.len() < value.len());
+        kept.push((cut_key.to_owned(), cut_value.to_owned()));
+    }
+    let left_out = (given - kept.len()) as u64;
+    (kept, left_out + shortened)
+}
 
 impl wit::HostCallContext for ContextView<'_> {
     async fn set_status(
@@ -101,7 +136,12 @@ impl wit::HostCallContext for ContextView<'_> {
         data: Vec<(String, String)>,
     ) -> wasmtime::Result<Result<(), BrokerError>> {
         let info = super::log::truncate(&info, MAX_INFO_BYTES).to_owned();
-        self.get(&handle)?.emit(CallEvent::Status { status, info, data });
+        let ctx = self.get(&handle)?;
+        let (data, cut) = cut_status_data(data);
+        if cut > 0 {
+            ctx.quotas.refused(Quota::StatusData, cut);
+        }
+        ctx.emit(CallEvent::Status { status, info, data });
         Ok(Ok(()))
     }
 
@@ -154,6 +194,30 @@ pub(crate) fn add_to_linker<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn status_data_is_cut_to_the_hosts_bounds_and_the_cut_counted() {
+        let small = vec![("k".to_owned(), "v".to_owned())];
+        assert_eq!(cut_status_data(small.clone()), (small, 0));
+
+        // Six aliased 20 MiB values (what a guest's list can name many times over).
+        let big = "x".repeat(20 << 20);
+        let (kept, cut) = cut_status_data((0..6).map(|i| (format!("k{i}"), big.clone())).collect());
+        assert_eq!(cut, 6, "every entry shortened");
+        assert!(kept.iter().all(|(_, v)| v.len() == MAX_STATUS_VALUE_BYTES));
+
+        let many: Vec<_> = (0..10_000).map(|i| (format!("key-{i}"), "v".repeat(100))).collect();
+        let (kept, cut) = cut_status_data(many);
+        assert_eq!(kept.len(), MAX_STATUS_ENTRIES);
+        assert_eq!(cut, 10_000 - MAX_STATUS_ENTRIES as u64);
+
+        let wide: Vec<_> = (0..32).map(|i| ("k".repeat(1000) + &i.to_string(), "v".repeat(1000))).collect();
+        let (kept, cut) = cut_status_data(wide);
+        let bytes: usize = kept.iter().map(|(k, v)| k.len() + v.len()).sum();
+        assert!(bytes <= MAX_STATUS_DATA_BYTES, "{bytes}");
+        assert!(kept.iter().all(|(k, _)| k.len() == MAX_STATUS_KEY_BYTES));
+        assert_eq!(cut, 32, "each kept one shortened, the rest left out");
+    }
     use crate::bindings::broker::provider::context::HostCallContext;
     use std::sync::Mutex;
 
@@ -172,7 +236,8 @@ mod tests {
             abort: Arc::new(AtomicBool::new(false)),
         };
         let mut table = ResourceTable::new();
-        let handle = table.push(CallContext { hooks: hooks.clone(), provider_config: "{}".into() }).unwrap();
+        let context = CallContext { hooks: hooks.clone(), provider_config: "{}".into(), quotas: Arc::default() };
+        let handle = table.push(context).unwrap();
         let borrowed = || Resource::<CallContext>::new_borrow(handle.rep());
         let mut view = ContextView { table: &mut table };
 

@@ -7,6 +7,7 @@
 
 use crate::bindings::broker::provider::kv::{self as wit};
 use crate::runtime::HostState;
+use crate::runtime::quotas::{Quota, Quotas};
 use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use futures_util::future::BoxFuture;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -20,6 +21,104 @@ pub const INTERFACE: &str = "kv";
 pub const MAX_KEY_BYTES: usize = 1024;
 /// Values larger than this are refused.
 pub const MAX_VALUE_BYTES: usize = 1 << 20;
+/// Most a `scan` returns at once: a larger one is refused (scan a narrower prefix).
+pub const MAX_SCAN_BYTES: usize = 16 << 20;
+
+/// What one namespace may hold (`kv-keys`, `kv-mib`): keys and bytes (keys
+/// and values together). A change that would grow the namespace past either
+/// is refused; one that shrinks it never is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvQuota {
+    /// Most keys.
+    pub keys: usize,
+    /// Most bytes, keys and values together.
+    pub bytes: usize,
+}
+
+impl KvQuota {
+    /// No bound: for the host's own writes (tools, tests), never a guest's.
+    pub const UNBOUNDED: KvQuota = KvQuota { keys: usize::MAX, bytes: usize::MAX };
+
+    fn check(&self, entries: &Entries, key: &str, value_len: usize) -> Result<(), KvError> {
+        let old = entries.get(key).map(|v| key.len() + v.len());
+        let keys = entries.len() + usize::from(old.is_none());
+        let bytes = entries.bytes() - old.unwrap_or(0) + key.len() + value_len;
+        if keys > self.keys && keys > entries.len() {
+            let message = format!("the namespace holds {} keys, its kv-keys limit", entries.len());
+            return Err(KvError::QuotaExceeded { quota: Quota::KvKeys, message });
+        }
+        if bytes > self.bytes && bytes > entries.bytes() {
+            let message = format!(
+                "the namespace would hold {bytes} bytes, past its kv-mib limit of {} MiB ({} bytes held)",
+                self.bytes >> 20,
+                entries.bytes()
+            );
+            return Err(KvError::QuotaExceeded { quota: Quota::KvBytes, message });
+        }
+        Ok(())
+    }
+}
+
+/// One namespace's entries and what they weigh (keys and values, in bytes).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Entries {
+    map: BTreeMap<String, Vec<u8>>,
+    bytes: usize,
+}
+
+impl Entries {
+    /// The value under `key`.
+    pub fn get(&self, key: &str) -> Option<&Vec<u8>> {
+        self.map.get(key)
+    }
+
+    /// How many keys.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Keys and values together, in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Set `key` to `value`.
+    pub fn insert(&mut self, key: String, value: Vec<u8>) {
+        let (key_len, value_len) = (key.len(), value.len());
+        match self.map.insert(key, value) {
+            // The key was counted already: only its value's weight changes.
+            Some(old) => self.bytes = self.bytes - old.len() + value_len,
+            None => self.bytes += key_len + value_len,
+        }
+    }
+
+    /// Remove `key`, returning its value.
+    pub fn remove(&mut self, key: &str) -> Option<Vec<u8>> {
+        let old = self.map.remove(key)?;
+        self.bytes -= key.len() + old.len();
+        Some(old)
+    }
+
+    /// The entries whose key starts with `prefix`, in key order.
+    pub fn with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = (&'a String, &'a Vec<u8>)> + 'a {
+        self.map.range(prefix.to_owned()..).take_while(move |(k, _)| k.starts_with(prefix))
+    }
+}
+
+impl FromIterator<(String, Vec<u8>)> for Entries {
+    fn from_iter<I: IntoIterator<Item = (String, Vec<u8>)>>(iter: I) -> Self {
+        let mut entries = Entries::default();
+        for (key, value) in iter {
+            entries.insert(key, value);
+        }
+        entries
+    }
+}
 
 /// A refused or failed kv call; the guest gets the matching WIT `kv-error`.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -33,6 +132,14 @@ pub enum KvError {
     /// The backend failed, or there is none.
     #[error("storage: {0}")]
     Storage(String),
+    /// The change would grow the namespace past its quota.
+    #[error("quota exceeded: {message}")]
+    QuotaExceeded {
+        /// Which bound (`kv-keys`, `kv-mib`).
+        quota: Quota,
+        /// What it holds and the bound.
+        message: String,
+    },
 }
 
 impl From<KvError> for wit::KvError {
@@ -41,6 +148,7 @@ impl From<KvError> for wit::KvError {
             KvError::TooLarge(m) => wit::KvError::TooLarge(m),
             KvError::Invalid(m) => wit::KvError::Invalid(m),
             KvError::Storage(m) => wit::KvError::Storage(m),
+            KvError::QuotaExceeded { message, .. } => wit::KvError::QuotaExceeded(message),
         }
     }
 }
@@ -109,8 +217,9 @@ pub trait KvBackend: Send + Sync + 'static {
     fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError>;
     /// Entries under `prefix`, already packed as `scan` returns them to guests.
     fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError>;
-    /// Apply one change; durable once its key is persisted.
-    fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError>;
+    /// Apply one change, unless it would grow the namespace past `quota`;
+    /// durable once its key is persisted.
+    fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError>;
     /// Make the current values of `writes.keys` durable; resolves once they are.
     fn persist(&self, writes: KvWrites) -> BoxFuture<'static, Result<(), KvError>>;
     /// As [`KvBackend::persist`], waiting on this thread.
@@ -121,7 +230,7 @@ pub trait KvBackend: Send + Sync + 'static {
 
     /// Apply one change and wait until it is durable.
     fn change_blocking(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
-        let answer = self.apply(namespace, key, change)?;
+        let answer = self.apply(namespace, key, change, KvQuota::UNBOUNDED)?;
         let mut writes = KvWrites::new(namespace.into());
         writes.keys.insert(key.to_owned());
         self.persist_blocking(writes)?;
@@ -148,14 +257,11 @@ pub trait KvBackend: Send + Sync + 'static {
 }
 
 /// Apply `change` to one namespace's entries, as every backend does.
-pub fn apply_change(
-    entries: &mut BTreeMap<String, Vec<u8>>,
-    key: &str,
-    change: KvChange,
-) -> Result<KvChanged, KvError> {
+pub fn apply_change(entries: &mut Entries, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
     change.check(key)?;
     match change {
         KvChange::Set(value) => {
+            quota.check(entries, key, value.len())?;
             entries.insert(key.to_owned(), value);
             Ok(KvChanged::Set)
         }
@@ -165,6 +271,7 @@ pub fn apply_change(
             let next = current
                 .checked_add(delta)
                 .ok_or_else(|| KvError::Invalid(format!("increment of {key:?} overflows")))?;
+            quota.check(entries, key, 8)?;
             entries.insert(key.to_owned(), next.to_le_bytes().to_vec());
             Ok(KvChanged::Counter(next))
         }
@@ -179,13 +286,20 @@ pub fn pack_entry(out: &mut Vec<u8>, key: &str, value: &[u8]) {
     out.extend_from_slice(value);
 }
 
-/// Pack every entry of `entries` under `prefix`.
-pub fn pack_prefix(entries: &BTreeMap<String, Vec<u8>>, prefix: &str) -> Vec<u8> {
+/// Pack every entry of `entries` under `prefix`; more than
+/// [`MAX_SCAN_BYTES`] is refused before it is all packed.
+pub fn pack_prefix(entries: &Entries, prefix: &str) -> Result<Vec<u8>, KvError> {
     let mut out = Vec::new();
-    for (key, value) in entries.range(prefix.to_owned()..).take_while(|(k, _)| k.starts_with(prefix)) {
+    for (key, value) in entries.with_prefix(prefix) {
+        if out.len() + 8 + key.len() + value.len() > MAX_SCAN_BYTES {
+            return Err(KvError::TooLarge(format!(
+                "scan of {prefix:?} returns more than {} MiB at once: scan narrower prefixes",
+                MAX_SCAN_BYTES >> 20
+            )));
+        }
         pack_entry(&mut out, key, value);
     }
-    out
+    Ok(out)
 }
 
 /// Decode a little-endian i64 counter as `increment` stores it.
@@ -213,11 +327,11 @@ pub(crate) fn check_value(value: &[u8]) -> Result<(), KvError> {
 /// In-memory namespaces, for unit tests and benchmarks.
 #[derive(Default)]
 pub struct MemoryKv {
-    namespaces: Mutex<HashMap<String, BTreeMap<String, Vec<u8>>>>,
+    namespaces: Mutex<HashMap<String, Entries>>,
 }
 
 impl MemoryKv {
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, BTreeMap<String, Vec<u8>>>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Entries>> {
         self.namespaces.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
@@ -227,10 +341,10 @@ impl KvBackend for MemoryKv {
         Ok(self.lock().get(namespace).and_then(|ns| ns.get(key).cloned()))
     }
     fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
-        Ok(self.lock().get(namespace).map(|ns| pack_prefix(ns, prefix)).unwrap_or_default())
+        self.lock().get(namespace).map(|ns| pack_prefix(ns, prefix)).unwrap_or(Ok(Vec::new()))
     }
-    fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
-        apply_change(self.lock().entry(namespace.to_owned()).or_default(), key, change)
+    fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
+        apply_change(self.lock().entry(namespace.to_owned()).or_default(), key, change, quota)
     }
     /// Memory is as durable as it gets.
     fn persist(&self, _writes: KvWrites) -> BoxFuture<'static, Result<(), KvError>> {
@@ -265,18 +379,26 @@ pub struct KvCtx {
     backend: Option<Arc<dyn KvBackend>>,
     durability: KvDurability,
     unpersisted: KvWrites,
+    /// The provider's bounds: its namespace's quota, and where refusals are counted.
+    quotas: Arc<Quotas>,
 }
 
 impl Default for KvCtx {
     /// Reaches no store: every call answers a storage error.
     fn default() -> Self {
-        KvCtx { backend: None, durability: KvDurability::EachChange, unpersisted: KvWrites::new("".into()) }
+        let unpersisted = KvWrites::new("".into());
+        KvCtx { backend: None, durability: KvDurability::EachChange, unpersisted, quotas: Arc::default() }
     }
 }
 
 impl KvCtx {
-    pub(crate) fn new(namespace: Arc<str>, backend: Arc<dyn KvBackend>, durability: KvDurability) -> Self {
-        KvCtx { backend: Some(backend), durability, unpersisted: KvWrites::new(namespace) }
+    pub(crate) fn new(
+        namespace: Arc<str>,
+        backend: Arc<dyn KvBackend>,
+        durability: KvDurability,
+        quotas: Arc<Quotas>,
+    ) -> Self {
+        KvCtx { backend: Some(backend), durability, unpersisted: KvWrites::new(namespace), quotas }
     }
 
     fn backend(&self) -> Result<&Arc<dyn KvBackend>, KvError> {
@@ -296,7 +418,11 @@ impl KvCtx {
 
     async fn change(&mut self, key: String, change: KvChange) -> Result<KvChanged, wit::KvError> {
         let backend = self.backend()?.clone();
-        let answer = backend.apply(self.namespace(), &key, change)?;
+        let answer = backend.apply(self.namespace(), &key, change, self.quotas.kv()).inspect_err(|refused| {
+            if let KvError::QuotaExceeded { quota, .. } = refused {
+                self.quotas.refused(*quota, 1);
+            }
+        })?;
         self.unpersisted.keys.insert(key);
         if self.durability == KvDurability::EachChange || self.unpersisted.keys.len() >= MAX_UNPERSISTED_KEYS {
             // The keys stay noted until their commit is known: a call stopped
@@ -393,7 +519,7 @@ impl Room for Kv {
             false => KvDurability::CallEnd,
         };
         match backend {
-            Some(backend) => KvCtx::new(store.provider.clone(), backend, durability),
+            Some(backend) => KvCtx::new(store.provider.clone(), backend, durability, store.quotas.clone()),
             None => KvCtx::default(),
         }
     }
@@ -406,10 +532,63 @@ impl Room for Kv {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_namespace_is_held_to_its_quota_and_shrinking_always_works() {
+        let kv = MemoryKv::default();
+        let quota = KvQuota { keys: 3, bytes: 100 };
+        let set = |key: &str, len: usize, quota| kv.apply("p", key, KvChange::Set(vec![0; len]), quota);
+        for key in ["a", "b", "c"] {
+            set(key, 10, quota).unwrap();
+        }
+        let refused = |r: Result<KvChanged, KvError>| match r {
+            Err(KvError::QuotaExceeded { quota, .. }) => quota,
+            other => panic!("not refused: {other:?}"),
+        };
+        assert_eq!(refused(set("d", 1, quota)), Quota::KvKeys);
+        assert_eq!(refused(kv.apply("p", "d", KvChange::Increment(1), quota)), Quota::KvKeys);
+        // Replacing a value adds no key; past the bytes it is refused, under them it is not.
+        assert_eq!(refused(set("a", 90, quota)), Quota::KvBytes, "33 - 11 + 91 bytes");
+        set("a", 60, quota).expect("33 - 11 + 61 bytes");
+        assert_eq!(kv.lock()["p"].bytes(), 83);
+        // A quota lowered below what is held: shrinking and deleting work, growing does not.
+        let tight = KvQuota { keys: 1, bytes: 10 };
+        set("a", 5, tight).expect("shrinking is never refused");
+        assert_eq!(refused(set("b", 11, tight)), Quota::KvBytes);
+        assert!(kv.apply("p", "b", KvChange::Delete, tight).is_ok());
+        assert_eq!(kv.lock()["p"].bytes(), 6 + 11);
+        assert_eq!(kv.lock()["p"].len(), 2);
+        let to_guest = wit::KvError::from(set("z", 1, tight).unwrap_err());
+        assert!(matches!(&to_guest, wit::KvError::QuotaExceeded(m) if m.contains("kv-keys limit")), "{to_guest:?}");
+    }
+
+    #[test]
+    fn entries_keep_their_weight_through_every_change() {
+        let mut entries: Entries = [("ab".to_owned(), vec![1, 2, 3])].into_iter().collect();
+        assert_eq!(entries.bytes(), 5);
+        entries.insert("ab".into(), vec![1]);
+        assert_eq!(entries.bytes(), 3);
+        entries.insert("c".into(), vec![]);
+        assert_eq!((entries.bytes(), entries.len()), (4, 2));
+        assert_eq!(entries.remove("ab"), Some(vec![1]));
+        assert_eq!(entries.remove("ab"), None);
+        assert_eq!(entries.bytes(), 1);
+    }
+
+    #[test]
+    fn a_scan_past_its_bound_is_refused_and_a_narrower_one_answers() {
+        let kv = MemoryKv::default();
+        for n in 0..17 {
+            kv.set("p", &format!("big/{n:02}"), &vec![0; MAX_VALUE_BYTES]).unwrap();
+        }
+        let err = kv.scan_packed("p", "big/").unwrap_err();
+        assert!(matches!(&err, KvError::TooLarge(m) if m.contains("scan narrower prefixes")), "{err}");
+        assert_eq!(kv.scan_packed("p", "big/0").unwrap().len(), 10 * (8 + 6 + MAX_VALUE_BYTES));
+    }
     use crate::bindings::broker::provider::kv::Host;
 
     fn ctx(ns: &str, backend: &Arc<MemoryKv>) -> KvCtx {
-        KvCtx::new(ns.into(), backend.clone(), KvDurability::EachChange)
+        KvCtx::new(ns.into(), backend.clone(), KvDurability::EachChange, Arc::default())
     }
 
     /// A memory kv that notes what it is asked to persist.
@@ -429,8 +608,8 @@ mod tests {
         fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
             self.kv.scan_packed(namespace, prefix)
         }
-        fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
-            self.kv.apply(namespace, key, change)
+        fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
+            self.kv.apply(namespace, key, change, quota)
         }
         fn persist(&self, writes: KvWrites) -> BoxFuture<'static, Result<(), KvError>> {
             Box::pin(std::future::ready(self.persist_blocking(writes)))
@@ -456,7 +635,7 @@ mod tests {
     #[tokio::test]
     async fn changes_persist_per_change_or_at_the_call_end() {
         let backend = Arc::new(Persisted::default());
-        let mut each = KvCtx::new("p".into(), backend.clone(), KvDurability::EachChange);
+        let mut each = KvCtx::new("p".into(), backend.clone(), KvDurability::EachChange, Arc::default());
         each.set("a".into(), b"1".to_vec()).await.unwrap().unwrap();
         assert_eq!(each.increment("n".into(), 2).await.unwrap().unwrap(), 2);
         assert!(matches!(each.increment("a".into(), 1).await.unwrap(), Err(wit::KvError::Invalid(_))));
@@ -471,7 +650,7 @@ mod tests {
         assert!(each.take_unpersisted().is_empty());
 
         backend.persisted.lock().unwrap().clear();
-        let mut at_end = KvCtx::new("p".into(), backend.clone(), KvDurability::CallEnd);
+        let mut at_end = KvCtx::new("p".into(), backend.clone(), KvDurability::CallEnd, Arc::default());
         at_end.set("b".into(), b"2".to_vec()).await.unwrap().unwrap();
         assert!(at_end.delete("a".into()).await.unwrap().unwrap());
         assert_eq!(at_end.increment("n".into(), 1).await.unwrap().unwrap(), 3);
@@ -492,7 +671,7 @@ mod tests {
     #[tokio::test]
     async fn a_failed_persist_is_reported_and_kept_for_the_call_end() {
         let backend = Arc::new(Persisted { failing: true, ..Persisted::default() });
-        let mut kv = KvCtx::new("p".into(), backend.clone(), KvDurability::EachChange);
+        let mut kv = KvCtx::new("p".into(), backend.clone(), KvDurability::EachChange, Arc::default());
         let refused = kv.set("a".into(), b"1".to_vec()).await.unwrap().unwrap_err();
         assert!(
             matches!(&refused, wit::KvError::Storage(m) if m.contains("not yet durable") && m.contains("disk full"))
@@ -505,7 +684,7 @@ mod tests {
     #[tokio::test]
     async fn a_call_end_durability_persists_in_bounded_chunks() {
         let backend = Arc::new(Persisted::default());
-        let mut kv = KvCtx::new("p".into(), backend.clone(), KvDurability::CallEnd);
+        let mut kv = KvCtx::new("p".into(), backend.clone(), KvDurability::CallEnd, Arc::default());
         for n in 0..(MAX_UNPERSISTED_KEYS * 2 + 5) {
             kv.set(format!("k/{n}"), vec![]).await.unwrap().unwrap();
         }

@@ -1,7 +1,11 @@
-//! `broker:provider/log`: guest log lines become `tracing` events tagged with the provider.
+//! `broker:provider/log`: guest log lines become `tracing` events tagged with
+//! the provider, at most `log-lines-per-second` of them over all its calls
+//! and its stdout and stderr (a burst of ten seconds' worth passes); the rest
+//! are counted and said as "suppressed N lines" with the next line written.
 
 use crate::bindings::broker::provider::log::{self as wit, Level};
 use crate::runtime::HostState;
+use crate::runtime::quotas::{Admit, Quota, Quotas};
 use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use std::sync::Arc;
 use wasmtime::component::{HasSelf, Linker};
@@ -12,22 +16,43 @@ pub const INTERFACE: &str = "log";
 /// Longest message kept; the rest is cut so a guest cannot flood the logs with one line.
 const MAX_MESSAGE_BYTES: usize = 4096;
 
-/// Per-store context: the provider its lines are tagged with.
+/// Per-store context: the provider its lines are tagged with, and its bounds.
 #[derive(Default)]
 pub struct LogCtx {
     provider: Arc<str>,
+    quotas: Arc<Quotas>,
 }
 
 impl LogCtx {
-    pub(crate) fn new(provider: Arc<str>) -> Self {
-        LogCtx { provider }
+    pub(crate) fn new(provider: Arc<str>, quotas: Arc<Quotas>) -> Self {
+        LogCtx { provider, quotas }
+    }
+}
+
+/// Say how many lines were suppressed before the one about to be written.
+pub(crate) fn say_suppressed(provider: &str, admit: Admit) -> bool {
+    match admit {
+        Admit::Suppress => false,
+        Admit::Write { suppressed: 0 } => true,
+        Admit::Write { suppressed } => {
+            tracing::warn!(
+                provider,
+                suppressed,
+                limit = Quota::LogLines.name(),
+                "suppressed {suppressed} guest log lines over the provider's log-lines-per-second"
+            );
+            true
+        }
     }
 }
 
 impl wit::Host for LogCtx {
     async fn log(&mut self, level: Level, message: String) -> wasmtime::Result<()> {
-        let message = truncate(&message, MAX_MESSAGE_BYTES);
         let provider = &*self.provider;
+        if !say_suppressed(provider, self.quotas.admit_log_line()) {
+            return Ok(());
+        }
+        let message = truncate(&message, MAX_MESSAGE_BYTES);
         match level {
             Level::Trace => tracing::trace!(provider, message, "guest log"),
             Level::Debug => tracing::debug!(provider, message, "guest log"),
@@ -81,7 +106,7 @@ impl Room for Log {
     }
 
     fn ctx(_: &bool, _: Option<Arc<()>>, store: &StoreSetup<'_>) -> LogCtx {
-        LogCtx::new(store.provider.clone())
+        LogCtx::new(store.provider.clone(), store.quotas.clone())
     }
 
     fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {

@@ -2,6 +2,7 @@
 //! directories, sockets or name lookups; stdout and stderr become `tracing`
 //! events tagged with the provider.
 
+use crate::runtime::quotas::Quotas;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -13,12 +14,14 @@ use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder};
 /// Longest line kept from guest output; longer lines are split.
 const MAX_LINE_BYTES: usize = 4096;
 
-/// `data_dir` is preopened as `/data`, the guest's only filesystem.
-pub fn sandboxed_ctx(provider: &Arc<str>, data_dir: &Path) -> WasiCtx {
+/// `data_dir` is preopened as `/data`, the guest's only filesystem; output
+/// lines count against the provider's log rate in `quotas`.
+pub fn sandboxed_ctx(provider: &Arc<str>, data_dir: &Path, quotas: &Arc<Quotas>) -> WasiCtx {
     let mut builder = WasiCtxBuilder::new();
+    let output = |stream| TracingOutput { provider: provider.clone(), stream, quotas: quotas.clone() };
     builder
-        .stdout(TracingOutput { provider: provider.clone(), stream: "stdout" })
-        .stderr(TracingOutput { provider: provider.clone(), stream: "stderr" })
+        .stdout(output("stdout"))
+        .stderr(output("stderr"))
         .allow_tcp(false)
         .allow_udp(false)
         .allow_ip_name_lookup(false);
@@ -34,6 +37,7 @@ pub fn sandboxed_ctx(provider: &Arc<str>, data_dir: &Path) -> WasiCtx {
 struct TracingOutput {
     provider: Arc<str>,
     stream: &'static str,
+    quotas: Arc<Quotas>,
 }
 
 impl IsTerminal for TracingOutput {
@@ -55,6 +59,9 @@ struct LineWriter {
 
 impl LineWriter {
     fn emit(&self, line: &[u8]) {
+        if !super::log::say_suppressed(&self.out.provider, self.out.quotas.admit_log_line()) {
+            return;
+        }
         let line = String::from_utf8_lossy(line);
         tracing::info!(provider = &*self.out.provider, stream = self.out.stream, line = %line.trim_end(), "guest output");
     }

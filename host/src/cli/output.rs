@@ -64,6 +64,10 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
         "limits:     memory {} MiB, pool {}, retire after {} calls or {}",
         v.memory_mib, v.pool_size, v.max_calls, v.max_age
     )?;
+    if !v.quotas.is_empty() {
+        let quotas: Vec<String> = v.quotas.iter().map(|(key, value)| format!("{} {}", esc(key), esc(value))).collect();
+        writeln!(out, "quotas:     {}", quotas.join(", "))?;
+    }
     writeln!(out, "deadlines:")?;
     for (method, deadline) in &v.deadlines {
         writeln!(out, "  {method:<18} {deadline}")?;

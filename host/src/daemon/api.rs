@@ -80,7 +80,9 @@ impl From<BrokerServiceError> for ApiError {
             BrokerServiceError::InvalidInstanceId { .. } | BrokerServiceError::InstanceIdTaken { .. } => {
                 StatusCode::BAD_GATEWAY
             }
-            BrokerServiceError::Call(CallError::Unavailable { .. }) => StatusCode::SERVICE_UNAVAILABLE,
+            BrokerServiceError::Call(CallError::Unavailable { .. } | CallError::Busy { .. }) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             // This host's storage failed, not the provider.
             BrokerServiceError::Call(CallError::Storage { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
             BrokerServiceError::Call(call) => match call.broker_error() {
@@ -410,6 +412,19 @@ async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
         text.push_str(&format!("broker_provider_breaker_trips_total{{{labels}}} {trips}\n"));
     }
     per_method(&mut text, &sources);
+    text.push_str(
+        "# HELP broker_quota_refusals_total What a provider's bounds refused or cut (calls, lines, entries), by bound.\n",
+    );
+    text.push_str("# TYPE broker_quota_refusals_total counter\n");
+    for source in &sources {
+        for (quota, n) in source.stats.quotas.iter() {
+            text.push_str(&format!(
+                "broker_quota_refusals_total{{{},quota=\"{}\"}} {n}\n",
+                source.labels,
+                quota.name()
+            ));
+        }
+    }
     let swaps = broker.registry().swap_counts();
     text.push_str("# HELP broker_swaps_total Providers swapped since the daemon started.\n");
     text.push_str("# TYPE broker_swaps_total counter\n");

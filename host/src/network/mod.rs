@@ -116,9 +116,6 @@ pub enum BridgeError {
     /// A device that exists and is not a tap, where a tap is wanted.
     #[error("{0:?} exists and is not a tap")]
     NotATap(String),
-    /// A sandbox that gives its provider no network (the kit's, sealed).
-    #[error("no network here: this sandbox gives the provider none")]
-    NoBackend,
 }
 
 pub(crate) fn format_mac(bytes: &[u8]) -> String {

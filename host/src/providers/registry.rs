@@ -1,5 +1,6 @@
 //! The providers this host runs: registered in the store, loaded on first use.
 
+use crate::capabilities::process::{Process, stop_children};
 use crate::manifest::Manifest;
 use crate::runtime::{HostCapabilities, Runtime};
 use crate::store::{Event, ProviderRecord, Store, StoreError, records::now_rfc3339};
@@ -166,6 +167,9 @@ pub(crate) struct Retired {
     pub since: std::time::Instant,
 }
 
+/// How long a removed provider's children get between TERM and KILL.
+const CHILD_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// How long a retired version's counters stay in `/metrics`: a few scrape intervals.
 pub const RETIRED_METRICS_FOR: std::time::Duration = std::time::Duration::from_secs(600);
 
@@ -310,12 +314,25 @@ impl Registry {
             restore(unloaded);
             return Err(RegistryError::HasInstances { name: name.to_owned(), count });
         }
+        // Nothing of the provider runs on once it is gone: its children neither.
+        let children = match self.capabilities.backends.of::<Process>() {
+            Some(process) => stop_children(&*process, name, CHILD_STOP_GRACE).await.unwrap_or_else(|error| {
+                tracing::warn!(provider = name, %error, "cannot list the removed provider's children to stop them");
+                0
+            }),
+            None => 0,
+        };
         let mut event = Event::new("removed", name);
+        let mut detail = Vec::new();
+        if in_flight > 0 {
+            detail.push(format!("after {in_flight} call(s) in flight finished"));
+        }
+        if children > 0 {
+            detail.push(format!("{children} child process(es) it left running stopped"));
+        }
+        event.detail = detail.join("; ");
         if let Some(provider) = &unloaded {
             event.old_sha256 = Some(provider.sha256().to_owned());
-            if in_flight > 0 {
-                event.detail = format!("after {in_flight} call(s) in flight finished");
-            }
         }
         if !self.store.remove_provider(name, &event).await? {
             return Err(RegistryError::UnknownProvider(name.to_owned()));
@@ -424,7 +441,7 @@ impl Registry {
         self.store.put_provider(&swapped, &event).await?;
         self.slots().loaded.insert(name.to_owned(), candidate);
         drop(changing);
-        self.retire(&serving);
+        self.retire(serving.version());
         self.swap_counts.swapped.fetch_add(1, Ordering::Relaxed);
         // The replaced copy in components/ is no longer what loads; calls still on
         // the old version run from memory, not from the file.
@@ -536,7 +553,10 @@ impl Registry {
         retired.clone()
     }
 
-    fn retire(&self, version: &ProviderVersion) {
+    /// A version replaced or removed: its counters stay in the metrics a
+    /// while, and its instance slots go back to the host once its calls in
+    /// flight have ended (whoever still holds it only reads it).
+    fn retire(&self, version: &Arc<ProviderVersion>) {
         let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
         retired.retain(|r| r.since.elapsed() < RETIRED_METRICS_FOR);
         retired.push(Retired {
@@ -544,6 +564,13 @@ impl Registry {
             sha256: version.sha256().to_owned(),
             stats: version.shared_stats(),
             since: std::time::Instant::now(),
+        });
+        version.retire();
+        let version = version.clone();
+        let waited = version.manifest().limits.deadlines.longest() + DRAIN_SLACK;
+        tokio::spawn(async move {
+            version.drained(waited).await;
+            version.release_slots();
         });
     }
 

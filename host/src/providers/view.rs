@@ -32,6 +32,9 @@ pub(crate) struct ProviderView {
     pub max_age: String,
     /// Method name -> deadline.
     pub deadlines: Vec<(String, String)>,
+    /// `[limits]` key -> the bound on what it may make the host hold.
+    #[serde(default)]
+    pub quotas: Vec<(String, String)>,
     pub grants: GrantsView,
     pub config: serde_json::Value,
     /// Only a daemon has one: a CLI process loads the provider afresh.
@@ -67,6 +70,18 @@ impl ProviderView {
                 .iter()
                 .map(|m| (m.name().to_owned(), humantime::format_duration(limits.deadlines.for_method(*m)).to_string()))
                 .collect(),
+            quotas: [
+                ("call-data-mib", limits.call_data_mib.to_string()),
+                ("max-records", limits.max_records.to_string()),
+                ("max-concurrent-calls", limits.max_concurrent_calls.to_string()),
+                ("queue-wait", humantime::format_duration(limits.queue_wait).to_string()),
+                ("log-lines-per-second", limits.log_lines_per_second.to_string()),
+                ("kv-keys", limits.kv_keys.to_string()),
+                ("kv-mib", limits.kv_mib.to_string()),
+            ]
+            .into_iter()
+            .map(|(key, value)| (key.to_owned(), value))
+            .collect(),
             grants: GrantsView { rooms: grants.rooms.view() },
             config: serde_json::from_str(&manifest.config_json).unwrap_or(serde_json::Value::Null),
             breaker: None,

@@ -3,6 +3,7 @@
 //! the linker built from a provider's grants.
 
 mod limits;
+pub mod quotas;
 pub mod rooms;
 mod state;
 mod ticker;
@@ -43,15 +44,46 @@ pub enum RuntimeError {
         #[source]
         source: BoxError,
     },
+    /// The engine's instance slots are all reserved by the providers loaded.
+    #[error(
+        "provider {provider} needs {wanted} guest instance slots (its max-concurrent-calls and pool-size), and {free} of the host's {INSTANCE_SLOTS} are not reserved by the providers loaded: lower its limits, or remove a provider"
+    )]
+    NoSlots {
+        /// The provider loading.
+        provider: String,
+        /// Slots it asks for.
+        wanted: usize,
+        /// Slots not reserved.
+        free: usize,
+    },
     /// The thread that advances the epoch could not be spawned.
     #[error("cannot start the epoch thread, without which no guest deadline holds: {0}")]
     Ticker(#[source] std::io::Error),
 }
 
+/// Guest instances the engine's pool holds, for all providers together.
+pub const INSTANCE_SLOTS: usize = 512;
+
 /// Shared by every provider of one host.
 pub struct Runtime {
     engine: Engine,
     _ticker: ticker::EpochTicker,
+    /// Instance slots reserved by the provider versions loaded.
+    reserved: std::sync::Mutex<usize>,
+}
+
+/// Instance slots held for one provider version while it is loaded: no other
+/// provider can take them, and it never uses more (its calls at once and its
+/// warm pool are bounded by what it reserved).
+pub struct SlotReservation {
+    runtime: Arc<Runtime>,
+    slots: usize,
+}
+
+impl Drop for SlotReservation {
+    fn drop(&mut self) {
+        *self.runtime.reserved.lock().unwrap_or_else(|p| p.into_inner()) -= self.slots;
+    }
 }
 
 impl Runtime {
@@ -73,7 +105,23 @@ impl Runtime {
         }
         let engine = Engine::new(&config).map_err(|e| RuntimeError::Engine(e.into_boxed_dyn_error()))?;
         let ticker = ticker::EpochTicker::start(engine.clone(), EPOCH_TICK).map_err(RuntimeError::Ticker)?;
-        Ok(Arc::new(Runtime { engine, _ticker: ticker }))
+        Ok(Arc::new(Runtime { engine, _ticker: ticker, reserved: Default::default() }))
+    }
+
+    /// Reserve `slots` instance slots for `provider`, while the reservation lives.
+    pub fn reserve(self: &Arc<Self>, provider: &str, slots: usize) -> Result<SlotReservation, RuntimeError> {
+        let mut reserved = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
+        let free = INSTANCE_SLOTS - *reserved;
+        if slots > free {
+            return Err(RuntimeError::NoSlots { provider: provider.to_owned(), wanted: slots, free });
+        }
+        *reserved += slots;
+        Ok(SlotReservation { runtime: self.clone(), slots })
+    }
+
+    /// Instance slots not reserved by any provider loaded.
+    pub fn free_slots(&self) -> usize {
+        INSTANCE_SLOTS - *self.reserved.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn engine(&self) -> &Engine {
@@ -102,7 +150,7 @@ impl Runtime {
 fn pooling_config() -> PoolingAllocationConfig {
     let mut pooling = PoolingAllocationConfig::new();
     pooling
-        .total_component_instances(512)
+        .total_component_instances(INSTANCE_SLOTS as u32)
         .total_core_instances(2048)
         .total_memories(1024)
         .total_tables(2048)

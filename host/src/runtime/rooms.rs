@@ -1,16 +1,14 @@
-//! The guest-facing capabilities of `broker:provider`, registered: one entry
-//! each in [`ROOMS`]. The linker, the import check at load, the conformance
-//! kit's "ungranted" finding, the manifest's `[grants]`, `provider show` and
-//! the stores' data all read this list.
+//! The guest-facing capabilities, registered: one entry each in [`ROOMS`].
+//! The linker, the import check at load, the conformance kit's "ungranted"
+//! finding, the manifest's `[grants]`, `provider show` and the stores' data
+//! all read this list.
 //!
-//! A capability in a room of its own implements [`Room`]: its grant (its key
-//! under `[grants]`, parsed, compared with what an operator approved, shown),
-//! its backend (what its calls reach; the host's unless the kit injects
-//! another), its part of a store and its `add_to_linker` are all in its own
-//! folder, and it joins the host with one line here. `local-socket`, `log`
-//! and `machine-lock` are in rooms; the others still have their grant among [`Grants`]'
-//! fields and their context among [`HostState`]'s ([`Fields`]) and move one
-//! by one.
+//! Each capability with a grant is a room ([`Room`]): its grant (its keys
+//! under `[grants]`, parsed, compared with what an operator approved,
+//! reported and shown), what it prepares when a version loads, its backend
+//! (what its calls reach; the host's unless injected), its part of a store
+//! and its `add_to_linker` are all in its own folder, and it joins the host
+//! with one line here. The call context, which needs no grant, is a [`NoGrant`] entry.
 
 use super::{BoxError, HostState};
 use crate::capabilities::denials::Denials;
@@ -100,6 +98,8 @@ pub struct StoreSetup<'a> {
     pub sandbox_user: Option<u32>,
     /// What each room made ready when the version loaded.
     pub prepared: &'a PreparedParts,
+    /// Where the room counts what its bounds refused or cut.
+    pub quotas: &'a Arc<crate::runtime::quotas::Quotas>,
 }
 
 /// A capability in a room of its own: everything of it is in its folder.
@@ -366,8 +366,8 @@ impl Capability for NoGrant {
     }
 }
 
-/// Every capability this host provides, besides WASI and `wasi:http` (linked
-/// for all, nothing ambient in them) and `types` (no functions).
+/// Every capability this host provides, besides WASI (linked for all,
+/// nothing ambient in it) and `types` (no functions).
 pub static ROOMS: &[&dyn Capability] = &[
     &NoGrant {
         interface: context::INTERFACE,
@@ -422,11 +422,11 @@ impl RoomGrants {
     }
 
     /// What each room makes ready for a provider version that loads; the
-    /// first refusal, with the room's key.
-    pub fn prepare(&self, load: &LoadSetup<'_>) -> Result<PreparedParts, (&'static str, BoxError)> {
+    /// first refusal (whose text says what it is about).
+    pub fn prepare(&self, load: &LoadSetup<'_>) -> Result<PreparedParts, BoxError> {
         let mut prepared = PreparedParts::default();
         for section in sections() {
-            let (room, part) = section.prepare(self.get(section.key()), load).map_err(|e| (section.key(), e))?;
+            let (room, part) = section.prepare(self.get(section.key()), load)?;
             prepared.0.insert(room, part);
         }
         Ok(prepared)
@@ -694,6 +694,7 @@ mod tests {
             acts_outside_the_store: false,
             sandbox_user: None,
             prepared: &PreparedParts::default(),
+            quotas: &Default::default(),
         };
         let grants = RoomGrants::default().with::<local_socket::LocalSocket>(true);
         let mut parts = Parts::new(&grants, &Backends::default(), &store);

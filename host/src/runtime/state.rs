@@ -39,8 +39,8 @@ pub struct HostCapabilities {
     pub data_dirs: PathBuf,
     /// How granted programs are confined (bubblewrap, the sandbox users).
     pub sandbox: crate::sandbox::Sandbox,
-    /// What the calls of capabilities in rooms of their own reach: the
-    /// host's, unless the kit injected a simulation or a recording.
+    /// What the capabilities' calls reach: the host's, unless the kit
+    /// injected a simulation or a recording.
     pub backends: Backends,
     /// Where refused host calls are noted besides the log (the conformance kit collects them).
     pub denials: Denials,
@@ -65,20 +65,7 @@ impl HostCapabilities {
             denials: Denials::default(),
         }
     }
-}
 
-/// What one provider's stores get: the host capabilities narrowed to its grants.
-#[derive(Clone)]
-pub struct ProviderCapabilities {
-    pub(crate) host: HostCapabilities,
-    pub(crate) data_dir: PathBuf,
-    /// The grants of the capabilities in rooms.
-    pub rooms: RoomGrants,
-    /// What the rooms made ready when the version loaded (confined programs).
-    pub prepared: PreparedParts,
-}
-
-impl HostCapabilities {
     /// The store's kv, where a call's changes are made durable (`None`: a
     /// sandbox that gives none).
     pub fn kv(&self) -> Option<Arc<dyn KvBackend>> {
@@ -90,6 +77,19 @@ impl HostCapabilities {
     pub fn network(&self) -> Option<Arc<dyn NetworkBackend>> {
         self.backends.of::<NetworkBridge>()
     }
+}
+
+/// What one provider's stores get: the host capabilities narrowed to its grants.
+#[derive(Clone)]
+pub struct ProviderCapabilities {
+    pub(crate) host: HostCapabilities,
+    pub(crate) data_dir: PathBuf,
+    /// The grants of the capabilities in rooms.
+    pub rooms: RoomGrants,
+    /// What the rooms made ready when the version loaded (confined programs).
+    pub prepared: PreparedParts,
+    /// What its bounds refused or cut, counted (the version's metrics).
+    pub quotas: Arc<crate::runtime::quotas::Quotas>,
 }
 
 impl ProviderCapabilities {
@@ -110,7 +110,7 @@ impl HostState {
         let sandbox_user = caps.prepared.of::<Process>().and_then(|p| p.confinement().map(|c| c.uid()));
         HostState {
             table: ResourceTable::new(),
-            wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir),
+            wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir, &caps.quotas),
             rooms: Parts::new(
                 &caps.rooms,
                 &host.backends,
@@ -121,6 +121,7 @@ impl HostState {
                     acts_outside_the_store: caps.acts_outside_the_store(),
                     sandbox_user,
                     prepared: &caps.prepared,
+                    quotas: &caps.quotas,
                 },
             ),
             limiter: GuestLimiter::new(memory_bytes),

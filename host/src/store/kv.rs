@@ -11,12 +11,14 @@
 
 use super::writer::{Job, Pending, Reply, Writer};
 use super::{KV, StoreError, Txn, db_error};
-use crate::capabilities::kv::{KvBackend, KvChange, KvChanged, KvError, KvWrites, apply_change, pack_prefix};
+use crate::capabilities::kv::{
+    Entries, KvBackend, KvChange, KvChanged, KvError, KvQuota, KvWrites, apply_change, pack_prefix,
+};
 use redb::{Database, ReadableDatabase};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-type Namespace = Arc<RwLock<BTreeMap<String, Vec<u8>>>>;
+type Namespace = Arc<RwLock<Entries>>;
 
 /// The store's [`KvBackend`](crate::capabilities::kv::KvBackend): each namespace
 /// mirrored in memory, writes made durable through the store's writer.
@@ -49,10 +51,10 @@ impl RedbKv {
         Ok(loaded)
     }
 
-    fn load(&self, name: &str) -> Result<BTreeMap<String, Vec<u8>>, StoreError> {
+    fn load(&self, name: &str) -> Result<Entries, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(KV).map_err(db_error)?;
-        let mut entries = BTreeMap::new();
+        let mut entries = Entries::default();
         for entry in table.range((name, "")..).map_err(db_error)? {
             let (key, value) = entry.map_err(db_error)?;
             let (namespace, key) = key.value();
@@ -146,13 +148,13 @@ impl KvBackend for RedbKv {
     fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
         let ns = self.namespace(namespace)?;
         let entries = ns.read().unwrap_or_else(|p| p.into_inner());
-        Ok(pack_prefix(&entries, prefix))
+        pack_prefix(&entries, prefix)
     }
 
-    fn apply(&self, namespace: &str, key: &str, change: KvChange) -> Result<KvChanged, KvError> {
+    fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
         let ns = self.namespace(namespace)?;
         let mut entries = ns.write().unwrap_or_else(|p| p.into_inner());
-        apply_change(&mut entries, key, change)
+        apply_change(&mut entries, key, change, quota)
     }
 
     fn persist(&self, writes: KvWrites) -> futures_util::future::BoxFuture<'static, Result<(), KvError>> {
@@ -182,7 +184,9 @@ impl KvBackend for RedbKv {
 #[cfg(test)]
 mod tests {
     use super::super::Store;
-    use crate::capabilities::kv::{KvBackend, KvChange, KvChanged, KvError, KvWrites, MemoryKv};
+    use crate::capabilities::kv::{
+        Entries, KvBackend, KvChange, KvChanged, KvError, KvQuota, KvWrites, MemoryKv, pack_prefix,
+    };
 
     /// The real backend and the in-memory fake agree, and the real one persists.
     #[test]
@@ -222,9 +226,9 @@ mod tests {
             .map(|n| {
                 let kv = kv.clone();
                 tokio::spawn(async move {
-                    let counted = kv.apply("p", "n", KvChange::Increment(1)).unwrap();
+                    let counted = kv.apply("p", "n", KvChange::Increment(1), KvQuota::UNBOUNDED).unwrap();
                     let key = format!("k/{n}");
-                    kv.apply("p", &key, KvChange::Set(vec![n as u8])).unwrap();
+                    kv.apply("p", &key, KvChange::Set(vec![n as u8]), KvQuota::UNBOUNDED).unwrap();
                     let mut writes = KvWrites::new("p".into());
                     writes.keys.extend(["n".to_owned(), key]);
                     kv.persist(writes).await.unwrap();
@@ -244,9 +248,8 @@ mod tests {
         drop((kv, store));
         let reopened = Store::open(dir.path()).unwrap().kv();
         assert_eq!(reopened.get("p", "n").unwrap(), Some(400i64.to_le_bytes().to_vec()));
-        let expected: std::collections::BTreeMap<String, Vec<u8>> =
-            (0..400).map(|n| (format!("k/{n}"), vec![n as u8])).collect();
-        assert_eq!(reopened.scan_packed("p", "k/").unwrap(), crate::capabilities::kv::pack_prefix(&expected, "k/"));
+        let expected: Entries = (0..400).map(|n| (format!("k/{n}"), vec![n as u8])).collect();
+        assert_eq!(reopened.scan_packed("p", "k/").unwrap(), pack_prefix(&expected, "k/").unwrap());
     }
 
     /// A change is visible at once and reaches the file only when its key is
@@ -257,14 +260,14 @@ mod tests {
         {
             let store = Store::open(dir.path()).unwrap();
             let kv = store.kv();
-            kv.apply("p", "kept", KvChange::Set(b"1".to_vec())).unwrap();
-            kv.apply("p", "lost", KvChange::Set(b"2".to_vec())).unwrap();
+            kv.apply("p", "kept", KvChange::Set(b"1".to_vec()), KvQuota::UNBOUNDED).unwrap();
+            kv.apply("p", "lost", KvChange::Set(b"2".to_vec()), KvQuota::UNBOUNDED).unwrap();
             assert_eq!(kv.get("p", "lost").unwrap(), Some(b"2".to_vec()), "applied at once");
             let mut writes = KvWrites::new("p".into());
             writes.keys.insert("kept".into());
             kv.persist_blocking(writes).unwrap();
             // A key persisted after a later change holds the later value.
-            kv.apply("p", "kept", KvChange::Set(b"3".to_vec())).unwrap();
+            kv.apply("p", "kept", KvChange::Set(b"3".to_vec()), KvQuota::UNBOUNDED).unwrap();
             let mut writes = KvWrites::new("p".into());
             writes.keys.insert("kept".into());
             kv.persist_blocking(writes).unwrap();

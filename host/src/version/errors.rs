@@ -69,6 +69,21 @@ pub enum CallError {
         #[source]
         source: crate::capabilities::kv::KvError,
     },
+    /// The provider already ran its `max-concurrent-calls`, and none ended
+    /// within `queue-wait`.
+    #[error(
+        "provider {provider}: {method} refused: busy: {limit} calls already running ([limits] max-concurrent-calls), none ended within {waited:?}"
+    )]
+    Busy {
+        /// The provider called.
+        provider: String,
+        /// The export called.
+        method: Method,
+        /// Its `max-concurrent-calls`.
+        limit: usize,
+        /// Its `queue-wait`.
+        waited: Duration,
+    },
     /// Half-open after repeated crashes, and its `all-instances` re-observe failed.
     #[error("provider {provider}: {method} refused: the provider is half-open ({reason})")]
     Unavailable {

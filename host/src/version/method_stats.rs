@@ -20,7 +20,7 @@ pub enum Outcome {
     Trap,
     /// Stopped at its deadline.
     Deadline,
-    /// Stopped at a resource limit (memory).
+    /// Stopped at a resource limit (memory, call data, records).
     Limit,
     /// No instance to run it on.
     Instantiate,
@@ -28,10 +28,12 @@ pub enum Outcome {
     Unavailable,
     /// The host's storage failed to make the call's kv changes durable.
     Storage,
+    /// Refused: the provider's calls at once were at `max-concurrent-calls`.
+    Busy,
 }
 
 impl Outcome {
-    pub(crate) const ALL: [Outcome; 8] = [
+    pub(crate) const ALL: [Outcome; 9] = [
         Outcome::Ok,
         Outcome::Error,
         Outcome::Trap,
@@ -40,6 +42,7 @@ impl Outcome {
         Outcome::Instantiate,
         Outcome::Unavailable,
         Outcome::Storage,
+        Outcome::Busy,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -52,6 +55,7 @@ impl Outcome {
             Outcome::Instantiate => "instantiate",
             Outcome::Unavailable => "unavailable",
             Outcome::Storage => "storage",
+            Outcome::Busy => "busy",
         }
     }
 
@@ -65,6 +69,7 @@ impl Outcome {
             Err(CallError::Instantiate { .. }) => Outcome::Instantiate,
             Err(CallError::Unavailable { .. }) => Outcome::Unavailable,
             Err(CallError::Storage { .. }) => Outcome::Storage,
+            Err(CallError::Busy { .. }) => Outcome::Busy,
         }
     }
 }

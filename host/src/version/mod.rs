@@ -17,6 +17,7 @@ use crate::bindings::{
 use crate::capabilities::context::{CallContext, CallHooks};
 use crate::capabilities::kv::{Kv, KvWrites};
 use crate::manifest::{Isolation, Manifest, ManifestError, Method};
+use crate::runtime::quotas::{Quota, Quotas};
 use crate::runtime::rooms::LoadSetup;
 use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
 use method_stats::Outcome;
@@ -109,6 +110,8 @@ pub struct ProviderStats {
     pub(crate) discarded: AtomicU64,
     /// Outcomes and latency per method.
     pub methods: method_stats::MethodTable,
+    /// What the provider's bounds refused or cut.
+    pub quotas: Arc<Quotas>,
 }
 
 type CallFuture<'a, R> = Pin<Box<dyn Future<Output = wasmtime::Result<Result<R, BrokerError>>> + Send + 'a>>;
@@ -125,6 +128,12 @@ pub struct ProviderVersion {
     pool: Mutex<Vec<Warm>>,
     stats: Arc<ProviderStats>,
     breaker: breaker::Breaker,
+    /// One permit per call running (`max-concurrent-calls`).
+    running: tokio::sync::Semaphore,
+    /// Its share of the engine's instance slots, until it is retired and drained.
+    slots: Mutex<Option<crate::runtime::SlotReservation>>,
+    /// Replaced or removed: it keeps no warm instances.
+    retired: std::sync::atomic::AtomicBool,
     /// Callers using this version now (see [`Serving`]); a drain waits for none.
     in_flight: InFlight,
 }
@@ -184,6 +193,10 @@ impl ProviderVersion {
             crate::manifest::check_loadable(loaded, &capabilities.data_dirs)
                 .map_err(|reason| LoadError::InDataDir { provider: manifest.name.clone(), reason })?;
         }
+        // Its calls at once, and the warm instances kept between them.
+        let limits = &manifest.limits;
+        let pooled = if manifest.isolation == Isolation::Pooled { limits.pool_size } else { 0 };
+        let slots = runtime.reserve(&manifest.name, limits.max_concurrent_calls + pooled)?;
         let (bytes, sha256) = manifest.read_component()?;
         let component = runtime.compile(&manifest.component, &bytes)?;
         let provider = manifest.name.clone();
@@ -197,7 +210,10 @@ impl ProviderVersion {
             .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
         let pre = ProviderPre::new(instance_pre)
             .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
-        let capabilities = narrow(capabilities, &manifest)?;
+        let quotas = Arc::new(Quotas::new(&manifest.limits));
+        let stats = Arc::new(ProviderStats { quotas, ..ProviderStats::default() });
+        let capabilities = narrow(capabilities, &manifest, stats.quotas.clone())?;
+        let running = tokio::sync::Semaphore::new(manifest.limits.max_concurrent_calls);
         let breaker = breaker::Breaker::new(manifest.limits.breaker_failures, manifest.limits.breaker_window);
         Ok(ProviderVersion {
             name: provider.into(),
@@ -208,10 +224,30 @@ impl ProviderVersion {
             pre,
             capabilities,
             pool: Mutex::new(Vec::new()),
-            stats: Arc::default(),
+            stats,
             breaker,
+            running,
+            slots: Mutex::new(Some(slots)),
+            retired: Default::default(),
             in_flight: InFlight::default(),
         })
+    }
+
+    /// No new calls come here (it was replaced or removed): its warm
+    /// instances go now, and those its calls in flight use go as they end.
+    pub(crate) fn retire(&self) {
+        self.retired.store(true, Ordering::SeqCst);
+        self.lock_pool().clear();
+    }
+
+    /// Give its instance slots back to the host: once retired and drained.
+    pub(crate) fn release_slots(&self) {
+        drop(self.slots.lock().unwrap_or_else(|p| p.into_inner()).take());
+    }
+
+    /// Calls running now (each holds one of its `max-concurrent-calls`).
+    pub fn calls_running(&self) -> usize {
+        self.manifest.limits.max_concurrent_calls - self.running.available_permits()
     }
 
     /// Callers using this version now.
@@ -338,9 +374,19 @@ impl ProviderVersion {
     }
 
     /// The contract's `all-instances`: every instance the provider can see.
+    /// An answer of more than `max-records` instances is refused as a limit.
     pub async fn all_instances(&self, hooks: &CallHooks) -> Result<Vec<Instance>, CallError> {
+        let max = self.manifest.limits.max_records;
         self.call(Method::AllInstances, hooks, move |store, exports, ctx| {
-            Box::pin(async move { exports.broker_provider_instance_broker().call_all_instances(store, ctx).await })
+            Box::pin(async move {
+                let answer = exports.broker_provider_instance_broker().call_all_instances(store, ctx).await?;
+                match answer {
+                    Ok(instances) if instances.len() > max => {
+                        Err(wasmtime::Error::new(TooManyRecords { answered: instances.len(), max }))
+                    }
+                    answer => Ok(answer),
+                }
+            })
         })
         .await
     }
@@ -384,6 +430,14 @@ impl ProviderVersion {
     {
         let span = tracing::debug_span!("provider_call", provider = &*self.name, method = method.name());
         let began = Instant::now();
+        // Held to the call's end: one provider never runs more than its share.
+        let _running = match self.admit(method).await {
+            Ok(permit) => permit,
+            Err(busy) => {
+                self.observe(method, Outcome::Busy, began);
+                return Err(busy);
+            }
+        };
         if self.breaker.is_half_open()
             && let Err(refused) = self.reobserve(method).await
         {
@@ -412,6 +466,27 @@ impl ProviderVersion {
         .await;
         self.observe(method, Outcome::of(&result), began);
         result
+    }
+
+    /// A slot among the provider's `max-concurrent-calls`, waiting up to `queue-wait`.
+    async fn admit(&self, method: Method) -> Result<tokio::sync::SemaphorePermit<'_>, CallError> {
+        if let Ok(permit) = self.running.try_acquire() {
+            return Ok(permit);
+        }
+        let limits = &self.manifest.limits;
+        match tokio::time::timeout(limits.queue_wait, self.running.acquire()).await {
+            Ok(Ok(permit)) => Ok(permit),
+            // Timed out (the semaphore is never closed).
+            _ => {
+                self.stats.quotas.refused(Quota::Concurrency, 1);
+                Err(CallError::Busy {
+                    provider: self.name.to_string(),
+                    method,
+                    limit: limits.max_concurrent_calls,
+                    waited: limits.queue_wait,
+                })
+            }
+        }
     }
 
     /// Make a call's kv changes durable.
@@ -498,7 +573,11 @@ impl ProviderVersion {
         // worker thread; the deadline itself is the timeout around the call.
         warm.store.epoch_deadline_async_yield_and_update(1);
         warm.store.data_mut().begin_call(&hooks.abort);
-        let context = CallContext { hooks: hooks.clone(), provider_config: self.config_json.clone() };
+        let context = CallContext {
+            hooks: hooks.clone(),
+            provider_config: self.config_json.clone(),
+            quotas: self.stats.quotas.clone(),
+        };
         let handle = warm.store.data_mut().table.push(context).map_err(|e| CallError::Instantiate {
             provider: self.name.to_string(),
             method,
@@ -543,6 +622,19 @@ impl ProviderVersion {
         if let Some(limit) = warm.store.data().limiter.hit() {
             return CallError::Limit { provider, method, limit: limit.to_owned() };
         }
+        if let Some(too_many) = trap.downcast_ref::<TooManyRecords>() {
+            self.stats.quotas.refused(Quota::Records, 1);
+            return CallError::Limit { provider, method, limit: too_many.to_string() };
+        }
+        // wasmtime's own error for it is private: its text is what says so.
+        if format!("{trap:#}").contains(HOSTCALL_FUEL_EXHAUSTED) {
+            self.stats.quotas.refused(Quota::CallData, 1);
+            let limit = format!(
+                "call-data-mib limit of {} MiB (data handed to the host in one host call or answer)",
+                self.manifest.limits.call_data_mib
+            );
+            return CallError::Limit { provider, method, limit };
+        }
         match trap.downcast_ref::<wasmtime::Trap>() {
             Some(code) => CallError::Trap { provider, method, reason: code.to_string() },
             None => CallError::Trap { provider, method, reason: format!("{trap:#}") },
@@ -576,6 +668,9 @@ impl ProviderVersion {
         let state = HostState::new(self.name.clone(), &self.capabilities, memory_bytes);
         let mut store = Store::new(self.runtime.engine(), state);
         store.limiter(|state| &mut state.limiter);
+        // Strings and lists are copied out of the guest per host call and per
+        // answer; this bounds what one such copy can make the host allocate.
+        store.set_hostcall_fuel((self.manifest.limits.call_data_mib << 20) as usize);
         store.epoch_deadline_async_yield_and_update(1);
         let instantiation = tokio::time::timeout(deadline, self.pre.instantiate_async(&mut store));
         let exports = match instantiation.await {
@@ -595,6 +690,7 @@ impl ProviderVersion {
     fn checkin(&self, warm: Warm) {
         let limits = &self.manifest.limits;
         let keep = self.manifest.isolation == Isolation::Pooled
+            && !self.retired.load(Ordering::SeqCst)
             && warm.calls < limits.max_calls
             && warm.born.elapsed() < limits.max_age;
         if keep {
@@ -615,10 +711,21 @@ impl ProviderVersion {
     }
 }
 
+/// What wasmtime says when a copy out of the guest ran out of hostcall fuel.
+const HOSTCALL_FUEL_EXHAUSTED: &str = "fuel allocated for hostcalls has been exhausted";
+
+/// An `all-instances` answer longer than `max-records`.
+#[derive(Debug, thiserror::Error)]
+#[error("max-records limit of {max} instances per answer ({answered} answered)")]
+struct TooManyRecords {
+    answered: usize,
+    max: usize,
+}
+
 /// The host's capabilities as far as the manifest grants them: programs
 /// resolved now, a data dir of its own. (A room's backend, the machine lock
 /// among them, reaches a store only with its grant: see `rooms::Parts::new`.)
-fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabilities, LoadError> {
+fn narrow(host: HostCapabilities, manifest: &Manifest, quotas: Arc<Quotas>) -> Result<ProviderCapabilities, LoadError> {
     let provider = manifest.name.clone();
     let data_dir = host.data_dirs.join(&manifest.name);
     std::fs::create_dir_all(&data_dir).map_err(|source| LoadError::DataDir {
@@ -634,6 +741,6 @@ fn narrow(host: HostCapabilities, manifest: &Manifest) -> Result<ProviderCapabil
         sandbox: &host.sandbox,
         backends: &host.backends,
     };
-    let prepared = rooms.prepare(&load).map_err(|(_, source)| LoadError::Prepare { provider, source })?;
-    Ok(ProviderCapabilities { host, data_dir, rooms: rooms.clone(), prepared })
+    let prepared = rooms.prepare(&load).map_err(|source| LoadError::Prepare { provider, source })?;
+    Ok(ProviderCapabilities { host, data_dir, rooms: rooms.clone(), prepared, quotas })
 }

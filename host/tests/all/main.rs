@@ -10,3 +10,4 @@ mod common;
 mod daemon;
 mod lock;
 mod providers_dir;
+mod quotas;

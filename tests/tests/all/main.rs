@@ -12,6 +12,7 @@ mod conformance;
 mod contract;
 mod fake_provider;
 mod process;
+mod quotas;
 mod sandbox;
 mod state;
 mod swap;

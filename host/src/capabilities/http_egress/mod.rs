@@ -518,6 +518,7 @@ mod tests {
             sandbox_user: None,
             acts_outside_the_store: true,
             prepared: &Default::default(),
+            quotas: &Default::default(),
         };
         let grant = HttpGrant::new([("lxd".to_owned(), EgressTarget::Unix("/nonexistent.sock".into()))]).unwrap();
         let mut sealed = HttpEgress::ctx(&grant, None, &store);

@@ -86,24 +86,32 @@ impl BridgeCtx {
         BridgeCtx { grant, network, tap_owner, denials }
     }
 
-    /// The grant, when there is a network to act on with it.
-    fn grant(&self) -> Result<&BridgeGrant, BrokerError> {
+    /// The grant and the network it acts on, once `names` are all granted
+    /// (`names` checks each name against the grant).
+    fn granted(
+        &self,
+        names: impl FnOnce(&BridgeGrant) -> Result<(), BrokerError>,
+    ) -> Result<(&BridgeGrant, Arc<dyn NetworkBackend>), BrokerError> {
         let grant = self.grant.as_ref().ok_or_else(|| {
             BrokerError::AccessDenied(
                 "network-bridge is not granted: add [grants.bridge] with devices and bridges".into(),
             )
         })?;
-        match self.network {
-            Some(_) => Ok(grant),
-            None => Err(BrokerError::AccessDenied(
+        let network = self.network.clone().ok_or_else(|| {
+            BrokerError::AccessDenied(
                 "network-bridge has no backend here: this sandbox gives the provider no network".into(),
-            )),
-        }
+            )
+        })?;
+        names(grant)?;
+        Ok((grant, network))
     }
 
-    /// What calls act on (always there once [`BridgeCtx::grant`] let them through).
-    fn network(&self) -> Result<Arc<dyn NetworkBackend>, BridgeError> {
-        self.network.clone().ok_or(BridgeError::NoBackend)
+    /// As [`BridgeCtx::granted`], a refusal noted and answered to the guest.
+    fn checked(
+        &self,
+        names: impl FnOnce(&BridgeGrant) -> Result<(), BrokerError>,
+    ) -> Result<(&BridgeGrant, Arc<dyn NetworkBackend>), BrokerError> {
+        self.granted(names).map_err(|refused| self.denials.refuse("network-bridge", refused))
     }
 }
 
@@ -111,7 +119,7 @@ fn to_broker_error(err: BridgeError) -> BrokerError {
     match err {
         BridgeError::NoDevice(_) => BrokerError::NotFound(err.to_string()),
         BridgeError::Netlink(_) | BridgeError::Io { .. } => BrokerError::Provider(err.to_string()),
-        BridgeError::TapOwnedElsewhere { .. } | BridgeError::NoBackend => BrokerError::AccessDenied(err.to_string()),
+        BridgeError::TapOwnedElsewhere { .. } => BrokerError::AccessDenied(err.to_string()),
         BridgeError::BridgedElsewhere { .. }
         | BridgeError::NotABridge(_)
         | BridgeError::NotATap(_)
@@ -144,11 +152,11 @@ fn answered<T>(result: Result<T, BridgeError>) -> WitResult<T> {
 
 impl wit::Host for BridgeCtx {
     async fn devices(&mut self) -> WitResult<Vec<wit::Device>> {
-        let grant = match self.grant() {
-            Ok(grant) => grant.clone(),
-            Err(e) => return Ok(Err(self.denials.refuse("network-bridge", e))),
+        let (grant, network) = match self.checked(|_| Ok(())) {
+            Ok((grant, network)) => (grant.clone(), network),
+            Err(refused) => return Ok(Err(refused)),
         };
-        let all = async { self.network()?.devices().await }.await.map_err(to_broker_error);
+        let all = network.devices().await.map_err(to_broker_error);
         Ok(all.map(|devices| devices.into_iter().filter(|d| grant.covers(&d.name)).map(to_wit).collect()))
     }
 
@@ -157,15 +165,16 @@ impl wit::Host for BridgeCtx {
     }
 
     async fn bridge(&mut self, changes: Vec<wit::DeviceToBridge>) -> WitResult<()> {
-        let checked = self.grant().and_then(|grant| {
+        let checked = self.checked(|grant| {
             changes.iter().try_for_each(|c| grant.device(&c.device).and_then(|_| grant.bridge(&c.bridge)))
         });
-        if let Err(e) = checked {
-            return Ok(Err(self.denials.refuse("network-bridge", e)));
-        }
+        let network = match checked {
+            Ok((_, network)) => network,
+            Err(refused) => return Ok(Err(refused)),
+        };
         for c in changes {
             let change = DeviceToBridge { device: c.device, bridge: c.bridge, mac: c.mac };
-            if let Err(e) = async { self.network()?.bridge(&change).await }.await {
+            if let Err(e) = network.bridge(&change).await {
                 return answered(Err(e));
             }
         }
@@ -173,45 +182,47 @@ impl wit::Host for BridgeCtx {
     }
 
     async fn unbridge(&mut self, device: String, bridge: String) -> WitResult<()> {
-        if let Err(e) = self.grant().and_then(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
-            return Ok(Err(self.denials.refuse("network-bridge", e)));
-        }
-        answered(async { self.network()?.unbridge(&device, &bridge).await }.await)
+        let network = match self.checked(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
+            Ok((_, network)) => network,
+            Err(refused) => return Ok(Err(refused)),
+        };
+        answered(network.unbridge(&device, &bridge).await)
     }
 
     async fn create_veth(&mut self, name: String, peer: String, bridge: String) -> WitResult<()> {
-        let checked =
-            self.grant().and_then(|g| g.device(&name).and_then(|_| g.device(&peer)).and_then(|_| g.bridge(&bridge)));
-        if let Err(e) = checked {
-            return Ok(Err(self.denials.refuse("network-bridge", e)));
-        }
-        answered(async { self.network()?.create_veth(&name, &peer, &bridge).await }.await)
+        let checked = self.checked(|g| g.device(&name).and_then(|_| g.device(&peer)).and_then(|_| g.bridge(&bridge)));
+        let network = match checked {
+            Ok((_, network)) => network,
+            Err(refused) => return Ok(Err(refused)),
+        };
+        answered(network.create_veth(&name, &peer, &bridge).await)
     }
 
     async fn create_tap(&mut self, name: String, bridge: String, mac: String) -> WitResult<()> {
-        if let Err(e) = self.grant().and_then(|g| g.device(&name).and_then(|_| g.bridge(&bridge))) {
-            return Ok(Err(self.denials.refuse("network-bridge", e)));
-        }
-        let owner = self.tap_owner;
-        answered(async { self.network()?.create_tap(&name, &bridge, &mac, owner).await }.await)
+        let network = match self.checked(|g| g.device(&name).and_then(|_| g.bridge(&bridge))) {
+            Ok((_, network)) => network,
+            Err(refused) => return Ok(Err(refused)),
+        };
+        answered(network.create_tap(&name, &bridge, &mac, self.tap_owner).await)
     }
 
     async fn attach(&mut self, device: String, bridge: String) -> WitResult<()> {
-        if let Err(e) = self.grant().and_then(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
-            return Ok(Err(self.denials.refuse("network-bridge", e)));
-        }
-        answered(async { self.network()?.attach(&device, &bridge).await }.await)
+        let network = match self.checked(|g| g.device(&device).and_then(|_| g.bridge(&bridge))) {
+            Ok((_, network)) => network,
+            Err(refused) => return Ok(Err(refused)),
+        };
+        answered(network.attach(&device, &bridge).await)
     }
 
     async fn delete_link(&mut self, name: String) -> WitResult<()> {
-        if let Err(e) = self.grant().and_then(|g| g.device(&name)) {
-            return Ok(Err(self.denials.refuse("network-bridge", e)));
-        }
-        let owner = self.tap_owner;
-        let deleted = match async { self.network()?.device(&name).await }.await {
+        let network = match self.checked(|g| g.device(&name)) {
+            Ok((_, network)) => network,
+            Err(refused) => return Ok(Err(refused)),
+        };
+        let deleted = match network.device(&name).await {
             Err(e) => Err(e),
             Ok(Some(device)) if device.kind == "veth" || device.kind == "tun" => {
-                async { self.network()?.delete_owned(&name, owner).await }.await
+                network.delete_owned(&name, self.tap_owner).await
             }
             Ok(Some(_)) => {
                 Err(BridgeError::NotABridge(format!("{name} is not a veth or tap; nothing else is deleted")))
@@ -333,6 +344,7 @@ mod tests {
             acts_outside_the_store: true,
             sandbox_user: None,
             prepared: &Default::default(),
+            quotas: &Default::default(),
         };
         let grant = Some(BridgeGrant { devices: vec!["eth0".into()], bridges: vec!["br-*".into()] });
         let mut sealed = NetworkBridge::ctx(&grant, None, &store);

@@ -376,6 +376,31 @@ pub enum ProcessPrepareError {
     Sandbox(#[source] crate::sandbox::SandboxError),
 }
 
+/// Stop every child `provider` left running (TERM to its process group, KILL
+/// after `grace`) and forget them all: what a provider being removed leaves
+/// behind. How many were running.
+pub async fn stop_children(
+    backend: &dyn ProcessBackend,
+    provider: &str,
+    grace: Duration,
+) -> Result<usize, RecordsError> {
+    let mut stopped = 0;
+    for name in backend.children(provider)? {
+        // A child gone for good is forgotten by the adoption itself.
+        let Ok(Some(record)) = backend.adopt(provider, &name).await else { continue };
+        if backend.liveness(&record) == Liveness::Running {
+            let _ = backend.signal(&record, Signal::SIGTERM);
+            if backend.wait(&record, grace).await == Liveness::Running {
+                let _ = backend.signal(&record, Signal::SIGKILL);
+                backend.wait(&record, grace).await;
+            }
+            stopped += 1;
+        }
+        backend.forget(&record).await;
+    }
+    Ok(stopped)
+}
+
 /// The room: `process = [...]` and what the programs may reach. Linked for
 /// every provider (an ungranted call answers `access-denied`). Its backend
 /// keeps the host's child records, so only the host (or the kit, a

@@ -1,0 +1,122 @@
+//! Quotas through the real daemon: hostile providers flood statuses (to a
+//! client that does not read), hand over aliased data and flood their output;
+//! the daemon's memory stays within a stated bound, each bound is counted in
+//! `/metrics`, and a bystander provider keeps answering.
+
+use crate::common::{Daemon, fake_manifest};
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// What the daemon may grow by over all the attacks below. Without the
+/// status data cut, the first alone holds 64 queued statuses of 6.4 MiB.
+const RSS_GROWTH_BOUND_KIB: u64 = 96 << 10;
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A hostile provider named `name` whose `[config]` is `config`.
+fn hostile_manifest(dir: &Path, name: &str, config: &str) -> String {
+    let wasm = guest_artifacts::wasm("test_hostile");
+    let text = format!(
+        "name = \"{name}\"\ncomponent = \"{}\"\n[limits]\nmemory-mib = 64\n[limits.deadlines]\ndefault = \"60s\"\n\
+         [grants]\nkv = true\n[config]\n{config}\n",
+        wasm.display()
+    );
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+fn add(daemon: &Daemon, manifest: &str) {
+    let (status, added) = daemon.json("POST", "/v1/providers", Some(&format!("{{\"manifest\":\"{manifest}\"}}")));
+    assert_eq!(status, 201, "{added}");
+}
+
+/// What `/metrics` counts of `quota` for `provider`.
+fn quota_refusals(daemon: &Daemon, provider: &str, quota: &str) -> u64 {
+    let (_, text) = daemon.request("GET", "/metrics", None);
+    let series = format!("broker_quota_refusals_total{{provider=\"{provider}\",");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&series) && l.contains(&format!("quota=\"{quota}\"")))
+        .unwrap_or_else(|| panic!("no {quota} count for {provider} in {text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+fn bystander_answers(daemon: &Daemon) {
+    let (status, listed) = daemon.json("GET", "/v1/instances?provider=fake", None);
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+}
+
+#[test]
+fn hostile_providers_cannot_grow_the_daemon_and_a_bystander_keeps_answering() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path());
+    add(&daemon, &fake_manifest(dir.path(), ""));
+    let (status, _) = daemon.request("POST", "/v1/instances", Some(br#"{"provider":"fake"}"#));
+    assert_eq!(status, 200);
+    // 500 statuses, each naming one 100 KiB string 64 times (6.4 MiB a copy).
+    let flood = "mode = \"status-flood\"\nflood-bytes = 102400\nflood-entries = 64\nflood-calls = 500";
+    add(&daemon, &hostile_manifest(dir.path(), "flood", flood));
+    // Six entries naming one 20 MiB string: 120 MiB in one copy.
+    let big = "mode = \"status-flood\"\nflood-bytes = 20971520\nflood-entries = 6\nflood-calls = 40";
+    add(&daemon, &hostile_manifest(dir.path(), "big", big));
+    add(&daemon, &hostile_manifest(dir.path(), "chatty", "mode = \"log-flood\"\nflood-entries = 200000"));
+    bystander_answers(&daemon);
+    let before = rss_kib(daemon.child.id());
+
+    // A start whose client does not read while the provider floods statuses.
+    let mut slow = UnixStream::connect(&daemon.socket).unwrap();
+    let body = br#"{"provider":"flood"}"#;
+    write!(
+        slow,
+        "POST /v1/instances HTTP/1.1\r\nHost: broker\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    slow.write_all(body).unwrap();
+    let began = Instant::now();
+    while quota_refusals(&daemon, "flood", "status-data") < 500 * 64 {
+        assert!(began.elapsed() < Duration::from_secs(120), "the flood never ended");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    bystander_answers(&daemon);
+    let mut raw = String::new();
+    slow.read_to_string(&mut raw).unwrap();
+    // Each line is a chunk of its own: the chunk sizes are the lines that are no objects.
+    let lines: Vec<Value> =
+        raw.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).filter(Value::is_object).collect();
+    // What waited is the queue's 64 and what the socket's buffers took (how
+    // many depends on the kernel's buffer sizes): the bound that matters is
+    // the daemon's memory, checked at the end.
+    eprintln!("{} of 501 lines reached the client that did not read", lines.len());
+    assert_eq!(lines.last().unwrap()["event"], "started", "the end is never dropped");
+    for line in &lines[..lines.len() - 1] {
+        let data = line["data"].as_array().unwrap();
+        assert!(!data.is_empty() && data.len() <= 32, "{}", data.len());
+    }
+
+    let (status, stream) = daemon.request("POST", "/v1/instances", Some(br#"{"provider":"big"}"#));
+    assert_eq!(status, 200);
+    let last: Value = serde_json::from_str(stream.lines().last().unwrap()).unwrap();
+    assert_eq!(last["event"], "failed", "{stream}");
+    assert!(last["error"].as_str().unwrap().contains("call-data-mib limit of 16 MiB"), "{last}");
+    assert_eq!(quota_refusals(&daemon, "big", "call-data-mib"), 1);
+
+    let (status, _) = daemon.request("GET", "/v1/instances?provider=chatty", None);
+    assert_eq!(status, 200);
+    let suppressed = quota_refusals(&daemon, "chatty", "log-lines-per-second");
+    assert!(suppressed >= 200_000 - 1000 - 1000, "{suppressed} of 200000 lines suppressed");
+
+    bystander_answers(&daemon);
+    let after = rss_kib(daemon.child.id());
+    eprintln!("daemon RSS: {before} KiB before the attacks, {after} KiB after");
+    assert!(after.saturating_sub(before) < RSS_GROWTH_BOUND_KIB, "grew from {before} to {after} KiB");
+}

@@ -1,0 +1,303 @@
+//! Quotas: what a hostile guest can make the host hold outside its own linear
+//! memory is bounded, each bound refuses with an error naming it and counts
+//! the refusal, and a bystander provider in the same host keeps answering.
+
+use broker_host::capabilities::context::{
+    CallEvent, CallHooks, MAX_STATUS_DATA_BYTES, MAX_STATUS_ENTRIES, MAX_STATUS_VALUE_BYTES,
+};
+use broker_host::capabilities::kv::{KvBackend, MemoryKv};
+use broker_host::manifest::Method;
+use broker_host::runtime::Runtime;
+use broker_host::runtime::quotas::Quota;
+use broker_host::version::method_stats::Outcome;
+use broker_host::version::{CallError, ProviderVersion};
+use broker_tests::{fake_manifest_extra, load_provider, runtime};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+struct Attack {
+    _dir: tempfile::TempDir,
+    kv: Arc<MemoryKv>,
+    hostile: Arc<ProviderVersion>,
+    bystander: ProviderVersion,
+}
+
+/// A hostile provider with `limits` added to its `[limits]` and `grants` to
+/// its `[grants]`, and the fake beside it in the same runtime.
+fn attack(limits: &str, grants: &str) -> Attack {
+    attack_with(limits, "5s", grants)
+}
+
+/// As [`attack`], every method's deadline `deadline`.
+fn attack_with(limits: &str, deadline: &str, grants: &str) -> Attack {
+    let dir = tempfile::tempdir().unwrap();
+    let kv = Arc::new(MemoryKv::default());
+    let runtime: Arc<Runtime> = runtime();
+    let extra = format!(
+        "[limits]\nmemory-mib = 64\n{limits}\n[limits.deadlines]\ndefault = \"{deadline}\"\n[grants]\nkv = true\n{grants}\n"
+    );
+    let hostile = load_provider(&runtime, kv.clone(), dir.path(), "hostile", "test-hostile", &extra).expect("load");
+    let bystander =
+        load_provider(&runtime, kv.clone(), dir.path(), "fake", "fake", &fake_manifest_extra("pooled")).expect("load");
+    Attack { _dir: dir, kv, hostile: Arc::new(hostile), bystander }
+}
+
+impl Attack {
+    fn set(&self, key: &str, value: impl ToString) {
+        self.kv.set("hostile", key, value.to_string().as_bytes()).unwrap();
+    }
+
+    async fn bystander_answers(&self) {
+        self.bystander.all_instances(&CallHooks::default()).await.expect("the bystander answers");
+    }
+
+    fn refused(&self, quota: Quota) -> u64 {
+        self.hostile.stats().quotas.count(quota)
+    }
+}
+
+#[tokio::test]
+async fn status_data_is_bounded_in_each_copy_and_in_what_the_host_keeps() {
+    let a = attack("", "");
+    // Six entries naming one 20 MiB string: 120 MiB for the host to copy.
+    a.set("mode", "status-flood");
+    a.set("flood-bytes", 20 << 20);
+    a.set("flood-entries", 6);
+    a.set("flood-calls", 40);
+    let err = a.hostile.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(matches!(&err, CallError::Limit { limit, .. } if limit.contains("call-data-mib limit of 16 MiB")), "{err}");
+    assert_eq!(a.refused(Quota::CallData), 1);
+    a.bystander_answers().await;
+
+    // Under the copy's bound: every status is kept, each cut to the host's bounds.
+    a.set("flood-bytes", 100 << 10);
+    a.set("flood-entries", 64);
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let sink = events.clone();
+    let hooks = CallHooks::with_events(move |event| sink.lock().unwrap().push(event));
+    let answer = a.hostile.all_instances(&hooks).await.expect("a flood under the copy's bound is answered");
+    assert_eq!(answer[0].id, "flooded");
+    let events = std::mem::take(&mut *events.lock().unwrap());
+    assert_eq!(events.len(), 40);
+    for event in events.iter() {
+        let CallEvent::Status { data, .. } = event else { panic!("{event:?}") };
+        let bytes: usize = data.iter().map(|(k, v)| k.len() + v.len()).sum();
+        assert!(
+            data.len() <= MAX_STATUS_ENTRIES && bytes <= MAX_STATUS_DATA_BYTES,
+            "{} entries, {bytes} bytes",
+            data.len()
+        );
+        assert!(data.iter().all(|(_, v)| v.len() <= MAX_STATUS_VALUE_BYTES));
+        assert!(!data.is_empty(), "what fits is kept");
+    }
+    // All 64 entries of each status were cut or left out.
+    assert_eq!(a.refused(Quota::StatusData), 40 * 64);
+    a.bystander_answers().await;
+}
+
+#[tokio::test]
+async fn an_all_instances_answer_is_bounded_in_records_and_in_bytes() {
+    let a = attack("max-records = 1000", "");
+    a.set("mode", "records");
+    a.set("flood-entries", 1000);
+    assert_eq!(a.hostile.all_instances(&CallHooks::default()).await.expect("at the bound").len(), 1000);
+    a.set("flood-entries", 1001);
+    let err = a.hostile.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(
+        matches!(&err, CallError::Limit { limit, .. } if limit.contains("max-records limit of 1000 instances per answer (1001 answered)")),
+        "{err}"
+    );
+    assert_eq!(a.refused(Quota::Records), 1);
+
+    // 200 records whose messages name one 1 MiB string: 200 MiB to copy.
+    a.set("mode", "aliased-records");
+    a.set("flood-entries", 200);
+    a.set("flood-bytes", 1 << 20);
+    let err = a.hostile.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(matches!(&err, CallError::Limit { limit, .. } if limit.contains("call-data-mib")), "{err}");
+    assert_eq!(a.refused(Quota::CallData), 1);
+    let all = a.hostile.stats().methods.get(Method::AllInstances);
+    assert_eq!(all.outcome(Outcome::Limit), 2, "both counted as limits (and by the crash policy)");
+    a.bystander_answers().await;
+}
+
+#[tokio::test]
+async fn output_lines_past_the_log_rate_are_suppressed_and_counted() {
+    // A burst of ten seconds' worth: 100 lines pass at once.
+    let a = attack("log-lines-per-second = 10", "");
+    a.set("mode", "log-flood");
+    a.set("flood-entries", 5000);
+    let answer = a.hostile.all_instances(&CallHooks::default()).await.expect("logging is never an error");
+    assert_eq!(answer[0].id, "logged");
+    let suppressed = a.refused(Quota::LogLines);
+    // The call takes well under a second, so at most a few more tokens came back.
+    assert!((4890..=4900).contains(&suppressed), "{suppressed} suppressed");
+    a.bystander_answers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_past_max_concurrent_calls_wait_then_are_refused_as_busy() {
+    let a = attack("max-concurrent-calls = 2\nqueue-wait = \"100ms\"", "");
+    a.set("mode", "loop");
+    let spinners: Vec<_> = (0..2)
+        .map(|_| {
+            let hostile = a.hostile.clone();
+            tokio::spawn(async move { hostile.all_instances(&CallHooks::default()).await })
+        })
+        .collect();
+    while a.hostile.calls_running() < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let err = a.hostile.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(matches!(&err, CallError::Busy { limit: 2, waited, .. } if *waited == Duration::from_millis(100)), "{err}");
+    assert!(err.to_string().contains("max-concurrent-calls"), "{err}");
+    assert_eq!(a.refused(Quota::Concurrency), 1);
+    assert_eq!(a.hostile.stats().methods.get(Method::AllInstances).outcome(Outcome::Busy), 1);
+    a.bystander_answers().await;
+    for spinner in spinners {
+        let stopped = spinner.await.unwrap().unwrap_err();
+        assert!(matches!(stopped, CallError::Deadline { .. }), "{stopped}");
+    }
+    assert_eq!(a.hostile.calls_running(), 0, "a stopped call gives its slot back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_finds_a_slot_within_queue_wait_runs() {
+    let a = attack_with("max-concurrent-calls = 1\nqueue-wait = \"30s\"", "300ms", "");
+    a.set("mode", "loop");
+    let hostile = a.hostile.clone();
+    let first = tokio::spawn(async move { hostile.all_instances(&CallHooks::default()).await });
+    while a.hostile.calls_running() < 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Waits for the first to be stopped, then runs (and is stopped in its turn).
+    let second = a.hostile.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(matches!(second, CallError::Deadline { .. }), "it ran: {second}");
+    assert!(first.await.unwrap().is_err());
+    assert_eq!(a.refused(Quota::Concurrency), 0);
+}
+
+/// One provider whose `all-instances` fails (here: its answer is over
+/// `max-records`) fails no other provider's listing: the others answer, and
+/// its recorded instances show as unknown with its error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_every_provider_isolates_the_one_that_does_not_answer() {
+    use broker_host::broker::Broker;
+    use broker_host::contract::empty_params;
+    use broker_tests::write_manifest;
+
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::open(&dir.path().join("data")).unwrap();
+    broker.registry().add(&write_manifest(dir.path(), "fake", "fake", &fake_manifest_extra("pooled"))).await.unwrap();
+    let hostile =
+        write_manifest(dir.path(), "hostile", "test-hostile", "[limits]\nmax-records = 10\n[grants]\nkv = true\n");
+    broker.registry().add(&hostile).await.unwrap();
+    let hooks = CallHooks::default();
+    let theirs = broker.start_instance("fake", &empty_params(), &hooks).await.unwrap().id;
+    let kv = broker.store().kv();
+    kv.set("hostile", "start-id", b"hostile-1").unwrap();
+    broker.start_instance("hostile", &empty_params(), &hooks).await.unwrap();
+
+    kv.set("hostile", "mode", b"records").unwrap();
+    kv.set("hostile", "flood-entries", b"11").unwrap();
+    let listed = broker.list_instances(None).await.expect("listing all answers");
+    let fake = listed.iter().find(|r| r.id == theirs).expect("the fake's instance is listed");
+    assert_eq!(fake.status, "running");
+    let hostile = listed.iter().find(|r| r.id == "hostile-1").expect("the hostile's record is listed");
+    assert_eq!(hostile.status, "unknown");
+    assert!(hostile.message.starts_with("provider hostile did not answer: "), "{}", hostile.message);
+    assert!(hostile.message.contains("max-records limit of 10"), "{}", hostile.message);
+    // Asked alone, its failure is the answer.
+    assert!(broker.list_instances(Some("hostile")).await.is_err());
+}
+
+#[tokio::test]
+async fn a_kv_namespace_is_held_to_its_keys_and_bytes() {
+    let a = attack("kv-mib = 1", "");
+    a.set("mode", "kv-flood");
+    a.set("flood-bytes", 65536);
+    let answer = a.hostile.all_instances(&CallHooks::default()).await.expect("a refused set is the guest's to handle");
+    // 15 values of 64 KiB and their keys fit in 1 MiB; the 16th does not.
+    assert_eq!(answer[0].id, "refused-after-15");
+    assert!(answer[0].message.starts_with("KvError::QuotaExceeded(") || answer[0].message.contains("QuotaExceeded"));
+    assert!(answer[0].message.contains("past its kv-mib limit of 1 MiB"), "{}", answer[0].message);
+    assert_eq!(a.refused(Quota::KvBytes), 1);
+    assert_eq!(a.kv.get("hostile", "flood/15").unwrap(), None, "nothing of the refused change was kept");
+
+    let a = attack("kv-keys = 10", "");
+    a.set("mode", "kv-flood");
+    a.set("flood-bytes", 1);
+    let answer = a.hostile.all_instances(&CallHooks::default()).await.unwrap();
+    // `mode` and `flood-bytes` are two of the ten.
+    assert_eq!(answer[0].id, "refused-after-8");
+    assert!(answer[0].message.contains("kv-keys limit"), "{}", answer[0].message);
+    assert_eq!(a.refused(Quota::KvKeys), 1);
+    a.bystander_answers().await;
+}
+
+/// Each provider version reserves its calls at once and its warm pool out of
+/// the engine's instance slots while it is loaded: one provider cannot take
+/// another's, and a load past what is free is refused, naming the limits.
+#[tokio::test]
+async fn instance_slots_are_reserved_per_provider_and_a_load_past_them_is_refused() {
+    use broker_host::runtime::{INSTANCE_SLOTS, RuntimeError};
+    use broker_host::version::LoadError;
+    let dir = tempfile::tempdir().unwrap();
+    let kv = Arc::new(MemoryKv::default());
+    let runtime = runtime();
+    let extra = "[limits]\nmax-concurrent-calls = 128\npool-size = 4\n[grants]\nkv = true\n";
+    let load = |name: &str| load_provider(&runtime, kv.clone(), dir.path(), name, "test-hostile", extra);
+    let mut loaded: Vec<_> = ["a", "b", "c"].into_iter().map(|name| load(name).expect("fits")).collect();
+    assert_eq!(runtime.free_slots(), INSTANCE_SLOTS - 3 * 132);
+    let Err(refused) = load("d") else { panic!("a fourth fitted") };
+    assert!(matches!(&refused, LoadError::Runtime(RuntimeError::NoSlots { wanted: 132, free: 116, .. })), "{refused}");
+    assert!(refused.to_string().contains("max-concurrent-calls and pool-size"), "{refused}");
+    loaded.pop();
+    assert_eq!(runtime.free_slots(), INSTANCE_SLOTS - 2 * 132, "an unloaded version gives its slots back");
+    load("d").expect("fits once one is gone");
+}
+
+/// Whether a process runs `sleep` (by any path) with exactly `arg`.
+fn sleeping(arg: &str) -> bool {
+    std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
+        std::fs::read(entry.path().join("cmdline")).is_ok_and(|cmdline| {
+            let words: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            words.len() == 3 && words[0].ends_with(b"sleep") && words[1] == arg.as_bytes()
+        })
+    })
+}
+
+/// Nothing of a removed provider runs on: the children it spawned are stopped
+/// with it (TERM, then KILL), and the event says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_providers_children_are_stopped() {
+    use broker_host::broker::Broker;
+    use broker_tests::write_manifest;
+
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::open(&dir.path().join("data")).unwrap();
+    let grants = "[grants]\nkv = true\nprocess = [\"sleep\"]\n";
+    broker.registry().add(&write_manifest(dir.path(), "hostile", "test-hostile", grants)).await.unwrap();
+    let kv = broker.store().kv();
+    // An argument no other process has: how the test finds the child.
+    let arg = format!("600.{}", std::process::id());
+    kv.set("hostile", "mode", b"spawn").unwrap();
+    kv.set("hostile", "exec", format!("sleep\0{arg}").as_bytes()).unwrap();
+    kv.set("hostile", "spawn-name", b"left-behind").unwrap();
+    let listed = broker.list_instances(Some("hostile")).await.unwrap();
+    assert_eq!(listed[0].id, "spawned");
+    let began = std::time::Instant::now();
+    while !sleeping(&arg) {
+        assert!(began.elapsed() < Duration::from_secs(15), "the child never ran");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    broker.registry().remove("hostile").await.unwrap();
+    let began = std::time::Instant::now();
+    while sleeping(&arg) {
+        assert!(began.elapsed() < Duration::from_secs(15), "the removed provider's child still runs");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == "removed").unwrap();
+    assert!(removed.detail.contains("1 child process(es) it left running stopped"), "{removed:?}");
+}
