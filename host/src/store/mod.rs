@@ -96,6 +96,11 @@ fn encoded(what: &'static str, value: &impl serde::Serialize) -> Result<Vec<u8>,
     serde_json::to_vec(value).map_err(|e| StoreError::Encode { what, source: Arc::new(e) })
 }
 
+/// The state file's page cache in the daemon's memory (redb's default is 1
+/// GiB): reads of kv are answered from each namespace's mirror, so the cache
+/// only has to keep what the writer and the records touch.
+const STATE_CACHE_BYTES: usize = 64 << 20;
+
 /// The host's state: `state.redb` in the data dir and its write-ahead log;
 /// every write goes through one writer thread.
 pub struct Store {
@@ -123,7 +128,10 @@ impl Store {
         };
         let log_error = |error: WalError| StoreError::Log(Arc::new(error));
         std::fs::create_dir_all(data_dir).map_err(|e| open_error(redb::Error::Io(e)))?;
-        let db = Database::create(data_dir.join("state.redb")).map_err(|e| open_error(e.into()))?;
+        let db = Database::builder()
+            .set_cache_size(STATE_CACHE_BYTES)
+            .create(data_dir.join("state.redb"))
+            .map_err(|e| open_error(e.into()))?;
         let mut wal = wal::Wal::open(&data_dir.join("state.wal"), checkpoints).map_err(log_error)?;
         let txn = db.begin_write().map_err(db_error)?;
         let replayed = wal.replay(|table, key, value| replay_change(&txn, table, key, value)).map_err(log_error)?;
