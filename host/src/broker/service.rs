@@ -11,7 +11,10 @@ use crate::providers::data_dirs::DATA_DIRS;
 use crate::providers::{Registry, RegistryError};
 use crate::runtime::{HostCapabilities, Runtime, RuntimeError};
 use crate::sandbox::{Sandbox, SandboxConfig, UidAllocations};
-use crate::store::records::{Hardware, id_for_message, instance_id_problem, now_rfc3339, status_name};
+use crate::store::records::{
+    Hardware, MAX_REPORTED_ENTRIES, MAX_REPORTED_MESSAGE_BYTES, MAX_REPORTED_WORD_BYTES, id_for_message,
+    instance_id_problem, now_rfc3339, reported, status_name,
+};
 use crate::store::{Store, StoreError};
 use crate::version::CallError;
 use std::collections::BTreeMap;
@@ -209,11 +212,14 @@ impl Broker {
             id: instance.id.clone(),
             provider: provider.to_owned(),
             status: status_name(instance.status).to_owned(),
-            message: instance.message.clone(),
-            display_name: result.display_name.clone(),
+            // Cut to the record's bounds: held, listed and stored, the provider's bytes.
+            message: reported(&instance.message, MAX_REPORTED_MESSAGE_BYTES),
+            display_name: reported(&result.display_name, MAX_REPORTED_WORD_BYTES),
             hardware: result.hardware.as_ref().map(Hardware::from).unwrap_or_default(),
             tags: params.constraints.tags.clone().unwrap_or_default(),
-            addresses: instance.addresses.iter().map(|a| a.value.clone()).collect(),
+            addresses: (instance.addresses.iter().take(MAX_REPORTED_ENTRIES))
+                .map(|a| reported(&a.value, MAX_REPORTED_WORD_BYTES))
+                .collect(),
             created: now_rfc3339(),
             params: Some(params.clone()),
         };
@@ -329,8 +335,10 @@ impl Broker {
         let wasm = self.registry.get(name).await?;
         let live = wasm.all_instances(&CallHooks::default()).await?;
         let (live, refused) = self.screen_reported(name, live)?;
-        for why in &refused {
-            tracing::warn!(provider = %name, refused = %why, "dropped an instance the provider reported");
+        if let Some(first) = refused.first() {
+            // One line however many: a provider decides how many it reports.
+            let count = refused.len();
+            tracing::warn!(provider = %name, count, first = %first, "dropped instances the provider reported");
         }
         let mut records = self.store.instances(Some(name))?;
         let mut out = Vec::new();
@@ -339,7 +347,7 @@ impl Broker {
                 Some(i) => {
                     let mut record = records.swap_remove(i);
                     record.status = status_name(instance.status).to_owned();
-                    record.message = instance.message.clone();
+                    record.message = reported(&instance.message, MAX_REPORTED_MESSAGE_BYTES);
                     out.push(record);
                 }
                 None => out.push(unrecorded(name, instance)),
@@ -393,11 +401,13 @@ fn unrecorded(provider: &str, instance: &Instance) -> InstanceRecord {
         id: instance.id.clone(),
         provider: provider.to_owned(),
         status: status_name(instance.status).to_owned(),
-        message: instance.message.clone(),
+        message: reported(&instance.message, MAX_REPORTED_MESSAGE_BYTES),
         display_name: String::new(),
         hardware: Hardware::default(),
         tags: Vec::new(),
-        addresses: instance.addresses.iter().map(|a| a.value.clone()).collect(),
+        addresses: (instance.addresses.iter().take(MAX_REPORTED_ENTRIES))
+            .map(|a| reported(&a.value, MAX_REPORTED_WORD_BYTES))
+            .collect(),
         created: String::new(),
         params: None,
     }

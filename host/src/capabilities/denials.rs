@@ -3,6 +3,7 @@
 //! refusal and carries on is still caught calling what it was not granted.
 
 use crate::bindings::BrokerError;
+use crate::runtime::quotas::Quotas;
 use std::sync::{Arc, Mutex};
 
 /// Where a store's refusals go. Cheap to clone; collects nothing by default.
@@ -10,18 +11,21 @@ use std::sync::{Arc, Mutex};
 pub struct Denials {
     provider: Arc<str>,
     collected: Option<Arc<Mutex<Vec<String>>>>,
+    /// The provider's log rate, which its refusals' warnings count against.
+    quotas: Option<Arc<Quotas>>,
 }
 
 impl Denials {
     /// Denials that keep every refusal, and the list they keep them in.
     pub fn collecting() -> (Denials, Arc<Mutex<Vec<String>>>) {
         let collected = Arc::new(Mutex::new(Vec::new()));
-        (Denials { provider: "".into(), collected: Some(collected.clone()) }, collected)
+        (Denials { provider: "".into(), collected: Some(collected.clone()), quotas: None }, collected)
     }
 
-    /// The same destination, for one provider's stores.
-    pub fn for_provider(&self, provider: Arc<str>) -> Denials {
-        Denials { provider, collected: self.collected.clone() }
+    /// The same destination, for one provider's stores; its warnings count
+    /// against the provider's log rate (a guest can make refusals in a loop).
+    pub fn for_provider(&self, provider: Arc<str>, quotas: Arc<Quotas>) -> Denials {
+        Denials { provider, collected: self.collected.clone(), quotas: Some(quotas) }
     }
 
     /// Pass `error` on to the guest, noting it first if it is a refusal.
@@ -32,8 +36,19 @@ impl Denials {
         error
     }
 
+    /// Whether one more line of the provider's may be logged now (its log
+    /// rate): for what a guest can make the host log in a loop.
+    pub(crate) fn log_allowed(&self) -> bool {
+        match &self.quotas {
+            Some(quotas) => super::log::say_suppressed(&self.provider, quotas.admit_log_line()),
+            None => true,
+        }
+    }
+
     pub(crate) fn note(&self, interface: &str, message: &str) {
-        tracing::warn!(provider = &*self.provider, interface, reason = message, "host call refused: not granted");
+        if self.log_allowed() {
+            tracing::warn!(provider = &*self.provider, interface, reason = message, "host call refused: not granted");
+        }
         if let Some(collected) = &self.collected {
             collected.lock().unwrap_or_else(|p| p.into_inner()).push(format!("{interface}: {message}"));
         }
@@ -53,5 +68,19 @@ mod tests {
         assert!(matches!(refused, BrokerError::AccessDenied(_)));
         assert_eq!(*collected.lock().unwrap(), ["process: not granted"]);
         Denials::default().note("kv", "nothing collects this");
+    }
+
+    #[test]
+    fn a_providers_refusal_warnings_count_against_its_log_rate() {
+        let limits = crate::manifest::Limits { log_lines_per_second: 0, ..Default::default() };
+        let quotas = Arc::new(Quotas::new(&limits));
+        let (collecting, collected) = Denials::collecting();
+        let denials = collecting.for_provider("p".into(), quotas.clone());
+        for _ in 0..5 {
+            denials.refuse("process", BrokerError::AccessDenied("not granted".into()));
+        }
+        // Every refusal still reaches the kit; none of the five warnings was written.
+        assert_eq!(collected.lock().unwrap().len(), 5);
+        assert_eq!(quotas.count(crate::runtime::quotas::Quota::LogLines), 5);
     }
 }

@@ -308,13 +308,14 @@ impl Registry {
                 return Err(RegistryError::DrainTimeout { name: name.to_owned(), waited });
             }
         }
-        let _changing = self.changing.lock().await;
         let count = self.store.instances(Some(name))?.len();
         if count > 0 {
             restore(unloaded);
             return Err(RegistryError::HasInstances { name: name.to_owned(), count });
         }
         // Nothing of the provider runs on once it is gone: its children neither.
+        // Drained and draining, it records no instance now; stopped without the
+        // registry's lock, which every add and swap waits for.
         let children = match self.capabilities.backends.of::<Process>() {
             Some(process) => stop_children(&*process, name, CHILD_STOP_GRACE).await.unwrap_or_else(|error| {
                 tracing::warn!(provider = name, %error, "cannot list the removed provider's children to stop them");
@@ -322,6 +323,12 @@ impl Registry {
             }),
             None => 0,
         };
+        let _changing = self.changing.lock().await;
+        let count = self.store.instances(Some(name))?.len();
+        if count > 0 {
+            restore(unloaded);
+            return Err(RegistryError::HasInstances { name: name.to_owned(), count });
+        }
         let mut event = Event::new("removed", name);
         let mut detail = Vec::new();
         if in_flight > 0 {
@@ -556,7 +563,7 @@ impl Registry {
     /// A version replaced or removed: its counters stay in the metrics a
     /// while, and its instance slots go back to the host once its calls in
     /// flight have ended (whoever still holds it only reads it).
-    fn retire(&self, version: &Arc<ProviderVersion>) {
+    fn retire(&self, version: &ProviderVersion) {
         let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
         retired.retain(|r| r.since.elapsed() < RETIRED_METRICS_FOR);
         retired.push(Retired {
@@ -565,13 +572,9 @@ impl Registry {
             stats: version.shared_stats(),
             since: std::time::Instant::now(),
         });
+        // Its slots go back once nothing uses it: a call may hold it past
+        // every deadline (a start waiting for the machine lock).
         version.retire();
-        let version = version.clone();
-        let waited = version.manifest().limits.deadlines.longest() + DRAIN_SLACK;
-        tokio::spawn(async move {
-            version.drained(waited).await;
-            version.release_slots();
-        });
     }
 
     fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {

@@ -146,14 +146,26 @@ impl Runtime {
     }
 }
 
+/// Most core instances, memories and tables one provider component may have
+/// (a Rust `wasm32-wasip2` component has a handful of instances, one memory,
+/// two tables): what each of its instance slots holds.
+const CORE_INSTANCES_PER_COMPONENT: u32 = 8;
+const MEMORIES_PER_COMPONENT: u32 = 2;
+const TABLES_PER_COMPONENT: u32 = 4;
+
 /// Slots for many warm instances; virtual reservations are cheap on 64-bit.
 fn pooling_config() -> PoolingAllocationConfig {
     let mut pooling = PoolingAllocationConfig::new();
     pooling
         .total_component_instances(INSTANCE_SLOTS as u32)
-        .total_core_instances(2048)
-        .total_memories(1024)
-        .total_tables(2048)
+        // Per component, so that the slots reserved hold whatever a component
+        // declares: one with 64 memories would otherwise take others' share.
+        .max_core_instances_per_component(CORE_INSTANCES_PER_COMPONENT)
+        .max_memories_per_component(MEMORIES_PER_COMPONENT)
+        .max_tables_per_component(TABLES_PER_COMPONENT)
+        .total_core_instances(INSTANCE_SLOTS as u32 * CORE_INSTANCES_PER_COMPONENT)
+        .total_memories(INSTANCE_SLOTS as u32 * MEMORIES_PER_COMPONENT)
+        .total_tables(INSTANCE_SLOTS as u32 * TABLES_PER_COMPONENT)
         .total_stacks(512)
         .max_memory_size(MAX_GUEST_MEMORY_BYTES as usize)
         // Reset the first pages by memset instead of madvise, so a recycled slot

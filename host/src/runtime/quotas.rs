@@ -155,7 +155,8 @@ impl LogRate {
         let mut bucket = self.bucket.lock().unwrap_or_else(|p| p.into_inner());
         let refill = now.saturating_duration_since(bucket.at).as_secs_f64() * self.per_second;
         bucket.tokens = (bucket.tokens + refill).min(self.per_second * BURST_SECONDS);
-        bucket.at = now;
+        // `now` was read before the lock: never move the clock back.
+        bucket.at = bucket.at.max(now);
         if bucket.tokens >= 1.0 {
             bucket.tokens -= 1.0;
             Admit::Write { suppressed: std::mem::take(&mut bucket.suppressed) }

@@ -102,14 +102,21 @@ impl ProviderCapabilities {
     }
 }
 
+/// Most entries in one store's resource table.
+const MAX_HANDLES: usize = 4096;
+
 impl HostState {
     pub(crate) fn new(provider: Arc<str>, caps: &ProviderCapabilities, memory_bytes: usize) -> Self {
         let host = &caps.host;
-        let denials = host.denials.for_provider(provider.clone());
+        let denials = host.denials.for_provider(provider.clone(), caps.quotas.clone());
         // Taps a provider makes go to the user its programs run as.
         let sandbox_user = caps.prepared.of::<Process>().and_then(|p| p.confinement().map(|c| c.uid()));
+        // Handles a guest can make the host keep (streams, descriptors, its
+        // own resources) in one store: bounded, as its memory is.
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(MAX_HANDLES);
         HostState {
-            table: ResourceTable::new(),
+            table,
             wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir, &caps.quotas),
             rooms: Parts::new(
                 &caps.rooms,

@@ -61,18 +61,35 @@ pub struct Hardware {
     pub virt_type: Option<String>,
 }
 
+/// Longest text a record keeps of what a provider reported (a name, a zone, an address).
+pub const MAX_REPORTED_WORD_BYTES: usize = 256;
+/// Longest status message a record keeps.
+pub const MAX_REPORTED_MESSAGE_BYTES: usize = 4096;
+/// Most list entries (tags, addresses) a record keeps.
+pub const MAX_REPORTED_ENTRIES: usize = 64;
+
+/// `text` cut to `max` bytes on a character boundary: a record keeps at
+/// most this of what a provider reported (it is held, listed and stored).
+pub fn reported(text: &str, max: usize) -> String {
+    crate::capabilities::log::truncate(text, max).to_owned()
+}
+
 impl From<&HardwareCharacteristics> for Hardware {
+    /// Cut to the record's bounds: the provider chose every byte.
     fn from(h: &HardwareCharacteristics) -> Self {
+        let word = |w: &Option<String>| w.as_deref().map(|w| reported(w, MAX_REPORTED_WORD_BYTES));
         Hardware {
-            arch: h.arch.clone(),
+            arch: word(&h.arch),
             mem: h.mem,
             root_disk: h.root_disk,
-            root_disk_source: h.root_disk_source.clone(),
+            root_disk_source: word(&h.root_disk_source),
             cpu_cores: h.cpu_cores,
             cpu_power: h.cpu_power,
-            tags: h.tags.clone(),
-            availability_zone: h.availability_zone.clone(),
-            virt_type: h.virt_type.clone(),
+            tags: h.tags.as_ref().map(|tags| {
+                tags.iter().take(MAX_REPORTED_ENTRIES).map(|t| reported(t, MAX_REPORTED_WORD_BYTES)).collect()
+            }),
+            availability_zone: word(&h.availability_zone),
+            virt_type: word(&h.virt_type),
         }
     }
 }

@@ -177,6 +177,10 @@ impl Drop for Serving {
         let in_flight = &self.version.in_flight;
         if in_flight.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
             in_flight.idle.notify_waiters();
+            // The last use of a retired version: its slots go back now.
+            if self.version.retired.load(Ordering::SeqCst) {
+                self.version.release_slots();
+            }
         }
     }
 }
@@ -235,13 +239,25 @@ impl ProviderVersion {
 
     /// No new calls come here (it was replaced or removed): its warm
     /// instances go now, and those its calls in flight use go as they end.
+    /// Its instance slots go back to the host once nothing uses it: now, or
+    /// when the last use ends (see `Serving`'s drop). Whoever still holds it
+    /// only reads it.
     pub(crate) fn retire(&self) {
-        self.retired.store(true, Ordering::SeqCst);
-        self.lock_pool().clear();
+        {
+            let mut pool = self.lock_pool();
+            // Under the pool's lock, which `checkin` takes before looking at it.
+            self.retired.store(true, Ordering::SeqCst);
+            pool.clear();
+        }
+        // Read after `retired` is set, as the last use reads `retired` after
+        // its count drops: one of the two sees the other.
+        if self.in_flight() == 0 {
+            self.release_slots();
+        }
     }
 
-    /// Give its instance slots back to the host: once retired and drained.
-    pub(crate) fn release_slots(&self) {
+    /// Give its instance slots back to the host (again is nothing).
+    fn release_slots(&self) {
         drop(self.slots.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 
@@ -602,6 +618,8 @@ impl ProviderVersion {
             }
             Ok(Ok(Err(error))) => {
                 self.checkin(warm);
+                // Logged, listed, kept in events: never more of it than a status message.
+                let error = cut_broker_error(error);
                 Err(CallError::Guest { provider: self.name.to_string(), method, error })
             }
             Ok(Err(trap)) => {
@@ -690,12 +708,11 @@ impl ProviderVersion {
     fn checkin(&self, warm: Warm) {
         let limits = &self.manifest.limits;
         let keep = self.manifest.isolation == Isolation::Pooled
-            && !self.retired.load(Ordering::SeqCst)
             && warm.calls < limits.max_calls
             && warm.born.elapsed() < limits.max_age;
         if keep {
             let mut pool = self.lock_pool();
-            if pool.len() < limits.pool_size {
+            if pool.len() < limits.pool_size && !self.retired.load(Ordering::SeqCst) {
                 pool.push(warm);
                 return;
             }
@@ -708,6 +725,25 @@ impl ProviderVersion {
         tracing::warn!(provider = &*self.name, error = %error, "discarding guest instance");
         self.stats.discarded.fetch_add(1, Ordering::Relaxed);
         drop(warm);
+    }
+}
+
+/// Longest text kept of a provider's typed error.
+const MAX_ERROR_BYTES: usize = 4096;
+
+/// A provider's typed error with its text cut to [`MAX_ERROR_BYTES`].
+fn cut_broker_error(error: BrokerError) -> BrokerError {
+    let cut = |text: String| crate::capabilities::log::truncate(&text, MAX_ERROR_BYTES).to_owned();
+    match error {
+        BrokerError::InvalidParams(m) => BrokerError::InvalidParams(cut(m)),
+        BrokerError::NotFound(m) => BrokerError::NotFound(cut(m)),
+        BrokerError::NotSupported(m) => BrokerError::NotSupported(cut(m)),
+        BrokerError::ZoneIndependent(m) => BrokerError::ZoneIndependent(cut(m)),
+        BrokerError::ZoneUnavailable(m) => BrokerError::ZoneUnavailable(cut(m)),
+        BrokerError::AccessDenied(m) => BrokerError::AccessDenied(cut(m)),
+        BrokerError::Aborted(m) => BrokerError::Aborted(cut(m)),
+        BrokerError::Timeout(m) => BrokerError::Timeout(cut(m)),
+        BrokerError::Provider(m) => BrokerError::Provider(cut(m)),
     }
 }
 
@@ -743,4 +779,19 @@ fn narrow(host: HostCapabilities, manifest: &Manifest, quotas: Arc<Quotas>) -> R
     };
     let prepared = rooms.prepare(&load).map_err(|source| LoadError::Prepare { provider, source })?;
     Ok(ProviderCapabilities { host, data_dir, rooms: rooms.clone(), prepared, quotas })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_providers_error_text_is_cut_and_keeps_its_kind() {
+        let long = "é".repeat(MAX_ERROR_BYTES);
+        let BrokerError::ZoneUnavailable(cut) = cut_broker_error(BrokerError::ZoneUnavailable(long)) else {
+            panic!("the kind changed")
+        };
+        assert_eq!(cut.len(), MAX_ERROR_BYTES, "cut on a character boundary at the bound");
+        assert_eq!(cut_broker_error(BrokerError::NotFound("x".into())), BrokerError::NotFound("x".into()));
+    }
 }

@@ -353,8 +353,9 @@ impl WasiHttpHooks for EgressHooks {
                     Err(err) => {
                         if let EgressError::NotGranted { .. } | EgressError::NoBackend = &err {
                             denials.note("wasi:http", &err.to_string());
+                        } else if denials.log_allowed() {
+                            tracing::warn!(provider = &*provider, error = %err, "http egress failed");
                         }
-                        tracing::warn!(provider = &*provider, error = %err, "http egress refused or failed");
                         Err(err.code())
                     }
                 }
@@ -514,7 +515,7 @@ mod tests {
         let store = StoreSetup {
             provider: &provider,
             data_dir: std::path::Path::new("/nonexistent"),
-            denials: &denials.for_provider(provider.clone()),
+            denials: &denials.for_provider(provider.clone(), Default::default()),
             sandbox_user: None,
             acts_outside_the_store: true,
             prepared: &Default::default(),

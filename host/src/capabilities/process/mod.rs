@@ -376,29 +376,41 @@ pub enum ProcessPrepareError {
     Sandbox(#[source] crate::sandbox::SandboxError),
 }
 
-/// Stop every child `provider` left running (TERM to its process group, KILL
-/// after `grace`) and forget them all: what a provider being removed leaves
-/// behind. How many were running.
+/// Stop every child `provider` left running and forget them: what a provider
+/// being removed leaves behind. Each child's process group gets TERM at once,
+/// those still running after `grace` (one grace for all) get KILL; a child
+/// that survives even that keeps its record, and is said. How many were running.
 pub async fn stop_children(
     backend: &dyn ProcessBackend,
     provider: &str,
     grace: Duration,
 ) -> Result<usize, RecordsError> {
-    let mut stopped = 0;
+    let mut running = Vec::new();
     for name in backend.children(provider)? {
         // A child gone for good is forgotten by the adoption itself.
         let Ok(Some(record)) = backend.adopt(provider, &name).await else { continue };
         if backend.liveness(&record) == Liveness::Running {
             let _ = backend.signal(&record, Signal::SIGTERM);
-            if backend.wait(&record, grace).await == Liveness::Running {
-                let _ = backend.signal(&record, Signal::SIGKILL);
-                backend.wait(&record, grace).await;
-            }
-            stopped += 1;
+            running.push(record);
+        } else {
+            backend.forget(&record).await;
         }
-        backend.forget(&record).await;
     }
-    Ok(stopped)
+    let until = std::time::Instant::now() + grace;
+    for record in &running {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        if backend.wait(record, left).await == Liveness::Running {
+            let _ = backend.signal(record, Signal::SIGKILL);
+        }
+    }
+    for record in &running {
+        if backend.wait(record, grace).await == Liveness::Running {
+            tracing::warn!(provider, child = %record.name, pid = record.pid, "a removed provider's child survived KILL; its record is kept");
+            continue;
+        }
+        backend.forget(record).await;
+    }
+    Ok(running.len())
 }
 
 /// The room: `process = [...]` and what the programs may reach. Linked for
