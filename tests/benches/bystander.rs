@@ -12,17 +12,11 @@
 
 use broker_host::broker::Broker;
 use broker_host::capabilities::kv::KvBackend;
-use broker_tests::{bundled_manifest_text, write_manifest};
+use broker_tests::{bundled_manifest_text, percentile, write_manifest};
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// `ZERO` when nothing ran (a filter left the benchmark out).
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let last = sorted.len().saturating_sub(1);
-    sorted.get((last as f64 * p).round() as usize).copied().unwrap_or_default()
-}
 
 fn bench(c: &mut Criterion) {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();

@@ -20,7 +20,7 @@
 use broker_host::broker::Broker;
 use broker_host::capabilities::context::CallHooks;
 use broker_host::contract::empty_params;
-use broker_tests::bundled_manifest_text;
+use broker_tests::{bundled_manifest_text, percentile};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -87,12 +87,6 @@ async fn healthz(socket: &std::path::Path) -> Duration {
     let took = began.elapsed();
     assert!(answer.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&answer));
     took
-}
-
-/// `ZERO` when nothing ran (a filter left the benchmark out).
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let last = sorted.len().saturating_sub(1);
-    sorted.get((last as f64 * p).round() as usize).copied().unwrap_or_default()
 }
 
 fn bench_healthz(c: &mut Criterion) {

@@ -124,3 +124,10 @@ pub fn recording_hooks() -> (broker_host::capabilities::context::CallHooks, Stat
     });
     (hooks, seen)
 }
+
+/// The `p` percentile (0.0–1.0) of `sorted` timings, nearest rank; `ZERO`
+/// when nothing ran (a filter left the benchmark out).
+pub fn percentile(sorted: &[std::time::Duration], p: f64) -> std::time::Duration {
+    let last = sorted.len().saturating_sub(1);
+    sorted.get((last as f64 * p).round() as usize).copied().unwrap_or_default()
+}

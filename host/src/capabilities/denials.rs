@@ -40,7 +40,7 @@ impl Denials {
     /// rate): for what a guest can make the host log in a loop.
     pub(crate) fn log_allowed(&self) -> bool {
         match &self.quotas {
-            Some(quotas) => super::log::say_suppressed(&self.provider, quotas.admit_log_line()),
+            Some(quotas) => quotas.log_line_allowed(&self.provider),
             None => true,
         }
     }

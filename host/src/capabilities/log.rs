@@ -5,7 +5,7 @@
 
 use crate::bindings::broker::provider::log::{self as wit, Level};
 use crate::runtime::HostState;
-use crate::runtime::quotas::{Admit, Quota, Quotas};
+use crate::runtime::quotas::Quotas;
 use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use std::sync::Arc;
 use wasmtime::component::{HasSelf, Linker};
@@ -29,27 +29,10 @@ impl LogCtx {
     }
 }
 
-/// Say how many lines were suppressed before the one about to be written.
-pub(crate) fn say_suppressed(provider: &str, admit: Admit) -> bool {
-    match admit {
-        Admit::Suppress => false,
-        Admit::Write { suppressed: 0 } => true,
-        Admit::Write { suppressed } => {
-            tracing::warn!(
-                provider,
-                suppressed,
-                limit = Quota::LogLines.name(),
-                "suppressed {suppressed} guest log lines over the provider's log-lines-per-second"
-            );
-            true
-        }
-    }
-}
-
 impl wit::Host for LogCtx {
     async fn log(&mut self, level: Level, message: String) -> wasmtime::Result<()> {
         let provider = &*self.provider;
-        if !say_suppressed(provider, self.quotas.admit_log_line()) {
+        if !self.quotas.log_line_allowed(provider) {
             return Ok(());
         }
         let message = truncate(&message, MAX_MESSAGE_BYTES);

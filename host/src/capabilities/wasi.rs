@@ -59,7 +59,7 @@ struct LineWriter {
 
 impl LineWriter {
     fn emit(&self, line: &[u8]) {
-        if !super::log::say_suppressed(&self.out.provider, self.out.quotas.admit_log_line()) {
+        if !self.out.quotas.log_line_allowed(&self.out.provider) {
             return;
         }
         let line = String::from_utf8_lossy(line);

@@ -97,14 +97,27 @@ impl Quotas {
         self.refused[quota.index()].load(Ordering::Relaxed)
     }
 
-    /// Whether one more line of the provider's (its `log` calls and its
-    /// stdout and stderr alike) may be written now; a suppressed one is counted.
-    pub fn admit_log_line(&self) -> Admit {
-        let admit = self.log_lines.admit(Instant::now());
-        if admit == Admit::Suppress {
-            self.refused(Quota::LogLines, 1);
+    /// Whether one more line of `provider`'s (its `log` calls, its stdout
+    /// and stderr, the host's warnings about it) may be written now. A
+    /// suppressed one is counted; how many were suppressed is said, once,
+    /// before the next line that passes.
+    pub fn log_line_allowed(&self, provider: &str) -> bool {
+        match self.log_lines.admit(Instant::now()) {
+            Admit::Suppress => {
+                self.refused(Quota::LogLines, 1);
+                false
+            }
+            Admit::Write { suppressed: 0 } => true,
+            Admit::Write { suppressed } => {
+                tracing::warn!(
+                    provider,
+                    suppressed,
+                    limit = Quota::LogLines.name(),
+                    "suppressed {suppressed} guest log lines over the provider's log-lines-per-second"
+                );
+                true
+            }
         }
-        admit
     }
 
     /// Every bound with its count.
@@ -132,7 +145,7 @@ struct Bucket {
 
 /// Whether a line may be written.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Admit {
+enum Admit {
     /// Write it; `suppressed` lines were dropped since the last one written.
     Write {
         /// Lines dropped before this one.

@@ -392,8 +392,17 @@ impl ProviderVersion {
     /// The contract's `all-instances`: every instance the provider can see.
     /// An answer of more than `max-records` instances is refused as a limit.
     pub async fn all_instances(&self, hooks: &CallHooks) -> Result<Vec<Instance>, CallError> {
+        self.call(Method::AllInstances, hooks, self.invoke_all_instances()).await
+    }
+
+    /// The `all-instances` export, its answer held to `max-records`: for a
+    /// call and for the half-open re-observe alike.
+    fn invoke_all_instances(
+        &self,
+    ) -> impl for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, Vec<Instance>>
+    {
         let max = self.manifest.limits.max_records;
-        self.call(Method::AllInstances, hooks, move |store, exports, ctx| {
+        move |store, exports, ctx| {
             Box::pin(async move {
                 let answer = exports.broker_provider_instance_broker().call_all_instances(store, ctx).await?;
                 match answer {
@@ -403,8 +412,7 @@ impl ProviderVersion {
                     answer => Ok(answer),
                 }
             })
-        })
-        .await
+        }
     }
 
     /// The contract's `maintain-instance` on instance `id`, with the params it was started with.
@@ -531,13 +539,8 @@ impl ProviderVersion {
     async fn reobserve(&self, method: Method) -> Result<(), CallError> {
         let probe = || async {
             let began = Instant::now();
-            let (probe, unpersisted) = self
-                .run_call(Method::AllInstances, &CallHooks::default(), |store, exports, ctx| {
-                    Box::pin(
-                        async move { exports.broker_provider_instance_broker().call_all_instances(store, ctx).await },
-                    )
-                })
-                .await;
+            let (probe, unpersisted) =
+                self.run_call(Method::AllInstances, &CallHooks::default(), self.invoke_all_instances()).await;
             let probe = match self.persist(Method::AllInstances, unpersisted).await {
                 Ok(()) => probe,
                 Err(failed) => Err(failed),

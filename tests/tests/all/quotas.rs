@@ -301,3 +301,20 @@ async fn a_removed_providers_children_are_stopped() {
     let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == "removed").unwrap();
     assert!(removed.detail.contains("1 child process(es) it left running stopped"), "{removed:?}");
 }
+
+/// A provider held half-open is re-observed under the same `max-records` as
+/// any call: an answer past it does not reopen it.
+#[tokio::test]
+async fn a_half_open_provider_is_re_observed_under_its_max_records() {
+    let a = attack("max-records = 10\nbreaker-failures = 1", "");
+    a.set("mode", "records");
+    a.set("flood-entries", 11);
+    let first = a.hostile.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(matches!(&first, CallError::Limit { .. }), "{first}");
+    let second = a.hostile.all_instances(&CallHooks::default()).await.unwrap_err();
+    assert!(
+        matches!(&second, CallError::Unavailable { reason, .. } if reason.contains("max-records limit of 10")),
+        "{second}"
+    );
+    a.bystander_answers().await;
+}
