@@ -160,6 +160,17 @@ impl Guest for Hostile {
                     spins = std::hint::black_box(spins.wrapping_add(1));
                 }
             }
+            "spin-then-sleep" => {
+                // Long enough to hold a turn of executor time, then a host
+                // call (a timer) that outlasts any deadline.
+                let began = std::time::Instant::now();
+                let mut spins: u64 = 0;
+                while began.elapsed() < std::time::Duration::from_millis(50) {
+                    spins = std::hint::black_box(spins.wrapping_add(1));
+                }
+                std::thread::sleep(std::time::Duration::from_secs(600));
+                Ok(vec![instance("slept")])
+            }
             "write-loop" => {
                 host_kv::set("written", b"yes")?;
                 host_kv::set("written-next", b"yes")?;

@@ -403,6 +403,14 @@ async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
         let instantiations = source.stats.instantiations.load(Ordering::Relaxed);
         text.push_str(&format!("broker_provider_instantiations_total{{{}}} {instantiations}\n", source.labels));
     }
+    text.push_str(
+        "# HELP broker_guest_turns_total Turns of executor time the version's long-running calls took (one a millisecond of guest time past the first).\n",
+    );
+    text.push_str("# TYPE broker_guest_turns_total counter\n");
+    for source in &sources {
+        let turns = source.stats.turns.load(Ordering::Relaxed);
+        text.push_str(&format!("broker_guest_turns_total{{{}}} {turns}\n", source.labels));
+    }
     text.push_str("# HELP broker_provider_half_open 1 while the crash policy holds the version half-open.\n");
     text.push_str("# TYPE broker_provider_half_open gauge\n");
     for source in &sources {

@@ -7,6 +7,7 @@ pub mod quotas;
 pub mod rooms;
 mod state;
 mod ticker;
+pub mod turnstile;
 
 pub(crate) use limits::GuestLimiter;
 pub use rooms::{Capability, Linking, ROOMS, Room};
@@ -20,8 +21,9 @@ use std::time::Duration;
 use wasmtime::component::{Component, Linker};
 use wasmtime::{Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
-/// How often the epoch advances: a running guest yields to the executor this often.
-pub const EPOCH_TICK: Duration = Duration::from_millis(10);
+/// How often the epoch advances: a long-running guest passes its turn on
+/// this often (see [`turnstile`]), and a call's deadline is checked.
+pub const EPOCH_TICK: Duration = Duration::from_millis(1);
 
 /// A cause from wasmtime, kept whole (its own causes reachable through `source`).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -68,6 +70,8 @@ pub const INSTANCE_SLOTS: usize = 512;
 pub struct Runtime {
     engine: Engine,
     _ticker: ticker::EpochTicker,
+    /// Turns of executor time for long-running guests.
+    turnstile: Arc<turnstile::Turnstile>,
     /// Instance slots reserved by the provider versions loaded.
     reserved: std::sync::Mutex<usize>,
 }
@@ -89,7 +93,14 @@ impl Drop for SlotReservation {
 impl Runtime {
     /// `cache_dir`: where compiled components are kept across runs (keyed by
     /// the component's content hash and the engine's settings); `None` = no disk cache.
+    /// Long-running guests get one fewer turn than the machine has cores.
     pub fn new(cache_dir: Option<&Path>) -> Result<Arc<Runtime>, RuntimeError> {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self::with_guest_turns(cache_dir, turnstile::turns_for(cores))
+    }
+
+    /// As [`Runtime::new`], with `turns` long-running guests at once (at least one).
+    pub fn with_guest_turns(cache_dir: Option<&Path>, turns: usize) -> Result<Arc<Runtime>, RuntimeError> {
         let mut config = Config::new();
         config.epoch_interruption(true);
         config.wasm_component_model(true);
@@ -104,8 +115,10 @@ impl Runtime {
             config.cache(Some(cache));
         }
         let engine = Engine::new(&config).map_err(|e| RuntimeError::Engine(e.into_boxed_dyn_error()))?;
-        let ticker = ticker::EpochTicker::start(engine.clone(), EPOCH_TICK).map_err(RuntimeError::Ticker)?;
-        Ok(Arc::new(Runtime { engine, _ticker: ticker, reserved: Default::default() }))
+        let turnstile = turnstile::Turnstile::new(turns, EPOCH_TICK);
+        let ticker =
+            ticker::EpochTicker::start(engine.clone(), EPOCH_TICK, turnstile.clone()).map_err(RuntimeError::Ticker)?;
+        Ok(Arc::new(Runtime { engine, _ticker: ticker, turnstile, reserved: Default::default() }))
     }
 
     /// Reserve `slots` instance slots for `provider`, while the reservation lives.
@@ -122,6 +135,11 @@ impl Runtime {
     /// Instance slots not reserved by any provider loaded.
     pub fn free_slots(&self) -> usize {
         INSTANCE_SLOTS - *self.reserved.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The turnstile long-running guests take turns at.
+    pub fn turnstile(&self) -> &Arc<turnstile::Turnstile> {
+        &self.turnstile
     }
 
     pub(crate) fn engine(&self) -> &Engine {

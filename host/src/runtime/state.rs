@@ -26,6 +26,8 @@ pub struct HostState {
     /// The parts of the capabilities in rooms of their own.
     pub(crate) rooms: Parts,
     pub(crate) limiter: GuestLimiter,
+    /// Its guest's turn of executor time, once it runs long.
+    pub(crate) turn: super::turnstile::StoreTurn,
     /// Where refusals outside any one capability (the filesystem's) are noted.
     denials: Denials,
 }
@@ -106,7 +108,12 @@ impl ProviderCapabilities {
 const MAX_HANDLES: usize = 4096;
 
 impl HostState {
-    pub(crate) fn new(provider: Arc<str>, caps: &ProviderCapabilities, memory_bytes: usize) -> Self {
+    pub(crate) fn new(
+        provider: Arc<str>,
+        caps: &ProviderCapabilities,
+        memory_bytes: usize,
+        turn: super::turnstile::StoreTurn,
+    ) -> Self {
         let host = &caps.host;
         let denials = host.denials.for_provider(provider.clone(), caps.quotas.clone());
         // Taps a provider makes go to the user its programs run as.
@@ -132,6 +139,7 @@ impl HostState {
                 },
             ),
             limiter: GuestLimiter::new(memory_bytes),
+            turn,
             denials,
             provider,
         }
@@ -154,8 +162,9 @@ impl HostState {
         self.rooms.begin_call(abort);
     }
 
-    /// Release what a call left behind (machine-lock guards).
+    /// Release what a call left behind (machine-lock guards, its turn).
     pub fn end_call(&mut self) {
+        self.turn.release();
         self.rooms.end_call(&mut self.table);
     }
 }

@@ -19,6 +19,7 @@ use crate::capabilities::kv::{Kv, KvWrites};
 use crate::manifest::{Isolation, Manifest, ManifestError, Method};
 use crate::runtime::quotas::{Quota, Quotas};
 use crate::runtime::rooms::LoadSetup;
+use crate::runtime::turnstile::{FIRST_SLICE_TICKS, Lane};
 use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
 use method_stats::Outcome;
 use std::future::Future;
@@ -27,8 +28,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tracing::Instrument;
-use wasmtime::Store;
 use wasmtime::component::Resource;
+use wasmtime::{CallHook, Store, UpdateDeadline};
 
 /// Why a provider version could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -112,6 +113,8 @@ pub struct ProviderStats {
     pub methods: method_stats::MethodTable,
     /// What the provider's bounds refused or cut.
     pub quotas: Arc<Quotas>,
+    /// Turns of executor time its long-running guests took (see `runtime::turnstile`).
+    pub turns: Arc<AtomicU64>,
 }
 
 type CallFuture<'a, R> = Pin<Box<dyn Future<Output = wasmtime::Result<Result<R, BrokerError>>> + Send + 'a>>;
@@ -130,6 +133,8 @@ pub struct ProviderVersion {
     breaker: breaker::Breaker,
     /// One permit per call running (`max-concurrent-calls`).
     running: tokio::sync::Semaphore,
+    /// Its way to the runtime's turnstile, for calls that run long.
+    lane: Lane,
     /// Its share of the engine's instance slots, until it is retired and drained.
     slots: Mutex<Option<crate::runtime::SlotReservation>>,
     /// Replaced or removed: it keeps no warm instances.
@@ -185,6 +190,27 @@ impl Drop for Serving {
     }
 }
 
+/// A store's guest takes turns of executor time once it runs past its first
+/// slice: at every epoch deadline it passes its turn on and waits for the
+/// next (`runtime::turnstile`); back from a host call that lost its turn to
+/// the sweeper, it waits for a turn before it runs wasm again.
+fn take_turns(store: &mut Store<HostState>) {
+    store.epoch_deadline_callback(|mut cx| Ok(UpdateDeadline::YieldCustom(1, cx.data_mut().turn.next_turn())));
+    store.call_hook(|mut cx, hook| {
+        match hook {
+            CallHook::CallingHost => cx.data_mut().turn.entering_host(),
+            CallHook::ReturningFromHost => {
+                if cx.data_mut().turn.returning_from_host() {
+                    cx.set_epoch_deadline(0);
+                }
+            }
+            CallHook::CallingWasm | CallHook::ReturningFromWasm => {}
+        }
+        Ok(())
+    });
+    store.set_epoch_deadline(FIRST_SLICE_TICKS);
+}
+
 impl ProviderVersion {
     /// Read, verify, compile, check and link the manifest's component.
     pub fn load(
@@ -218,6 +244,7 @@ impl ProviderVersion {
         let stats = Arc::new(ProviderStats { quotas, ..ProviderStats::default() });
         let capabilities = narrow(capabilities, &manifest, stats.quotas.clone())?;
         let running = tokio::sync::Semaphore::new(manifest.limits.max_concurrent_calls);
+        let lane = runtime.turnstile().lane(stats.turns.clone());
         let breaker = breaker::Breaker::new(manifest.limits.breaker_failures, manifest.limits.breaker_window);
         Ok(ProviderVersion {
             name: provider.into(),
@@ -231,6 +258,7 @@ impl ProviderVersion {
             stats,
             breaker,
             running,
+            lane,
             slots: Mutex::new(Some(slots)),
             retired: Default::default(),
             in_flight: InFlight::default(),
@@ -588,9 +616,11 @@ impl ProviderVersion {
         let deadline = self.manifest.limits.deadlines.for_method(method);
         let until = Instant::now() + deadline;
         let mut warm = self.checkout(method, deadline).await?;
-        // Yield to the executor every epoch tick, so a busy guest never holds a
-        // worker thread; the deadline itself is the timeout around the call.
-        warm.store.epoch_deadline_async_yield_and_update(1);
+        // A first slice, unless the provider's long-runners fill its lane: then
+        // the call queues at once, as its slice would take a worker from
+        // another provider. The deadline is the timeout around the call.
+        let first_slice = if self.lane.is_full() { 0 } else { FIRST_SLICE_TICKS };
+        warm.store.set_epoch_deadline(first_slice);
         warm.store.data_mut().begin_call(&hooks.abort);
         let context = CallContext {
             hooks: hooks.clone(),
@@ -686,13 +716,13 @@ impl ProviderVersion {
 
     async fn instantiate(&self, method: Method, deadline: Duration) -> Result<Warm, CallError> {
         let memory_bytes = (self.manifest.limits.memory_mib << 20) as usize;
-        let state = HostState::new(self.name.clone(), &self.capabilities, memory_bytes);
+        let state = HostState::new(self.name.clone(), &self.capabilities, memory_bytes, self.lane.store_turn());
         let mut store = Store::new(self.runtime.engine(), state);
+        take_turns(&mut store);
         store.limiter(|state| &mut state.limiter);
         // Strings and lists are copied out of the guest per host call and per
         // answer; this bounds what one such copy can make the host allocate.
         store.set_hostcall_fuel((self.manifest.limits.call_data_mib << 20) as usize);
-        store.epoch_deadline_async_yield_and_update(1);
         let instantiation = tokio::time::timeout(deadline, self.pre.instantiate_async(&mut store));
         let exports = match instantiation.await {
             Ok(Ok(exports)) => exports,

@@ -22,9 +22,14 @@ fn rss_kib(pid: u32) -> u64 {
 
 /// A hostile provider named `name` whose `[config]` is `config`.
 fn hostile_manifest(dir: &Path, name: &str, config: &str) -> String {
+    hostile_manifest_with(dir, name, "60s", config)
+}
+
+/// As [`hostile_manifest`], each call's deadline `deadline`.
+fn hostile_manifest_with(dir: &Path, name: &str, deadline: &str, config: &str) -> String {
     let wasm = guest_artifacts::wasm("test_hostile");
     let text = format!(
-        "name = \"{name}\"\ncomponent = \"{}\"\n[limits]\nmemory-mib = 64\n[limits.deadlines]\ndefault = \"60s\"\n\
+        "name = \"{name}\"\ncomponent = \"{}\"\n[limits]\nmemory-mib = 64\n[limits.deadlines]\ndefault = \"{deadline}\"\n\
          [grants]\nkv = true\n[config]\n{config}\n",
         wasm.display()
     );
@@ -46,6 +51,15 @@ fn quota_refusals(daemon: &Daemon, provider: &str, quota: &str) -> u64 {
         .lines()
         .find(|l| l.starts_with(&series) && l.contains(&format!("quota=\"{quota}\"")))
         .unwrap_or_else(|| panic!("no {quota} count for {provider} in {text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// A counter of `provider` in `/metrics`.
+fn provider_counter(daemon: &Daemon, name: &str, provider: &str) -> u64 {
+    let (_, text) = daemon.request("GET", "/metrics", None);
+    let series = format!("{name}{{provider=\"{provider}\",");
+    let line =
+        text.lines().find(|l| l.starts_with(&series)).unwrap_or_else(|| panic!("no {name} for {provider} in {text}"));
     line.rsplit(' ').next().unwrap().parse().unwrap()
 }
 
@@ -119,4 +133,21 @@ fn hostile_providers_cannot_grow_the_daemon_and_a_bystander_keeps_answering() {
     let after = rss_kib(daemon.child.id());
     eprintln!("daemon RSS: {before} KiB before the attacks, {after} KiB after");
     assert!(after.saturating_sub(before) < RSS_GROWTH_BOUND_KIB, "grew from {before} to {after} KiB");
+}
+
+#[test]
+fn a_spinning_provider_takes_turns_and_metrics_count_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path());
+    add(&daemon, &fake_manifest(dir.path(), ""));
+    let (status, _) = daemon.request("POST", "/v1/instances", Some(br#"{"provider":"fake"}"#));
+    assert_eq!(status, 200);
+    add(&daemon, &hostile_manifest_with(dir.path(), "spin", "300ms", "mode = \"loop\""));
+    assert_eq!(provider_counter(&daemon, "broker_guest_turns_total", "spin"), 0);
+    let (status, body) = daemon.request("GET", "/v1/instances?provider=spin", None);
+    assert_eq!(status, 502, "stopped at its deadline: {body}");
+    // A turn a tick past its first slice: far more than none, whatever the machine's load.
+    let turns = provider_counter(&daemon, "broker_guest_turns_total", "spin");
+    assert!(turns >= 20, "{turns} turns in 300 ms of spinning");
+    bystander_answers(&daemon);
 }

@@ -318,3 +318,76 @@ async fn a_half_open_provider_is_re_observed_under_its_max_records() {
     );
     a.bystander_answers().await;
 }
+
+/// Two hostile providers, `modes` of each in kv, on a runtime with one turn
+/// of executor time for long-running guests (as a 2-core host has); each call's deadline `deadline`.
+fn turn_takers(
+    names: [&str; 2],
+    modes: [&str; 2],
+    deadline: &str,
+) -> (tempfile::TempDir, Arc<Runtime>, [Arc<ProviderVersion>; 2]) {
+    let dir = tempfile::tempdir().unwrap();
+    let kv = Arc::new(MemoryKv::default());
+    let runtime = Runtime::with_guest_turns(None, 1).expect("engine");
+    let extra =
+        format!("[limits]\nmemory-mib = 64\n[limits.deadlines]\ndefault = \"{deadline}\"\n[grants]\nkv = true\n");
+    let providers = [0, 1].map(|i| {
+        kv.set(names[i], "mode", modes[i].as_bytes()).unwrap();
+        let loaded = load_provider(&runtime, kv.clone(), dir.path(), names[i], "test-hostile", &extra).expect("load");
+        Arc::new(loaded)
+    });
+    (dir, runtime, providers)
+}
+
+/// `n` calls of `all-instances` at once, answering how many records each got.
+fn spawn_calls(provider: &Arc<ProviderVersion>, n: usize) -> Vec<tokio::task::JoinHandle<Result<usize, CallError>>> {
+    (0..n)
+        .map(|_| {
+            let provider = provider.clone();
+            tokio::spawn(async move { provider.all_instances(&CallHooks::default()).await.map(|answer| answer.len()) })
+        })
+        .collect()
+}
+
+async fn all_stopped_at_their_deadlines(calls: Vec<tokio::task::JoinHandle<Result<usize, CallError>>>) {
+    for call in calls {
+        let stopped = call.await.unwrap().unwrap_err();
+        assert!(matches!(stopped, CallError::Deadline { .. }), "{stopped}");
+    }
+}
+
+fn turns(provider: &ProviderVersion) -> u64 {
+    provider.stats().turns.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_running_guests_of_two_providers_take_turns_however_many_calls_each_has() {
+    let (_dir, runtime, [many, lone]) = turn_takers(["many", "lone"], ["loop", "loop"], "600ms");
+    let mut calls = spawn_calls(&many, 8);
+    calls.extend(spawn_calls(&lone, 1));
+    all_stopped_at_their_deadlines(calls).await;
+    let (many_turns, lone_turns) = (turns(&many), turns(&lone));
+    // Taken in turn by provider, the lone call gets about half; by call, one in nine.
+    assert!(many_turns > 0 && lone_turns > 0, "many took {many_turns} turns, lone {lone_turns}");
+    assert!(
+        lone_turns * 10 >= (many_turns + lone_turns) * 3,
+        "the lone provider's call took {lone_turns} of {} turns",
+        many_turns + lone_turns
+    );
+    assert_eq!(runtime.turnstile().held(), 0, "the calls gave their turns back as they ended");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_asleep_in_a_host_call_does_not_keep_the_turn_it_held() {
+    // The sleeper spins 50 ms (taking turns), then sits in a timer past its deadline.
+    let (_dir, runtime, [sleeper, spinner]) = turn_takers(["sleeper", "spinner"], ["spin-then-sleep", "loop"], "1s");
+    let mut calls = spawn_calls(&sleeper, 1);
+    calls.extend(spawn_calls(&spinner, 1));
+    all_stopped_at_their_deadlines(calls).await;
+    // Were the sleeper's turn kept through its sleep, the spinner would have
+    // had only the turns of the sleeper's first 50 ms (~25 of ~1000 ticks).
+    let (slept, spun) = (turns(&sleeper), turns(&spinner));
+    assert!(slept > 0, "the sleeper ran long enough to take a turn");
+    assert!(spun >= 100, "the spinner took {spun} turns while the other slept");
+    assert_eq!(runtime.turnstile().held(), 0);
+}
