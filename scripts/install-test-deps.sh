@@ -32,4 +32,4 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends -t bookworm-backports qemu-system-x86 qemu-utils incus
-apt-get install -y -qq --no-install-recommends busybox-static genisoimage cpio util-linux iproute2 bubblewrap
+apt-get install -y -qq --no-install-recommends busybox-static genisoimage cpio util-linux mount e2fsprogs iproute2 bubblewrap

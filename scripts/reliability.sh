@@ -66,6 +66,10 @@ add hoard 120s 'mode = "kv-flood"\nflood-bytes = 1048576'
 attack "2. kv: 1 MiB values until refused" api 'http://b/v1/instances?provider=hoard'
 add chatty 120s 'mode = "log-flood"\nflood-entries = 1000000'
 attack "3. 10^6 stderr lines from one call" api 'http://b/v1/instances?provider=chatty'
+add filler 120s 'mode = "fill"'
+attack "4. 1 MiB writes (each synced) to /data until refused (default data-mib 1024)" \
+    api 'http://b/v1/instances?provider=filler'
+echo "  the filler's image takes $(du -k "$data/data-images/filler.ext4" | cut -f1) KiB on disk; its data dir: $(df -k --output=used,size "$data/data/filler" | tail -1) KiB used/size"
 add spinner 10s 'mode = "loop"'
 spin() {
     for _ in $(seq 64); do api -o /dev/null -w '%{http_code} ' 'http://b/v1/instances?provider=spinner' & done

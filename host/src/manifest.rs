@@ -21,6 +21,7 @@
 //! queue-wait = "2s"
 //! kv-keys = 100000               # its kv namespace: keys, and keys and values in MiB
 //! kv-mib = 64
+//! data-mib = 1024               # its data dir: a filesystem of its own this size (0 = none)
 //! [limits.deadlines]
 //! default = "30s"
 //! start-instance = "10m"
@@ -51,6 +52,9 @@ pub const MAX_GUEST_MEMORY_BYTES: u64 = 4 << 30;
 pub const MAX_CALL_DATA_MIB: u64 = 1024;
 /// Most a provider's kv namespace may hold (`kv-mib`): it is mirrored in memory.
 pub const MAX_KV_MIB: u64 = 1024;
+/// Largest data dir filesystem (`data-mib`): 1 TiB, sparse.
+pub const MAX_DATA_MIB: u64 = 1 << 20;
+pub use crate::providers::data_fs::MIN_DATA_MIB;
 /// Most calls one provider may run at once (`max-concurrent-calls`): the
 /// engine's instance pool is shared by every provider.
 pub const MAX_CONCURRENT_CALLS: usize = 128;
@@ -149,6 +153,9 @@ pub(crate) struct Limits {
     /// Most bytes (keys and values) in the provider's kv namespace, in MiB.
     #[serde(default = "default_kv_mib")]
     pub kv_mib: u64,
+    /// Size of its data dir's own filesystem, in MiB (0: none, on the host's filesystem).
+    #[serde(default = "default_data_mib")]
+    pub data_mib: u64,
 }
 
 fn default_kv_keys() -> usize {
@@ -156,6 +163,9 @@ fn default_kv_keys() -> usize {
 }
 fn default_kv_mib() -> u64 {
     64
+}
+fn default_data_mib() -> u64 {
+    1024
 }
 
 fn default_call_data_mib() -> u64 {
@@ -211,6 +221,7 @@ impl Default for Limits {
             queue_wait: default_queue_wait(),
             kv_keys: default_kv_keys(),
             kv_mib: default_kv_mib(),
+            data_mib: default_data_mib(),
         }
     }
 }
@@ -409,6 +420,12 @@ impl Manifest {
         }
         if raw.limits.kv_mib == 0 || raw.limits.kv_mib > MAX_KV_MIB {
             return Err(invalid(format!("limits.kv-mib must be between 1 and {MAX_KV_MIB}")));
+        }
+        let data_mib = raw.limits.data_mib;
+        if data_mib != 0 && !(MIN_DATA_MIB..=MAX_DATA_MIB).contains(&data_mib) {
+            return Err(invalid(format!(
+                "limits.data-mib must be 0 (no filesystem of its own) or between {MIN_DATA_MIB} and {MAX_DATA_MIB}"
+            )));
         }
         if raw.limits.max_records == 0 {
             return Err(invalid("limits.max-records must be at least 1".into()));

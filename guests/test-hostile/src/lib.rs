@@ -171,6 +171,27 @@ impl Guest for Hostile {
                 std::thread::sleep(std::time::Duration::from_secs(600));
                 Ok(vec![instance("slept")])
             }
+            "fill" => {
+                // 1 MiB blocks into the data dir until refused (the issue's
+                // finding: 2000 MiB written in 4.7 s).
+                use std::io::Write;
+                let mut file = std::fs::File::create("/data/fill")
+                    .map_err(|e| BrokerError::Provider(format!("create: {e}")))?;
+                let block = vec![7u8; 1 << 20];
+                let mut written = 0u64;
+                let refused = loop {
+                    if let Err(e) = file.write_all(&block).and_then(|()| file.sync_data()) {
+                        break e.to_string();
+                    }
+                    written += 1;
+                    if written == 4096 {
+                        break "not refused".into();
+                    }
+                };
+                let mut answer = instance("filled");
+                answer.message = format!("{written} MiB, then {refused}");
+                Ok(vec![answer])
+            }
             "write-loop" => {
                 host_kv::set("written", b"yes")?;
                 host_kv::set("written-next", b"yes")?;

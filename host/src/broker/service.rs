@@ -8,6 +8,7 @@ use crate::capabilities::machine_lock::MachineLockRoom;
 use crate::contract::empty_params;
 use crate::machine_lock::{LockError, MachineLock};
 use crate::providers::data_dirs::DATA_DIRS;
+use crate::providers::data_fs::{DATA_IMAGES, DataFilesystems};
 use crate::providers::{Registry, RegistryError};
 use crate::runtime::{HostCapabilities, Runtime, RuntimeError};
 use crate::sandbox::{Sandbox, SandboxConfig, UidAllocations};
@@ -166,7 +167,8 @@ impl Broker {
         let on_host =
             HostCapabilities::on_host(store.kv(), store.data_dir().join(DATA_DIRS), sandbox, store.child_records());
         let backends = on_host.backends.clone().with::<MachineLockRoom>(Arc::new(machine_lock.clone()));
-        let capabilities = HostCapabilities { backends, ..on_host };
+        let filesystems = DataFilesystems::new(store.data_dir().join(DATA_IMAGES));
+        let capabilities = HostCapabilities { backends, data_filesystems: Some(Arc::new(filesystems)), ..on_host };
         Broker { registry: Registry::new(runtime, store.clone(), capabilities), store, machine_lock, host }
     }
 

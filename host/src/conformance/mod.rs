@@ -210,6 +210,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                     .with::<HttpEgress>(scripted.http.clone())
                     .with::<NetworkBridge>(scripted.network.clone()),
                 denials,
+                // The kit's data dirs are scratch: a plain directory each.
+                data_filesystems: None,
             };
             (caps, Some(scripted))
         }
@@ -228,6 +230,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                     .with::<HttpEgress>(Arc::new(RecordedEgress::new(Arc::new(HostEgress), recording.http.clone())))
                     .with::<NetworkBridge>(Arc::new(HostNetwork)),
                 denials,
+                // The kit's data dirs are scratch: a plain directory each.
+                data_filesystems: None,
             };
             (caps, None)
         }

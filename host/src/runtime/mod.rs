@@ -93,10 +93,14 @@ impl Drop for SlotReservation {
 impl Runtime {
     /// `cache_dir`: where compiled components are kept across runs (keyed by
     /// the component's content hash and the engine's settings); `None` = no disk cache.
-    /// Long-running guests get one fewer turn than the machine has cores.
+    /// Long-running guests get one fewer turn than the executor has workers
+    /// (the tokio runtime this is made in, else the machine's cores).
     pub fn new(cache_dir: Option<&Path>) -> Result<Arc<Runtime>, RuntimeError> {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Self::with_guest_turns(cache_dir, turnstile::turns_for(cores))
+        let workers = match tokio::runtime::Handle::try_current() {
+            Ok(handle) => handle.metrics().num_workers(),
+            Err(_) => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        Self::with_guest_turns(cache_dir, turnstile::turns_for(workers))
     }
 
     /// As [`Runtime::new`], with `turns` long-running guests at once (at least one).

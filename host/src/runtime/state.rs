@@ -46,6 +46,9 @@ pub struct HostCapabilities {
     pub backends: Backends,
     /// Where refused host calls are noted besides the log (the conformance kit collects them).
     pub denials: Denials,
+    /// Mounts each provider's data dir as a filesystem of its own
+    /// (`data-mib`); `None`: data dirs are plain directories (tests, the kit).
+    pub data_filesystems: Option<Arc<crate::providers::data_fs::DataFilesystems>>,
 }
 
 impl HostCapabilities {
@@ -65,6 +68,7 @@ impl HostCapabilities {
                 .with::<Kv>(kv)
                 .with::<Process>(Arc::new(HostProcesses::new(child_records, Arc::default()))),
             denials: Denials::default(),
+            data_filesystems: None,
         }
     }
 
@@ -162,10 +166,11 @@ impl HostState {
         self.rooms.begin_call(abort);
     }
 
-    /// Release what a call left behind (machine-lock guards, its turn).
-    pub fn end_call(&mut self) {
-        self.turn.release();
+    /// Release what a call left behind (machine-lock guards, its turn);
+    /// whether it gave back a turn of executor time.
+    pub fn end_call(&mut self) -> bool {
         self.rooms.end_call(&mut self.table);
+        self.turn.release()
     }
 }
 

@@ -19,7 +19,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -35,6 +35,8 @@ pub struct Turnstile {
     tick: Duration,
     /// Slots that took a turn: what the sweeper looks at (at most a few per turn).
     holders: Mutex<Vec<Weak<Slot>>>,
+    /// Stores waiting for a place or a turn: only then is a turn taken from a host call.
+    waiting: AtomicUsize,
 }
 
 /// Turns for a host whose executor has `workers` threads: one fewer, at least one.
@@ -46,7 +48,13 @@ impl Turnstile {
     /// `count` turns (at least one); a turn held in a host call for more than `tick` is taken back.
     pub fn new(count: usize, tick: Duration) -> Arc<Turnstile> {
         let count = count.max(1);
-        Arc::new(Turnstile { turns: Arc::new(Semaphore::new(count)), count, tick, holders: Mutex::default() })
+        Arc::new(Turnstile {
+            turns: Arc::new(Semaphore::new(count)),
+            count,
+            tick,
+            holders: Mutex::default(),
+            waiting: AtomicUsize::new(0),
+        })
     }
 
     /// How many long-runners run wasm at once, at most.
@@ -64,14 +72,16 @@ impl Turnstile {
         Lane { turnstile: self.clone(), places: Arc::new(Semaphore::new(self.count)), taken }
     }
 
-    /// Take the turns of long-runners that have been in one host call for more
-    /// than a tick, and forget slots that hold none. Run at every epoch tick.
+    /// While somebody waits, take the turns of long-runners that have been in
+    /// one host call for more than a tick; forget slots that hold none. Run at
+    /// every epoch tick.
     pub fn sweep(&self) {
+        let contended = self.waiting.load(Ordering::Relaxed) > 0;
         let mut holders = lock(&self.holders);
         holders.retain(|weak| {
             let Some(slot) = weak.upgrade() else { return false };
             let mut state = lock(&slot.state);
-            let idle_in_host = state.in_host_since.is_some_and(|since| since.elapsed() >= self.tick);
+            let idle_in_host = contended && state.in_host_since.is_some_and(|since| since.elapsed() >= self.tick);
             if state.held.is_none() || idle_in_host {
                 state.held = None;
                 state.registered = false;
@@ -146,9 +156,11 @@ impl StoreTurn {
         let (lane, slot) = (self.lane.clone(), self.slot.clone());
         Box::pin(async move {
             YieldOnce(false).await;
+            let waiting = Waiting::new(&lane.turnstile);
             // Neither semaphore is ever closed.
             let Ok(place) = lane.places.clone().acquire_owned().await else { return };
             let Ok(turn) = lane.turnstile.turns.clone().acquire_owned().await else { return };
+            drop(waiting);
             lane.taken.fetch_add(1, Ordering::Relaxed);
             let register = {
                 let mut state = lock(&slot.state);
@@ -162,13 +174,15 @@ impl StoreTurn {
         })
     }
 
-    /// Give back the turn held, if any (the call ended, or the next turn is due).
-    pub fn release(&mut self) {
-        if std::mem::take(&mut self.holding) {
-            let mut state = lock(&self.slot.state);
-            state.held = None;
-            state.in_host_since = None;
+    /// Give back the turn held, if any (the call ended, or the next turn is
+    /// due); whether one was held.
+    pub fn release(&mut self) -> bool {
+        if !std::mem::take(&mut self.holding) {
+            return false;
         }
+        let mut state = lock(&self.slot.state);
+        state.in_host_since = None;
+        state.held.take().is_some()
     }
 
     /// The guest calls into the host: from now the sweeper may take its turn.
@@ -192,6 +206,29 @@ impl StoreTurn {
         }
         false
     }
+}
+
+/// Counts a store as waiting while it lives (a cancelled wait too).
+struct Waiting<'a>(&'a Turnstile);
+
+impl<'a> Waiting<'a> {
+    fn new(turnstile: &'a Turnstile) -> Self {
+        turnstile.waiting.fetch_add(1, Ordering::Relaxed);
+        Waiting(turnstile)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Let the executor run what else is ready, this task going to the back of
+/// its worker's queue: after giving a turn back, so the store given it runs
+/// before this task goes on (tokio puts it where only this worker looks).
+pub async fn yield_once() {
+    YieldOnce(false).await
 }
 
 /// Pending once, waking itself at once: the task goes to the back of its
@@ -323,9 +360,14 @@ mod tests {
         let mut other = other_lane.store_turn();
         assert!(settles(&mut sleeper.next_turn()).await);
         sleeper.entering_host();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        turnstile.sweep();
+        assert_eq!(turnstile.held(), 1, "nobody waits: the turn stays through the host call");
+
         let mut waiting = other.next_turn();
         assert!(!settles(&mut waiting).await);
-
+        sleeper.returning_from_host();
+        sleeper.entering_host();
         // Not yet a tick in the host: the sweep leaves it.
         turnstile.sweep();
         assert_eq!(turnstile.held(), 1);

@@ -74,6 +74,9 @@ pub enum LoadError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// Its data dir's own filesystem could not be made ready.
+    #[error(transparent)]
+    DataFs(#[from] crate::providers::data_fs::DataFsError),
     /// Its manifest or component lies in a data dir, which a provider can write.
     #[error("provider {provider}: {reason}")]
     InDataDir {
@@ -194,7 +197,7 @@ impl Drop for Serving {
 /// slice: at every epoch deadline it passes its turn on and waits for the
 /// next (`runtime::turnstile`); back from a host call that lost its turn to
 /// the sweeper, it waits for a turn before it runs wasm again.
-fn take_turns(store: &mut Store<HostState>) {
+fn take_turns(store: &mut Store<HostState>, first_slice: u64) {
     store.epoch_deadline_callback(|mut cx| Ok(UpdateDeadline::YieldCustom(1, cx.data_mut().turn.next_turn())));
     store.call_hook(|mut cx, hook| {
         match hook {
@@ -208,7 +211,7 @@ fn take_turns(store: &mut Store<HostState>) {
         }
         Ok(())
     });
-    store.set_epoch_deadline(FIRST_SLICE_TICKS);
+    store.set_epoch_deadline(first_slice);
 }
 
 impl ProviderVersion {
@@ -619,8 +622,7 @@ impl ProviderVersion {
         // A first slice, unless the provider's long-runners fill its lane: then
         // the call queues at once, as its slice would take a worker from
         // another provider. The deadline is the timeout around the call.
-        let first_slice = if self.lane.is_full() { 0 } else { FIRST_SLICE_TICKS };
-        warm.store.set_epoch_deadline(first_slice);
+        warm.store.set_epoch_deadline(self.first_slice());
         warm.store.data_mut().begin_call(&hooks.abort);
         let context = CallContext {
             hooks: hooks.clone(),
@@ -639,7 +641,11 @@ impl ProviderVersion {
             tokio::time::timeout_at(until.into(), invoke(store, exports, borrowed)).await
         };
         let _ = warm.store.data_mut().table.delete(handle);
-        warm.store.data_mut().end_call();
+        if warm.store.data_mut().end_call() {
+            // The store given the turn waits where only this worker looks:
+            // it runs before this call's teardown does.
+            crate::runtime::turnstile::yield_once().await;
+        }
         // Taken whatever the outcome (a trap or deadline too): reads already see them.
         *unpersisted = warm.store.data_mut().rooms.of::<Kv>().take_unpersisted();
         warm.calls += 1;
@@ -696,6 +702,13 @@ impl ProviderVersion {
         self.pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Ticks a call (or an instantiation) runs before it needs a turn: none
+    /// while the provider's long-runners fill its lane, as its slice would
+    /// take a worker from another provider.
+    fn first_slice(&self) -> u64 {
+        if self.lane.is_full() { 0 } else { FIRST_SLICE_TICKS }
+    }
+
     /// A healthy warm instance from the pool, or a fresh one.
     async fn checkout(&self, method: Method, deadline: Duration) -> Result<Warm, CallError> {
         if self.manifest.isolation == Isolation::Pooled {
@@ -718,7 +731,7 @@ impl ProviderVersion {
         let memory_bytes = (self.manifest.limits.memory_mib << 20) as usize;
         let state = HostState::new(self.name.clone(), &self.capabilities, memory_bytes, self.lane.store_turn());
         let mut store = Store::new(self.runtime.engine(), state);
-        take_turns(&mut store);
+        take_turns(&mut store, self.first_slice());
         store.limiter(|state| &mut state.limiter);
         // Strings and lists are copied out of the guest per host call and per
         // answer; this bounds what one such copy can make the host allocate.
@@ -802,6 +815,10 @@ fn narrow(host: HostCapabilities, manifest: &Manifest, quotas: Arc<Quotas>) -> R
         path: data_dir.display().to_string(),
         source,
     })?;
+    // Before a room sets the dir's owner and ACLs: they belong on the mount.
+    if let (Some(filesystems), mib @ 1..) = (&host.data_filesystems, manifest.limits.data_mib) {
+        filesystems.mount(&manifest.name, &data_dir, mib)?;
+    }
     let rooms = &manifest.grants.rooms;
     let load = LoadSetup {
         provider: &manifest.name,

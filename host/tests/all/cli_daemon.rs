@@ -158,6 +158,7 @@ fn socket_names_a_daemon_serving_elsewhere() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     daemon.kill().unwrap();
     daemon.wait().unwrap();
+    crate::common::detach_mounts_under(data.path());
     // Registered in the daemon's data dir, not in the one the CLI was given.
     assert!(!other.path().join("state.redb").exists());
     let (code, listed, _) = run(data.path(), &["provider", "list"]);

@@ -23,6 +23,7 @@ pub fn broker(data_dir: &Path, args: &[&str]) -> Output {
 pub struct Daemon {
     pub child: Child,
     pub socket: PathBuf,
+    data_dir: PathBuf,
 }
 
 impl Daemon {
@@ -47,7 +48,7 @@ impl Daemon {
             assert!(started.elapsed() < Duration::from_secs(30), "the daemon never listened on {}", socket.display());
             std::thread::sleep(Duration::from_millis(20));
         }
-        Daemon { child, socket }
+        Daemon { child, socket, data_dir: data_dir.to_owned() }
     }
 
     pub fn request(&self, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String) {
@@ -64,6 +65,20 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        detach_mounts_under(&self.data_dir);
+    }
+}
+
+/// Detach what a killed daemon left mounted under `dir` (its providers' data
+/// filesystems: a daemon that is killed leaves them, on purpose, for the next
+/// one to use), so the test's directory can go.
+pub fn detach_mounts_under(dir: &Path) {
+    let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else { return };
+    for line in table.lines() {
+        let Some(point) = line.split(' ').nth(4) else { continue };
+        if Path::new(point).starts_with(dir) {
+            let _ = nix::mount::umount2(point, nix::mount::MntFlags::MNT_DETACH);
+        }
     }
 }
 

@@ -391,3 +391,53 @@ async fn a_guest_asleep_in_a_host_call_does_not_keep_the_turn_it_held() {
     assert!(spun >= 100, "the spinner took {spun} turns while the other slept");
     assert_eq!(runtime.turnstile().held(), 0);
 }
+
+/// The finding 3 (2000 MiB written to `/data` in 4.7 s): a data dir
+/// is a filesystem of `data-mib`, and the kernel holds to it whoever writes,
+/// the guest through the host or a program it was granted.
+#[tokio::test]
+async fn a_data_dir_is_held_to_data_mib_by_the_guest_and_by_its_programs() {
+    use broker_host::providers::data_fs::{DATA_IMAGES, DataFilesystems};
+    use broker_host::runtime::HostCapabilities;
+    use std::os::unix::fs::MetadataExt;
+    if std::fs::metadata("/proc/self").unwrap().uid() != 0 {
+        eprintln!("skipped: a data dir of its own needs root to mount");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kv = Arc::new(MemoryKv::default());
+    let filesystems = Arc::new(DataFilesystems::new(dir.path().join(DATA_IMAGES)));
+    let caps = HostCapabilities {
+        data_filesystems: Some(filesystems),
+        ..broker_tests::host_capabilities(dir.path(), kv.clone())
+    };
+    let extra = "[limits]\nmemory-mib = 64\ndata-mib = 16\n[grants]\nkv = true\nprocess = [\"qemu-img\"]\n";
+    let hostile =
+        broker_tests::load_provider_with(&runtime(), caps, dir.path(), "hostile", "test-hostile", extra).unwrap();
+    let hooks = CallHooks::default();
+
+    kv.set("hostile", "mode", b"fill").unwrap();
+    let answer = hostile.all_instances(&hooks).await.unwrap();
+    let (written, refused) = answer[0].message.split_once(" MiB, then ").expect("the guest's report");
+    let written: u64 = written.parse().unwrap();
+    assert!((1..=16).contains(&written), "{written} MiB written into a 16 MiB data dir");
+    // Through wasi's streams the guest's std sees an I/O error, not ENOSPC.
+    assert_ne!(refused, "not refused", "the guest's writes were refused");
+
+    // A granted program (its own user, in its own namespaces) meets the same bound.
+    std::fs::remove_file(hostile.data_dir().join("fill")).unwrap();
+    kv.set("hostile", "mode", b"exec").unwrap();
+    let words = ["qemu-img", "create", "-f", "raw", "-o", "preallocation=full", "/data/big.raw", "64M"];
+    kv.set("hostile", "exec", words.join("\0").as_bytes()).unwrap();
+    let ran = hostile.all_instances(&hooks).await.unwrap();
+    let stderr = String::from_utf8_lossy(&kv.get("hostile", "exec-stderr").unwrap().unwrap()).into_owned();
+    assert_ne!(ran[0].id, "exit-0", "64 MiB fitted in a 16 MiB data dir");
+    assert!(stderr.contains("space"), "{stderr}");
+    let _ = std::fs::remove_file(hostile.data_dir().join("big.raw"));
+
+    // Emptied, it takes writes again: the bound is on what it holds.
+    kv.set("hostile", "mode", b"write").unwrap();
+    kv.set("hostile", "write-path", b"small").unwrap();
+    kv.set("hostile", "write-bytes", &vec![1u8; 1 << 20]).unwrap();
+    assert_eq!(hostile.all_instances(&hooks).await.unwrap()[0].id, "written");
+}

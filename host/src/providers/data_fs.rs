@@ -1,0 +1,347 @@
+//! A provider's data dir as a filesystem of its own, `data-mib` in size, so
+//! the kernel holds the provider to it whoever writes (its guest through the
+//! host, or its granted programs) and it can never fill the filesystem the
+//! host's state lives on.
+//!
+//! Each provider's image is `DATA_DIR/data-images/<name>.ext4`, a sparse file:
+//! it takes on disk what is written, up to `data-mib` and ext4's own few MiB.
+//! The host mounts it (through a loop device) on `DATA_DIR/data/<name>` when
+//! the provider loads, and detaches the mount when the host exits; a mount a
+//! killed host left behind is used as it is. A data dir that already holds
+//! files (a host from before `data-mib`) has them copied into the new
+//! filesystem first. Mounting needs root, as the sandbox's users do.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+
+/// Where the images are, beside `DATA_DIR/data`.
+pub const DATA_IMAGES: &str = "data-images";
+
+/// No device files and no set-uid programs from what a provider wrote.
+const MOUNT_OPTIONS: &str = "loop,nodev,nosuid";
+
+/// Smallest `data-mib`: ext4's journal and metadata need a few MiB.
+pub const MIN_DATA_MIB: u64 = 16;
+
+/// Why a provider's data filesystem could not be made ready.
+#[derive(Debug, thiserror::Error)]
+pub enum DataFsError {
+    /// A file operation on the image or the mount point failed.
+    #[error("cannot {action} {path} for provider {provider}'s data dir: {source}")]
+    Io {
+        /// The provider.
+        provider: String,
+        /// What the host was doing.
+        action: &'static str,
+        /// The file or directory.
+        path: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A tool (mkfs.ext4, mount, losetup, resize2fs, cp) failed or is missing.
+    #[error(
+        "cannot {action} for provider {provider}'s data dir: `{command}` {outcome} (a data dir of its own, data-mib, needs root and e2fsprogs; data-mib = 0 runs the provider without one)"
+    )]
+    Tool {
+        /// The provider.
+        provider: String,
+        /// What the host was doing.
+        action: &'static str,
+        /// The command line.
+        command: String,
+        /// Its exit and what it printed, or why it could not run.
+        outcome: String,
+    },
+}
+
+/// The data filesystems this host mounted, detached when it exits.
+pub struct DataFilesystems {
+    images: PathBuf,
+    /// Mount points this host made or found; also serialises mounting.
+    mounted: Mutex<Vec<PathBuf>>,
+}
+
+impl DataFilesystems {
+    /// Images live in `images` (`DATA_DIR/data-images`).
+    pub fn new(images: PathBuf) -> DataFilesystems {
+        DataFilesystems { images, mounted: Mutex::default() }
+    }
+
+    /// Make `data_dir` the mount of `provider`'s filesystem of `mib` MiB:
+    /// the image made (and existing files copied in) or grown as needed.
+    pub fn mount(&self, provider: &str, data_dir: &Path, mib: u64) -> Result<(), DataFsError> {
+        let mut mounted = self.mounted.lock().unwrap_or_else(|p| p.into_inner());
+        let image = self.images.join(format!("{provider}.ext4"));
+        let io = |action, path: &Path| {
+            let (provider, path) = (provider.to_owned(), path.display().to_string());
+            move |source| DataFsError::Io { provider, action, path, source }
+        };
+        let wanted = mib << 20;
+        let size = |image: &Path| std::fs::metadata(image).map(|m| m.len()).map_err(io("look at", image));
+        if is_mount_point(data_dir).map_err(io("look at", data_dir))? {
+            if !image.exists() {
+                // The operator's own filesystem: theirs to size, never detached here.
+                tracing::warn!(provider, path = %data_dir.display(),
+                    "the data dir is a mount the host did not make: data-mib is not applied");
+                return Ok(());
+            }
+            if size(&image)? < wanted {
+                tracing::warn!(
+                    provider,
+                    data_mib = mib,
+                    "data-mib was raised: the data dir's filesystem grows when it is next mounted (the host's next start)"
+                );
+            }
+        } else {
+            std::fs::create_dir_all(&self.images).map_err(io("make", &self.images))?;
+            let made = !image.exists();
+            if made {
+                make_image(provider, &image, wanted)?;
+            } else if size(&image)? < wanted {
+                grow(provider, &image, wanted)?;
+            }
+            if has_entries(data_dir).map_err(io("read", data_dir))?
+                && let Err(e) = copy_in(provider, &image, data_dir)
+            {
+                // Nothing of value in it yet: the next try starts afresh.
+                if made {
+                    let _ = std::fs::remove_file(&image);
+                }
+                return Err(e);
+            }
+            run(
+                provider,
+                "mount its filesystem",
+                Command::new(tool("mount")).args(["-o", MOUNT_OPTIONS]).arg(&image).arg(data_dir),
+            )?;
+            // mkfs's own directory: nothing of the provider's.
+            let _ = std::fs::remove_dir(data_dir.join("lost+found"));
+        }
+        if !mounted.iter().any(|m| m == data_dir) {
+            mounted.push(data_dir.to_owned());
+        }
+        if size(&image)? > wanted {
+            tracing::warn!(
+                provider,
+                data_mib = mib,
+                "data-mib was lowered: the data dir's filesystem keeps its size (shrinking is not supported)"
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DataFilesystems {
+    fn drop(&mut self) {
+        let mounted = self.mounted.get_mut().unwrap_or_else(|p| p.into_inner());
+        for path in mounted.drain(..) {
+            // Detached, not unmounted: a child that outlives the host keeps
+            // its view, and the loop device goes when the last user does.
+            if let Err(e) = nix::mount::umount2(&path, nix::mount::MntFlags::MNT_DETACH) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot detach a provider's data filesystem");
+            }
+        }
+    }
+}
+
+/// Whether `dir` is the root of a filesystem other than its parent's.
+fn is_mount_point(dir: &Path) -> std::io::Result<bool> {
+    let parent = dir.parent().unwrap_or(dir);
+    Ok(std::fs::symlink_metadata(dir)?.dev() != std::fs::symlink_metadata(parent)?.dev())
+}
+
+fn has_entries(dir: &Path) -> std::io::Result<bool> {
+    Ok(std::fs::read_dir(dir)?.next().is_some())
+}
+
+/// A sparse image of `bytes` with an empty ext4 (no reserved blocks, a
+/// small journal), made under a temporary name so a crash leaves none half-made.
+fn make_image(provider: &str, image: &Path, bytes: u64) -> Result<(), DataFsError> {
+    let partial = image.with_extension("partial");
+    let io = |action, source| DataFsError::Io {
+        provider: provider.to_owned(),
+        action,
+        path: partial.display().to_string(),
+        source,
+    };
+    let file = std::fs::File::create(&partial).map_err(|e| io("make", e))?;
+    file.set_len(bytes).map_err(|e| io("size", e))?;
+    drop(file);
+    let mut mkfs = Command::new(tool("mkfs.ext4"));
+    mkfs.args(["-q", "-F", "-m", "0", "-J", "size=4", "-E", "root_owner=0:0"]).arg(&partial);
+    if let Err(e) = run(provider, "make its filesystem", &mut mkfs) {
+        let _ = std::fs::remove_file(&partial);
+        return Err(e);
+    }
+    std::fs::rename(&partial, image).map_err(|e| io("name", e))
+}
+
+/// Copy what `data_dir` holds into the image (mounted aside), then empty
+/// `data_dir`: refused, with nothing changed, if it does not fit.
+fn copy_in(provider: &str, image: &Path, data_dir: &Path) -> Result<(), DataFsError> {
+    let staging = image.with_extension("copying");
+    let io = |action, path: &Path| {
+        let (provider, path) = (provider.to_owned(), path.display().to_string());
+        move |source| DataFsError::Io { provider, action, path, source }
+    };
+    std::fs::create_dir_all(&staging).map_err(io("make", &staging))?;
+    run(
+        provider,
+        "mount its new filesystem",
+        Command::new(tool("mount")).args(["-o", MOUNT_OPTIONS]).arg(image).arg(&staging),
+    )?;
+    let mut source = data_dir.as_os_str().to_owned();
+    source.push("/.");
+    let copied = run(provider, "copy its files in", Command::new(tool("cp")).arg("-a").arg(&source).arg(&staging));
+    let _ = nix::mount::umount2(&staging, nix::mount::MntFlags::MNT_DETACH);
+    let _ = std::fs::remove_dir(&staging);
+    copied?;
+    for entry in std::fs::read_dir(data_dir).map_err(io("read", data_dir))? {
+        let path = entry.map_err(io("read", data_dir))?.path();
+        // Never followed: a link is removed as a link.
+        let removed = match std::fs::symlink_metadata(&path) {
+            Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(&path),
+            _ => std::fs::remove_file(&path),
+        };
+        removed.map_err(io("remove the copied", &path))?;
+    }
+    tracing::info!(provider, path = %data_dir.display(), "copied the data dir into its own filesystem");
+    Ok(())
+}
+
+/// Grow the unmounted image to `bytes`, its filesystem with it (checked
+/// first, as resize2fs requires). Not while a loop device still holds it (a
+/// child that outlived the host may write it): then later.
+fn grow(provider: &str, image: &Path, bytes: u64) -> Result<(), DataFsError> {
+    let attached = run(provider, "look for its loop device", Command::new(tool("losetup")).arg("-j").arg(image))?;
+    if !attached.trim().is_empty() {
+        tracing::warn!(
+            provider,
+            "data-mib was raised, but the data dir's filesystem is still in use: it grows when it is not"
+        );
+        return Ok(());
+    }
+    let io = |action, source| DataFsError::Io {
+        provider: provider.to_owned(),
+        action,
+        path: image.display().to_string(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new().write(true).open(image).map_err(|e| io("open", e))?;
+    file.set_len(bytes).map_err(|e| io("grow", e))?;
+    drop(file);
+    // 1: it corrected something (it makes lost+found anew): fine.
+    run_allowing(provider, "check its filesystem", Command::new(tool("e2fsck")).args(["-f", "-p"]).arg(image), &[1])?;
+    run(provider, "grow its filesystem", Command::new(tool("resize2fs")).arg(image))?;
+    tracing::info!(provider, mib = bytes >> 20, "grew the data dir's filesystem");
+    Ok(())
+}
+
+/// The tool's path: the system directories first, as the daemon's PATH may lack them.
+fn tool(name: &str) -> PathBuf {
+    ["/usr/sbin", "/sbin", "/usr/bin", "/bin"]
+        .iter()
+        .map(|dir| Path::new(dir).join(name))
+        .find(|path| path.exists())
+        .unwrap_or_else(|| PathBuf::from(name))
+}
+
+/// Run `command` to its end; its stdout if it succeeded.
+fn run(provider: &str, action: &'static str, command: &mut Command) -> Result<String, DataFsError> {
+    run_allowing(provider, action, command, &[])
+}
+
+/// As [`run`], exit codes in `fine` counting as success too.
+fn run_allowing(
+    provider: &str,
+    action: &'static str,
+    command: &mut Command,
+    fine: &[i32],
+) -> Result<String, DataFsError> {
+    let line = format!("{command:?}").replace('"', "");
+    let failed =
+        |outcome: String| DataFsError::Tool { provider: provider.to_owned(), action, command: line.clone(), outcome };
+    let output = command.output().map_err(|e| failed(format!("could not run: {e}")))?;
+    if !output.status.success() && !output.status.code().is_some_and(|code| fine.contains(&code)) {
+        let said = String::from_utf8_lossy(&output.stderr);
+        let said: String = said.trim().chars().take(512).collect();
+        return Err(failed(format!("exited with {}: {said}", output.status)));
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A directory for the test and a data dir in it; `None` (skipped) unless root.
+    fn scratch() -> Option<(tempfile::TempDir, PathBuf)> {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: mounting a data filesystem needs root");
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let data_dir = dir.path().join("data/p");
+        std::fs::create_dir_all(&data_dir).unwrap();
+        Some((dir, data_dir))
+    }
+
+    /// Writes 1 MiB blocks to `path` until refused: how many were written, and the error.
+    fn fill(path: &Path) -> (u64, std::io::Error) {
+        let mut file = std::fs::File::create(path).unwrap();
+        let block = vec![7u8; 1 << 20];
+        let mut written = 0;
+        loop {
+            if let Err(e) = file.write_all(&block).and_then(|()| file.sync_data()) {
+                return (written, e);
+            }
+            written += 1;
+        }
+    }
+
+    #[test]
+    fn a_data_dir_is_held_to_its_size_keeps_its_files_and_grows() {
+        let Some((dir, data_dir)) = scratch() else { return };
+        // Files from before data-mib are carried over.
+        std::fs::write(data_dir.join("kept"), b"from before").unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", data_dir.join("link")).unwrap();
+        let filesystems = DataFilesystems::new(dir.path().join(DATA_IMAGES));
+        filesystems.mount("p", &data_dir, 16).unwrap();
+        assert!(is_mount_point(&data_dir).unwrap());
+        assert_eq!(std::fs::read(data_dir.join("kept")).unwrap(), b"from before");
+        assert_eq!(std::fs::read_link(data_dir.join("link")).unwrap(), Path::new("/etc/passwd"));
+        assert!(!data_dir.join("lost+found").exists());
+
+        let (written, error) = fill(&data_dir.join("big"));
+        assert_eq!(error.raw_os_error(), Some(nix::libc::ENOSPC), "{error}");
+        assert!((8..=16).contains(&written), "{written} MiB in a 16 MiB data dir");
+        // Mounting again (a hot swap) uses what is there, a larger size too.
+        filesystems.mount("p", &data_dir, 48).unwrap();
+        std::fs::remove_file(data_dir.join("big")).unwrap();
+        drop(filesystems);
+        assert!(!is_mount_point(&data_dir).unwrap(), "detached when the host goes");
+        assert!(!data_dir.join("kept").exists(), "the files live in the image");
+
+        // The next host mounts the same image, grown: the files are there.
+        let filesystems = DataFilesystems::new(dir.path().join(DATA_IMAGES));
+        filesystems.mount("p", &data_dir, 48).unwrap();
+        assert_eq!(std::fs::read(data_dir.join("kept")).unwrap(), b"from before");
+        let (written, _) = fill(&data_dir.join("big"));
+        assert!((25..=48).contains(&written), "{written} MiB after growing to 48");
+    }
+
+    #[test]
+    fn files_that_do_not_fit_are_refused_and_left_where_they_were() {
+        let Some((dir, data_dir)) = scratch() else { return };
+        std::fs::write(data_dir.join("huge"), vec![1u8; 20 << 20]).unwrap();
+        let filesystems = DataFilesystems::new(dir.path().join(DATA_IMAGES));
+        let err = filesystems.mount("p", &data_dir, 16).unwrap_err();
+        assert!(err.to_string().contains("copy its files in"), "{err}");
+        assert!(!is_mount_point(&data_dir).unwrap());
+        assert_eq!(std::fs::metadata(data_dir.join("huge")).unwrap().len(), 20 << 20);
+    }
+}
