@@ -25,7 +25,40 @@ fn take_chunk(buf: &[u8]) -> Result<(&[u8], &[u8]), KvError> {
     Ok((chunk, &buf[4 + len..]))
 }
 
-/// Every entry under `prefix`, decoded.
+/// How much one page of [`scan`] asks the host for.
+pub const SCAN_PAGE_BYTES: u32 = 4 << 20;
+
+/// Every entry under `prefix`, decoded: read a page at a time, so a
+/// namespace of any size (the guest's memory permitting) is read whole.
 pub fn scan(prefix: &str) -> Result<Vec<(String, Vec<u8>)>, KvError> {
-    decode_scan(&host_kv::scan(prefix)?)
+    let mut entries = Vec::new();
+    scan_each(prefix, SCAN_PAGE_BYTES, |key, value| {
+        entries.push((key, value));
+        Ok(())
+    })?;
+    Ok(entries)
+}
+
+/// One page of the entries under `prefix` after `after` (none: from the
+/// first), at most `max_bytes` packed but at least one entry; empty at the end.
+pub fn scan_page(prefix: &str, after: Option<&str>, max_bytes: u32) -> Result<Vec<(String, Vec<u8>)>, KvError> {
+    decode_scan(&host_kv::scan_page(prefix, after, max_bytes)?)
+}
+
+/// Every entry under `prefix` handed to `each` in key order, a page of
+/// `page_bytes` at a time: only one page is held at once.
+pub fn scan_each(
+    prefix: &str,
+    page_bytes: u32,
+    mut each: impl FnMut(String, Vec<u8>) -> Result<(), KvError>,
+) -> Result<(), KvError> {
+    let mut after: Option<String> = None;
+    loop {
+        let page = scan_page(prefix, after.as_deref(), page_bytes)?;
+        let Some((last, _)) = page.last() else { return Ok(()) };
+        after = Some(last.clone());
+        for (key, value) in page {
+            each(key, value)?;
+        }
+    }
 }

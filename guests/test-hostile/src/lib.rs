@@ -175,8 +175,8 @@ impl Guest for Hostile {
                 // 1 MiB blocks into the data dir until refused (the issue's
                 // finding: 2000 MiB written in 4.7 s).
                 use std::io::Write;
-                let mut file = std::fs::File::create("/data/fill")
-                    .map_err(|e| BrokerError::Provider(format!("create: {e}")))?;
+                let mut file =
+                    std::fs::File::create("/data/fill").map_err(|e| BrokerError::Provider(format!("create: {e}")))?;
                 let block = vec![7u8; 1 << 20];
                 let mut written = 0u64;
                 let refused = loop {
@@ -190,6 +190,23 @@ impl Guest for Hostile {
                 };
                 let mut answer = instance("filled");
                 answer.message = format!("{written} MiB, then {refused}");
+                Ok(vec![answer])
+            }
+            "scan-pages" => {
+                // Every entry under "big/" a page at a time, then the whole at once.
+                let page_bytes = number(ctx, "page-bytes")? as u32;
+                let (mut entries, mut bytes) = (0usize, 0usize);
+                broker_guest::kv::scan_each("big/", page_bytes, |_, value| {
+                    entries += 1;
+                    bytes += value.len();
+                    Ok(())
+                })?;
+                let whole = match host_kv::scan("big/") {
+                    Ok(packed) => format!("whole: {} bytes", packed.len()),
+                    Err(e) => format!("whole: {e:?}"),
+                };
+                let mut answer = instance("scanned");
+                answer.message = format!("{entries} entries, {bytes} bytes; {whole}");
                 Ok(vec![answer])
             }
             "write-loop" => {

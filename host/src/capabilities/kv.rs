@@ -106,7 +106,21 @@ impl Entries {
 
     /// The entries whose key starts with `prefix`, in key order.
     pub fn with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = (&'a String, &'a Vec<u8>)> + 'a {
-        self.map.range(prefix.to_owned()..).take_while(move |(k, _)| k.starts_with(prefix))
+        self.with_prefix_after(prefix, None)
+    }
+
+    /// As [`Entries::with_prefix`], only keys that sort after `after`.
+    pub fn with_prefix_after<'a>(
+        &'a self,
+        prefix: &'a str,
+        after: Option<&str>,
+    ) -> impl Iterator<Item = (&'a String, &'a Vec<u8>)> + 'a {
+        use std::ops::Bound;
+        let start = match after {
+            Some(after) if after >= prefix => Bound::Excluded(after.to_owned()),
+            _ => Bound::Included(prefix.to_owned()),
+        };
+        self.map.range((start, Bound::Unbounded)).take_while(move |(k, _)| k.starts_with(prefix))
     }
 }
 
@@ -217,6 +231,14 @@ pub trait KvBackend: Send + Sync + 'static {
     fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError>;
     /// Entries under `prefix`, already packed as `scan` returns them to guests.
     fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError>;
+    /// One page of a scan (see [`pack_page`]).
+    fn scan_page(
+        &self,
+        namespace: &str,
+        prefix: &str,
+        after: Option<&str>,
+        max_bytes: usize,
+    ) -> Result<ScanPage, KvError>;
     /// Apply one change, unless it would grow the namespace past `quota`;
     /// durable once its key is persisted.
     fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError>;
@@ -289,17 +311,37 @@ pub fn pack_entry(out: &mut Vec<u8>, key: &str, value: &[u8]) {
 /// Pack every entry of `entries` under `prefix`; more than
 /// [`MAX_SCAN_BYTES`] is refused before it is all packed.
 pub fn pack_prefix(entries: &Entries, prefix: &str) -> Result<Vec<u8>, KvError> {
-    let mut out = Vec::new();
-    for (key, value) in entries.with_prefix(prefix) {
-        if out.len() + 8 + key.len() + value.len() > MAX_SCAN_BYTES {
-            return Err(KvError::TooLarge(format!(
-                "scan of {prefix:?} returns more than {} MiB at once: scan narrower prefixes",
-                MAX_SCAN_BYTES >> 20
-            )));
-        }
-        pack_entry(&mut out, key, value);
+    let page = pack_page(entries, prefix, None, MAX_SCAN_BYTES);
+    if !page.complete {
+        return Err(KvError::TooLarge(format!(
+            "scan of {prefix:?} returns more than {} MiB at once: page through it (scan-page), or scan narrower prefixes",
+            MAX_SCAN_BYTES >> 20
+        )));
     }
-    Ok(out)
+    Ok(page.packed)
+}
+
+/// A page of a scan, packed; `complete` if it reached the prefix's last entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScanPage {
+    /// The entries, as `scan` packs them.
+    pub packed: Vec<u8>,
+    /// Nothing under the prefix comes after them.
+    pub complete: bool,
+}
+
+/// The entries under `prefix` after `after`, as many as fit in `max_bytes`
+/// packed, at least one (an entry is at most a key and a value, far less than
+/// [`MAX_SCAN_BYTES`]).
+pub fn pack_page(entries: &Entries, prefix: &str, after: Option<&str>, max_bytes: usize) -> ScanPage {
+    let mut packed = Vec::new();
+    for (key, value) in entries.with_prefix_after(prefix, after) {
+        if !packed.is_empty() && packed.len() + 8 + key.len() + value.len() > max_bytes {
+            return ScanPage { packed, complete: false };
+        }
+        pack_entry(&mut packed, key, value);
+    }
+    ScanPage { packed, complete: true }
 }
 
 /// Decode a little-endian i64 counter as `increment` stores it.
@@ -342,6 +384,16 @@ impl KvBackend for MemoryKv {
     }
     fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
         self.lock().get(namespace).map(|ns| pack_prefix(ns, prefix)).unwrap_or(Ok(Vec::new()))
+    }
+    fn scan_page(
+        &self,
+        namespace: &str,
+        prefix: &str,
+        after: Option<&str>,
+        max_bytes: usize,
+    ) -> Result<ScanPage, KvError> {
+        let empty = || ScanPage { packed: Vec::new(), complete: true };
+        Ok(self.lock().get(namespace).map_or_else(empty, |ns| pack_page(ns, prefix, after, max_bytes)))
     }
     fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
         apply_change(self.lock().entry(namespace.to_owned()).or_default(), key, change, quota)
@@ -482,6 +534,11 @@ impl wit::Host for KvCtx {
     async fn scan(&mut self, prefix: String) -> WitResult<Vec<u8>> {
         Ok(self.backend().and_then(|kv| kv.scan_packed(self.namespace(), &prefix)).map_err(Into::into))
     }
+    async fn scan_page(&mut self, prefix: String, after: Option<String>, max_bytes: u32) -> WitResult<Vec<u8>> {
+        let max_bytes = (max_bytes as usize).min(MAX_SCAN_BYTES);
+        let page = self.backend().and_then(|kv| kv.scan_page(self.namespace(), &prefix, after.as_deref(), max_bytes));
+        Ok(page.map(|page| page.packed).map_err(Into::into))
+    }
 }
 
 pub(crate) fn add_to_linker<T: Send + 'static>(
@@ -585,6 +642,37 @@ mod tests {
         assert!(matches!(&err, KvError::TooLarge(m) if m.contains("scan narrower prefixes")), "{err}");
         assert_eq!(kv.scan_packed("p", "big/0").unwrap().len(), 10 * (8 + 6 + MAX_VALUE_BYTES));
     }
+
+    #[test]
+    fn pages_hold_what_fits_at_least_one_entry_and_end_empty() {
+        let entries: Entries = [("a/1", 10), ("a/2", 10), ("a/3", 10), ("b/1", 10)]
+            .into_iter()
+            .map(|(k, n)| (k.to_owned(), vec![0; n]))
+            .collect();
+        let entry = 8 + 3 + 10;
+        let keys = |page: &ScanPage| {
+            let mut keys = Vec::new();
+            let mut rest = &page.packed[..];
+            while !rest.is_empty() {
+                let len = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
+                keys.push(String::from_utf8(rest[4..4 + len].to_vec()).unwrap());
+                let value = u32::from_le_bytes(rest[4 + len..8 + len].try_into().unwrap()) as usize;
+                rest = &rest[8 + len + value..];
+            }
+            keys
+        };
+        let first = pack_page(&entries, "a/", None, 2 * entry);
+        assert_eq!((keys(&first), first.complete), (vec!["a/1".to_owned(), "a/2".into()], false));
+        let last = pack_page(&entries, "a/", Some("a/2"), 2 * entry);
+        assert_eq!((keys(&last), last.complete), (vec!["a/3".to_owned()], true));
+        assert!(pack_page(&entries, "a/", Some("a/3"), 2 * entry).packed.is_empty(), "past the last: the end");
+        // Too small for one entry: one anyway, or a guest could never get past it.
+        assert_eq!(keys(&pack_page(&entries, "a/", None, 1)), ["a/1"]);
+        // `after` before the prefix starts at the prefix; a key equal to the prefix is not repeated.
+        assert_eq!(keys(&pack_page(&entries, "b/", Some("a/9"), 1 << 20)), ["b/1"]);
+        let with_prefix_key: Entries = [("p".to_owned(), vec![]), ("p1".to_owned(), vec![])].into_iter().collect();
+        assert_eq!(keys(&pack_page(&with_prefix_key, "p", Some("p"), 1 << 20)), ["p1"]);
+    }
     use crate::bindings::broker::provider::kv::Host;
 
     fn ctx(ns: &str, backend: &Arc<MemoryKv>) -> KvCtx {
@@ -607,6 +695,15 @@ mod tests {
         }
         fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
             self.kv.scan_packed(namespace, prefix)
+        }
+        fn scan_page(
+            &self,
+            namespace: &str,
+            prefix: &str,
+            after: Option<&str>,
+            max_bytes: usize,
+        ) -> Result<ScanPage, KvError> {
+            self.kv.scan_page(namespace, prefix, after, max_bytes)
         }
         fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
             self.kv.apply(namespace, key, change, quota)

@@ -12,7 +12,7 @@
 use super::writer::{Job, Pending, Reply, Writer};
 use super::{KV, StoreError, Txn, db_error};
 use crate::capabilities::kv::{
-    Entries, KvBackend, KvChange, KvChanged, KvError, KvQuota, KvWrites, apply_change, pack_prefix,
+    Entries, KvBackend, KvChange, KvChanged, KvError, KvQuota, KvWrites, ScanPage, apply_change, pack_page, pack_prefix,
 };
 use redb::{Database, ReadableDatabase};
 use std::collections::HashMap;
@@ -149,6 +149,18 @@ impl KvBackend for RedbKv {
         let ns = self.namespace(namespace)?;
         let entries = ns.read().unwrap_or_else(|p| p.into_inner());
         pack_prefix(&entries, prefix)
+    }
+
+    fn scan_page(
+        &self,
+        namespace: &str,
+        prefix: &str,
+        after: Option<&str>,
+        max_bytes: usize,
+    ) -> Result<ScanPage, KvError> {
+        let ns = self.namespace(namespace)?;
+        let entries = ns.read().unwrap_or_else(|p| p.into_inner());
+        Ok(pack_page(&entries, prefix, after, max_bytes))
     }
 
     fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {

@@ -441,3 +441,22 @@ async fn a_data_dir_is_held_to_data_mib_by_the_guest_and_by_its_programs() {
     kv.set("hostile", "write-bytes", &vec![1u8; 1 << 20]).unwrap();
     assert_eq!(hostile.all_instances(&hooks).await.unwrap()[0].id, "written");
 }
+
+/// `scan` is refused past 16 MiB; `scan-page` reads a namespace of any size a
+/// page at a time (the guest holds one page), and the SDK's `scan` pages too.
+#[tokio::test]
+async fn a_namespace_past_one_scan_is_read_a_page_at_a_time() {
+    use broker_host::capabilities::kv::{MAX_SCAN_BYTES, MAX_VALUE_BYTES};
+    let a = attack("kv-mib = 64", "");
+    // 24 values of 1 MiB: past what one scan returns.
+    for n in 0..24 {
+        a.kv.set("hostile", &format!("big/{n:02}"), &vec![n as u8; MAX_VALUE_BYTES]).unwrap();
+    }
+    const { assert!(24 * MAX_VALUE_BYTES > MAX_SCAN_BYTES) };
+    a.set("mode", "scan-pages");
+    a.set("page-bytes", 3 << 20);
+    let answer = a.hostile.all_instances(&CallHooks::default()).await.unwrap();
+    let (paged, whole) = answer[0].message.split_once("; ").unwrap();
+    assert_eq!(paged, format!("24 entries, {} bytes", 24 * MAX_VALUE_BYTES));
+    assert!(whole.contains("TooLarge") && whole.contains("scan-page"), "{whole}");
+}
