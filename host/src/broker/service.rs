@@ -167,8 +167,14 @@ impl Broker {
         let on_host =
             HostCapabilities::on_host(store.kv(), store.data_dir().join(DATA_DIRS), sandbox, store.child_records());
         let backends = on_host.backends.clone().with::<MachineLockRoom>(Arc::new(machine_lock.clone()));
-        let filesystems = DataFilesystems::new(store.data_dir().join(DATA_IMAGES));
-        let capabilities = HostCapabilities { backends, data_filesystems: Some(Arc::new(filesystems)), ..on_host };
+        // Mounting needs root; elsewhere (a developer's host) data dirs stay plain, and it says so.
+        let data_filesystems = if rustix::process::geteuid().is_root() {
+            Some(Arc::new(DataFilesystems::new(store.data_dir().join(DATA_IMAGES))))
+        } else {
+            tracing::warn!("not root: providers' data dirs are plain directories, not held to their data-mib");
+            None
+        };
+        let capabilities = HostCapabilities { backends, data_filesystems, ..on_host };
         Broker { registry: Registry::new(runtime, store.clone(), capabilities), store, machine_lock, host }
     }
 

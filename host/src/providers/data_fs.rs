@@ -11,7 +11,7 @@
 //! files (a host from before `data-mib`) has them copied into the new
 //! filesystem first. Mounting needs root, as the sandbox's users do.
 
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
@@ -19,8 +19,9 @@ use std::sync::Mutex;
 /// Where the images are, beside `DATA_DIR/data`.
 pub const DATA_IMAGES: &str = "data-images";
 
-/// No device files and no set-uid programs from what a provider wrote.
-const MOUNT_OPTIONS: &str = "loop,nodev,nosuid";
+/// Nothing a provider wrote runs, as a device, a set-uid or any program;
+/// what it deletes is given back to the host's filesystem (the image is sparse).
+const MOUNT_OPTIONS: &str = "loop,nodev,nosuid,noexec,discard";
 
 /// Smallest `data-mib`: ext4's journal and metadata need a few MiB.
 pub const MIN_DATA_MIB: u64 = 16;
@@ -40,6 +41,17 @@ pub enum DataFsError {
         /// The error.
         #[source]
         source: std::io::Error,
+    },
+    /// Its files cannot move into a filesystem of its own while programs it
+    /// started may still write them.
+    #[error(
+        "provider {provider}'s data dir holds files and it has {children} recorded child process(es) (VMs and the like) that may write them: they cannot move into a data dir of its own (data-mib) while those run; stop its instances or remove the provider, then load it again, or set data-mib = 0"
+    )]
+    Busy {
+        /// The provider.
+        provider: String,
+        /// Its recorded children.
+        children: usize,
     },
     /// A tool (mkfs.ext4, mount, losetup, resize2fs, cp) failed or is missing.
     #[error(
@@ -71,8 +83,9 @@ impl DataFilesystems {
     }
 
     /// Make `data_dir` the mount of `provider`'s filesystem of `mib` MiB:
-    /// the image made (and existing files copied in) or grown as needed.
-    pub fn mount(&self, provider: &str, data_dir: &Path, mib: u64) -> Result<(), DataFsError> {
+    /// the image made (and existing files moved in, unless any of its
+    /// `children` may still write them) or grown as needed.
+    pub fn mount(&self, provider: &str, data_dir: &Path, mib: u64, children: usize) -> Result<(), DataFsError> {
         let mut mounted = self.mounted.lock().unwrap_or_else(|p| p.into_inner());
         let image = self.images.join(format!("{provider}.ext4"));
         let io = |action, path: &Path| {
@@ -96,27 +109,27 @@ impl DataFilesystems {
                 );
             }
         } else {
-            std::fs::create_dir_all(&self.images).map_err(io("make", &self.images))?;
+            // Only root reads or writes the images: they hold all a provider keeps.
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&self.images)
+                .map_err(io("make", &self.images))?;
+            let moving_in = has_entries(data_dir).map_err(io("read", data_dir))?;
+            if moving_in && children > 0 {
+                return Err(DataFsError::Busy { provider: provider.to_owned(), children });
+            }
             let made = !image.exists();
             if made {
                 make_image(provider, &image, wanted)?;
-            } else if size(&image)? < wanted {
+            } else if filesystem_bytes(provider, &image)? < wanted {
                 grow(provider, &image, wanted)?;
             }
-            if has_entries(data_dir).map_err(io("read", data_dir))?
-                && let Err(e) = copy_in(provider, &image, data_dir)
-            {
-                // Nothing of value in it yet: the next try starts afresh.
-                if made {
-                    let _ = std::fs::remove_file(&image);
-                }
-                return Err(e);
+            if moving_in {
+                move_in(provider, &image, data_dir, made)?;
+            } else {
+                mount_on(provider, &image, data_dir)?;
             }
-            run(
-                provider,
-                "mount its filesystem",
-                Command::new(tool("mount")).args(["-o", MOUNT_OPTIONS]).arg(&image).arg(data_dir),
-            )?;
             // mkfs's own directory: nothing of the provider's.
             let _ = std::fs::remove_dir(data_dir.join("lost+found"));
         }
@@ -167,7 +180,12 @@ fn make_image(provider: &str, image: &Path, bytes: u64) -> Result<(), DataFsErro
         path: partial.display().to_string(),
         source,
     };
-    let file = std::fs::File::create(&partial).map_err(|e| io("make", e))?;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&partial)
+        .map_err(|e| io("make", e))?;
     file.set_len(bytes).map_err(|e| io("size", e))?;
     drop(file);
     let mut mkfs = Command::new(tool("mkfs.ext4"));
@@ -179,37 +197,67 @@ fn make_image(provider: &str, image: &Path, bytes: u64) -> Result<(), DataFsErro
     std::fs::rename(&partial, image).map_err(|e| io("name", e))
 }
 
-/// Copy what `data_dir` holds into the image (mounted aside), then empty
-/// `data_dir`: refused, with nothing changed, if it does not fit.
-fn copy_in(provider: &str, image: &Path, data_dir: &Path) -> Result<(), DataFsError> {
-    let staging = image.with_extension("copying");
+fn mount_on(provider: &str, image: &Path, dir: &Path) -> Result<(), DataFsError> {
+    let mut mount = Command::new(tool("mount"));
+    mount.args(["-o", MOUNT_OPTIONS]).arg(image).arg(dir);
+    run(provider, "mount its filesystem", &mut mount).map(drop)
+}
+
+/// Move what `data_dir` holds into the image: the old tree is renamed aside
+/// (so whatever still holds it writes there, not lost), the image mounted on
+/// `data_dir`, the tree copied in and then removed. If it does not fit, all
+/// is put back as it was (and an image `made` for it removed).
+fn move_in(provider: &str, image: &Path, data_dir: &Path, made: bool) -> Result<(), DataFsError> {
+    let aside = image.with_extension("before-data-mib");
     let io = |action, path: &Path| {
         let (provider, path) = (provider.to_owned(), path.display().to_string());
         move |source| DataFsError::Io { provider, action, path, source }
     };
-    std::fs::create_dir_all(&staging).map_err(io("make", &staging))?;
-    run(
-        provider,
-        "mount its new filesystem",
-        Command::new(tool("mount")).args(["-o", MOUNT_OPTIONS]).arg(image).arg(&staging),
-    )?;
-    let mut source = data_dir.as_os_str().to_owned();
+    std::fs::rename(data_dir, &aside).map_err(io("move aside", data_dir))?;
+    let put_back = || {
+        let _ = nix::mount::umount2(data_dir, nix::mount::MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(data_dir);
+        let _ = std::fs::rename(&aside, data_dir);
+        if made {
+            let _ = std::fs::remove_file(image);
+        }
+    };
+    let mut source = aside.as_os_str().to_owned();
     source.push("/.");
-    let copied = run(provider, "copy its files in", Command::new(tool("cp")).arg("-a").arg(&source).arg(&staging));
-    let _ = nix::mount::umount2(&staging, nix::mount::MntFlags::MNT_DETACH);
-    let _ = std::fs::remove_dir(&staging);
-    copied?;
-    for entry in std::fs::read_dir(data_dir).map_err(io("read", data_dir))? {
-        let path = entry.map_err(io("read", data_dir))?.path();
-        // Never followed: a link is removed as a link.
-        let removed = match std::fs::symlink_metadata(&path) {
-            Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(&path),
-            _ => std::fs::remove_file(&path),
-        };
-        removed.map_err(io("remove the copied", &path))?;
+    let moved = std::fs::create_dir(data_dir)
+        .map_err(io("make", data_dir))
+        .and_then(|()| mount_on(provider, image, data_dir))
+        // Links are copied as links, never followed.
+        .and_then(|()| {
+            run(provider, "copy its files in", Command::new(tool("cp")).arg("-a").arg(&source).arg(data_dir))
+        });
+    if let Err(e) = moved {
+        put_back();
+        return Err(e);
     }
-    tracing::info!(provider, path = %data_dir.display(), "copied the data dir into its own filesystem");
+    if let Err(e) = std::fs::remove_dir_all(&aside) {
+        tracing::warn!(provider, path = %aside.display(), error = %e, "cannot remove the data dir's files copied into its filesystem");
+    }
+    tracing::info!(provider, path = %data_dir.display(), "moved the data dir's files into its own filesystem");
     Ok(())
+}
+
+/// The size of the image's filesystem (not of the file, which a grow cut
+/// short may have lengthened already).
+fn filesystem_bytes(provider: &str, image: &Path) -> Result<u64, DataFsError> {
+    let header = run(provider, "read its filesystem's size", Command::new(tool("dumpe2fs")).arg("-h").arg(image))?;
+    let field = |name: &str| {
+        header.lines().find_map(|line| line.strip_prefix(name)?.trim_start_matches(':').trim().parse::<u64>().ok())
+    };
+    match (field("Block count"), field("Block size")) {
+        (Some(blocks), Some(size)) => Ok(blocks * size),
+        _ => Err(DataFsError::Tool {
+            provider: provider.to_owned(),
+            action: "read its filesystem's size",
+            command: format!("dumpe2fs -h {}", image.display()),
+            outcome: "printed no block count and size".into(),
+        }),
+    }
 }
 
 /// Grow the unmounted image to `bytes`, its filesystem with it (checked
@@ -230,11 +278,13 @@ fn grow(provider: &str, image: &Path, bytes: u64) -> Result<(), DataFsError> {
         path: image.display().to_string(),
         source,
     };
-    let file = std::fs::OpenOptions::new().write(true).open(image).map_err(|e| io("open", e))?;
-    file.set_len(bytes).map_err(|e| io("grow", e))?;
-    drop(file);
     // 1: it corrected something (it makes lost+found anew): fine.
     run_allowing(provider, "check its filesystem", Command::new(tool("e2fsck")).args(["-f", "-p"]).arg(image), &[1])?;
+    let file = std::fs::OpenOptions::new().write(true).open(image).map_err(|e| io("open", e))?;
+    if file.metadata().map_err(|e| io("look at", e))?.len() < bytes {
+        file.set_len(bytes).map_err(|e| io("grow", e))?;
+    }
+    drop(file);
     run(provider, "grow its filesystem", Command::new(tool("resize2fs")).arg(image))?;
     tracing::info!(provider, mib = bytes >> 20, "grew the data dir's filesystem");
     Ok(())
@@ -310,17 +360,20 @@ mod tests {
         std::fs::write(data_dir.join("kept"), b"from before").unwrap();
         std::os::unix::fs::symlink("/etc/passwd", data_dir.join("link")).unwrap();
         let filesystems = DataFilesystems::new(dir.path().join(DATA_IMAGES));
-        filesystems.mount("p", &data_dir, 16).unwrap();
+        filesystems.mount("p", &data_dir, 16, 0).unwrap();
         assert!(is_mount_point(&data_dir).unwrap());
         assert_eq!(std::fs::read(data_dir.join("kept")).unwrap(), b"from before");
         assert_eq!(std::fs::read_link(data_dir.join("link")).unwrap(), Path::new("/etc/passwd"));
         assert!(!data_dir.join("lost+found").exists());
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().mode() & 0o777;
+        let images = dir.path().join(DATA_IMAGES);
+        assert_eq!((mode(&images), mode(&images.join("p.ext4"))), (0o700, 0o600), "only root reads the images");
 
         let (written, error) = fill(&data_dir.join("big"));
         assert_eq!(error.raw_os_error(), Some(nix::libc::ENOSPC), "{error}");
         assert!((8..=16).contains(&written), "{written} MiB in a 16 MiB data dir");
         // Mounting again (a hot swap) uses what is there, a larger size too.
-        filesystems.mount("p", &data_dir, 48).unwrap();
+        filesystems.mount("p", &data_dir, 48, 0).unwrap();
         std::fs::remove_file(data_dir.join("big")).unwrap();
         drop(filesystems);
         assert!(!is_mount_point(&data_dir).unwrap(), "detached when the host goes");
@@ -328,7 +381,7 @@ mod tests {
 
         // The next host mounts the same image, grown: the files are there.
         let filesystems = DataFilesystems::new(dir.path().join(DATA_IMAGES));
-        filesystems.mount("p", &data_dir, 48).unwrap();
+        filesystems.mount("p", &data_dir, 48, 0).unwrap();
         assert_eq!(std::fs::read(data_dir.join("kept")).unwrap(), b"from before");
         let (written, _) = fill(&data_dir.join("big"));
         assert!((25..=48).contains(&written), "{written} MiB after growing to 48");
@@ -339,9 +392,15 @@ mod tests {
         let Some((dir, data_dir)) = scratch() else { return };
         std::fs::write(data_dir.join("huge"), vec![1u8; 20 << 20]).unwrap();
         let filesystems = DataFilesystems::new(dir.path().join(DATA_IMAGES));
-        let err = filesystems.mount("p", &data_dir, 16).unwrap_err();
+        let err = filesystems.mount("p", &data_dir, 16, 0).unwrap_err();
         assert!(err.to_string().contains("copy its files in"), "{err}");
         assert!(!is_mount_point(&data_dir).unwrap());
         assert_eq!(std::fs::metadata(data_dir.join("huge")).unwrap().len(), 20 << 20);
+        assert!(!dir.path().join(DATA_IMAGES).join("p.ext4").exists(), "the image made for it is gone");
+
+        // Files, and a provider whose programs may still write them: not moved.
+        let err = filesystems.mount("p", &data_dir, 64, 1).unwrap_err();
+        assert!(matches!(err, DataFsError::Busy { children: 1, .. }), "{err}");
+        assert!(!is_mount_point(&data_dir).unwrap());
     }
 }

@@ -817,7 +817,13 @@ fn narrow(host: HostCapabilities, manifest: &Manifest, quotas: Arc<Quotas>) -> R
     })?;
     // Before a room sets the dir's owner and ACLs: they belong on the mount.
     if let (Some(filesystems), mib @ 1..) = (&host.data_filesystems, manifest.limits.data_mib) {
-        filesystems.mount(&manifest.name, &data_dir, mib)?;
+        // Its programs that outlived a host may hold the dir: their files do not move under them.
+        let children = host
+            .backends
+            .of::<crate::capabilities::process::Process>()
+            .and_then(|backend| backend.children(&manifest.name).ok())
+            .map_or(0, |names| names.len());
+        filesystems.mount(&manifest.name, &data_dir, mib, children)?;
     }
     let rooms = &manifest.grants.rooms;
     let load = LoadSetup {
