@@ -61,9 +61,10 @@ impl Broker {
                 return Vec::new();
             }
         };
+        // All at once, as listing does: a slow or failing provider holds up no other.
+        let all = futures_util::future::join_all(names.iter().map(|name| self.reconcile_one(name))).await;
         let mut out = Vec::new();
-        for name in names {
-            let found = self.reconcile_one(&name).await;
+        for (name, found) in names.into_iter().zip(all) {
             let mut event = Event::new("reconciled", &name);
             event.detail = found.summary();
             if let Err(e) = self.store().append_event(&event).await {

@@ -78,6 +78,7 @@ impl ProviderView {
                 ("log-lines-per-second", limits.log_lines_per_second.to_string()),
                 ("kv-keys", limits.kv_keys.to_string()),
                 ("kv-mib", limits.kv_mib.to_string()),
+                ("data-mib", limits.data_mib.to_string()),
             ]
             .into_iter()
             .map(|(key, value)| (key.to_owned(), value))

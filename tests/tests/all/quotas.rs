@@ -209,6 +209,18 @@ async fn listing_every_provider_isolates_the_one_that_does_not_answer() {
     assert!(hostile.message.contains("max-records limit of 10"), "{}", hostile.message);
     // Asked alone, its failure is the answer.
     assert!(broker.list_instances(Some("hostile")).await.is_err());
+
+    // Reconciling every provider: the failing one is reported by name, the fake is reconciled.
+    let reconciled = broker.reconcile().await;
+    let of = |name: &str| reconciled.iter().find(|r| r.provider == name).unwrap();
+    assert!(
+        of("hostile").error.as_deref().is_some_and(|e| e.contains("max-records limit of 10")),
+        "{:?}",
+        of("hostile")
+    );
+    assert_eq!(of("fake").error, None);
+    assert!(of("fake").vanished.is_empty() && of("fake").unknown_to_host.is_empty(), "{:?}", of("fake"));
+    assert_eq!(of("fake").summary(), "maintained 1");
 }
 
 #[tokio::test]
