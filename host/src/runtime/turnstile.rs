@@ -3,9 +3,10 @@
 //! A guest call runs on the host's tokio workers. A call that is still
 //! running after its first slice (one to two epoch ticks) is a long-runner,
 //! and from then on it runs wasm only while it holds a **turn**: there are
-//! one fewer turns than cores, so one worker is always left for the host's
-//! own work and for short calls, whichever provider spins. At every epoch
-//! tick a long-runner gives its turn back and queues for the next one.
+//! one fewer turns than the executor has workers, so one worker is always
+//! left for the host's own work and for short calls, whichever provider
+//! spins. At every epoch tick a long-runner gives its turn back and queues
+//! for the next one.
 //!
 //! Turns are taken through the provider's **lane** first, which has as many
 //! places as there are turns, so one provider's many long-runners queue in
