@@ -264,7 +264,15 @@ fn filesystem_bytes(provider: &str, image: &Path) -> Result<u64, DataFsError> {
 /// first, as resize2fs requires). Not while a loop device still holds it (a
 /// child that outlived the host may write it): then later.
 fn grow(provider: &str, image: &Path, bytes: u64) -> Result<(), DataFsError> {
-    let attached = run(provider, "look for its loop device", Command::new(tool("losetup")).arg("-j").arg(image))?;
+    // A loop device let go of by a detach goes a moment later: wait that long.
+    let mut attached = String::new();
+    for _ in 0..30 {
+        attached = run(provider, "look for its loop device", Command::new(tool("losetup")).arg("-j").arg(image))?;
+        if attached.trim().is_empty() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     if !attached.trim().is_empty() {
         tracing::warn!(
             provider,
