@@ -332,6 +332,42 @@ impl Grants {
     }
 }
 
+impl Limits {
+    /// The bounds that hold a provider to its share of the host which these
+    /// loosen against `approved`, each named: like a new grant, the
+    /// operator's to approve. (A deadline or a pool's size is the provider's own.)
+    pub fn loosening(&self, approved: &Limits) -> Option<String> {
+        // data-mib 0 is no filesystem of its own: no bound at all.
+        let data = |mib: u64| if mib == 0 { u64::MAX } else { mib };
+        let bounds = [
+            ("memory-mib", self.memory_mib, approved.memory_mib),
+            ("call-data-mib", self.call_data_mib, approved.call_data_mib),
+            ("max-records", self.max_records as u64, approved.max_records as u64),
+            ("log-lines-per-second", self.log_lines_per_second.into(), approved.log_lines_per_second.into()),
+            ("max-concurrent-calls", self.max_concurrent_calls as u64, approved.max_concurrent_calls as u64),
+            ("kv-keys", self.kv_keys as u64, approved.kv_keys as u64),
+            ("kv-mib", self.kv_mib, approved.kv_mib),
+            ("data-mib", data(self.data_mib), data(approved.data_mib)),
+        ];
+        let shown = |n: u64| if n == u64::MAX { "0 (unbounded)".to_owned() } else { n.to_string() };
+        let loosened: Vec<String> = bounds
+            .iter()
+            .filter(|(_, now, was)| now > was)
+            .map(|(name, now, was)| format!("limits.{name} = {} (approved {})", shown(*now), shown(*was)))
+            .collect();
+        (!loosened.is_empty()).then(|| loosened.join(", "))
+    }
+}
+
+impl Manifest {
+    /// What this asks for beyond `approved`: new grants and loosened bounds, named.
+    pub fn widening(&self, approved: &Manifest) -> Option<String> {
+        let wider: Vec<String> =
+            self.grants.widening(&approved.grants).into_iter().chain(self.limits.loosening(&approved.limits)).collect();
+        (!wider.is_empty()).then(|| wider.join(", "))
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct RawManifest {
@@ -619,6 +655,19 @@ mod tests {
         assert_eq!(m.limits.deadlines.for_method(Method::StopInstances), Duration::from_secs(2));
         assert_eq!(m.limits.deadlines.for_method(Method::StartInstance), Duration::from_secs(60));
         assert_eq!(m.config_json, r#"{"zones":["a"]}"#);
+    }
+
+    #[test]
+    fn loosened_bounds_are_named_like_new_grants_and_tightened_ones_are_not() {
+        let with = |limits: &str| parse(&format!("name = \"x\"\ncomponent = \"x\"\n[limits]\n{limits}")).unwrap();
+        let approved = with("kv-mib = 64\ndata-mib = 1024\n");
+        assert_eq!(with("kv-mib = 32\ndata-mib = 512\n").widening(&approved), None);
+        assert_eq!(
+            with("kv-mib = 128\ndata-mib = 0\n").widening(&approved).as_deref(),
+            Some("limits.kv-mib = 128 (approved 64), limits.data-mib = 0 (unbounded) (approved 1024)")
+        );
+        assert_eq!(with("data-mib = 1024\n").widening(&with("data-mib = 0\n")), None, "bounding is narrowing");
+        assert_eq!(with("pool-size = 16\n").widening(&approved), None, "the provider's own settings");
     }
 
     #[test]

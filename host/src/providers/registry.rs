@@ -90,9 +90,9 @@ pub enum RegistryError {
         /// How long it waited: the longest deadline plus a slack.
         waited: std::time::Duration,
     },
-    /// The manifest on disk grants more than the one the operator approved.
+    /// The manifest on disk grants more, or bounds less, than the one the operator approved.
     #[error(
-        "provider {name:?}: its manifest {manifest} now grants {grant}, which was not approved; add it again to approve (`broker provider add {manifest}`)"
+        "provider {name:?}: its manifest {manifest} now asks for {grant}, which was not approved; add it again to approve (`broker provider add {manifest}`)"
     )]
     GrantsWidened {
         /// The provider.
@@ -468,7 +468,7 @@ impl Registry {
         let mut manifest = Manifest::load(Path::new(&record.manifest)).map_err(LoadError::from)?;
         if let Some(approved) = &record.approved_manifest {
             let approved = Manifest::parse(Path::new(&record.manifest), approved).map_err(LoadError::from)?;
-            if let Some(grant) = manifest.grants.widening(&approved.grants) {
+            if let Some(grant) = manifest.widening(&approved) {
                 return Err(RegistryError::GrantsWidened {
                     name: record.name.clone(),
                     manifest: record.manifest.clone(),

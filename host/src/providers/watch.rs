@@ -160,9 +160,9 @@ impl ProvidersDir {
         same_settings.sha256 = serving.manifest().sha256.clone();
         if same_settings != *serving.manifest() {
             // Narrowing applies here; widening is the operator's to approve, never the watcher's.
-            if let Some(grant) = manifest.grants.widening(&serving.manifest().grants) {
+            if let Some(grant) = manifest.widening(serving.manifest()) {
                 let reason = format!(
-                    "{} now grants {grant}, which was not approved: apply it with `broker provider add {}`",
+                    "{} now asks for {grant}, which was not approved: apply it with `broker provider add {}`",
                     path.display(),
                     path.display()
                 );

@@ -243,6 +243,13 @@ async fn a_provider_cannot_register_or_widen_itself_through_its_data_dir() {
         broker.registry().get("hostile").await.unwrap().manifest().grants.rooms.of::<Process>().process,
         vec!["sh".to_string()]
     );
+    // Loosening a bound is the operator's to approve too: data-mib 0 lifts the data dir's.
+    std::fs::write(&manifest, format!("{text}process = [\"sh\"]\n[limits]\ndata-mib = 0\n")).unwrap();
+    let changes = watched.rescan(broker.registry()).await;
+    assert!(
+        matches!(&changes[..], [Change::Refused(_, reason)] if reason.contains("limits.data-mib = 0 (unbounded) (approved 1024)")),
+        "{changes:?}"
+    );
 }
 
 /// Data dirs of a host from before: `providers/NAME` held both the manifest
