@@ -115,7 +115,8 @@ impl DataFilesystems {
                 .mode(0o700)
                 .create(&self.images)
                 .map_err(io("make", &self.images))?;
-            let moving_in = has_entries(data_dir).map_err(io("read", data_dir))?;
+            // A move a crash cut short is taken up again: its files are aside.
+            let moving_in = has_entries(data_dir).map_err(io("read", data_dir))? || aside(&image).exists();
             if moving_in && children > 0 {
                 return Err(DataFsError::Busy { provider: provider.to_owned(), children });
             }
@@ -180,6 +181,8 @@ fn make_image(provider: &str, image: &Path, bytes: u64) -> Result<(), DataFsErro
         path: partial.display().to_string(),
         source,
     };
+    // One a crash left half-made is nobody's.
+    let _ = std::fs::remove_file(&partial);
     let file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -208,12 +211,18 @@ fn mount_on(provider: &str, image: &Path, dir: &Path) -> Result<(), DataFsError>
 /// `data_dir`, the tree copied in and then removed. If it does not fit, all
 /// is put back as it was (and an image `made` for it removed).
 fn move_in(provider: &str, image: &Path, data_dir: &Path, made: bool) -> Result<(), DataFsError> {
-    let aside = image.with_extension("before-data-mib");
+    let aside = aside(image);
     let io = |action, path: &Path| {
         let (provider, path) = (provider.to_owned(), path.display().to_string());
         move |source| DataFsError::Io { provider, action, path, source }
     };
-    std::fs::rename(data_dir, &aside).map_err(io("move aside", data_dir))?;
+    if aside.exists() {
+        // Taken up again: the host made `data_dir` anew, and nothing wrote it since.
+        tracing::warn!(provider, path = %aside.display(), "moving a data dir's files into its filesystem again, after a crash");
+        std::fs::remove_dir(data_dir).map_err(io("clear", data_dir))?;
+    } else {
+        std::fs::rename(data_dir, &aside).map_err(io("move aside", data_dir))?;
+    }
     let put_back = || {
         let _ = nix::mount::umount2(data_dir, nix::mount::MntFlags::MNT_DETACH);
         let _ = std::fs::remove_dir(data_dir);
@@ -240,6 +249,11 @@ fn move_in(provider: &str, image: &Path, data_dir: &Path, made: bool) -> Result<
     }
     tracing::info!(provider, path = %data_dir.display(), "moved the data dir's files into its own filesystem");
     Ok(())
+}
+
+/// Where a data dir's files wait while they move into its filesystem.
+fn aside(image: &Path) -> PathBuf {
+    image.with_extension("before-data-mib")
 }
 
 /// The size of the image's filesystem (not of the file, which a grow cut
@@ -393,6 +407,23 @@ mod tests {
         assert_eq!(std::fs::read(data_dir.join("kept")).unwrap(), b"from before");
         let (written, _) = fill(&data_dir.join("big"));
         assert!((25..=48).contains(&written), "{written} MiB after growing to 48");
+    }
+
+    #[test]
+    fn a_move_or_an_image_a_crash_cut_short_is_taken_up_again() {
+        let Some((dir, data_dir)) = scratch() else { return };
+        let images = dir.path().join(DATA_IMAGES);
+        std::fs::create_dir_all(&images).unwrap();
+        // Killed mid-mkfs: a half-made image under its temporary name.
+        std::fs::write(images.join("p.partial"), b"half").unwrap();
+        // Killed mid-move: the files aside, the data dir made anew (empty) by the next load.
+        std::fs::create_dir_all(images.join("p.before-data-mib/sub")).unwrap();
+        std::fs::write(images.join("p.before-data-mib/sub/kept"), b"moved").unwrap();
+        let filesystems = DataFilesystems::new(images.clone());
+        filesystems.mount("p", &data_dir, 16, 0).unwrap();
+        assert!(is_mount_point(&data_dir).unwrap());
+        assert_eq!(std::fs::read(data_dir.join("sub/kept")).unwrap(), b"moved");
+        assert!(!images.join("p.before-data-mib").exists() && !images.join("p.partial").exists());
     }
 
     #[test]
