@@ -229,8 +229,11 @@ impl KvWrites {
 pub trait KvBackend: Send + Sync + 'static {
     /// The value under `key`, if any.
     fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError>;
-    /// Entries under `prefix`, already packed as `scan` returns them to guests.
-    fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError>;
+    /// Entries under `prefix`, already packed as `scan` returns them to
+    /// guests: the first page of [`MAX_SCAN_BYTES`], refused if there is more.
+    fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
+        whole_scan(prefix, self.scan_page(namespace, prefix, None, MAX_SCAN_BYTES)?)
+    }
     /// One page of a scan (see [`pack_page`]).
     fn scan_page(
         &self,
@@ -311,7 +314,11 @@ pub fn pack_entry(out: &mut Vec<u8>, key: &str, value: &[u8]) {
 /// Pack every entry of `entries` under `prefix`; more than
 /// [`MAX_SCAN_BYTES`] is refused before it is all packed.
 pub fn pack_prefix(entries: &Entries, prefix: &str) -> Result<Vec<u8>, KvError> {
-    let page = pack_page(entries, prefix, None, MAX_SCAN_BYTES);
+    whole_scan(prefix, pack_page(entries, prefix, None, MAX_SCAN_BYTES))
+}
+
+/// A scan's first page as the whole scan: refused if more comes after it.
+fn whole_scan(prefix: &str, page: ScanPage) -> Result<Vec<u8>, KvError> {
     if !page.complete {
         return Err(KvError::TooLarge(format!(
             "scan of {prefix:?} returns more than {} MiB at once: page through it (scan-page), or scan narrower prefixes",
@@ -381,9 +388,6 @@ impl MemoryKv {
 impl KvBackend for MemoryKv {
     fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError> {
         Ok(self.lock().get(namespace).and_then(|ns| ns.get(key).cloned()))
-    }
-    fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
-        self.lock().get(namespace).map(|ns| pack_prefix(ns, prefix)).unwrap_or(Ok(Vec::new()))
     }
     fn scan_page(
         &self,
@@ -692,9 +696,6 @@ mod tests {
     impl KvBackend for Persisted {
         fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError> {
             self.kv.get(namespace, key)
-        }
-        fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
-            self.kv.scan_packed(namespace, prefix)
         }
         fn scan_page(
             &self,

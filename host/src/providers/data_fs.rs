@@ -88,13 +88,9 @@ impl DataFilesystems {
     pub fn mount(&self, provider: &str, data_dir: &Path, mib: u64, children: usize) -> Result<(), DataFsError> {
         let mut mounted = self.mounted.lock().unwrap_or_else(|p| p.into_inner());
         let image = self.images.join(format!("{provider}.ext4"));
-        let io = |action, path: &Path| {
-            let (provider, path) = (provider.to_owned(), path.display().to_string());
-            move |source| DataFsError::Io { provider, action, path, source }
-        };
         let wanted = mib << 20;
-        let size = |image: &Path| std::fs::metadata(image).map(|m| m.len()).map_err(io("look at", image));
-        if is_mount_point(data_dir).map_err(io("look at", data_dir))? {
+        let size = |image: &Path| std::fs::metadata(image).map(|m| m.len()).map_err(io(provider, "look at", image));
+        if is_mount_point(data_dir).map_err(io(provider, "look at", data_dir))? {
             if !image.exists() {
                 // The operator's own filesystem: theirs to size, never detached here.
                 tracing::warn!(provider, path = %data_dir.display(),
@@ -110,13 +106,13 @@ impl DataFilesystems {
             }
         } else {
             // Only root reads or writes the images: they hold all a provider keeps.
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(&self.images)
-                .map_err(io("make", &self.images))?;
+            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&self.images).map_err(io(
+                provider,
+                "make",
+                &self.images,
+            ))?;
             // A move a crash cut short is taken up again: its files are aside.
-            let moving_in = has_entries(data_dir).map_err(io("read", data_dir))? || aside(&image).exists();
+            let moving_in = has_entries(data_dir).map_err(io(provider, "read", data_dir))? || aside(&image).exists();
             if moving_in && children > 0 {
                 return Err(DataFsError::Busy { provider: provider.to_owned(), children });
             }
@@ -161,6 +157,12 @@ impl Drop for DataFilesystems {
     }
 }
 
+/// What `action` on `path` failing means for `provider`'s data dir.
+fn io(provider: &str, action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DataFsError {
+    let (provider, path) = (provider.to_owned(), path.display().to_string());
+    move |source| DataFsError::Io { provider, action, path, source }
+}
+
 /// Whether `dir` is the root of a filesystem other than its parent's.
 fn is_mount_point(dir: &Path) -> std::io::Result<bool> {
     let parent = dir.parent().unwrap_or(dir);
@@ -175,12 +177,6 @@ fn has_entries(dir: &Path) -> std::io::Result<bool> {
 /// small journal), made under a temporary name so a crash leaves none half-made.
 fn make_image(provider: &str, image: &Path, bytes: u64) -> Result<(), DataFsError> {
     let partial = image.with_extension("partial");
-    let io = |action, source| DataFsError::Io {
-        provider: provider.to_owned(),
-        action,
-        path: partial.display().to_string(),
-        source,
-    };
     // One a crash left half-made is nobody's.
     let _ = std::fs::remove_file(&partial);
     let file = std::fs::OpenOptions::new()
@@ -188,8 +184,8 @@ fn make_image(provider: &str, image: &Path, bytes: u64) -> Result<(), DataFsErro
         .create_new(true)
         .mode(0o600)
         .open(&partial)
-        .map_err(|e| io("make", e))?;
-    file.set_len(bytes).map_err(|e| io("size", e))?;
+        .map_err(io(provider, "make", &partial))?;
+    file.set_len(bytes).map_err(io(provider, "size", &partial))?;
     drop(file);
     let mut mkfs = Command::new(tool("mkfs.ext4"));
     mkfs.args(["-q", "-F", "-m", "0", "-J", "size=4", "-E", "root_owner=0:0"]).arg(&partial);
@@ -197,7 +193,7 @@ fn make_image(provider: &str, image: &Path, bytes: u64) -> Result<(), DataFsErro
         let _ = std::fs::remove_file(&partial);
         return Err(e);
     }
-    std::fs::rename(&partial, image).map_err(|e| io("name", e))
+    std::fs::rename(&partial, image).map_err(io(provider, "name", &partial))
 }
 
 fn mount_on(provider: &str, image: &Path, dir: &Path) -> Result<(), DataFsError> {
@@ -212,16 +208,12 @@ fn mount_on(provider: &str, image: &Path, dir: &Path) -> Result<(), DataFsError>
 /// is put back as it was (and an image `made` for it removed).
 fn move_in(provider: &str, image: &Path, data_dir: &Path, made: bool) -> Result<(), DataFsError> {
     let aside = aside(image);
-    let io = |action, path: &Path| {
-        let (provider, path) = (provider.to_owned(), path.display().to_string());
-        move |source| DataFsError::Io { provider, action, path, source }
-    };
     if aside.exists() {
         // Taken up again: the host made `data_dir` anew, and nothing wrote it since.
         tracing::warn!(provider, path = %aside.display(), "moving a data dir's files into its filesystem again, after a crash");
-        std::fs::remove_dir(data_dir).map_err(io("clear", data_dir))?;
+        std::fs::remove_dir(data_dir).map_err(io(provider, "clear", data_dir))?;
     } else {
-        std::fs::rename(data_dir, &aside).map_err(io("move aside", data_dir))?;
+        std::fs::rename(data_dir, &aside).map_err(io(provider, "move aside", data_dir))?;
     }
     let put_back = || {
         let _ = nix::mount::umount2(data_dir, nix::mount::MntFlags::MNT_DETACH);
@@ -234,7 +226,7 @@ fn move_in(provider: &str, image: &Path, data_dir: &Path, made: bool) -> Result<
     let mut source = aside.as_os_str().to_owned();
     source.push("/.");
     let moved = std::fs::create_dir(data_dir)
-        .map_err(io("make", data_dir))
+        .map_err(io(provider, "make", data_dir))
         .and_then(|()| mount_on(provider, image, data_dir))
         // Links are copied as links, never followed.
         .and_then(|()| {
@@ -294,17 +286,11 @@ fn grow(provider: &str, image: &Path, bytes: u64) -> Result<(), DataFsError> {
         );
         return Ok(());
     }
-    let io = |action, source| DataFsError::Io {
-        provider: provider.to_owned(),
-        action,
-        path: image.display().to_string(),
-        source,
-    };
     // 1: it corrected something (it makes lost+found anew): fine.
     run_allowing(provider, "check its filesystem", Command::new(tool("e2fsck")).args(["-f", "-p"]).arg(image), &[1])?;
-    let file = std::fs::OpenOptions::new().write(true).open(image).map_err(|e| io("open", e))?;
-    if file.metadata().map_err(|e| io("look at", e))?.len() < bytes {
-        file.set_len(bytes).map_err(|e| io("grow", e))?;
+    let file = std::fs::OpenOptions::new().write(true).open(image).map_err(io(provider, "open", image))?;
+    if file.metadata().map_err(io(provider, "look at", image))?.len() < bytes {
+        file.set_len(bytes).map_err(io(provider, "grow", image))?;
     }
     drop(file);
     run(provider, "grow its filesystem", Command::new(tool("resize2fs")).arg(image))?;

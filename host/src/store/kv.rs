@@ -12,7 +12,7 @@
 use super::writer::{Job, Pending, Reply, Writer};
 use super::{KV, StoreError, Txn, db_error};
 use crate::capabilities::kv::{
-    Entries, KvBackend, KvChange, KvChanged, KvError, KvQuota, KvWrites, ScanPage, apply_change, pack_page, pack_prefix,
+    Entries, KvBackend, KvChange, KvChanged, KvError, KvQuota, KvWrites, ScanPage, apply_change, pack_page,
 };
 use redb::{Database, ReadableDatabase};
 use std::collections::HashMap;
@@ -143,12 +143,6 @@ impl KvBackend for RedbKv {
         let ns = self.namespace(namespace)?;
         let entries = ns.read().unwrap_or_else(|p| p.into_inner());
         Ok(entries.get(key).cloned())
-    }
-
-    fn scan_packed(&self, namespace: &str, prefix: &str) -> Result<Vec<u8>, KvError> {
-        let ns = self.namespace(namespace)?;
-        let entries = ns.read().unwrap_or_else(|p| p.into_inner());
-        pack_prefix(&entries, prefix)
     }
 
     fn scan_page(
