@@ -433,6 +433,21 @@ async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
             ));
         }
     }
+    let mirror = broker.store().kv().mirror_stats();
+    text.push_str("# HELP broker_kv_mirror_bytes Keys and values of the kv namespaces held in memory.\n");
+    text.push_str("# TYPE broker_kv_mirror_bytes gauge\n");
+    text.push_str(&format!("broker_kv_mirror_bytes {}\n", mirror.bytes));
+    text.push_str("# HELP broker_kv_mirror_namespaces Kv namespaces held in memory.\n");
+    text.push_str("# TYPE broker_kv_mirror_namespaces gauge\n");
+    text.push_str(&format!("broker_kv_mirror_namespaces {}\n", mirror.namespaces));
+    text.push_str("# HELP broker_kv_mirror_loads_total Kv namespaces read from the state file into memory.\n");
+    text.push_str("# TYPE broker_kv_mirror_loads_total counter\n");
+    text.push_str(&format!("broker_kv_mirror_loads_total {}\n", mirror.loads));
+    text.push_str(
+        "# HELP broker_kv_mirror_evictions_total Clean kv namespaces let go of memory to keep within the mirror's budget.\n",
+    );
+    text.push_str("# TYPE broker_kv_mirror_evictions_total counter\n");
+    text.push_str(&format!("broker_kv_mirror_evictions_total {}\n", mirror.evictions));
     let swaps = broker.registry().swap_counts();
     text.push_str("# HELP broker_swaps_total Providers swapped since the daemon started.\n");
     text.push_str("# TYPE broker_swaps_total counter\n");

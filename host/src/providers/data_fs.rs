@@ -53,6 +53,17 @@ pub enum DataFsError {
         /// Its recorded children.
         children: usize,
     },
+    /// `data-mib = 0` asks for no filesystem of its own, but the provider's
+    /// files are in one: run without it, it would find its data dir empty.
+    #[error(
+        "provider {provider}'s files are in a data filesystem of its own ({image}), but its manifest sets data-mib = 0 (none): it would find its data dir empty. Set data-mib again, or move its files out (mount the image, copy them into the data dir, delete the image) first"
+    )]
+    HasImage {
+        /// The provider.
+        provider: String,
+        /// Its image.
+        image: String,
+    },
     /// A tool (mkfs.ext4, mount, losetup, resize2fs, cp) failed or is missing.
     #[error(
         "cannot {action} for provider {provider}'s data dir: `{command}` {outcome} (a data dir of its own, data-mib, needs root and e2fsprogs; data-mib = 0 runs the provider without one)"
@@ -80,6 +91,19 @@ impl DataFilesystems {
     /// Images live in `images` (`DATA_DIR/data-images`).
     pub fn new(images: PathBuf) -> DataFilesystems {
         DataFilesystems { images, mounted: Mutex::default() }
+    }
+
+    /// Refuse to run `provider` without a filesystem of its own (`data-mib = 0`)
+    /// when its files are in one.
+    pub fn check_none(&self, provider: &str) -> Result<(), DataFsError> {
+        let image = self.images.join(format!("{provider}.ext4"));
+        // Its files are in the image, or half-way into it (a move a crash cut short).
+        match [image.clone(), aside(&image)].into_iter().find(|path| path.exists()) {
+            Some(found) => {
+                Err(DataFsError::HasImage { provider: provider.to_owned(), image: found.display().to_string() })
+            }
+            None => Ok(()),
+        }
     }
 
     /// Make `data_dir` the mount of `provider`'s filesystem of `mib` MiB:
@@ -427,5 +451,21 @@ mod tests {
         let err = filesystems.mount("p", &data_dir, 64, 1).unwrap_err();
         assert!(matches!(err, DataFsError::Busy { children: 1, .. }), "{err}");
         assert!(!is_mount_point(&data_dir).unwrap());
+    }
+
+    /// `data-mib = 0` for a provider whose files are in an image (or half-way
+    /// into one) is refused, naming the image; a provider without one runs.
+    #[test]
+    fn no_filesystem_is_refused_while_the_files_are_in_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let images = dir.path().join(DATA_IMAGES);
+        std::fs::create_dir_all(images.join("moving.before-data-mib")).unwrap();
+        std::fs::write(images.join("p.ext4"), b"").unwrap();
+        let filesystems = DataFilesystems::new(images);
+        let err = filesystems.check_none("p").unwrap_err();
+        assert!(matches!(err, DataFsError::HasImage { .. }) && err.to_string().contains("p.ext4"), "{err}");
+        let err = filesystems.check_none("moving").unwrap_err();
+        assert!(err.to_string().contains("moving.before-data-mib"), "{err}");
+        filesystems.check_none("q").unwrap();
     }
 }

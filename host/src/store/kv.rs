@@ -6,8 +6,14 @@
 //! when the writer applies the write*, not the value a change once set: two
 //! calls persisting one key in either order leave the newest value on disk.
 //! The mirror is loaded from the file on a namespace's first use, and every
-//! change goes through it, so a namespace not loaded yet has nothing waiting
-//! to be persisted. (Namespaces are bounded by the quotas issue.)
+//! change goes through it, so a namespace not loaded has nothing waiting to
+//! be persisted.
+//!
+//! The mirror is bounded host-wide ([`MIRROR_BUDGET_BYTES`]): past it, the
+//! least recently used namespaces that are *clean* (every change they hold is
+//! in the file, and nobody holds them) are let go, to be loaded again on their
+//! next use. A namespace with a change not yet persisted is never let go, so
+//! eviction can lose nothing; each namespace is bounded by its `kv-mib`.
 
 use super::writer::{Job, Pending, Reply, Writer};
 use super::{KV, StoreError, Txn, db_error};
@@ -16,17 +22,120 @@ use crate::capabilities::kv::{
 };
 use redb::{Database, ReadableDatabase};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
-type Namespace = Arc<RwLock<Entries>>;
+/// Most bytes (keys and values) the mirrors of all namespaces keep together
+/// before clean ones are let go. A namespace in use is kept whatever its
+/// size, so the mirror holds at most this plus the namespaces in use.
+pub const MIRROR_BUDGET_BYTES: usize = 256 << 20;
+
+/// One namespace's mirror: its entries, and the changes to them not yet in the file.
+#[derive(Default)]
+struct Mirror {
+    entries: Entries,
+    /// Changes applied per key since the file last took the key's value; a key
+    /// leaves when a commit took its value after its last change.
+    dirty: HashMap<String, u64>,
+}
+
+struct Namespace {
+    mirror: RwLock<Mirror>,
+    /// When it was last used, on the backend's clock (for letting go the least recent).
+    used: AtomicU64,
+    /// Its entries' bytes as of its last change (read without its lock).
+    bytes: AtomicUsize,
+}
+
+impl Namespace {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Mirror> {
+        self.mirror.read().unwrap_or_else(|p| p.into_inner())
+    }
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Mirror> {
+        self.mirror.write().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+type Shared = Arc<Namespace>;
+
+/// How the mirror fares: what it holds, and how often namespaces were loaded and let go.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MirrorStats {
+    /// Namespaces held in memory.
+    pub namespaces: usize,
+    /// Their keys and values, in bytes.
+    pub bytes: usize,
+    /// Namespaces read from the state file so far.
+    pub loads: u64,
+    /// Clean namespaces let go so far, to keep within the budget.
+    pub evictions: u64,
+}
 
 /// The store's [`KvBackend`](crate::capabilities::kv::KvBackend): each namespace
 /// mirrored in memory, writes made durable through the store's writer.
 pub struct RedbKv {
     db: Arc<Database>,
     writer: Arc<Writer>,
-    /// Loaded namespaces; a namespace is read from disk once, on first use.
-    mirror: RwLock<HashMap<String, Namespace>>,
+    mirrors: Arc<Mirrors>,
+}
+
+/// The loaded namespaces, bounded together by a budget.
+struct Mirrors {
+    /// A namespace is read from disk on its first use after it was let go (or ever).
+    loaded: RwLock<HashMap<String, Shared>>,
+    budget: AtomicUsize,
+    clock: AtomicU64,
+    loads: AtomicU64,
+    evictions: AtomicU64,
+}
+
+impl Mirrors {
+    fn map(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Shared>> {
+        self.loaded.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn stats(&self) -> MirrorStats {
+        let loaded = self.map();
+        MirrorStats {
+            namespaces: loaded.len(),
+            bytes: loaded.values().map(|ns| ns.bytes.load(Ordering::Relaxed)).sum(),
+            loads: self.loads.load(Ordering::Relaxed),
+            evictions: self.evictions.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Let go of the least recently used clean namespaces while the mirror is
+    /// past its budget. Clean: no change waits to be persisted and nobody holds
+    /// it (a call reading it, a persist on its way). Both are checked under the
+    /// map's write lock, where nobody can take a new hold.
+    fn trim(&self) {
+        let budget = self.budget.load(Ordering::Relaxed);
+        if self.stats().bytes <= budget {
+            return;
+        }
+        let mut loaded = self.loaded.write().unwrap_or_else(|p| p.into_inner());
+        let mut total: usize = loaded.values().map(|ns| ns.bytes.load(Ordering::Relaxed)).sum();
+        let mut by_age: Vec<(u64, String)> =
+            loaded.iter().map(|(name, ns)| (ns.used.load(Ordering::Relaxed), name.clone())).collect();
+        by_age.sort_unstable();
+        for (_, name) in by_age {
+            if total <= budget {
+                break;
+            }
+            let Some(ns) = loaded.get(&name) else { continue };
+            let clean = Arc::strong_count(ns) == 1 && ns.mirror.try_read().is_ok_and(|mirror| mirror.dirty.is_empty());
+            if clean {
+                total -= ns.bytes.load(Ordering::Relaxed);
+                loaded.remove(&name);
+                self.evictions.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(namespace = %name, "kv namespace let go of the mirror (clean, least recently used)");
+            }
+        }
+    }
 }
 
 fn storage(err: StoreError) -> KvError {
@@ -35,19 +144,50 @@ fn storage(err: StoreError) -> KvError {
 
 impl RedbKv {
     pub(crate) fn new(db: Arc<Database>, writer: Arc<Writer>) -> Self {
-        RedbKv { db, writer, mirror: RwLock::default() }
+        let mirrors = Mirrors {
+            loaded: RwLock::default(),
+            budget: AtomicUsize::new(MIRROR_BUDGET_BYTES),
+            clock: AtomicU64::new(0),
+            loads: AtomicU64::new(0),
+            evictions: AtomicU64::new(0),
+        };
+        RedbKv { db, writer, mirrors: Arc::new(mirrors) }
     }
 
-    fn namespace(&self, name: &str) -> Result<Namespace, KvError> {
-        if let Some(ns) = self.mirror.read().unwrap_or_else(|p| p.into_inner()).get(name) {
+    /// Bound the mirror to `bytes` instead of [`MIRROR_BUDGET_BYTES`] (tests, benchmarks).
+    pub fn set_mirror_budget(&self, bytes: usize) {
+        self.mirrors.budget.store(bytes, Ordering::Relaxed);
+        self.mirrors.trim();
+    }
+
+    /// What the mirror holds now, and its loads and evictions so far.
+    pub fn mirror_stats(&self) -> MirrorStats {
+        self.mirrors.stats()
+    }
+
+    fn namespace(&self, name: &str) -> Result<Shared, KvError> {
+        let mirrors = &self.mirrors;
+        if let Some(ns) = mirrors.map().get(name) {
+            ns.used.store(mirrors.tick(), Ordering::Relaxed);
             return Ok(ns.clone());
         }
-        let mut namespaces = self.mirror.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(ns) = namespaces.get(name) {
-            return Ok(ns.clone());
-        }
-        let loaded = Arc::new(RwLock::new(self.load(name).map_err(storage)?));
-        namespaces.insert(name.to_owned(), loaded.clone());
+        let loaded = {
+            let mut loaded = mirrors.loaded.write().unwrap_or_else(|p| p.into_inner());
+            if let Some(ns) = loaded.get(name) {
+                ns.used.store(mirrors.tick(), Ordering::Relaxed);
+                return Ok(ns.clone());
+            }
+            // Read under the map's lock: a namespace is never loaded twice at
+            // once, nor let go while it loads.
+            let entries = self.load(name).map_err(storage)?;
+            mirrors.loads.fetch_add(1, Ordering::Relaxed);
+            let bytes = AtomicUsize::new(entries.bytes());
+            let mirror = RwLock::new(Mirror { entries, dirty: HashMap::new() });
+            let ns = Arc::new(Namespace { mirror, used: AtomicU64::new(mirrors.tick()), bytes });
+            loaded.insert(name.to_owned(), ns.clone());
+            ns
+        };
+        mirrors.trim();
         Ok(loaded)
     }
 
@@ -79,32 +219,39 @@ impl RedbKv {
 
     /// The writer's job that persists `writes`, to commit in the transaction
     /// of another write (the host's record of the instance they describe);
-    /// `None` if there is nothing to persist. (A namespace not loaded has no
-    /// change waiting: every change is applied to the mirror first.)
+    /// `None` if there is nothing to persist. (A namespace with changes to
+    /// persist is loaded, and stays so until they are persisted.)
     pub(crate) fn persist_job(&self, writes: KvWrites) -> Option<Box<dyn Job>> {
         if writes.is_empty() {
             return None;
         }
-        let loaded = self.mirror.read().unwrap_or_else(|p| p.into_inner()).get(&*writes.namespace).cloned();
+        let loaded = self.mirrors.map().get(&*writes.namespace).cloned();
         let Some(namespace) = loaded else {
             // Changes are applied here first, so they would be loaded: these came
             // through another backend, whose own persist is what makes them durable.
             tracing::warn!(namespace = %writes.namespace, keys = writes.keys.len(), "kv changes of a namespace this store never loaded");
             return None;
         };
-        Some(Box::new(Persist { namespace, writes, reply: None }))
+        Some(Box::new(Persist { mirrors: self.mirrors.clone(), namespace, writes, taken: Vec::new(), reply: None }))
     }
 
     fn pending(&self, writes: KvWrites) -> Result<Pending<()>, KvError> {
         let namespace = self.namespace(&writes.namespace)?;
-        Ok(Pending::with_job(&self.writer, move |reply| Box::new(Persist { namespace, writes, reply: Some(reply) })))
+        let mirrors = self.mirrors.clone();
+        Ok(Pending::with_job(&self.writer, move |reply| {
+            Box::new(Persist { mirrors, namespace, writes, taken: Vec::new(), reply: Some(reply) })
+        }))
     }
 }
 
 /// Keys of one namespace, written with their values as the mirror holds them now.
 struct Persist {
-    namespace: Namespace,
+    mirrors: Arc<Mirrors>,
+    namespace: Shared,
     writes: KvWrites,
+    /// For each key written, how many changes its written value held: on a
+    /// commit, those are in the file and no longer hold the namespace in memory.
+    taken: Vec<(String, u64)>,
     reply: Option<Reply<Result<(), StoreError>>>,
 }
 
@@ -112,25 +259,47 @@ impl Job for Persist {
     fn apply(&mut self, txn: &Txn<'_>) -> Result<(), StoreError> {
         let mut table = txn.open_table(KV).map_err(db_error)?;
         let name = &*self.writes.namespace;
+        self.taken.clear();
         for key in &self.writes.keys {
             // The value as the mirror holds it now, read under the lock one key
             // at a time (a guest's change is never held up by a whole job); a
             // change after this read waits for the next persist of its key.
-            let value = self.namespace.read().unwrap_or_else(|p| p.into_inner()).get(key).cloned();
+            let (value, changes) = {
+                let mirror = self.namespace.read();
+                (mirror.entries.get(key).cloned(), mirror.dirty.get(key).copied().unwrap_or(0))
+            };
             match value {
                 Some(value) => drop(table.insert((name, key.as_str()), value.as_slice()).map_err(db_error)?),
                 None => drop(table.remove((name, key.as_str())).map_err(db_error)?),
+            }
+            if changes > 0 {
+                self.taken.push((key.clone(), changes));
             }
         }
         Ok(())
     }
 
     fn finish(self: Box<Self>, committed: Result<(), StoreError>) {
-        match self.reply {
+        if committed.is_ok() && !self.taken.is_empty() {
+            let mut mirror = self.namespace.write();
+            for (key, changes) in &self.taken {
+                if let Some(left) = mirror.dirty.get_mut(key) {
+                    *left = left.saturating_sub(*changes);
+                    if *left == 0 {
+                        mirror.dirty.remove(key);
+                    }
+                }
+            }
+        }
+        let Persist { mirrors, namespace, writes, reply, .. } = *self;
+        // This job's hold goes first: the namespace may be the one to let go.
+        drop(namespace);
+        mirrors.trim();
+        match reply {
             Some(reply) => reply.send(committed),
             None => {
                 if let Err(error) = committed {
-                    let (namespace, keys) = (&self.writes.namespace, self.writes.keys.len());
+                    let (namespace, keys) = (&writes.namespace, writes.keys.len());
                     tracing::error!(%namespace, keys, %error, "kv changes were not persisted");
                 }
             }
@@ -141,8 +310,8 @@ impl Job for Persist {
 impl KvBackend for RedbKv {
     fn get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError> {
         let ns = self.namespace(namespace)?;
-        let entries = ns.read().unwrap_or_else(|p| p.into_inner());
-        Ok(entries.get(key).cloned())
+        let value = ns.read().entries.get(key).cloned();
+        Ok(value)
     }
 
     fn scan_page(
@@ -153,14 +322,19 @@ impl KvBackend for RedbKv {
         max_bytes: usize,
     ) -> Result<ScanPage, KvError> {
         let ns = self.namespace(namespace)?;
-        let entries = ns.read().unwrap_or_else(|p| p.into_inner());
-        Ok(pack_page(&entries, prefix, after, max_bytes))
+        let page = pack_page(&ns.read().entries, prefix, after, max_bytes);
+        Ok(page)
     }
 
     fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
         let ns = self.namespace(namespace)?;
-        let mut entries = ns.write().unwrap_or_else(|p| p.into_inner());
-        apply_change(&mut entries, key, change, quota)
+        let mut mirror = ns.write();
+        let answer = apply_change(&mut mirror.entries, key, change, quota)?;
+        // Noted under the lock the change was made under: a persist reads the
+        // value and this count together, so it knows which changes it took.
+        *mirror.dirty.entry(key.to_owned()).or_default() += 1;
+        ns.bytes.store(mirror.entries.bytes(), Ordering::Relaxed);
+        Ok(answer)
     }
 
     fn persist(&self, writes: KvWrites) -> futures_util::future::BoxFuture<'static, Result<(), KvError>> {
@@ -256,6 +430,49 @@ mod tests {
         assert_eq!(reopened.get("p", "n").unwrap(), Some(400i64.to_le_bytes().to_vec()));
         let expected: Entries = (0..400).map(|n| (format!("k/{n}"), vec![n as u8])).collect();
         assert_eq!(reopened.scan_packed("p", "k/").unwrap(), pack_prefix(&expected, "k/").unwrap());
+    }
+
+    /// Past its budget the mirror lets go of the least recently used clean
+    /// namespace, and reads it again from the file on its next use.
+    #[test]
+    fn the_mirror_lets_go_of_the_least_recently_used_clean_namespace() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let kv = store.kv();
+        for namespace in ["a", "b", "c"] {
+            kv.set(namespace, "k", &[7; 1000]).unwrap();
+        }
+        assert_eq!(kv.mirror_stats().namespaces, 3);
+        // Room for two: "a", the least recently used, goes.
+        kv.get("b", "k").unwrap();
+        kv.get("c", "k").unwrap();
+        kv.set_mirror_budget(2100);
+        let stats = kv.mirror_stats();
+        assert_eq!((stats.namespaces, stats.evictions), (2, 1), "{stats:?}");
+        assert_eq!(kv.get("a", "k").unwrap(), Some(vec![7; 1000]), "read again from the file");
+        let stats = kv.mirror_stats();
+        assert_eq!((stats.namespaces, stats.loads, stats.evictions), (2, 4, 2), "{stats:?}");
+    }
+
+    /// A namespace holding a change the file does not have is never let go,
+    /// whatever the budget; once the change is persisted, it may be.
+    #[test]
+    fn a_namespace_with_changes_not_persisted_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let kv = store.kv();
+        kv.set("p", "old", b"1").unwrap();
+        kv.apply("p", "new", KvChange::Set(b"2".to_vec()), KvQuota::UNBOUNDED).unwrap();
+        kv.set_mirror_budget(0);
+        assert_eq!(kv.mirror_stats().namespaces, 1, "kept: 'new' is not in the file");
+        kv.set("q", "k", b"3").unwrap();
+        assert_eq!(kv.get("p", "new").unwrap(), Some(b"2".to_vec()));
+        let mut writes = KvWrites::new("p".into());
+        writes.keys.insert("new".into());
+        kv.persist_blocking(writes).unwrap();
+        assert_eq!(kv.mirror_stats().namespaces, 0, "both clean and past the budget: let go");
+        assert_eq!(kv.get("p", "new").unwrap(), Some(b"2".to_vec()), "read again from the file");
+        assert_eq!(kv.get("q", "k").unwrap(), Some(b"3".to_vec()));
     }
 
     /// A change is visible at once and reaches the file only when its key is

@@ -16,7 +16,7 @@ mod writer;
 
 pub use events::Event;
 
-pub use kv::RedbKv;
+pub use kv::{MIRROR_BUDGET_BYTES, MirrorStats, RedbKv};
 pub use records::{InstanceRecord, ObservedNetwork, ProviderRecord};
 pub(crate) use wal::Txn;
 pub use wal::WalError;

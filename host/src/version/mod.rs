@@ -824,6 +824,8 @@ fn narrow(host: HostCapabilities, manifest: &Manifest, quotas: Arc<Quotas>) -> R
             .and_then(|backend| backend.children(&manifest.name).ok())
             .map_or(0, |names| names.len());
         filesystems.mount(&manifest.name, &data_dir, mib, children)?;
+    } else if let Some(filesystems) = &host.data_filesystems {
+        filesystems.check_none(&manifest.name)?;
     }
     let rooms = &manifest.grants.rooms;
     let load = LoadSetup {

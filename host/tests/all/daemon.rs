@@ -62,6 +62,9 @@ fn the_api_serves_providers_instances_swaps_events_and_metrics() {
     assert_eq!(status, 200);
     assert!(metrics.contains("broker_swaps_total 1\n"), "{metrics}");
     assert!(metrics.contains("broker_swap_refusals_total 1\n"), "{metrics}");
+    // The fake keeps its instances in kv: its namespace was read into memory once, and is held.
+    assert!(metrics.contains("broker_kv_mirror_namespaces 1\n"), "{metrics}");
+    assert!(metrics.contains("broker_kv_mirror_loads_total 1\n"), "{metrics}");
     // Outcomes and a latency histogram per loaded version and method: the one stop ran on 0.2.0.
     let stop_ok = metrics
         .lines()
