@@ -242,6 +242,11 @@ pub trait KvBackend: Send + Sync + 'static {
         after: Option<&str>,
         max_bytes: usize,
     ) -> Result<ScanPage, KvError>;
+    /// Make `namespace` ready to answer at once, off the executor, if it is
+    /// not (a backend that reads it from disk on first use); `None` when it is.
+    fn warm(&self, _namespace: &str) -> Option<BoxFuture<'static, Result<(), KvError>>> {
+        None
+    }
     /// Apply one change, unless it would grow the namespace past `quota`;
     /// durable once its key is persisted.
     fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError>;
@@ -472,7 +477,16 @@ impl KvCtx {
         std::mem::replace(&mut self.unpersisted, KvWrites::new(namespace))
     }
 
+    /// The namespace made ready off the executor, if it is not held in memory.
+    async fn warm(&self) -> Result<(), KvError> {
+        match self.backend()?.warm(self.namespace()) {
+            Some(loading) => loading.await,
+            None => Ok(()),
+        }
+    }
+
     async fn change(&mut self, key: String, change: KvChange) -> Result<KvChanged, wit::KvError> {
+        self.warm().await?;
         let backend = self.backend()?.clone();
         let answer = backend.apply(self.namespace(), &key, change, self.quotas.kv()).inspect_err(|refused| {
             if let KvError::QuotaExceeded { quota, .. } = refused {
@@ -518,6 +532,9 @@ fn mismatched(answer: KvChanged) -> wit::KvError {
 
 impl wit::Host for KvCtx {
     async fn get(&mut self, key: String) -> WitResult<Option<Vec<u8>>> {
+        if let Err(refused) = self.warm().await {
+            return Ok(Err(refused.into()));
+        }
         Ok(self.backend().and_then(|kv| kv.get(self.namespace(), &key)).map_err(Into::into))
     }
     async fn set(&mut self, key: String, value: Vec<u8>) -> WitResult<()> {
@@ -536,9 +553,15 @@ impl wit::Host for KvCtx {
         }))
     }
     async fn scan(&mut self, prefix: String) -> WitResult<Vec<u8>> {
+        if let Err(refused) = self.warm().await {
+            return Ok(Err(refused.into()));
+        }
         Ok(self.backend().and_then(|kv| kv.scan_packed(self.namespace(), &prefix)).map_err(Into::into))
     }
     async fn scan_page(&mut self, prefix: String, after: Option<String>, max_bytes: u32) -> WitResult<Vec<u8>> {
+        if let Err(refused) = self.warm().await {
+            return Ok(Err(refused.into()));
+        }
         let max_bytes = (max_bytes as usize).min(MAX_SCAN_BYTES);
         let page = self.backend().and_then(|kv| kv.scan_page(self.namespace(), &prefix, after.as_deref(), max_bytes));
         Ok(page.map(|page| page.packed).map_err(Into::into))

@@ -142,6 +142,68 @@ fn storage(err: StoreError) -> KvError {
     KvError::Storage(err.to_string())
 }
 
+/// Loads a namespace may retry when namespaces are let go while it reads,
+/// before it reads under the map's lock.
+const LOAD_RETRIES: usize = 4;
+
+/// `name`'s mirror, read from the file if it is not held. The file is read
+/// outside the map's lock (a large namespace takes milliseconds to read, and
+/// every other namespace's reads go through the map); what was read is kept
+/// only if no namespace was let go meanwhile, since one let go may be this one
+/// with commits the read missed.
+fn load_namespace(db: &Database, mirrors: &Mirrors, name: &str) -> Result<Shared, KvError> {
+    let held = |ns: &Shared| {
+        ns.used.store(mirrors.tick(), Ordering::Relaxed);
+        Ok(ns.clone())
+    };
+    let mut attempt = 0;
+    loop {
+        if let Some(ns) = mirrors.map().get(name) {
+            return held(ns);
+        }
+        let evictions = mirrors.evictions.load(Ordering::SeqCst);
+        let last = attempt == LOAD_RETRIES;
+        let mut read_unlocked = if last { None } else { Some(read_namespace(db, name).map_err(storage)?) };
+        let mut loaded = mirrors.loaded.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(ns) = loaded.get(name) {
+            // Loaded by another call meanwhile: its mirror may hold changes since.
+            return held(ns);
+        }
+        if !last && mirrors.evictions.load(Ordering::SeqCst) != evictions {
+            attempt += 1;
+            continue;
+        }
+        let entries = match read_unlocked.take() {
+            Some(entries) => entries,
+            None => read_namespace(db, name).map_err(storage)?,
+        };
+        mirrors.loads.fetch_add(1, Ordering::Relaxed);
+        let bytes = AtomicUsize::new(entries.bytes());
+        let mirror = RwLock::new(Mirror { entries, dirty: HashMap::new() });
+        let ns = Arc::new(Namespace { mirror, used: AtomicU64::new(mirrors.tick()), bytes });
+        loaded.insert(name.to_owned(), ns.clone());
+        drop(loaded);
+        mirrors.trim();
+        return Ok(ns);
+    }
+}
+
+/// Every entry of `name` in the file.
+fn read_namespace(db: &Database, name: &str) -> Result<Entries, StoreError> {
+    let txn = db.begin_read().map_err(db_error)?;
+    let table = txn.open_table(KV).map_err(db_error)?;
+    let mut entries = Entries::default();
+    for entry in table.range((name, "")..).map_err(db_error)? {
+        let (key, value) = entry.map_err(db_error)?;
+        let (namespace, key) = key.value();
+        if namespace != name {
+            break;
+        }
+        entries.insert(key.to_owned(), value.value().to_vec());
+    }
+    Ok(entries)
+}
+
 impl RedbKv {
     pub(crate) fn new(db: Arc<Database>, writer: Arc<Writer>) -> Self {
         let mirrors = Mirrors {
@@ -166,44 +228,7 @@ impl RedbKv {
     }
 
     fn namespace(&self, name: &str) -> Result<Shared, KvError> {
-        let mirrors = &self.mirrors;
-        if let Some(ns) = mirrors.map().get(name) {
-            ns.used.store(mirrors.tick(), Ordering::Relaxed);
-            return Ok(ns.clone());
-        }
-        let loaded = {
-            let mut loaded = mirrors.loaded.write().unwrap_or_else(|p| p.into_inner());
-            if let Some(ns) = loaded.get(name) {
-                ns.used.store(mirrors.tick(), Ordering::Relaxed);
-                return Ok(ns.clone());
-            }
-            // Read under the map's lock: a namespace is never loaded twice at
-            // once, nor let go while it loads.
-            let entries = self.load(name).map_err(storage)?;
-            mirrors.loads.fetch_add(1, Ordering::Relaxed);
-            let bytes = AtomicUsize::new(entries.bytes());
-            let mirror = RwLock::new(Mirror { entries, dirty: HashMap::new() });
-            let ns = Arc::new(Namespace { mirror, used: AtomicU64::new(mirrors.tick()), bytes });
-            loaded.insert(name.to_owned(), ns.clone());
-            ns
-        };
-        mirrors.trim();
-        Ok(loaded)
-    }
-
-    fn load(&self, name: &str) -> Result<Entries, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
-        let table = txn.open_table(KV).map_err(db_error)?;
-        let mut entries = Entries::default();
-        for entry in table.range((name, "")..).map_err(db_error)? {
-            let (key, value) = entry.map_err(db_error)?;
-            let (namespace, key) = key.value();
-            if namespace != name {
-                break;
-            }
-            entries.insert(key.to_owned(), value.value().to_vec());
-        }
-        Ok(entries)
+        load_namespace(&self.db, &self.mirrors, name)
     }
 
     /// What the state file holds under `key`, whatever the mirror shows: the
@@ -324,6 +349,19 @@ impl KvBackend for RedbKv {
         let ns = self.namespace(namespace)?;
         let page = pack_page(&ns.read().entries, prefix, after, max_bytes);
         Ok(page)
+    }
+
+    fn warm(&self, namespace: &str) -> Option<futures_util::future::BoxFuture<'static, Result<(), KvError>>> {
+        if self.mirrors.map().contains_key(namespace) {
+            return None;
+        }
+        let (db, mirrors, name) = (self.db.clone(), self.mirrors.clone(), namespace.to_owned());
+        let loading = tokio::task::spawn_blocking(move || load_namespace(&db, &mirrors, &name).map(drop));
+        Some(Box::pin(async move {
+            loading
+                .await
+                .unwrap_or_else(|failed| Err(KvError::Storage(format!("reading the namespace failed: {failed}"))))
+        }))
     }
 
     fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
@@ -473,6 +511,57 @@ mod tests {
         assert_eq!(kv.mirror_stats().namespaces, 0, "both clean and past the budget: let go");
         assert_eq!(kv.get("p", "new").unwrap(), Some(b"2".to_vec()), "read again from the file");
         assert_eq!(kv.get("q", "k").unwrap(), Some(b"3".to_vec()));
+    }
+
+    /// A namespace let go and read again while another thread changes it
+    /// loses nothing: a read that raced a commit is not kept. (A budget of 0
+    /// lets the namespace go after each commit; the reader reads it again.)
+    #[test]
+    fn reading_a_namespace_again_races_no_change_away() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let kv = store.kv();
+        // Large enough that reading it takes about as long as a commit.
+        for n in 0..2000 {
+            kv.apply("p", &format!("filler/{n}"), KvChange::Set(vec![0; 1024]), KvQuota::UNBOUNDED).unwrap();
+        }
+        let mut writes = KvWrites::new("p".into());
+        writes.keys.extend((0..2000).map(|n| format!("filler/{n}")));
+        kv.persist_blocking(writes).unwrap();
+        kv.set_mirror_budget(0);
+        let counting = {
+            let kv = kv.clone();
+            std::thread::spawn(move || {
+                for _ in 0..300 {
+                    kv.increment("p", "n", 1).unwrap();
+                }
+            })
+        };
+        let mut seen = 0;
+        while !counting.is_finished() {
+            let now = kv.get("p", "n").unwrap().map_or(0, |v| i64::from_le_bytes(v.try_into().unwrap()));
+            assert!(now >= seen, "went back from {seen} to {now}");
+            seen = now;
+        }
+        counting.join().unwrap();
+        assert_eq!(kv.increment("p", "n", 0).unwrap(), 300);
+        assert!(kv.mirror_stats().evictions > 10, "{:?}", kv.mirror_stats());
+    }
+
+    /// `warm` reads a namespace that is not held off the caller's thread, and
+    /// is nothing for one that is.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn warm_reads_a_namespace_not_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let kv = store.kv();
+        kv.set("p", "k", b"v").unwrap();
+        assert!(kv.warm("p").is_none(), "held");
+        kv.set_mirror_budget(0);
+        assert_eq!(kv.mirror_stats().namespaces, 0);
+        kv.warm("p").expect("not held").await.unwrap();
+        let stats = kv.mirror_stats();
+        assert_eq!((stats.namespaces, stats.loads), (1, 2), "{stats:?}");
     }
 
     /// A change is visible at once and reaches the file only when its key is
