@@ -404,6 +404,9 @@ pub struct Manifest {
 /// The largest manifest the host reads.
 pub const MAX_MANIFEST_BYTES: u64 = 1 << 20;
 
+/// Most bytes of a component the host reads (the bundled ones are under 1 MiB).
+pub const MAX_COMPONENT_BYTES: u64 = 64 << 20;
+
 impl Manifest {
     /// Read and parse a manifest. Only a regular file of at most
     /// [`MAX_MANIFEST_BYTES`] is read: a FIFO, a device or a directory is refused
@@ -487,11 +490,12 @@ impl Manifest {
     /// Read the component's bytes, checking the sha256 pin if there is one.
     /// Returns the bytes and their sha256.
     pub fn read_component(&self) -> Result<(Vec<u8>, String), ManifestError> {
-        let bytes = std::fs::read(&self.component).map_err(|source| ManifestError::Component {
-            manifest: self.path.display().to_string(),
-            path: self.component.display().to_string(),
-            source,
-        })?;
+        let bytes =
+            read_regular_file(&self.component, MAX_COMPONENT_BYTES).map_err(|source| ManifestError::Component {
+                manifest: self.path.display().to_string(),
+                path: self.component.display().to_string(),
+                source,
+            })?;
         let actual = hex::encode(Sha256::digest(&bytes));
         if let Some(expected) = &self.sha256
             && *expected != actual
@@ -506,12 +510,22 @@ impl Manifest {
     }
 }
 
-/// A manifest's text: a regular file (checked before opening and again on the
-/// open file, which is opened non-blocking so a FIFO swapped in cannot hang the
-/// host) of at most [`MAX_MANIFEST_BYTES`] of UTF-8.
+/// A manifest's text: a regular file of at most [`MAX_MANIFEST_BYTES`] of UTF-8.
 fn read_manifest_text(path: &Path) -> std::io::Result<String> {
+    let bytes = read_regular_file(path, MAX_MANIFEST_BYTES)?;
+    String::from_utf8(bytes).map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text"))
+}
+
+/// The bytes of `path` if it is a regular file of at most `max` bytes:
+/// checked before opening and again on the open file, which is opened
+/// non-blocking so a FIFO swapped in cannot hang the host, and read no further
+/// than `max` (a file that grows while read is refused, not followed).
+/// Anything else (a FIFO, a device such as `/dev/zero`, a directory, a
+/// socket) is refused with what it is.
+pub fn read_regular_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
     use std::io::{Error, ErrorKind, Read};
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let too_large = || Error::new(ErrorKind::InvalidInput, format!("larger than {max} bytes"));
     let check = |metadata: &std::fs::Metadata| {
         let kind = metadata.file_type();
         let not = |what: &str| Error::new(ErrorKind::InvalidInput, format!("not a regular file ({what})"));
@@ -523,20 +537,21 @@ fn read_manifest_text(path: &Path) -> std::io::Result<String> {
             _ if kind.is_char_device() || kind.is_block_device() => return Err(not("a device")),
             _ => return Err(not("of another kind")),
         }
-        if metadata.len() > MAX_MANIFEST_BYTES {
-            return Err(Error::new(ErrorKind::InvalidInput, format!("larger than {MAX_MANIFEST_BYTES} bytes")));
+        if metadata.len() > max {
+            return Err(too_large());
         }
         Ok(())
     };
     check(&std::fs::metadata(path)?)?;
     let file = std::fs::OpenOptions::new().read(true).custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits()).open(path)?;
-    check(&file.metadata()?)?;
-    let mut bytes = Vec::new();
-    file.take(MAX_MANIFEST_BYTES + 1).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > MAX_MANIFEST_BYTES {
-        return Err(Error::new(ErrorKind::InvalidInput, format!("larger than {MAX_MANIFEST_BYTES} bytes")));
+    let metadata = file.metadata()?;
+    check(&metadata)?;
+    let mut bytes = Vec::with_capacity(usize::try_from(metadata.len()).unwrap_or(0));
+    file.take(max + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(too_large());
     }
-    String::from_utf8(bytes).map_err(|_| Error::new(ErrorKind::InvalidData, "not UTF-8 text"))
+    Ok(bytes)
 }
 
 /// A TOML error as a manifest error says it: where, and what only if `text` is
@@ -772,6 +787,24 @@ mod tests {
         let err = parse("name = \"x\"\ncomponent = \"x\"\n[grants\nkv = true\n").unwrap_err().to_string();
         assert!(err.contains("not valid TOML (error at line 3, column"), "{err}");
         assert!(!err.contains("[grants"), "{err}");
+    }
+
+    /// A component that is a FIFO or a device is refused at once, not read.
+    #[test]
+    fn a_component_is_read_only_from_a_regular_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.wasm");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        for (component, expected) in [(fifo.as_path(), "a FIFO"), (Path::new("/dev/zero"), "a device")] {
+            let text = format!("name = \"x\"\ncomponent = \"{}\"\n", component.display());
+            let manifest = Manifest::parse(&dir.path().join("x.toml"), &text).unwrap();
+            let err = manifest.read_component().unwrap_err().to_string();
+            assert!(err.contains(&format!("not a regular file ({expected})")), "{err}");
+        }
+        let big = dir.path().join("big.wasm");
+        std::fs::File::create(&big).unwrap().set_len(MAX_COMPONENT_BYTES + 1).unwrap();
+        let err = read_regular_file(&big, MAX_COMPONENT_BYTES).unwrap_err().to_string();
+        assert!(err.contains("larger than 67108864 bytes"), "{err}");
     }
 
     #[test]

@@ -137,8 +137,11 @@ impl HostConfig {
     pub fn load(data_dir: &Path) -> Result<HostConfig, BrokerServiceError> {
         let path = data_dir.join("host.toml");
         let error = |reason: String| BrokerServiceError::HostConfig { path: path.display().to_string(), reason };
-        match std::fs::read_to_string(&path) {
-            Ok(text) => toml::from_str(&text).map_err(|e| error(e.to_string().trim_end().to_owned())),
+        match crate::manifest::read_regular_file(&path, crate::manifest::MAX_MANIFEST_BYTES) {
+            Ok(bytes) => {
+                let text = String::from_utf8(bytes).map_err(|_| error("not UTF-8 text".into()))?;
+                toml::from_str(&text).map_err(|e| error(e.to_string().trim_end().to_owned()))
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(HostConfig::default()),
             Err(e) => Err(error(e.to_string())),
         }

@@ -133,38 +133,52 @@ impl Backend {
 
     /// Stop `ids` (through `provider`, or each through the one the host recorded
     /// it for); returns each provider asked with the ids it stopped.
-    pub async fn stop_instances(&self, ids: Vec<String>, provider: Option<&str>) -> Result<Vec<(String, Vec<String>)>> {
-        let mut by_provider: Vec<(String, Vec<String>)> = Vec::new();
-        let mut group = |owner: String, id: String| match by_provider.iter_mut().find(|(p, _)| *p == owner) {
-            Some((_, list)) => list.push(id),
-            None => by_provider.push((owner, vec![id])),
-        };
+    pub async fn stop_instances(&self, ids: Vec<String>, provider: Option<&str>) -> StopReport {
+        let mut report = StopReport::default();
         match self {
             Backend::Embedded(broker) => {
+                let mut by_provider: Vec<(String, Vec<String>)> = Vec::new();
                 for id in ids {
                     let owner = match provider {
                         Some(p) => p.to_owned(),
-                        None => broker.provider_of(&id).with_context(|| format!("cannot stop {id}"))?,
+                        None => match broker.provider_of(&id) {
+                            Ok(owner) => owner,
+                            Err(crate::broker::BrokerServiceError::UnknownInstance(_)) => {
+                                report.unknown.push(id);
+                                continue;
+                            }
+                            Err(failed) => {
+                                report.failed.push((id.clone(), anyhow::Error::new(failed)));
+                                continue;
+                            }
+                        },
                     };
-                    group(owner, id);
+                    match by_provider.iter_mut().find(|(p, _)| *p == owner) {
+                        Some((_, list)) => list.push(id),
+                        None => by_provider.push((owner, vec![id])),
+                    }
                 }
                 // One call per provider, with all its ids, as Juju's StopInstances takes them.
-                for (owner, ids) in &by_provider {
-                    let stopped = broker.stop_instances(owner, ids).await;
-                    stopped.with_context(|| format!("cannot stop {}", ids.join(" ")))?;
+                for (owner, ids) in by_provider {
+                    match broker.stop_instances(&owner, &ids).await {
+                        Ok(()) => report.stopped.extend(ids.into_iter().map(|id| (id, owner.clone()))),
+                        Err(failed) => report.failed.push((ids.join(" "), anyhow::Error::new(failed))),
+                    }
                 }
             }
             Backend::Daemon(client) => {
-                // The daemon finds each id's provider; its answer says which.
+                // The daemon finds each id's provider; its answer says which, or that it knows no such id.
                 for id in ids {
                     let path = format!("/v1/instances/{}{}", encode_component(&id), provider_query(provider));
-                    let answer: Owner =
-                        client.call(Method::DELETE, &path, None).await.with_context(|| format!("cannot stop {id}"))?;
-                    group(answer.provider, id);
+                    match client.call::<Stopped>(Method::DELETE, &path, None).await {
+                        Ok(Stopped { provider: Some(owner), stopped: true }) => report.stopped.push((id, owner)),
+                        Ok(_) => report.unknown.push(id),
+                        Err(failed) => report.failed.push((id, failed.into())),
+                    }
                 }
             }
         }
-        Ok(by_provider)
+        report
     }
 
     /// Run `maintain-instance`; returns the provider that did.
@@ -199,6 +213,22 @@ impl Backend {
 #[derive(serde::Deserialize)]
 struct Owner {
     provider: String,
+}
+
+/// The daemon's answer to a stop: `stopped` is false for an id it has no record of.
+#[derive(serde::Deserialize)]
+struct Stopped {
+    provider: Option<String>,
+    stopped: bool,
+}
+
+/// What `instance stop` did with each id: stopped (with its provider), not
+/// known to the host (nothing to stop), or failed (the ids of one call, and why).
+#[derive(Default)]
+pub struct StopReport {
+    pub stopped: Vec<(String, String)>,
+    pub unknown: Vec<String>,
+    pub failed: Vec<(String, anyhow::Error)>,
 }
 
 fn provider_query(provider: Option<&str>) -> String {

@@ -166,7 +166,10 @@ pub(crate) enum InstanceCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Stop instances (unknown ids are ignored by providers).
+    /// Stop instances, idempotently (as Juju's StopInstances): the known ids are
+    /// stopped, one call per provider; an id the host has no record of (never
+    /// started, or stopped already) is reported and is not a failure. Exit 1 only
+    /// if a provider failed to stop one, after every other id was tried.
     Stop {
         #[arg(required = true)]
         ids: Vec<String>,
@@ -414,10 +417,26 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
             }
         }
         InstanceCommand::Stop { ids, provider } => {
-            for (owner, ids) in backend.stop_instances(ids, provider.as_deref()).await? {
-                for id in ids {
-                    output::line(out, &format!("stopped {id} ({owner})"))?;
-                }
+            // Idempotent, as Juju's StopInstances: what is known is stopped, an
+            // unknown id is reported and is no failure; a failure fails the command,
+            // after every other id was tried.
+            let report = backend.stop_instances(ids, provider.as_deref()).await;
+            for (id, owner) in &report.stopped {
+                output::line(out, &format!("stopped {id} ({owner})"))?;
+            }
+            for id in &report.unknown {
+                output::line(
+                    out,
+                    &format!("{id}: no such instance recorded (nothing to stop; --provider asks a provider for it)"),
+                )?;
+            }
+            if let [(ids, only)] = report.failed.as_slice() {
+                anyhow::bail!("cannot stop {ids}: {only:#}");
+            }
+            if !report.failed.is_empty() {
+                let each: Vec<String> =
+                    report.failed.iter().map(|(ids, why)| format!("cannot stop {ids}: {why:#}")).collect();
+                anyhow::bail!("{}", each.join("; "));
             }
         }
         InstanceCommand::Maintain { id, provider } => {

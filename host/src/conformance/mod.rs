@@ -157,7 +157,9 @@ pub fn script_path(manifest: &std::path::Path) -> std::path::PathBuf {
 
 pub(crate) fn load_script(path: &std::path::Path) -> Result<Scripted, ConformanceError> {
     let error = |reason: String| ConformanceError::Script { path: path.display().to_string(), reason };
-    let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
+    // Beside the manifest, which the daemon reads for any API caller: a regular file, bounded.
+    let bytes = crate::manifest::read_regular_file(path, 16 << 20).map_err(|e| error(e.to_string()))?;
+    let text = String::from_utf8(bytes).map_err(|_| error("not UTF-8 text".into()))?;
     Scripted::parse(&text).map_err(error)
 }
 

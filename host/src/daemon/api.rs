@@ -253,10 +253,10 @@ async fn start_instance(
 }
 
 /// The provider named in the query, or the one the host recorded the instance for.
-fn owner(broker: &Broker, id: &str, filter: ProviderFilter) -> ApiResult<String> {
+fn owner(broker: &Broker, id: &str, filter: ProviderFilter) -> Result<String, BrokerServiceError> {
     match filter.provider {
         Some(provider) => Ok(provider),
-        None => Ok(broker.provider_of(id)?),
+        None => broker.provider_of(id),
     }
 }
 
@@ -265,10 +265,17 @@ async fn stop_instance(
     Path(id): Path<String>,
     Query(filter): Query<ProviderFilter>,
 ) -> ApiResult<Response> {
-    let provider = owner(&broker, &id, filter)?;
+    // Idempotent, as Juju's StopInstances: an id the host has no record of
+    // (never started here, or stopped already) is nothing to stop.
+    let provider = match owner(&broker, &id, filter) {
+        Err(BrokerServiceError::UnknownInstance(_)) => {
+            return Ok(Json(json!({ "id": id, "provider": null, "stopped": false })).into_response());
+        }
+        owner => owner?,
+    };
     let (stopping, ids) = (provider.clone(), vec![id.clone()]);
     to_the_end(async move { broker.stop_instances(&stopping, &ids).await }).await?;
-    Ok(Json(json!({ "stopped": id, "provider": provider })).into_response())
+    Ok(Json(json!({ "id": id, "provider": provider, "stopped": true })).into_response())
 }
 
 async fn maintain_instance(

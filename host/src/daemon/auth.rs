@@ -39,7 +39,9 @@ impl BearerToken {
         if mode & 0o077 != 0 {
             return Err(AuthError::Exposed { path: shown, mode: mode & 0o777 });
         }
-        let text = std::fs::read_to_string(path).map_err(read)?;
+        let bytes = crate::manifest::read_regular_file(path, 64 << 10).map_err(read)?;
+        let text = String::from_utf8(bytes)
+            .map_err(|_| read(std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text")))?;
         let token = text.trim();
         if token.chars().count() < MIN_TOKEN_CHARS {
             return Err(AuthError::TooShort { path: shown });

@@ -370,7 +370,7 @@ impl Registry {
         let (path, components) = (component.to_owned(), self.store.data_dir().join("components"));
         let owned = name.to_owned();
         let (sha256, kept) = tokio::task::spawn_blocking(move || {
-            let bytes = std::fs::read(&path)
+            let bytes = crate::manifest::read_regular_file(&path, crate::manifest::MAX_COMPONENT_BYTES)
                 .map_err(|source| RegistryError::Candidate { path: path.display().to_string(), source })?;
             let sha256 = hex::encode(Sha256::digest(&bytes));
             let kept = keep_component(&components, &owned, &sha256, &bytes)?;

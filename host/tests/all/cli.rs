@@ -124,8 +124,10 @@ fn exit_codes_separate_usage_errors_from_failures() {
     let bad_zone = broker(data, &["instance", "start", "--provider", "fake", "--placement", "zone=mars"]);
     assert_eq!(bad_zone.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&bad_zone.stderr).contains("invalid params"));
+    // Stopping is idempotent (Juju's StopInstances): an unknown id is reported, not a failure.
     let unknown_instance = broker(data, &["instance", "stop", "fake-99"]);
-    assert_eq!(unknown_instance.status.code(), Some(1));
+    assert_eq!(unknown_instance.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&unknown_instance.stdout).contains("fake-99: no such instance recorded"));
 }
 
 #[test]

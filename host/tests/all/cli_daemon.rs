@@ -71,14 +71,22 @@ fn every_command_prints_the_same_through_a_daemon_as_without_one() {
 
     assert!(same(&["instance", "list"]).1.contains("zone-c"));
     assert_eq!(same(&["instance", "maintain", "fake-0"]).1, "maintained fake-0 (fake)\n");
-    assert_eq!(same(&["instance", "stop", "fake-0", "fake-1"]).1, "stopped fake-0 (fake)\nstopped fake-1 (fake)\n");
+    // Idempotent, as Juju's StopInstances: the known ids are stopped, an unknown
+    // one (never started, or stopped already) is reported, and the command succeeds.
+    let (code, stopped, _) = same(&["instance", "stop", "fake-0", "nosuch", "fake-1"]);
+    assert_eq!(code, 0, "{stopped}");
+    assert_eq!(
+        stopped,
+        "stopped fake-0 (fake)\nstopped fake-1 (fake)\nnosuch: no such instance recorded (nothing to stop; --provider asks a provider for it)\n"
+    );
+    assert_eq!(same(&["instance", "stop", "fake-0"]).0, 0, "stopped a second time");
     assert_eq!(same(&["instance", "stop", "--provider", "fake", "fake-7"]).0, 0, "unknown ids are fine");
     assert_eq!(same(&["instance", "list", "--json"]).1, "[]\n");
     let swapped = same(&["provider", "swap", "fake", &next]);
     assert!(swapped.1.starts_with("swapped provider fake: 0.1.0 ("), "{swapped:?}");
 
     // Failures: the same message, exit 1; a usage error is caught before any call, exit 2.
-    let (code, _, error) = same(&["instance", "stop", "never-started"]);
+    let (code, _, error) = same(&["instance", "maintain", "never-started"]);
     assert_eq!(code, 1);
     assert!(error.contains("never-started"), "{error}");
     assert_eq!(same(&["provider", "show", "nonesuch"]).0, 1);

@@ -44,6 +44,19 @@ fn the_api_serves_providers_instances_swaps_events_and_metrics() {
     let (status, refused) =
         daemon.json("POST", "/v1/providers/fake/swap", Some(r#"{"component":"/nonexistent/x.wasm"}"#));
     assert_eq!(status, 422, "{refused}");
+    // Neither a FIFO (an open for reading would wait for a writer) nor a device
+    // (read until memory runs out) is read as a candidate: refused at once, twice each.
+    let fifo = dir.path().join("fifo.wasm");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    for (candidate, what) in [(fifo.display().to_string(), "a FIFO"), ("/dev/zero".to_owned(), "a device")] {
+        for _ in 0..2 {
+            let body = format!("{{\"component\":\"{candidate}\"}}");
+            let (status, refused) = daemon.json("POST", "/v1/providers/fake/swap", Some(&body));
+            assert_eq!(status, 422, "{refused}");
+            assert!(refused["error"].as_str().unwrap().contains(&format!("not a regular file ({what})")), "{refused}");
+        }
+    }
+    assert_eq!(daemon.request("GET", "/healthz", None).0, 200);
     let garbage = dir.path().join("garbage.wasm");
     std::fs::write(&garbage, b"\0asm garbage").unwrap();
     let body = format!("{{\"component\":\"{}\"}}", garbage.display());
@@ -51,8 +64,11 @@ fn the_api_serves_providers_instances_swaps_events_and_metrics() {
     assert_eq!(status, 409, "a refused candidate: {refused}");
     assert!(refused["error"].as_str().unwrap().contains("0.2.0 keeps serving"), "{refused}");
 
-    let (status, _) = daemon.json("DELETE", &format!("/v1/instances/{id}"), None);
-    assert_eq!(status, 200);
+    let (status, stopped) = daemon.json("DELETE", &format!("/v1/instances/{id}"), None);
+    assert_eq!((status, &stopped), (200, &serde_json::json!({"id": id, "provider": "fake", "stopped": true})));
+    // Idempotent: stopped again, or never known, is nothing to stop.
+    let (status, again) = daemon.json("DELETE", &format!("/v1/instances/{id}"), None);
+    assert_eq!((status, &again), (200, &serde_json::json!({"id": id, "provider": null, "stopped": false})));
     assert_eq!(daemon.json("GET", "/v1/instances", None).1, serde_json::json!([]));
 
     let (_, events) = daemon.json("GET", "/v1/events", None);
@@ -106,7 +122,7 @@ fn garbage_gets_a_4xx_with_a_message_and_the_daemon_keeps_serving() {
         ("POST", "/v1/instances", &br#"{"provider":"fake","constraints":"mem=lots"}"#[..], 400),
         ("POST", "/v1/instances", &br#"{"provider":"nonesuch"}"#[..], 404),
         ("POST", "/v1/instances", &huge[..], 413),
-        ("DELETE", "/v1/instances/never-started", &b""[..], 404),
+        ("POST", "/v1/instances/never-started/maintain", &b""[..], 404),
         ("POST", "/v1/providers", &br#"{"manifest":"/nonexistent/provider.toml"}"#[..], 422),
         ("GET", "/v1/providers/nonesuch", &b""[..], 404),
     ] {
