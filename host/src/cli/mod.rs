@@ -76,6 +76,20 @@ pub(crate) enum Command {
         /// read again from the state file on their next use (about 0.75 ms a MiB).
         #[arg(long, value_name = "MIB", default_value_t = crate::store::MIRROR_BUDGET_BYTES as u64 >> 20)]
         kv_mirror_mib: u64,
+        /// A request's line and headers must arrive within this (and an idle
+        /// kept-alive connection closes after it), e.g. 10s.
+        #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+        header_timeout: std::time::Duration,
+        /// A request's body must arrive whole within this (else 408).
+        #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+        body_timeout: std::time::Duration,
+        /// Connections open at once, per listener; more wait in the kernel's backlog.
+        #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65536))]
+        max_connections: u32,
+        /// On SIGTERM, how long requests in flight have to finish before their
+        /// connections are closed (starts whose client went away run on regardless).
+        #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = humantime::parse_duration)]
+        drain_timeout: std::time::Duration,
     },
     /// The event log: providers added, swapped (both versions' hashes), refused, removed.
     Events {
@@ -238,10 +252,27 @@ pub async fn run(cli: Cli) -> Result<u8> {
         return provider_test(&cli.data_dir, &component, manifest.as_deref(), format, answers, &mut stdout).await;
     }
     let socket = cli.socket.clone().unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
-    if let Command::Serve { listen, token_file, providers_dir, kv_mirror_mib } = cli.command {
+    if let Command::Serve {
+        listen,
+        token_file,
+        providers_dir,
+        kv_mirror_mib,
+        header_timeout,
+        body_timeout,
+        max_connections,
+        drain_timeout,
+    } = cli.command
+    {
         let providers_dir = providers_dir.unwrap_or_else(|| cli.data_dir.join("providers"));
         let kv_mirror_bytes = usize::try_from(kv_mirror_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
-        serve(&cli.data_dir, &socket, listen, token_file, &providers_dir, kv_mirror_bytes).await?;
+        let limits = crate::daemon::ServeLimits {
+            header_timeout,
+            body_timeout,
+            max_connections: max_connections as usize,
+            drain: drain_timeout,
+        };
+        let options = ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits };
+        serve(&cli.data_dir, &socket, options).await?;
         return Ok(0);
     }
     let backend = Backend::open(&cli.data_dir, &socket).await?;
@@ -263,14 +294,18 @@ pub async fn run(cli: Cli) -> Result<u8> {
     Ok(0)
 }
 
-async fn serve(
-    data_dir: &std::path::Path,
-    socket: &std::path::Path,
+/// `broker serve`'s options, as parsed.
+struct ServeOptions {
     listen: Option<std::net::SocketAddr>,
     token_file: Option<PathBuf>,
-    providers_dir: &std::path::Path,
+    providers_dir: PathBuf,
     kv_mirror_bytes: usize,
-) -> Result<()> {
+    limits: crate::daemon::ServeLimits,
+}
+
+async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: ServeOptions) -> Result<()> {
+    let ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits } = options;
+    let providers_dir = providers_dir.as_path();
     // Before the state is opened: a second daemon would only be told the database is busy.
     if crate::client::DaemonClient::probe(socket).await.is_some() {
         anyhow::bail!("another broker daemon is serving on {}", socket.display());
@@ -310,7 +345,7 @@ async fn serve(
         shutdown_signal().await;
         let _ = signalled.send(true);
     });
-    let served = crate::daemon::serve(broker, socket, tcp, until_stopping(stopping)).await;
+    let served = crate::daemon::serve(broker, socket, tcp, limits, until_stopping(stopping)).await;
     // Served to the end or failed to start: either way the watcher stops too, and a
     // rescan in progress (a swap, a removal draining) finishes first.
     let _ = stop.send(true);

@@ -121,7 +121,8 @@ where
     }
 }
 
-pub(crate) fn router(broker: Shared) -> Router {
+/// The routes, each request bounded (see [`super::listen::bounded_request`]).
+pub(crate) fn router_with(broker: Shared, body_timeout: std::time::Duration) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/metrics", get(metrics))
@@ -135,6 +136,9 @@ pub(crate) fn router(broker: Shared) -> Router {
         .route("/v1/events", get(events))
         .route("/v1/lock", get(lock_report))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(move |request, next| {
+            super::listen::bounded_request(body_timeout, request, next)
+        }))
         .with_state(broker)
 }
 

@@ -7,12 +7,13 @@
 
 mod api;
 mod auth;
+pub mod listen;
 mod progress;
 pub mod wire;
 
-pub(crate) use api::router;
 pub use auth::BearerToken;
 pub(crate) use auth::check_loopback;
+pub use listen::ServeLimits;
 
 use crate::broker::Broker;
 use anyhow::{Context, Result};
@@ -38,11 +39,12 @@ pub struct TcpListen {
 
 /// Serve the API on `socket` (and on loopback TCP behind a bearer token, if
 /// asked) until `shutdown` resolves; then stop accepting and let the requests
-/// in flight finish.
+/// in flight finish, within `limits.drain`.
 pub async fn serve(
     broker: Arc<Broker>,
     socket: &Path,
     tcp: Option<TcpListen>,
+    limits: ServeLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     if socket.exists() {
@@ -70,18 +72,18 @@ pub async fn serve(
             check_loopback(addr)?;
             let listener =
                 tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-            let app = router(broker.clone()).layer(axum::middleware::from_fn_with_state(token, auth::require_bearer));
+            let app = api::router_with(broker.clone(), limits.body_timeout)
+                .layer(axum::middleware::from_fn_with_state(token, auth::require_bearer));
             tracing::info!(addr = %addr, "broker daemon serving on TCP (bearer token required)");
-            Some(tokio::spawn(
-                axum::serve(listener, app).with_graceful_shutdown(until_stopped(stopped.clone())).into_future(),
-            ))
+            Some(tokio::spawn(listen::serve(listener, app, limits, until_stopped(stopped.clone()), "tcp")))
         }
     };
     tracing::info!(socket = %socket.display(), "broker daemon serving");
-    let served = axum::serve(listener, router(broker)).with_graceful_shutdown(until_stopped(stopped)).await;
+    let app = api::router_with(broker, limits.body_timeout);
+    listen::serve(listener, app, limits, until_stopped(stopped), "unix").await;
     let _ = std::fs::remove_file(socket);
     if let Some(over_tcp) = over_tcp {
-        over_tcp.await.context("the TCP API server panicked")?.context("the TCP API server failed")?;
+        over_tcp.await.context("the TCP API server panicked")?;
     }
-    served.context("the API server failed")
+    Ok(())
 }

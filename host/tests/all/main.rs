@@ -11,3 +11,4 @@ mod daemon;
 mod lock;
 mod providers_dir;
 mod quotas;
+mod slow_clients;
