@@ -51,6 +51,10 @@ pub(crate) enum Command {
     Instance(InstanceCommand),
     /// Report the machine lock (holder, waiting, history), or hold it around a program.
     Lock(lock::LockArgs),
+    /// Check the state file, or make a new one of what a damaged one still holds.
+    /// Both need the state to themselves: stop the daemon first.
+    #[command(subcommand)]
+    Store(StoreCommand),
     /// Run as a daemon: the HTTP/JSON API on a unix socket (DATA_DIR/broker.sock,
     /// mode 0600) until SIGTERM or Ctrl-C, then finish the requests in flight.
     /// Routes: /healthz, /metrics, /v1/providers[/NAME[/swap]], /v1/instances[/ID[/maintain]]
@@ -98,6 +102,24 @@ pub(crate) enum Command {
         after: u64,
         #[arg(long, default_value_t = 100)]
         limit: usize,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum StoreCommand {
+    /// Read every table of DATA_DIR/state.redb (redb's integrity check, then
+    /// every record decoded) and say what cannot be read. Exit 0 when all can, 1 otherwise.
+    Check {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Copy what can be read of DATA_DIR/state.redb into a new state file, in
+    /// its place; the damaged one is kept as state.redb.damaged-SECONDS. Records
+    /// that do not decode are left out and named; a table is copied up to its
+    /// first unreadable entry. The write-ahead log is applied on the next open.
+    Recover {
         #[arg(long)]
         json: bool,
     },
@@ -238,8 +260,17 @@ fn default_data_dir() -> PathBuf {
 
 /// Run the CLI; returns the exit code of a successful run (errors exit 1, or 2
 /// for a [`UsageError`]).
-pub async fn run(cli: Cli) -> Result<u8> {
+pub async fn run(mut cli: Cli) -> Result<u8> {
     let mut stdout = std::io::stdout().lock();
+    // Made absolute once, here: the component cache, the daemon and the
+    // sandbox all need absolute paths, and a relative one would mean another
+    // place to a process started elsewhere.
+    cli.data_dir = std::path::absolute(&cli.data_dir)
+        .with_context(|| format!("cannot resolve --data-dir {}", cli.data_dir.display()))?;
+    if let Some(socket) = &cli.socket {
+        cli.socket =
+            Some(std::path::absolute(socket).with_context(|| format!("cannot resolve --socket {}", socket.display()))?);
+    }
     // The lock commands never open the state database, which another broker may hold,
     // and a conformance run uses a sandbox of its own.
     if let Command::Lock(args) = cli.command {
@@ -252,6 +283,9 @@ pub async fn run(cli: Cli) -> Result<u8> {
         return provider_test(&cli.data_dir, &component, manifest.as_deref(), format, answers, &mut stdout).await;
     }
     let socket = cli.socket.clone().unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
+    if let Command::Store(command) = cli.command {
+        return store_command(&cli.data_dir, &socket, command, &mut stdout).await;
+    }
     if let Command::Serve {
         listen,
         token_file,
@@ -279,7 +313,7 @@ pub async fn run(cli: Cli) -> Result<u8> {
     match cli.command {
         Command::Provider(command) => provider(&backend, command, &mut stdout).await?,
         Command::Instance(command) => instance(&backend, command, &mut stdout).await?,
-        Command::Lock(_) | Command::Serve { .. } => unreachable!("handled above"),
+        Command::Lock(_) | Command::Serve { .. } | Command::Store(_) => unreachable!("handled above"),
         Command::Events { after, limit, json } => {
             let events = backend.events(after, limit).await?;
             if json {
@@ -565,4 +599,39 @@ async fn provider_test(
         ReportFormat::Junit => write!(out, "{}", report.junit())?,
     }
     Ok(if report.passed() { 0 } else { 1 })
+}
+
+/// `broker store check` / `recover`: on the state file itself, never through a daemon.
+async fn store_command(
+    data_dir: &std::path::Path,
+    socket: &std::path::Path,
+    command: StoreCommand,
+    out: &mut impl Write,
+) -> Result<u8> {
+    if crate::client::DaemonClient::probe(socket).await.is_some() {
+        anyhow::bail!("a broker daemon is serving on {}: stop it first (it holds the state file)", socket.display());
+    }
+    let recovering = matches!(command, StoreCommand::Recover { .. });
+    let dir = data_dir.to_owned();
+    let json = match command {
+        StoreCommand::Check { json } | StoreCommand::Recover { json } => json,
+    };
+    // Reads the whole file: off the async workers.
+    let report = tokio::task::spawn_blocking(move || {
+        if recovering { crate::store::salvage::recover(&dir) } else { crate::store::salvage::check(&dir) }
+    })
+    .await
+    .context("the store check failed")??;
+    if json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        output::salvage_report(out, &report)?;
+    }
+    if recovering {
+        // The new file opens as a store: the log applied, the id index made.
+        crate::store::Store::open(data_dir).context("the recovered state file does not open")?;
+        output::line(out, "the new state file opens; the write-ahead log is applied")?;
+        return Ok(0);
+    }
+    Ok(if report.is_sound() { 0 } else { 1 })
 }

@@ -211,6 +211,35 @@ pub fn event_lines(out: &mut impl Write, events: &[crate::store::Event]) -> std:
     Ok(())
 }
 
+/// `broker store check` / `recover`: per table, what was read, what was not.
+pub fn salvage_report(out: &mut impl Write, report: &crate::store::salvage::SalvageReport) -> std::io::Result<()> {
+    writeln!(out, "state file: {}", esc(&report.path))?;
+    if let Some(why) = &report.unopenable {
+        writeln!(out, "cannot be opened: {}", esc(why))?;
+    }
+    match report.integrity {
+        Some(true) => writeln!(out, "redb integrity check: sound")?,
+        Some(false) => writeln!(out, "redb integrity check: damage found (repaired where redb could)")?,
+        None if report.unopenable.is_none() => writeln!(out, "redb integrity check: could not run")?,
+        None => {}
+    }
+    for table in &report.tables {
+        let state = match (&table.cut_short, table.corrupt.len()) {
+            (None, 0) => "ok".to_owned(),
+            (None, n) => format!("{n} record(s) do not decode"),
+            (Some(why), _) => format!("read up to an unreadable entry: {}", esc(why)),
+        };
+        writeln!(out, "{:<18} {:>8} readable  {state}", table.table, table.readable)?;
+        for bad in &table.corrupt {
+            writeln!(out, "  left out: {}", esc(bad))?;
+        }
+    }
+    if let Some(kept) = &report.kept_as {
+        writeln!(out, "the damaged file is kept as {}", esc(kept))?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

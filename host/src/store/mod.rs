@@ -10,6 +10,7 @@
 mod events;
 mod kv;
 pub mod records;
+pub mod salvage;
 mod sandbox_users;
 mod wal;
 mod writer;
@@ -84,6 +85,38 @@ pub enum StoreError {
     /// The writer has stopped; nothing more can be written.
     #[error("state database is closed")]
     Closed,
+    /// Another process (the daemon, or another broker command) holds the state file.
+    #[error("state database {path} is open in another process (a running `broker serve`?): stop it first")]
+    Busy {
+        /// `state.redb`.
+        path: String,
+    },
+    /// The state file is empty: opening it would silently start a new store.
+    #[error(
+        "state database {path} is empty (0 bytes): it holds no broker state, and opening it would start an empty one in its place. Put the real state file back, or delete this one to start afresh"
+    )]
+    Empty {
+        /// `state.redb`.
+        path: String,
+    },
+    /// The state file is damaged past what redb can open or read.
+    #[error(
+        "state database {path} is damaged: {reason}. `broker store check` shows what can be read; `broker store recover` makes a new state file of it (keeping the damaged one)"
+    )]
+    Damaged {
+        /// `state.redb`.
+        path: String,
+        /// What failed.
+        reason: String,
+    },
+    /// A recovered store could not be written.
+    #[error("cannot write the recovered state database {path}: {reason}")]
+    Salvage {
+        /// The new file.
+        path: String,
+        /// What failed.
+        reason: String,
+    },
 }
 
 // Causes are shared (`Arc`): one failed commit answers every write in its batch.
@@ -117,8 +150,44 @@ impl Store {
     /// Open (or create) the state file and its write-ahead log, applying what
     /// the log holds beyond the file's last checkpoint; the data dir is
     /// created if missing.
+    ///
+    /// A state file that is empty, not a regular file, or damaged past what
+    /// redb opens is refused with what to do; redb panicking on a damaged file
+    /// is one of those refusals, not a crash.
     pub fn open(data_dir: &Path) -> Result<Store, StoreError> {
-        Self::open_with(data_dir, wal::Checkpoints::default())
+        Self::open_checked(data_dir, wal::Checkpoints::default())
+    }
+
+    fn open_checked(data_dir: &Path, checkpoints: wal::Checkpoints) -> Result<Store, StoreError> {
+        let path = data_dir.join("state.redb");
+        let shown = || path.display().to_string();
+        match std::fs::metadata(&path) {
+            Ok(metadata) if !metadata.is_file() => {
+                let reason = "not a regular file".to_owned();
+                return Err(StoreError::Damaged { path: shown(), reason });
+            }
+            Ok(metadata) if metadata.len() == 0 => return Err(StoreError::Empty { path: shown() }),
+            _ => {}
+        }
+        let opened = salvage::caught(|| Self::open_with(data_dir, checkpoints));
+        match opened {
+            Ok(Err(StoreError::Open { source, .. } | StoreError::Db(source)))
+                if matches!(&*source, redb::Error::Corrupted(_))
+                    || matches!(&*source, redb::Error::Io(e) if e.kind() == std::io::ErrorKind::InvalidData) =>
+            {
+                Err(StoreError::Damaged { path: shown(), reason: source.to_string() })
+            }
+            Ok(Err(StoreError::Open { source, .. } | StoreError::Db(source)))
+                if matches!(&*source, redb::Error::DatabaseAlreadyOpen) =>
+            {
+                Err(StoreError::Busy { path: shown() })
+            }
+            Ok(opened) => opened,
+            Err(payload) => {
+                let reason = format!("redb panicked reading it: {}", salvage::panic_text(&*payload));
+                Err(StoreError::Damaged { path: shown(), reason })
+            }
+        }
     }
 
     fn open_with(data_dir: &Path, checkpoints: wal::Checkpoints) -> Result<Store, StoreError> {
@@ -317,10 +386,21 @@ impl Store {
         };
         for entry in entries {
             let (key, value) = entry.map_err(db_error)?;
-            if provider.is_some_and(|p| key.value().0 != p) {
+            let (owner, id) = key.value();
+            if provider.is_some_and(|p| owner != p) {
                 break;
             }
-            records.push(decode("instance", value.value())?);
+            // One record that does not decode hides no other: it is named, and
+            // `broker store recover` leaves it out.
+            match decode("instance", value.value()) {
+                Ok(record) => records.push(record),
+                Err(error) => tracing::error!(
+                    provider = owner,
+                    instance_id = id,
+                    %error,
+                    "an instance record does not decode: left out (`broker store check` names it, `broker store recover` drops it)"
+                ),
+            }
         }
         Ok(records)
     }
@@ -432,7 +512,7 @@ mod tests {
     use super::*;
     use crate::store::records::Hardware;
 
-    fn record(provider: &str, id: &str) -> InstanceRecord {
+    pub(super) fn record(provider: &str, id: &str) -> InstanceRecord {
         InstanceRecord {
             id: id.into(),
             provider: provider.into(),

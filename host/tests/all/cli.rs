@@ -299,3 +299,69 @@ fn what_a_provider_chose_is_printed_escaped() {
     let stderr = String::from_utf8(refused.stderr).unwrap();
     assert!(!terminal_bytes(&stderr) && stderr.contains(r#""\x1b[2J\nhostile-2""#), "{stderr:?}");
 }
+
+/// F11: a relative `--data-dir` is the directory it names from where the
+/// command runs (it was refused by the component cache: "path has to be absolute").
+#[test]
+fn a_relative_data_dir_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_broker"))
+            .current_dir(dir.path())
+            .args(["--data-dir", "state"])
+            .args(args)
+            .env_remove("BROKER_SOCKET")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    run(&["provider", "add", &fake_manifest()]);
+    assert!(run(&["instance", "start", "--provider", "fake"]).contains("started fake-0"));
+    assert!(dir.path().join("state/state.redb").is_file());
+    assert!(
+        ok(&dir.path().join("state"), &["instance", "list"]).contains("fake-0"),
+        "the same state, named absolutely"
+    );
+}
+
+/// F8/F9 through the binary: an empty state file is refused without a word
+/// changed; a damaged one is refused with what to do, never a panic; `store
+/// check` says what is wrong (exit 1) and `store recover` makes a store that
+/// the next command opens.
+#[test]
+fn a_damaged_state_file_is_refused_checked_and_recovered() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    let state = data.join("state.redb");
+    std::fs::write(&state, b"").unwrap();
+    let empty = broker(data, &["provider", "list"]);
+    assert_eq!(empty.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&empty.stderr).contains("is empty (0 bytes)"), "{empty:?}");
+    assert_eq!(std::fs::metadata(&state).unwrap().len(), 0);
+    std::fs::remove_file(&state).unwrap();
+
+    ok(data, &["provider", "add", &fake_manifest()]);
+    ok(data, &["instance", "start", "--provider", "fake"]);
+    assert_eq!(broker(data, &["store", "check"]).status.code(), Some(0), "a sound store");
+    // Garbage over the file's header page: not a redb file any more.
+    let mut bytes = std::fs::read(&state).unwrap();
+    bytes[..64].fill(0x5a);
+    std::fs::write(&state, &bytes).unwrap();
+    let refused = broker(data, &["instance", "list"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("is damaged") && stderr.contains("broker store recover"), "{stderr}");
+    assert!(!stderr.contains("panicked at"), "{stderr}");
+    let checked = broker(data, &["store", "check"]);
+    assert_eq!(checked.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&checked.stdout).contains("cannot be opened"), "{checked:?}");
+
+    let recovered = broker(data, &["store", "recover"]);
+    assert_eq!(recovered.status.code(), Some(0), "{recovered:?}");
+    let said = String::from_utf8_lossy(&recovered.stdout);
+    assert!(said.contains("the damaged file is kept as") && said.contains("the new state file opens"), "{said}");
+    // Nothing was readable, so the host starts over, and says so plainly.
+    assert_eq!(json(data, &["provider", "list", "--json"]), serde_json::json!([]));
+    assert!(file_names(data).iter().any(|name| name.starts_with("state.redb.damaged-")));
+}

@@ -1,0 +1,371 @@
+//! `broker store check` and `broker store recover`: what of a damaged state
+//! file can be read, and a new state file made of it.
+//!
+//! redb answers most damage with an error, but some (a page whose bytes were
+//! changed under a valid checksum, or a torn file) make it panic deep in its
+//! B-tree code. So every read of a damaged file here runs under
+//! `catch_unwind`: a panic is one more way for a table to end early, never a
+//! crash of the tool. A table is read in key order until its first entry that
+//! cannot be read; each record that does not decode is named and left out.
+//! Recovery writes what was read to a new file, keeps the damaged one beside
+//! it (`state.redb.damaged-SECONDS`) and then opens the store as usual, which
+//! applies the write-ahead log on top.
+
+use super::{
+    CHILDREN, INSTANCES, KV, OBSERVED_NETWORK, PROVIDERS, ProviderRecord, StoreError, events, records::InstanceRecord,
+};
+use crate::capabilities::process::ChildRecord;
+use redb::{Database, Key, ReadableDatabase, ReadableTable, TableDefinition, TableHandle};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+
+/// What one table held, as far as it could be read.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TableReport {
+    /// The table.
+    pub table: String,
+    /// Entries read that decode (all of them, for tables of raw bytes).
+    pub readable: u64,
+    /// Records that were read but do not decode: their keys and why.
+    pub corrupt: Vec<String>,
+    /// Why the table could not be read to its end, if it could not.
+    pub cut_short: Option<String>,
+}
+
+/// What `check` or `recover` found.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SalvageReport {
+    /// The state file.
+    pub path: String,
+    /// Why the file could not be opened at all, if it could not.
+    pub unopenable: Option<String>,
+    /// redb's own integrity check: `Some(true)` when it found the file sound.
+    pub integrity: Option<bool>,
+    /// Each table.
+    pub tables: Vec<TableReport>,
+    /// Where the damaged file was kept (`recover` only).
+    pub kept_as: Option<String>,
+}
+
+impl SalvageReport {
+    fn of(path: &Path) -> SalvageReport {
+        let path = path.display().to_string();
+        SalvageReport { path, unopenable: None, integrity: None, tables: Vec::new(), kept_as: None }
+    }
+
+    /// True when everything could be read and decoded.
+    pub fn is_sound(&self) -> bool {
+        self.unopenable.is_none()
+            && self.integrity != Some(false)
+            && self.tables.iter().all(|t| t.corrupt.is_empty() && t.cut_short.is_none())
+    }
+}
+
+/// A panic's message, as text.
+pub(super) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+        (Some(text), _) => (*text).to_owned(),
+        (None, Some(text)) => text.clone(),
+        (None, None) => "a panic".to_owned(),
+    }
+}
+
+std::thread_local! {
+    /// Set while this thread runs code whose panics are caught and reported.
+    static CAUGHT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `f` under `catch_unwind`, its panic not printed by the panic hook (it is
+/// answered as an error by the caller): a damaged file is reported once, as
+/// what it is, not as a crash's backtrace. Other threads' panics print as ever.
+pub(super) fn caught<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if CAUGHT.with(std::cell::Cell::get) {
+                tracing::debug!(%info, "a panic caught and reported as an error");
+            } else {
+                previous(info);
+            }
+        }));
+    });
+    let was = CAUGHT.with(|caught| caught.replace(true));
+    let result = catch_unwind(AssertUnwindSafe(f));
+    CAUGHT.with(|caught| caught.set(was));
+    result
+}
+
+/// `f`, with a panic as an error.
+fn unpanicked<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    caught(f).unwrap_or_else(|payload| Err(format!("redb panicked: {}", panic_text(&*payload))))
+}
+
+/// Whether a record decodes, as its type: an error names why not.
+type Validate = fn(&[u8]) -> Result<(), String>;
+
+fn as_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<(), String> {
+    serde_json::from_slice::<T>(bytes).map(drop).map_err(|e| e.to_string())
+}
+
+fn any_bytes(_: &[u8]) -> Result<(), String> {
+    Ok(())
+}
+
+/// Read `table` of `from` in key order, each readable entry whose value
+/// `validate` takes handed to `keep`.
+fn walk<K: Key + 'static>(
+    from: &Database,
+    table: TableDefinition<K, &'static [u8]>,
+    validate: Validate,
+    mut keep: impl FnMut(K::SelfType<'_>, &[u8]) -> Result<(), String>,
+) -> TableReport
+where
+    for<'a> K::SelfType<'a>: std::fmt::Debug,
+{
+    let mut report = TableReport { table: table.name().to_owned(), readable: 0, corrupt: Vec::new(), cut_short: None };
+    let read = unpanicked(|| {
+        let txn = from.begin_read().map_err(|e| e.to_string())?;
+        let opened = match txn.open_table(table) {
+            Ok(opened) => opened,
+            // A store from before the table: nothing to read.
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
+        };
+        for entry in opened.iter().map_err(|e| e.to_string())? {
+            let (key, value) = entry.map_err(|e| e.to_string())?;
+            let bytes = value.value();
+            match validate(bytes) {
+                Ok(()) => {
+                    keep(key.value(), bytes)?;
+                    report.readable += 1;
+                }
+                Err(why) => report.corrupt.push(format!("{:?}: {why}", key.value())),
+            }
+        }
+        Ok(())
+    });
+    if let Err(why) = read {
+        report.cut_short = Some(why);
+    }
+    report
+}
+
+/// Every table the host keeps, read from `from` and, if `into` is given,
+/// copied into it in one transaction. (The instance-id index is made again
+/// from the records on every open, so it is not read.)
+fn each_table(from: &Database, into: Option<&Database>) -> Result<Vec<TableReport>, String> {
+    let write = into.map(Database::begin_write).transpose().map_err(|e| e.to_string())?;
+    let mut reports = Vec::new();
+    macro_rules! copy {
+        ($table:expr, $validate:expr) => {{
+            let mut copy = write.as_ref().map(|txn| txn.open_table($table)).transpose().map_err(|e| e.to_string())?;
+            reports.push(walk(from, $table, $validate, |key, value| match &mut copy {
+                Some(copy) => copy.insert(key, value).map(drop).map_err(|e| e.to_string()),
+                None => Ok(()),
+            }));
+        }};
+    }
+    copy!(PROVIDERS, as_json::<ProviderRecord>);
+    copy!(INSTANCES, as_json::<InstanceRecord>);
+    copy!(KV, any_bytes);
+    copy!(CHILDREN, as_json::<ChildRecord>);
+    copy!(OBSERVED_NETWORK, as_json::<super::ObservedNetwork>);
+    copy!(events::EVENTS, as_json::<super::Event>);
+    if let Some(txn) = write {
+        txn.commit().map_err(|e| e.to_string())?;
+    }
+    Ok(reports)
+}
+
+fn state_file(data_dir: &Path) -> PathBuf {
+    data_dir.join("state.redb")
+}
+
+/// Open `path` (repaired first by redb if it was not closed cleanly, as any
+/// open would), or why not: `Ok(Err(..))`; `Err` when another process holds it.
+fn open_damaged(path: &Path) -> Result<Result<Database, String>, StoreError> {
+    if !std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file()) {
+        return Ok(Err("not a regular file, or no such file".to_owned()));
+    }
+    let opened = caught(|| Database::open(path));
+    match opened {
+        Ok(Ok(db)) => Ok(Ok(db)),
+        Ok(Err(redb::DatabaseError::DatabaseAlreadyOpen)) => Err(busy(path)),
+        Ok(Err(e)) => Ok(Err(e.to_string())),
+        Err(payload) => Ok(Err(format!("redb panicked: {}", panic_text(&*payload)))),
+    }
+}
+
+/// Read every table of the state file in `data_dir`, changing nothing.
+/// Fails only if a daemon (or another broker) holds the file.
+pub fn check(data_dir: &Path) -> Result<SalvageReport, StoreError> {
+    let path = state_file(data_dir);
+    let mut report = SalvageReport::of(&path);
+    let mut db = match open_damaged(&path)? {
+        Ok(db) => db,
+        Err(why) => {
+            report.unopenable = Some(why);
+            return Ok(report);
+        }
+    };
+    report.integrity = unpanicked(|| db.check_integrity().map_err(|e| e.to_string())).ok();
+    match each_table(&db, None) {
+        Ok(tables) => report.tables = tables,
+        Err(why) => report.unopenable = Some(why),
+    }
+    Ok(report)
+}
+
+fn busy(path: &Path) -> StoreError {
+    StoreError::Busy { path: path.display().to_string() }
+}
+
+/// Make a new state file of what the one in `data_dir` holds that can be
+/// read: the damaged file is kept as `state.redb.damaged-SECONDS` and the new
+/// one takes its place. The write-ahead log stays, to be applied on the next
+/// open.
+pub fn recover(data_dir: &Path) -> Result<SalvageReport, StoreError> {
+    let path = state_file(data_dir);
+    let io = |e: std::io::Error| StoreError::Open {
+        path: path.display().to_string(),
+        source: std::sync::Arc::new(redb::Error::Io(e)),
+    };
+    let fresh = data_dir.join("state.redb.recovering");
+    match std::fs::remove_file(&fresh) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
+        _ => {}
+    }
+    let mut report = SalvageReport::of(&path);
+    let into = Database::create(&fresh)
+        .map_err(|e| StoreError::Open { path: fresh.display().to_string(), source: std::sync::Arc::new(e.into()) })?;
+    let opened = open_damaged(&path).inspect_err(|_| drop(std::fs::remove_file(&fresh)))?;
+    match opened {
+        Ok(from) => {
+            let tables = each_table(&from, Some(&into))
+                .map_err(|why| StoreError::Salvage { path: fresh.display().to_string(), reason: why })?;
+            report.tables = tables;
+        }
+        Err(why) => report.unopenable = Some(why),
+    }
+    drop(into);
+    let seconds = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_secs());
+    if path.exists() {
+        let kept = data_dir.join(format!("state.redb.damaged-{seconds}"));
+        std::fs::rename(&path, &kept).map_err(io)?;
+        report.kept_as = Some(kept.display().to_string());
+    }
+    std::fs::rename(&fresh, &path).map_err(io)?;
+    std::fs::File::open(data_dir).and_then(|dir| dir.sync_all()).map_err(io)?;
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::capabilities::kv::KvBackend;
+    use crate::store::Store;
+    use crate::store::tests::record;
+
+    /// A closed store of 200 instance records and 200 kv entries.
+    fn populated() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        for n in 0..200 {
+            store.put_new_instance(&record("fake", &format!("fake-{n}"))).wait().unwrap();
+            store.kv().set("fake", &format!("k/{n}"), &[n as u8; 300]).unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn an_empty_state_file_is_refused_and_left_as_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("state.redb"), b"").unwrap();
+        let err = Store::open(dir.path()).err().expect("refused");
+        assert!(matches!(err, StoreError::Empty { .. }), "{err}");
+        assert!(err.to_string().contains("is empty (0 bytes)"), "{err}");
+        assert_eq!(std::fs::metadata(dir.path().join("state.redb")).unwrap().len(), 0, "not made a new store");
+    }
+
+    /// A record that does not decode is named by `check` and left out by
+    /// `recover`; everything else is kept, and the store opens again.
+    #[test]
+    fn a_corrupt_record_is_named_and_recovery_keeps_the_rest() {
+        let dir = populated();
+        {
+            let db = Database::open(dir.path().join("state.redb")).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(INSTANCES).unwrap().insert(("fake", "fake-7"), b"{not json".as_slice()).unwrap();
+            txn.commit().unwrap();
+        }
+        {
+            // F12: the host lists the other records meanwhile.
+            let store = Store::open(dir.path()).unwrap();
+            assert_eq!(store.instances(None).unwrap().len(), 199);
+            assert_eq!(store.instances(Some("fake")).unwrap().len(), 199);
+        }
+        let report = check(dir.path()).unwrap();
+        assert!(!report.is_sound());
+        let instances = report.tables.iter().find(|t| t.table == "instances").unwrap();
+        assert_eq!(instances.readable, 199);
+        assert!(instances.corrupt[0].contains("fake-7"), "{:?}", instances.corrupt);
+
+        let report = recover(dir.path()).unwrap();
+        assert!(report.kept_as.as_deref().is_some_and(|kept| std::path::Path::new(kept).exists()));
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.instances(None).unwrap().len(), 199);
+        assert_eq!(store.kv().get("fake", "k/199").unwrap(), Some(vec![199; 300]));
+        drop(store);
+        assert!(check(dir.path()).unwrap().is_sound());
+    }
+
+    /// The finding F8, as a test: copies of a real state file with
+    /// bytes overwritten at places spread over the file. Whatever redb makes
+    /// of each, opening answers (a store or an error naming the file, never a
+    /// panic), `check` reports, and `recover` leaves a store that opens.
+    #[test]
+    fn damaged_copies_never_panic_and_recovery_always_leaves_a_store() {
+        let source = populated();
+        let original = std::fs::read(source.path().join("state.redb")).unwrap();
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        const COPIES: usize = 128;
+        let (mut refused, mut opened, mut panicked) = (0, 0, 0);
+        for copy in 0..COPIES {
+            let mut bytes = original.clone();
+            // A run of garbage somewhere (the header too, now and then).
+            let at = if copy % 8 == 0 { (next() % 512) as usize } else { (next() as usize) % bytes.len() };
+            let len = 1 + (next() % 64) as usize;
+            for byte in bytes.iter_mut().skip(at).take(len) {
+                *byte = next() as u8;
+            }
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("state.redb"), &bytes).unwrap();
+            match Store::open(dir.path()) {
+                Ok(store) => {
+                    opened += 1;
+                    // Reads may fail; they must not panic the caller's thread.
+                    let _ = caught(|| store.instances(None));
+                }
+                Err(err) => {
+                    refused += 1;
+                    panicked += usize::from(err.to_string().contains("redb panicked"));
+                    assert!(err.to_string().contains(&dir.path().display().to_string()), "names the file: {err}");
+                }
+            }
+            let report = check(dir.path()).unwrap();
+            let _ = report.is_sound();
+            recover(dir.path()).unwrap();
+            Store::open(dir.path()).unwrap_or_else(|e| panic!("copy {copy}: the recovered store does not open: {e}"));
+        }
+        assert_eq!(opened + refused, COPIES);
+        // The seed is fixed: among the refusals are panics of redb's, caught.
+        assert!(panicked > 0, "{refused} refused, none of them a panic of redb's");
+    }
+}
