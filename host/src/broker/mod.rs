@@ -6,4 +6,4 @@ pub mod host_preparer;
 pub mod reconcile;
 pub mod service;
 
-pub use service::{Broker, BrokerServiceError, InstanceRecord};
+pub use service::{Broker, BrokerServiceError, InstanceRecord, cursor, page};

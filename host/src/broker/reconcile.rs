@@ -35,20 +35,36 @@ impl Reconciled {
         }
         let mut parts = vec![format!("maintained {}", self.maintained.len())];
         if !self.maintain_failed.is_empty() {
-            let failed: Vec<String> = self.maintain_failed.iter().map(|(id, why)| format!("{id} ({why})")).collect();
-            parts.push(format!("maintain failed: {}", failed.join(", ")));
+            let failed = self.maintain_failed.iter().map(|(id, why)| format!("{id} ({why})"));
+            parts.push(format!("maintain failed: {}", named(failed)));
         }
         if !self.unknown_to_host.is_empty() {
-            parts.push(format!("unknown to the host: {}", self.unknown_to_host.join(", ")));
+            parts.push(format!("unknown to the host: {}", named(self.unknown_to_host.iter().cloned())));
         }
         if !self.vanished.is_empty() {
-            parts.push(format!("vanished: {}", self.vanished.join(", ")));
+            parts.push(format!("vanished: {}", named(self.vanished.iter().cloned())));
         }
         if !self.refused.is_empty() {
-            parts.push(format!("refused ids: {}", self.refused.join(", ")));
+            parts.push(format!("refused ids: {}", named(self.refused.iter().cloned())));
         }
         parts.join("; ")
     }
+}
+
+/// `maintain-instance` calls a reconcile runs at once per provider.
+const MAINTAIN_AT_ONCE: usize = 8;
+
+/// Ids a `reconciled` event names per kind; past that it counts them.
+const IDS_NAMED: usize = 20;
+
+/// `ids`, the first [`IDS_NAMED`] of them, then how many more.
+fn named(ids: impl ExactSizeIterator<Item = String>) -> String {
+    let count = ids.len();
+    let mut text: Vec<String> = ids.take(IDS_NAMED).collect();
+    if count > IDS_NAMED {
+        text.push(format!("and {} more", count - IDS_NAMED));
+    }
+    text.join(", ")
 }
 
 impl Broker {
@@ -77,17 +93,32 @@ impl Broker {
     }
 
     async fn reconcile_one(&self, name: &str) -> Reconciled {
+        use futures_util::StreamExt;
+        use std::collections::HashSet;
         let mut found = Reconciled { provider: name.to_owned(), ..Reconciled::default() };
-        let records = match self.store().instances(Some(name)) {
+        let before = match self.store().instances(Some(name)) {
             Ok(records) => records,
             Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
         };
-        for record in &records {
-            match self.maintain_instance(name, &record.id).await {
-                Ok(()) => found.maintained.push(record.id.clone()),
-                Err(e) => found.maintain_failed.push((record.id.clone(), e.to_string())),
+        // A few at once: the provider's concurrency bound is shared with the
+        // calls the API serves meanwhile, and its own backend has its limits too.
+        let ids: Vec<String> = before.iter().map(|r| r.id.clone()).collect();
+        let maintained: Vec<_> = futures_util::stream::iter(ids)
+            .map(|id: String| async move {
+                let outcome = self.maintain_instance(name, &id).await;
+                (id, outcome)
+            })
+            .buffer_unordered(MAINTAIN_AT_ONCE)
+            .collect()
+            .await;
+        for (id, outcome) in maintained {
+            match outcome {
+                Ok(()) => found.maintained.push(id),
+                Err(e) => found.maintain_failed.push((id, e.to_string())),
             }
         }
+        found.maintained.sort_unstable();
+        found.maintain_failed.sort_unstable();
         let live = match self.registry().get(name).await {
             Ok(wasm) => wasm.all_instances(&CallHooks::default()).await.map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
@@ -99,9 +130,22 @@ impl Broker {
             }
             Err(e) => return Reconciled { error: Some(e), ..found },
         };
+        // Like with like: the records are read again now the provider has
+        // answered. An instance started meanwhile is in both; one stopped
+        // meanwhile is in neither the records after nor (likely) the answer.
+        let after = match self.store().instances(Some(name)) {
+            Ok(records) => records,
+            Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
+        };
+        let recorded_after: HashSet<&str> = after.iter().map(|r| r.id.as_str()).collect();
+        let reported: HashSet<&str> = live.iter().map(|i| i.id.as_str()).collect();
         found.unknown_to_host =
-            live.iter().filter(|i| !records.iter().any(|r| r.id == i.id)).map(|i| i.id.clone()).collect();
-        found.vanished = records.iter().filter(|r| !live.iter().any(|i| i.id == r.id)).map(|r| r.id.clone()).collect();
+            live.iter().filter(|i| !recorded_after.contains(i.id.as_str())).map(|i| i.id.clone()).collect();
+        found.vanished = before
+            .iter()
+            .filter(|r| recorded_after.contains(r.id.as_str()) && !reported.contains(r.id.as_str()))
+            .map(|r| r.id.clone())
+            .collect();
         found
     }
 }

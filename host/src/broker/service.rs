@@ -298,13 +298,8 @@ impl Broker {
 
     /// The provider that owns a recorded instance id.
     pub fn provider_of(&self, id: &str) -> Result<String, BrokerServiceError> {
-        let owners: Vec<String> =
-            self.store.instances(None)?.into_iter().filter(|r| r.id == id).map(|r| r.provider).collect();
-        match owners.as_slice() {
-            [] => Err(BrokerServiceError::UnknownInstance(id.to_owned())),
-            [one] => Ok(one.clone()),
-            _ => Err(BrokerServiceError::AmbiguousInstance { id: id.to_owned(), providers: owners.join(", ") }),
-        }
+        // The id index holds one owner per id (the store refuses a second).
+        self.store.owner_of(id)?.ok_or_else(|| BrokerServiceError::UnknownInstance(id.to_owned()))
     }
 
     /// What the providers report, joined with the host's records: live status
@@ -351,12 +346,12 @@ impl Broker {
             let count = refused.len();
             tracing::warn!(provider = %name, count, first = %first, "dropped instances the provider reported");
         }
-        let mut records = self.store.instances(Some(name))?;
-        let mut out = Vec::new();
+        let mut records: std::collections::HashMap<String, InstanceRecord> =
+            self.store.instances(Some(name))?.into_iter().map(|r| (r.id.clone(), r)).collect();
+        let mut out = Vec::with_capacity(live.len().max(records.len()));
         for instance in &live {
-            match records.iter().position(|r| r.id == instance.id) {
-                Some(i) => {
-                    let mut record = records.swap_remove(i);
+            match records.remove(&instance.id) {
+                Some(mut record) => {
                     record.status = status_name(instance.status).to_owned();
                     record.message = reported(&instance.message, MAX_REPORTED_MESSAGE_BYTES);
                     out.push(record);
@@ -364,7 +359,7 @@ impl Broker {
                 None => out.push(unrecorded(name, instance)),
             }
         }
-        for mut missing in records {
+        for mut missing in records.into_values() {
             missing.status = "unknown".into();
             missing.message = "not reported by the provider".into();
             out.push(missing);
@@ -384,14 +379,16 @@ impl Broker {
         provider: &str,
         live: Vec<Instance>,
     ) -> Result<(Vec<Instance>, Vec<String>), BrokerServiceError> {
-        let records = self.store.instances(None)?;
+        // The id index: one lookup per id, whatever the host records.
+        let owners = self.store.owners_of(live.iter().map(|i| i.id.as_str()))?;
         let (mut kept, mut refused) = (Vec::with_capacity(live.len()), Vec::new());
         for instance in live {
-            let owners = || records.iter().filter(|r| r.id == instance.id);
             let why = match instance_id_problem(&instance.id) {
                 Some(problem) => Some(problem),
-                None if owners().any(|r| r.provider == provider) => None,
-                None => owners().next().map(|r| format!("it is recorded for provider {}", r.provider)),
+                None => match owners.get(&instance.id) {
+                    Some(owner) if owner != provider => Some(format!("it is recorded for provider {owner}")),
+                    _ => None,
+                },
             };
             match why {
                 None => kept.push(instance),
@@ -422,4 +419,32 @@ fn unrecorded(provider: &str, instance: &Instance) -> InstanceRecord {
         created: String::new(),
         params: None,
     }
+}
+
+/// The cursor of `record` in a listing: `PROVIDER/ID` (a provider's name has no `/`).
+pub fn cursor(record: &InstanceRecord) -> String {
+    format!("{}/{}", record.provider, record.id)
+}
+
+/// A page of a listing sorted by provider, then id: the records after
+/// `after` (a [`cursor`]), at most `limit` of them, and the cursor to ask for
+/// the next page with if more remain.
+pub fn page(
+    records: Vec<InstanceRecord>,
+    after: Option<&str>,
+    limit: Option<usize>,
+) -> (Vec<InstanceRecord>, Option<String>) {
+    let start = match after.and_then(|after| after.split_once('/')) {
+        Some((provider, id)) => records.partition_point(|r| (r.provider.as_str(), r.id.as_str()) <= (provider, id)),
+        None => 0,
+    };
+    let mut page: Vec<InstanceRecord> = records.into_iter().skip(start).collect();
+    let next = match limit {
+        Some(limit) if page.len() > limit => {
+            page.truncate(limit);
+            page.last().map(cursor)
+        }
+        _ => None,
+    };
+    (page, next)
 }

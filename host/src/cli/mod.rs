@@ -109,14 +109,14 @@ pub(crate) enum Command {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum StoreCommand {
-    /// Read every table of DATA_DIR/state.redb (redb's integrity check, then
-    /// every record decoded) and say what cannot be read. Exit 0 when all can, 1 otherwise.
+    /// Read every table of DATA_DIR/state.redb, read-only, every record decoded,
+    /// and say what cannot be read. Exit 0 when all can, 1 otherwise.
     Check {
         #[arg(long)]
         json: bool,
     },
     /// Copy what can be read of DATA_DIR/state.redb into a new state file, in
-    /// its place; the damaged one is kept as state.redb.damaged-SECONDS. Records
+    /// its place; the damaged one's bytes are kept as state.redb.damaged-SECONDS. Records
     /// that do not decode are left out and named; a table is copied up to its
     /// first unreadable entry. The write-ahead log is applied on the next open.
     Recover {
@@ -201,6 +201,13 @@ pub(crate) enum InstanceCommand {
         provider: Option<String>,
         #[arg(long)]
         json: bool,
+        /// At most this many (sorted by provider, then id); the cursor of the
+        /// next page is printed on stderr if more remain.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Only those after this cursor (PROVIDER/ID).
+        #[arg(long, value_name = "CURSOR")]
+        after: Option<String>,
     },
     /// Stop instances, idempotently (as Juju's StopInstances): the known ids are
     /// stopped, one call per provider; an id the host has no record of (never
@@ -476,8 +483,15 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
                 output::line(out, &text)?;
             }
         }
-        InstanceCommand::List { provider, json } => {
+        InstanceCommand::List { provider, json, limit, after } => {
+            if after.as_deref().is_some_and(|after| !after.contains('/')) {
+                return Err(UsageError("--after takes a cursor, PROVIDER/ID".into()).into());
+            }
             let records = backend.list_instances(provider.as_deref()).await.context("cannot list instances")?;
+            let (records, next) = crate::broker::page(records, after.as_deref(), limit);
+            if let Some(next) = next {
+                eprintln!("more: --after {}", crate::error_text::escape_unprintable(&next));
+            }
             let views: Vec<output::InstanceView> = records.iter().map(output::InstanceView::from).collect();
             if json {
                 writeln!(out, "{}", serde_json::to_string_pretty(&views)?)?;

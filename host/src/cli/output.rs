@@ -217,12 +217,6 @@ pub fn salvage_report(out: &mut impl Write, report: &crate::store::salvage::Salv
     if let Some(why) = &report.unopenable {
         writeln!(out, "cannot be opened: {}", esc(why))?;
     }
-    match report.integrity {
-        Some(true) => writeln!(out, "redb integrity check: sound")?,
-        Some(false) => writeln!(out, "redb integrity check: damage found (repaired where redb could)")?,
-        None if report.unopenable.is_none() => writeln!(out, "redb integrity check: could not run")?,
-        None => {}
-    }
     for table in &report.tables {
         let state = match (&table.cut_short, table.corrupt.len()) {
             (None, 0) => "ok".to_owned(),

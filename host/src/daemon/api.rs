@@ -204,8 +204,27 @@ struct ProviderFilter {
     provider: Option<String>,
 }
 
-async fn list_instances(State(broker): State<Shared>, Query(filter): Query<ProviderFilter>) -> ApiResult<Response> {
-    Ok(Json(broker.list_instances(filter.provider.as_deref()).await?).into_response())
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    provider: Option<String>,
+    /// At most this many records (a page); `X-Next-After` then names the cursor of the next.
+    limit: Option<usize>,
+    /// Only records after this cursor, `PROVIDER/ID`, in the listing's order.
+    after: Option<String>,
+}
+
+async fn list_instances(State(broker): State<Shared>, Query(query): Query<ListQuery>) -> ApiResult<Response> {
+    if query.after.as_deref().is_some_and(|after| !after.contains('/')) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, "after: a cursor is PROVIDER/ID (X-Next-After gives it)".into()));
+    }
+    let records = broker.list_instances(query.provider.as_deref()).await?;
+    let (page, next) = crate::broker::page(records, query.after.as_deref(), query.limit);
+    let mut response = Json(page).into_response();
+    if let Some(next) = next.and_then(|next| header::HeaderValue::from_str(&next).ok()) {
+        response.headers_mut().insert("x-next-after", next);
+    }
+    Ok(response)
 }
 
 #[derive(Deserialize)]

@@ -34,9 +34,32 @@ pub const MIRROR_BUDGET_BYTES: usize = 256 << 20;
 #[derive(Default)]
 struct Mirror {
     entries: Entries,
-    /// Changes applied per key since the file last took the key's value; a key
-    /// leaves when a commit took its value after its last change.
+    /// For each key changed since the file last took its value, the number of
+    /// its last change; a key leaves when a commit took its value *as of that
+    /// change* (two persists of a key in one batch may have read the same one).
     dirty: HashMap<String, u64>,
+    /// Numbers the namespace's changes.
+    changes: u64,
+}
+
+impl Mirror {
+    /// Apply `change` to `key` (within `quota`), noting it as not yet in the file.
+    fn change(&mut self, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
+        let answer = apply_change(&mut self.entries, key, change, quota)?;
+        self.changes += 1;
+        self.dirty.insert(key.to_owned(), self.changes);
+        Ok(answer)
+    }
+
+    /// A commit took each key's value as of the change numbered with it: the
+    /// key is in the file now, unless it changed again since.
+    fn settle(&mut self, taken: &[(String, u64)]) {
+        for (key, last_change) in taken {
+            if self.dirty.get(key) == Some(last_change) {
+                self.dirty.remove(key);
+            }
+        }
+    }
 }
 
 struct Namespace {
@@ -179,7 +202,7 @@ fn load_namespace(db: &Database, mirrors: &Mirrors, name: &str) -> Result<Shared
         };
         mirrors.loads.fetch_add(1, Ordering::Relaxed);
         let bytes = AtomicUsize::new(entries.bytes());
-        let mirror = RwLock::new(Mirror { entries, dirty: HashMap::new() });
+        let mirror = RwLock::new(Mirror { entries, dirty: HashMap::new(), changes: 0 });
         let ns = Arc::new(Namespace { mirror, used: AtomicU64::new(mirrors.tick()), bytes });
         loaded.insert(name.to_owned(), ns.clone());
         drop(loaded);
@@ -274,8 +297,8 @@ struct Persist {
     mirrors: Arc<Mirrors>,
     namespace: Shared,
     writes: KvWrites,
-    /// For each key written, how many changes its written value held: on a
-    /// commit, those are in the file and no longer hold the namespace in memory.
+    /// For each key written, the number of the last change its written value
+    /// held: on a commit, the key is clean unless it changed since.
     taken: Vec<(String, u64)>,
     reply: Option<Reply<Result<(), StoreError>>>,
 }
@@ -289,16 +312,16 @@ impl Job for Persist {
             // The value as the mirror holds it now, read under the lock one key
             // at a time (a guest's change is never held up by a whole job); a
             // change after this read waits for the next persist of its key.
-            let (value, changes) = {
+            let (value, last_change) = {
                 let mirror = self.namespace.read();
-                (mirror.entries.get(key).cloned(), mirror.dirty.get(key).copied().unwrap_or(0))
+                (mirror.entries.get(key).cloned(), mirror.dirty.get(key).copied())
             };
             match value {
                 Some(value) => drop(table.insert((name, key.as_str()), value.as_slice()).map_err(db_error)?),
                 None => drop(table.remove((name, key.as_str())).map_err(db_error)?),
             }
-            if changes > 0 {
-                self.taken.push((key.clone(), changes));
+            if let Some(last_change) = last_change {
+                self.taken.push((key.clone(), last_change));
             }
         }
         Ok(())
@@ -306,15 +329,7 @@ impl Job for Persist {
 
     fn finish(self: Box<Self>, committed: Result<(), StoreError>) {
         if committed.is_ok() && !self.taken.is_empty() {
-            let mut mirror = self.namespace.write();
-            for (key, changes) in &self.taken {
-                if let Some(left) = mirror.dirty.get_mut(key) {
-                    *left = left.saturating_sub(*changes);
-                    if *left == 0 {
-                        mirror.dirty.remove(key);
-                    }
-                }
-            }
+            self.namespace.write().settle(&self.taken);
         }
         let Persist { mirrors, namespace, writes, reply, .. } = *self;
         // This job's hold goes first: the namespace may be the one to let go.
@@ -367,10 +382,9 @@ impl KvBackend for RedbKv {
     fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
         let ns = self.namespace(namespace)?;
         let mut mirror = ns.write();
-        let answer = apply_change(&mut mirror.entries, key, change, quota)?;
-        // Noted under the lock the change was made under: a persist reads the
-        // value and this count together, so it knows which changes it took.
-        *mirror.dirty.entry(key.to_owned()).or_default() += 1;
+        // Numbered under the lock the change is made under: a persist reads the
+        // value and this number together, so it knows which change it took.
+        let answer = mirror.change(key, change, quota)?;
         ns.bytes.store(mirror.entries.bytes(), Ordering::Relaxed);
         Ok(answer)
     }
@@ -468,6 +482,25 @@ mod tests {
         assert_eq!(reopened.get("p", "n").unwrap(), Some(400i64.to_le_bytes().to_vec()));
         let expected: Entries = (0..400).map(|n| (format!("k/{n}"), vec![n as u8])).collect();
         assert_eq!(reopened.scan_packed("p", "k/").unwrap(), pack_prefix(&expected, "k/").unwrap());
+    }
+
+    /// Two persists of one key in one commit both took its value as of the
+    /// same change, and the key changed again before the commit settled: it
+    /// stays unpersisted (counting changes instead settled it twice, and the
+    /// namespace could be let go holding a change the file lacks).
+    #[test]
+    fn a_key_changed_after_two_persists_read_it_stays_dirty() {
+        let mut mirror = super::Mirror::default();
+        mirror.change("n", KvChange::Increment(1), KvQuota::UNBOUNDED).unwrap();
+        let read = vec![("n".to_owned(), *mirror.dirty.get("n").unwrap())];
+        let (first, second) = (read.clone(), read);
+        mirror.change("n", KvChange::Increment(1), KvQuota::UNBOUNDED).unwrap();
+        mirror.settle(&first);
+        mirror.settle(&second);
+        assert!(mirror.dirty.contains_key("n"), "the second increment is not in the file");
+        let latest = vec![("n".to_owned(), mirror.changes)];
+        mirror.settle(&latest);
+        assert!(mirror.dirty.is_empty());
     }
 
     /// Past its budget the mirror lets go of the least recently used clean

@@ -167,6 +167,11 @@ impl Store {
                 return Err(StoreError::Damaged { path: shown(), reason });
             }
             Ok(metadata) if metadata.len() == 0 => return Err(StoreError::Empty { path: shown() }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && data_dir.join("state.wal").exists() => {
+                // The log is made after the state file: the state file was moved or deleted.
+                let reason = "it is missing, but its write-ahead log state.wal is here: the state file was moved or deleted (put it back, or `broker store recover` if a damaged copy is all there is)".to_owned();
+                return Err(StoreError::Damaged { path: shown(), reason });
+            }
             _ => {}
         }
         let opened = salvage::caught(|| Self::open_with(data_dir, checkpoints));
@@ -365,6 +370,22 @@ impl Store {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
         Ok(table.get(id).map_err(db_error)?.map(|owner| owner.value().to_owned()))
+    }
+
+    /// The providers `ids` are recorded for, those recorded at all, in one read.
+    pub fn owners_of<'a>(
+        &self,
+        ids: impl IntoIterator<Item = &'a str>,
+    ) -> Result<std::collections::HashMap<String, String>, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
+        let mut owners = std::collections::HashMap::new();
+        for id in ids {
+            if let Some(owner) = table.get(id).map_err(db_error)? {
+                owners.insert(id.to_owned(), owner.value().to_owned());
+            }
+        }
+        Ok(owners)
     }
 
     /// One instance's record, if it is recorded for `provider`.
@@ -662,6 +683,7 @@ mod tests {
     #[test]
     fn a_bad_log_is_refused_with_a_reason() {
         let dir = tempfile::tempdir().unwrap();
+        drop(Store::open(dir.path()).unwrap());
         let log = dir.path().join("state.wal");
         std::fs::write(&log, vec![0x5a; 8192]).unwrap();
         let err = Store::open(dir.path()).err().expect("a corrupt header is refused");

@@ -11,11 +11,12 @@
 //! it (`state.redb.damaged-SECONDS`) and then opens the store as usual, which
 //! applies the write-ahead log on top.
 
+use super::sandbox_users::SANDBOX_USERS;
 use super::{
     CHILDREN, INSTANCES, KV, OBSERVED_NETWORK, PROVIDERS, ProviderRecord, StoreError, events, records::InstanceRecord,
 };
 use crate::capabilities::process::ChildRecord;
-use redb::{Database, Key, ReadableDatabase, ReadableTable, TableDefinition, TableHandle};
+use redb::{Database, Key, ReadableDatabase, ReadableTable, TableDefinition, TableHandle, Value};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
@@ -39,8 +40,6 @@ pub struct SalvageReport {
     pub path: String,
     /// Why the file could not be opened at all, if it could not.
     pub unopenable: Option<String>,
-    /// redb's own integrity check: `Some(true)` when it found the file sound.
-    pub integrity: Option<bool>,
     /// Each table.
     pub tables: Vec<TableReport>,
     /// Where the damaged file was kept (`recover` only).
@@ -50,14 +49,12 @@ pub struct SalvageReport {
 impl SalvageReport {
     fn of(path: &Path) -> SalvageReport {
         let path = path.display().to_string();
-        SalvageReport { path, unopenable: None, integrity: None, tables: Vec::new(), kept_as: None }
+        SalvageReport { path, unopenable: None, tables: Vec::new(), kept_as: None }
     }
 
     /// True when everything could be read and decoded.
     pub fn is_sound(&self) -> bool {
-        self.unopenable.is_none()
-            && self.integrity != Some(false)
-            && self.tables.iter().all(|t| t.corrupt.is_empty() && t.cut_short.is_none())
+        self.unopenable.is_none() && self.tables.iter().all(|t| t.corrupt.is_empty() && t.cut_short.is_none())
     }
 }
 
@@ -101,24 +98,28 @@ fn unpanicked<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
     caught(f).unwrap_or_else(|payload| Err(format!("redb panicked: {}", panic_text(&*payload))))
 }
 
-/// Whether a record decodes, as its type: an error names why not.
-type Validate = fn(&[u8]) -> Result<(), String>;
-
-fn as_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<(), String> {
+/// Whether a record decodes as a `T`: an error names why not.
+fn as_json<T: serde::de::DeserializeOwned>(bytes: &&[u8]) -> Result<(), String> {
     serde_json::from_slice::<T>(bytes).map(drop).map_err(|e| e.to_string())
 }
 
-fn any_bytes(_: &[u8]) -> Result<(), String> {
+/// Any bytes: kv values are the provider's.
+fn any_bytes(_: &&[u8]) -> Result<(), String> {
+    Ok(())
+}
+
+/// Any uid.
+fn any_uid(_: &u32) -> Result<(), String> {
     Ok(())
 }
 
 /// Read `table` of `from` in key order, each readable entry whose value
 /// `validate` takes handed to `keep`.
-fn walk<K: Key + 'static>(
-    from: &Database,
-    table: TableDefinition<K, &'static [u8]>,
-    validate: Validate,
-    mut keep: impl FnMut(K::SelfType<'_>, &[u8]) -> Result<(), String>,
+fn walk<K: Key + 'static, V: Value + 'static>(
+    from: &impl ReadableDatabase,
+    table: TableDefinition<K, V>,
+    validate: impl Fn(&V::SelfType<'_>) -> Result<(), String>,
+    mut keep: impl FnMut(K::SelfType<'_>, V::SelfType<'_>) -> Result<(), String>,
 ) -> TableReport
 where
     for<'a> K::SelfType<'a>: std::fmt::Debug,
@@ -134,10 +135,10 @@ where
         };
         for entry in opened.iter().map_err(|e| e.to_string())? {
             let (key, value) = entry.map_err(|e| e.to_string())?;
-            let bytes = value.value();
-            match validate(bytes) {
+            let value = value.value();
+            match validate(&value) {
                 Ok(()) => {
-                    keep(key.value(), bytes)?;
+                    keep(key.value(), value)?;
                     report.readable += 1;
                 }
                 Err(why) => report.corrupt.push(format!("{:?}: {why}", key.value())),
@@ -154,7 +155,7 @@ where
 /// Every table the host keeps, read from `from` and, if `into` is given,
 /// copied into it in one transaction. (The instance-id index is made again
 /// from the records on every open, so it is not read.)
-fn each_table(from: &Database, into: Option<&Database>) -> Result<Vec<TableReport>, String> {
+fn each_table(from: &impl ReadableDatabase, into: Option<&Database>) -> Result<Vec<TableReport>, String> {
     let write = into.map(Database::begin_write).transpose().map_err(|e| e.to_string())?;
     let mut reports = Vec::new();
     macro_rules! copy {
@@ -172,6 +173,24 @@ fn each_table(from: &Database, into: Option<&Database>) -> Result<Vec<TableRepor
     copy!(CHILDREN, as_json::<ChildRecord>);
     copy!(OBSERVED_NETWORK, as_json::<super::ObservedNetwork>);
     copy!(events::EVENTS, as_json::<super::Event>);
+    copy!(SANDBOX_USERS, any_uid);
+    if let Some(txn) = &write {
+        // The next uid to hand out is the key "" (it sorts first). Without it
+        // a provider could be given a uid another was given: the recovered
+        // store hands out no more (providers keep theirs; new ones are refused).
+        let mut users = txn.open_table(SANDBOX_USERS).map_err(|e| e.to_string())?;
+        let kept_next = users.get("").map_err(|e| e.to_string())?.is_some();
+        let users_report = reports.last_mut().filter(|r| r.table == SANDBOX_USERS.name());
+        if !kept_next && users_report.as_ref().is_some_and(|r| r.readable > 0 || r.cut_short.is_some()) {
+            users.insert("", u32::MAX).map_err(|e| e.to_string())?;
+            if let Some(report) = users_report {
+                report.corrupt.push(
+                    "\"\" (the next sandbox uid) was lost: no new provider can be given a uid until it is set again"
+                        .to_owned(),
+                );
+            }
+        }
+    }
     if let Some(txn) = write {
         txn.commit().map_err(|e| e.to_string())?;
     }
@@ -182,34 +201,63 @@ fn state_file(data_dir: &Path) -> PathBuf {
     data_dir.join("state.redb")
 }
 
-/// Open `path` (repaired first by redb if it was not closed cleanly, as any
-/// open would), or why not: `Ok(Err(..))`; `Err` when another process holds it.
-fn open_damaged(path: &Path) -> Result<Result<Database, String>, StoreError> {
-    if !std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file()) {
-        return Ok(Err("not a regular file, or no such file".to_owned()));
-    }
-    let opened = caught(|| Database::open(path));
-    match opened {
-        Ok(Ok(db)) => Ok(Ok(db)),
-        Ok(Err(redb::DatabaseError::DatabaseAlreadyOpen)) => Err(busy(path)),
-        Ok(Err(e)) => Ok(Err(e.to_string())),
-        Err(payload) => Ok(Err(format!("redb panicked: {}", panic_text(&*payload)))),
+/// What opening a state file that may be damaged came to.
+enum Opened<D> {
+    Opened(D),
+    /// Damage: what redb said, or its panic.
+    Damaged(String),
+}
+
+/// Why a file is no state file to check or recover at all (not damage):
+/// missing, not a regular file, unreadable to us, or held by another process.
+fn refused(path: &Path, error: &redb::DatabaseError) -> Option<StoreError> {
+    let shown = path.display().to_string();
+    match error {
+        redb::DatabaseError::DatabaseAlreadyOpen => Some(StoreError::Busy { path: shown }),
+        redb::DatabaseError::Storage(redb::StorageError::Io(io)) if io.kind() != std::io::ErrorKind::InvalidData => {
+            Some(StoreError::Damaged { path: shown, reason: format!("cannot read it ({io}); nothing was changed") })
+        }
+        redb::DatabaseError::UpgradeRequired(_) => Some(StoreError::Damaged {
+            path: shown,
+            reason: format!("{error}: it was written by another version of the broker; nothing was changed"),
+        }),
+        _ => None,
     }
 }
 
-/// Read every table of the state file in `data_dir`, changing nothing.
-/// Fails only if a daemon (or another broker) holds the file.
+/// Open `path` with `open` under `catch_unwind`: a panic is damage too.
+fn open_damaged<D>(
+    path: &Path,
+    open: impl FnOnce() -> Result<D, redb::DatabaseError>,
+) -> Result<Opened<D>, StoreError> {
+    if !std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file()) {
+        let reason = "no such regular file; nothing was changed".to_owned();
+        return Err(StoreError::Damaged { path: path.display().to_string(), reason });
+    }
+    match caught(open) {
+        Ok(Ok(db)) => Ok(Opened::Opened(db)),
+        Ok(Err(error)) => match refused(path, &error) {
+            Some(refusal) => Err(refusal),
+            None => Ok(Opened::Damaged(error.to_string())),
+        },
+        Err(payload) => Ok(Opened::Damaged(format!("redb panicked: {}", panic_text(&*payload)))),
+    }
+}
+
+/// Read every table of the state file in `data_dir`, changing nothing (redb
+/// opens it read-only, so a file not closed cleanly is reported as needing
+/// the repair the next open, or `recover`, makes). Fails if another process
+/// holds the file, or there is no state file to read.
 pub fn check(data_dir: &Path) -> Result<SalvageReport, StoreError> {
     let path = state_file(data_dir);
     let mut report = SalvageReport::of(&path);
-    let mut db = match open_damaged(&path)? {
-        Ok(db) => db,
-        Err(why) => {
+    let db = match open_damaged(&path, || redb::ReadOnlyDatabase::open(&path))? {
+        Opened::Opened(db) => db,
+        Opened::Damaged(why) => {
             report.unopenable = Some(why);
             return Ok(report);
         }
     };
-    report.integrity = unpanicked(|| db.check_integrity().map_err(|e| e.to_string())).ok();
     match each_table(&db, None) {
         Ok(tables) => report.tables = tables,
         Err(why) => report.unopenable = Some(why),
@@ -217,47 +265,71 @@ pub fn check(data_dir: &Path) -> Result<SalvageReport, StoreError> {
     Ok(report)
 }
 
-fn busy(path: &Path) -> StoreError {
-    StoreError::Busy { path: path.display().to_string() }
-}
-
 /// Make a new state file of what the one in `data_dir` holds that can be
-/// read: the damaged file is kept as `state.redb.damaged-SECONDS` and the new
-/// one takes its place. The write-ahead log stays, to be applied on the next
-/// open.
+/// read. The damaged file's bytes are first copied aside
+/// (`state.redb.damaged-SECONDS[-N]`), then it is opened (redb repairs what it
+/// can) and held open, so no other process can open it meanwhile; what it
+/// yields is written to a new file, which then replaces it in one rename, so a
+/// crash at any point leaves a `state.redb`. The write-ahead log stays, to be
+/// applied on the next open.
 pub fn recover(data_dir: &Path) -> Result<SalvageReport, StoreError> {
     let path = state_file(data_dir);
-    let io = |e: std::io::Error| StoreError::Open {
-        path: path.display().to_string(),
+    let io = |at: &Path, e: std::io::Error| StoreError::Open {
+        path: at.display().to_string(),
         source: std::sync::Arc::new(redb::Error::Io(e)),
     };
+    let mut report = SalvageReport::of(&path);
+    // Not a file to recover (missing, unreadable, held): nothing is touched.
+    open_damaged(&path, || redb::ReadOnlyDatabase::open(&path)).map(drop)?;
+    let kept = keep_aside(data_dir, &path).map_err(|e| io(&path, e))?;
+    report.kept_as = Some(kept.display().to_string());
     let fresh = data_dir.join("state.redb.recovering");
     match std::fs::remove_file(&fresh) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&fresh, e)),
         _ => {}
     }
-    let mut report = SalvageReport::of(&path);
-    let into = Database::create(&fresh)
-        .map_err(|e| StoreError::Open { path: fresh.display().to_string(), source: std::sync::Arc::new(e.into()) })?;
-    let opened = open_damaged(&path).inspect_err(|_| drop(std::fs::remove_file(&fresh)))?;
-    match opened {
-        Ok(from) => {
-            let tables = each_table(&from, Some(&into))
-                .map_err(|why| StoreError::Salvage { path: fresh.display().to_string(), reason: why })?;
-            report.tables = tables;
+    let salvage_error = |reason: String| StoreError::Salvage { path: fresh.display().to_string(), reason };
+    let into = Database::create(&fresh).map_err(|e| salvage_error(e.to_string()))?;
+    let from = match open_damaged(&path, || Database::open(&path))? {
+        Opened::Opened(from) => {
+            report.tables = each_table(&from, Some(&into)).map_err(salvage_error)?;
+            Some(from)
         }
-        Err(why) => report.unopenable = Some(why),
-    }
+        Opened::Damaged(why) => {
+            report.unopenable = Some(why);
+            None
+        }
+    };
     drop(into);
-    let seconds = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_secs());
-    if path.exists() {
-        let kept = data_dir.join(format!("state.redb.damaged-{seconds}"));
-        std::fs::rename(&path, &kept).map_err(io)?;
-        report.kept_as = Some(kept.display().to_string());
-    }
-    std::fs::rename(&fresh, &path).map_err(io)?;
-    std::fs::File::open(data_dir).and_then(|dir| dir.sync_all()).map_err(io)?;
+    std::fs::File::open(&fresh).and_then(|file| file.sync_all()).map_err(|e| io(&fresh, e))?;
+    // The damaged file is held open until it is replaced.
+    std::fs::rename(&fresh, &path).map_err(|e| io(&path, e))?;
+    std::fs::File::open(data_dir).and_then(|dir| dir.sync_all()).map_err(|e| io(data_dir, e))?;
+    drop(from);
     Ok(report)
+}
+
+/// A copy of the state file's bytes as they are, under a name no earlier
+/// recovery took; made durable before anything else changes.
+fn keep_aside(data_dir: &Path, path: &Path) -> std::io::Result<PathBuf> {
+    use std::io::Write;
+    let seconds = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_secs());
+    for n in 0..1000 {
+        let name =
+            if n == 0 { format!("state.redb.damaged-{seconds}") } else { format!("state.redb.damaged-{seconds}-{n}") };
+        let kept = data_dir.join(name);
+        let mut out = match std::fs::OpenOptions::new().write(true).create_new(true).open(&kept) {
+            Ok(out) => out,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        };
+        let mut from = std::fs::File::open(path)?;
+        std::io::copy(&mut from, &mut out)?;
+        out.flush()?;
+        out.sync_all()?;
+        return Ok(kept);
+    }
+    Err(std::io::Error::new(std::io::ErrorKind::AlreadyExists, "a thousand damaged copies are kept already"))
 }
 
 #[cfg(test)]
@@ -276,6 +348,37 @@ mod tests {
             store.kv().set("fake", &format!("k/{n}"), &[n as u8; 300]).unwrap();
         }
         dir
+    }
+
+    /// The state file gone from beside its log (moved, deleted, or a crash of
+    /// an old recover) is refused, not silently replaced by an empty store;
+    /// so is recovering a file that is not there.
+    #[test]
+    fn a_missing_state_file_beside_its_log_is_refused() {
+        let dir = populated();
+        std::fs::rename(dir.path().join("state.redb"), dir.path().join("elsewhere")).unwrap();
+        let err = Store::open(dir.path()).err().expect("refused");
+        assert!(err.to_string().contains("it is missing, but its write-ahead log state.wal is here"), "{err}");
+        assert!(!dir.path().join("state.redb").exists());
+        let err = recover(dir.path()).unwrap_err();
+        assert!(err.to_string().contains("nothing was changed"), "{err}");
+    }
+
+    /// The sandbox's uid table is carried over: a provider keeps its uid and
+    /// the next one handed out is still new.
+    #[test]
+    fn recovery_keeps_the_sandbox_uids() {
+        use crate::sandbox::UidAllocations;
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = Store::open(dir.path()).unwrap();
+            assert_eq!(store.uid_for("a", 5000).unwrap(), 5000);
+            assert_eq!(store.uid_for("b", 5000).unwrap(), 5001);
+        }
+        recover(dir.path()).unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.uid_for("b", 5000).unwrap(), 5001, "kept");
+        assert_eq!(store.uid_for("c", 5000).unwrap(), 5002, "not a uid given before");
     }
 
     #[test]

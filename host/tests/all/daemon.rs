@@ -3,6 +3,7 @@
 
 use crate::common::{Daemon, exchange, fake_manifest, request};
 use serde_json::Value;
+use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -340,4 +341,36 @@ fn the_daemon_follows_its_providers_directory() {
     let kinds: Vec<&str> = events.as_array().unwrap().iter().map(|e| e["kind"].as_str().unwrap()).collect();
     let kinds: Vec<&str> = kinds.into_iter().filter(|k| *k != "reconciled").collect();
     assert_eq!(kinds, ["added", "swapped", "remove-refused", "removed"], "{events}");
+}
+
+/// Listing pages: `limit` bounds the answer and `X-Next-After` names where
+/// the next page starts; the pages together are the whole listing.
+#[test]
+fn instance_listing_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path());
+    let manifest = fake_manifest(dir.path(), "");
+    daemon.json("POST", "/v1/providers", Some(&format!("{{\"manifest\":\"{manifest}\"}}")));
+    for _ in 0..5 {
+        assert_eq!(daemon.request("POST", "/v1/instances", Some(br#"{"provider":"fake"}"#)).0, 200);
+    }
+    let (mut seen, mut after) = (Vec::new(), String::new());
+    for _ in 0..3 {
+        let path = format!("/v1/instances?limit=2{after}");
+        let mut stream = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n").unwrap();
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw).unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+        let page: Value = serde_json::from_str(body).unwrap();
+        seen.extend(page.as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap().to_owned()));
+        match head.lines().find_map(|l| l.strip_prefix("x-next-after: ")) {
+            Some(next) => after = format!("&after={next}"),
+            None => after.clear(),
+        }
+    }
+    assert_eq!(seen, ["fake-0", "fake-1", "fake-2", "fake-3", "fake-4"]);
+    assert!(after.is_empty(), "the last page names no next one");
+    let (status, refused) = daemon.json("GET", "/v1/instances?after=fake-1", None);
+    assert_eq!(status, 400, "{refused}");
 }
