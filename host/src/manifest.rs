@@ -543,7 +543,10 @@ pub fn read_regular_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
         Ok(())
     };
     check(&std::fs::metadata(path)?)?;
-    let file = std::fs::OpenOptions::new().read(true).custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits()).open(path)?;
+    // NOCTTY: a terminal swapped in between the check and the open must not
+    // become the daemon's controlling terminal.
+    let flags = nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_NOCTTY;
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(flags.bits()).open(path)?;
     let metadata = file.metadata()?;
     check(&metadata)?;
     let mut bytes = Vec::with_capacity(usize::try_from(metadata.len()).unwrap_or(0));

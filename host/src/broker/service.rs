@@ -296,6 +296,25 @@ impl Broker {
         Ok(())
     }
 
+    /// The provider to stop `id` through: the one it is recorded for, else
+    /// the one provider that reports it (an instance the host has no record
+    /// of: started before a crash recorded it, or its record lost); `None`
+    /// when nobody knows it.
+    pub async fn owner_for_stop(&self, id: &str) -> Result<Option<String>, BrokerServiceError> {
+        match self.provider_of(id) {
+            Ok(owner) => return Ok(Some(owner)),
+            Err(BrokerServiceError::UnknownInstance(_)) => {}
+            Err(failed) => return Err(failed),
+        }
+        let reporting: Vec<String> =
+            self.list_instances(None).await?.into_iter().filter(|r| r.id == id).map(|r| r.provider).collect();
+        match reporting.as_slice() {
+            [] => Ok(None),
+            [one] => Ok(Some(one.clone())),
+            _ => Err(BrokerServiceError::AmbiguousInstance { id: id.to_owned(), providers: reporting.join(", ") }),
+        }
+    }
+
     /// The provider that owns a recorded instance id.
     pub fn provider_of(&self, id: &str) -> Result<String, BrokerServiceError> {
         // The id index holds one owner per id (the store refuses a second).

@@ -141,9 +141,9 @@ impl Backend {
                 for id in ids {
                     let owner = match provider {
                         Some(p) => p.to_owned(),
-                        None => match broker.provider_of(&id) {
-                            Ok(owner) => owner,
-                            Err(crate::broker::BrokerServiceError::UnknownInstance(_)) => {
+                        None => match broker.owner_for_stop(&id).await {
+                            Ok(Some(owner)) => owner,
+                            Ok(None) => {
                                 report.unknown.push(id);
                                 continue;
                             }

@@ -82,17 +82,17 @@ pub(crate) enum Command {
         kv_mirror_mib: u64,
         /// A request's line and headers must arrive within this (and an idle
         /// kept-alive connection closes after it), e.g. 10s.
-        #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+        #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = timeout_between_1s_and_1h)]
         header_timeout: std::time::Duration,
         /// A request's body must arrive whole within this (else 408).
-        #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+        #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = timeout_between_1s_and_1h)]
         body_timeout: std::time::Duration,
         /// Connections open at once, per listener; more wait in the kernel's backlog.
         #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65536))]
         max_connections: u32,
-        /// On SIGTERM, how long requests in flight have to finish before their
-        /// connections are closed (starts whose client went away run on regardless).
-        #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = humantime::parse_duration)]
+        /// On SIGTERM, how long requests in flight, and starts or swaps whose client
+        /// went away, have to finish before they are cut short (1s to 1h).
+        #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = timeout_between_1s_and_1h)]
         drain_timeout: std::time::Duration,
     },
     /// The event log: providers added, swapped (both versions' hashes), refused, removed.
@@ -257,6 +257,16 @@ pub(crate) enum ReportFormat {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct UsageError(pub String);
+
+/// A daemon timeout: 1 s to 1 h (0 would cut every client off; a huge one
+/// overflows the timer's arithmetic).
+fn timeout_between_1s_and_1h(text: &str) -> Result<std::time::Duration, String> {
+    let duration = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if !(std::time::Duration::from_secs(1)..=std::time::Duration::from_secs(3600)).contains(&duration) {
+        return Err(format!("{text} is not between 1s and 1h"));
+    }
+    Ok(duration)
+}
 
 fn default_data_dir() -> PathBuf {
     match std::env::var_os("HOME") {
@@ -510,7 +520,7 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
             for id in &report.unknown {
                 output::line(
                     out,
-                    &format!("{id}: no such instance recorded (nothing to stop; --provider asks a provider for it)"),
+                    &format!("{id}: no such instance, recorded or reported by a provider (nothing to stop)"),
                 )?;
             }
             if let [(ids, only)] = report.failed.as_slice() {

@@ -27,6 +27,28 @@ use std::sync::atomic::Ordering;
 
 type Shared = Arc<Broker>;
 
+/// What the routes share: the broker, and the work they started that must
+/// run to its end whether or not its client stays (the drain waits for it).
+#[derive(Clone)]
+pub(crate) struct ApiState {
+    pub broker: Shared,
+    pub detached: tokio_util::task::TaskTracker,
+}
+
+impl axum::extract::FromRef<ApiState> for Shared {
+    fn from_ref(state: &ApiState) -> Shared {
+        state.broker.clone()
+    }
+}
+
+impl axum::extract::FromRef<ApiState> for tokio_util::task::TaskTracker {
+    fn from_ref(state: &ApiState) -> Self {
+        state.detached.clone()
+    }
+}
+
+type Detached = tokio_util::task::TaskTracker;
+
 /// An error as the API reports it.
 pub struct ApiError(StatusCode, String);
 
@@ -109,12 +131,15 @@ type ApiResult<T> = Result<T, ApiError>;
 /// A handler's future is dropped when its client disconnects; the store's
 /// commit and what follows it (the registry's slot, a record) must not be cut
 /// apart by that.
-async fn to_the_end<T, E>(work: impl Future<Output = Result<T, E>> + Send + 'static) -> ApiResult<T>
+async fn to_the_end<T, E>(
+    detached: &Detached,
+    work: impl Future<Output = Result<T, E>> + Send + 'static,
+) -> ApiResult<T>
 where
     T: Send + 'static,
     E: Into<ApiError> + Send + 'static,
 {
-    match tokio::spawn(work).await {
+    match detached.spawn(work).await {
         Ok(done) => done.map_err(Into::into),
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(_) => Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, "the daemon is shutting down".into())),
@@ -122,7 +147,7 @@ where
 }
 
 /// The routes, each request bounded (see [`super::listen::bounded_request`]).
-pub(crate) fn router_with(broker: Shared, body_timeout: std::time::Duration) -> Router {
+pub(crate) fn router_with(broker: Shared, detached: Detached, body_timeout: std::time::Duration) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/metrics", get(metrics))
@@ -139,7 +164,7 @@ pub(crate) fn router_with(broker: Shared, body_timeout: std::time::Duration) -> 
         .layer(axum::middleware::from_fn(move |request, next| {
             super::listen::bounded_request(body_timeout, request, next)
         }))
-        .with_state(broker)
+        .with_state(ApiState { broker, detached })
 }
 
 async fn list_providers(State(broker): State<Shared>) -> ApiResult<Response> {
@@ -155,10 +180,11 @@ struct AddProvider {
 
 async fn add_provider(
     State(broker): State<Shared>,
+    State(detached): State<Detached>,
     body: Result<Json<AddProvider>, JsonRejection>,
 ) -> ApiResult<Response> {
     let Json(request) = body?;
-    let record = to_the_end(async move { broker.registry().add(&request.manifest).await }).await?;
+    let record = to_the_end(&detached, async move { broker.registry().add(&request.manifest).await }).await?;
     Ok((StatusCode::CREATED, Json(record)).into_response())
 }
 
@@ -171,9 +197,13 @@ async fn show_provider(State(broker): State<Shared>, Path(name): Path<String>) -
     Ok(Json(view).into_response())
 }
 
-async fn remove_provider(State(broker): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
+async fn remove_provider(
+    State(broker): State<Shared>,
+    State(detached): State<Detached>,
+    Path(name): Path<String>,
+) -> ApiResult<Response> {
     let removing = name.clone();
-    to_the_end(async move { broker.registry().remove(&removing).await }).await?;
+    to_the_end(&detached, async move { broker.registry().remove(&removing).await }).await?;
     Ok(Json(json!({ "removed": name })).into_response())
 }
 
@@ -187,11 +217,12 @@ struct Swap {
 
 async fn swap_provider(
     State(broker): State<Shared>,
+    State(detached): State<Detached>,
     Path(name): Path<String>,
     body: Result<Json<Swap>, JsonRejection>,
 ) -> ApiResult<Response> {
     let Json(request) = body?;
-    let swapped = to_the_end(async move {
+    let swapped = to_the_end(&detached, async move {
         let kit = crate::conformance::ConformanceCheck;
         broker.registry().swap(&name, &request.component, request.check.then_some(&kit as _)).await
     })
@@ -243,6 +274,7 @@ struct StartRequest {
 /// `{"event":"failed","error":…}`. The start runs to its end even if the client goes away.
 async fn start_instance(
     State(broker): State<Shared>,
+    State(detached): State<Detached>,
     body: Result<Json<StartRequest>, JsonRejection>,
 ) -> ApiResult<Response> {
     let Json(request) = body?;
@@ -258,7 +290,7 @@ async fn start_instance(
     let status_lines = lines.clone();
     let hooks = CallHooks::with_events(move |event| status_lines.push(StartLine::from(event)));
     let finished = lines.clone();
-    tokio::spawn(async move {
+    detached.spawn(async move {
         let last = match broker.start_instance(&request.provider, &params, &hooks).await {
             Ok(record) => StartLine::Started { instance: Box::new(record) },
             Err(err) => StartLine::Failed { error: error_text(&err) },
@@ -285,19 +317,21 @@ fn owner(broker: &Broker, id: &str, filter: ProviderFilter) -> Result<String, Br
 
 async fn stop_instance(
     State(broker): State<Shared>,
+    State(detached): State<Detached>,
     Path(id): Path<String>,
     Query(filter): Query<ProviderFilter>,
 ) -> ApiResult<Response> {
     // Idempotent, as Juju's StopInstances: an id the host has no record of
     // (never started here, or stopped already) is nothing to stop.
-    let provider = match owner(&broker, &id, filter) {
-        Err(BrokerServiceError::UnknownInstance(_)) => {
-            return Ok(Json(json!({ "id": id, "provider": null, "stopped": false })).into_response());
-        }
-        owner => owner?,
+    let owner = match filter.provider {
+        Some(provider) => Some(provider),
+        None => broker.owner_for_stop(&id).await?,
+    };
+    let Some(provider) = owner else {
+        return Ok(Json(json!({ "id": id, "provider": null, "stopped": false })).into_response());
     };
     let (stopping, ids) = (provider.clone(), vec![id.clone()]);
-    to_the_end(async move { broker.stop_instances(&stopping, &ids).await }).await?;
+    to_the_end(&detached, async move { broker.stop_instances(&stopping, &ids).await }).await?;
     Ok(Json(json!({ "id": id, "provider": provider, "stopped": true })).into_response())
 }
 

@@ -59,10 +59,14 @@ pub async fn serve(
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("cannot restrict {}", socket.display()))?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
+    let stopped_at = Arc::new(std::sync::OnceLock::new());
+    let noting = stopped_at.clone();
     tokio::spawn(async move {
         shutdown.await;
+        let _ = noting.set(std::time::Instant::now());
         let _ = stop.send(true);
     });
+    let detached = tokio_util::task::TaskTracker::new();
     let until_stopped = |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
         let _ = stopped.wait_for(|stop| *stop).await;
     };
@@ -72,15 +76,27 @@ pub async fn serve(
             check_loopback(addr)?;
             let listener =
                 tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-            let app = api::router_with(broker.clone(), limits.body_timeout)
+            let app = api::router_with(broker.clone(), detached.clone(), limits.body_timeout)
                 .layer(axum::middleware::from_fn_with_state(token, auth::require_bearer));
             tracing::info!(addr = %addr, "broker daemon serving on TCP (bearer token required)");
             Some(tokio::spawn(listen::serve(listener, app, limits, until_stopped(stopped.clone()), "tcp")))
         }
     };
     tracing::info!(socket = %socket.display(), "broker daemon serving");
-    let app = api::router_with(broker, limits.body_timeout);
+    let app = api::router_with(broker, detached.clone(), limits.body_timeout);
     listen::serve(listener, app, limits, until_stopped(stopped), "unix").await;
+    // Work whose client went away (a start, a swap) runs to its end within the
+    // same drain: cut short, a start could leave an instance with no record.
+    detached.close();
+    let since_stop = stopped_at.get().map_or(std::time::Duration::ZERO, std::time::Instant::elapsed);
+    let left = limits.drain.saturating_sub(since_stop);
+    if !detached.is_empty() && tokio::time::timeout(left, detached.wait()).await.is_err() {
+        tracing::warn!(
+            running = detached.len(),
+            drain_seconds = limits.drain.as_secs(),
+            "calls whose clients went away were still running when the drain ran out: they are cut short"
+        );
+    }
     let _ = std::fs::remove_file(socket);
     if let Some(over_tcp) = over_tcp {
         over_tcp.await.context("the TCP API server panicked")?;

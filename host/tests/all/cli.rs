@@ -127,7 +127,7 @@ fn exit_codes_separate_usage_errors_from_failures() {
     // Stopping is idempotent (Juju's StopInstances): an unknown id is reported, not a failure.
     let unknown_instance = broker(data, &["instance", "stop", "fake-99"]);
     assert_eq!(unknown_instance.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&unknown_instance.stdout).contains("fake-99: no such instance recorded"));
+    assert!(String::from_utf8_lossy(&unknown_instance.stdout).contains("fake-99: no such instance, recorded or"));
 }
 
 #[test]
@@ -364,4 +364,23 @@ fn a_damaged_state_file_is_refused_checked_and_recovered() {
     // Nothing was readable, so the host starts over, and says so plainly.
     assert_eq!(json(data, &["provider", "list", "--json"]), serde_json::json!([]));
     assert!(file_names(data).iter().any(|name| name.starts_with("state.redb.damaged-")));
+}
+
+/// An instance the provider has but the host has no record of (its record
+/// lost, or a crash between the start and the record) is stopped through the
+/// provider that reports it.
+#[test]
+fn an_instance_without_a_record_is_stopped_through_the_provider_reporting_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    ok(data, &["provider", "add", &fake_manifest()]);
+    ok(data, &["instance", "start", "--provider", "fake"]);
+    {
+        let store = broker_host::store::Store::open(data).unwrap();
+        store.remove_instances("fake", &["fake-0".to_owned()]).wait().unwrap();
+    }
+    let listed = json(data, &["instance", "list", "--json"]);
+    assert_eq!(listed[0]["id"], "fake-0", "the provider still reports it: {listed}");
+    assert!(ok(data, &["instance", "stop", "fake-0"]).contains("stopped fake-0 (fake)"));
+    assert_eq!(json(data, &["instance", "list", "--json"]), serde_json::json!([]));
 }

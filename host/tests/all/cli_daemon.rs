@@ -77,7 +77,7 @@ fn every_command_prints_the_same_through_a_daemon_as_without_one() {
     assert_eq!(code, 0, "{stopped}");
     assert_eq!(
         stopped,
-        "stopped fake-0 (fake)\nstopped fake-1 (fake)\nnosuch: no such instance recorded (nothing to stop; --provider asks a provider for it)\n"
+        "stopped fake-0 (fake)\nstopped fake-1 (fake)\nnosuch: no such instance, recorded or reported by a provider (nothing to stop)\n"
     );
     assert_eq!(same(&["instance", "stop", "fake-0"]).0, 0, "stopped a second time");
     assert_eq!(same(&["instance", "stop", "--provider", "fake", "fake-7"]).0, 0, "unknown ids are fine");

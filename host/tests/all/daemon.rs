@@ -178,6 +178,36 @@ fn sigterm_lets_a_start_in_flight_finish_then_exits() {
     assert_eq!(again.json("GET", "/v1/instances", None).1.as_array().unwrap().len(), 1);
 }
 
+/// F7: a start whose client went away still runs to its end when SIGTERM
+/// comes: the drain waits for it, and the next daemon has its record.
+#[test]
+fn sigterm_lets_a_start_whose_client_left_finish() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = Daemon::start(dir.path());
+    let manifest = fake_manifest(dir.path(), "start-delay-ms = 1500");
+    daemon.json("POST", "/v1/providers", Some(&format!("{{\"manifest\":\"{manifest}\"}}")));
+    let mut client = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    let body = br#"{"provider":"fake"}"#;
+    let head = "POST /v1/instances HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n";
+    write!(client, "{head}Content-Length: {}\r\n\r\n", body.len()).unwrap();
+    client.write_all(body).unwrap();
+    // The start has begun once its first status line comes; then the client goes.
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 512];
+    while !String::from_utf8_lossy(&seen).contains("allocating") {
+        let n = client.read(&mut buf).unwrap();
+        assert!(n > 0, "the daemon closed: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(client);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.child.id() as i32), nix::sys::signal::SIGTERM).unwrap();
+    let exit = daemon.child.wait().unwrap();
+    assert!(exit.success(), "{exit:?}");
+    let again = Daemon::start(dir.path());
+    let (_, listed) = again.json("GET", "/v1/instances", None);
+    assert_eq!(listed.as_array().unwrap().len(), 1, "the start finished and was recorded: {listed}");
+}
+
 #[test]
 fn tcp_needs_loopback_a_private_token_file_and_the_token_on_every_request() {
     let dir = tempfile::tempdir().unwrap();
