@@ -151,3 +151,49 @@ fn a_spinning_provider_takes_turns_and_metrics_count_them() {
     assert!(turns >= 20, "{turns} turns in 300 ms of spinning");
     bystander_answers(&daemon);
 }
+
+/// F5: a provider at its concurrency bound answers 503 with `Retry-After`
+/// (host capacity, not the provider's failure: no 502), as JSON.
+#[test]
+fn a_busy_provider_answers_503_with_retry_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path());
+    let wasm = guest_artifacts::wasm("test_hostile");
+    let manifest = dir.path().join("spin.toml");
+    std::fs::write(
+        &manifest,
+        format!(
+            "name = \"spin\"\ncomponent = \"{}\"\n[limits]\nmax-concurrent-calls = 1\nqueue-wait = \"100ms\"\n\
+             [limits.deadlines]\ndefault = \"2s\"\n[grants]\nkv = true\n[config]\nmode = \"loop\"\n",
+            wasm.display()
+        ),
+    )
+    .unwrap();
+    add(&daemon, &manifest.display().to_string());
+    // Two clients calling it over and over: whenever both are in, one waits
+    // its 100 ms and is refused. (Five deadline overruns make it half-open,
+    // also a 503; the refusal looked for names the concurrency bound.)
+    let calling = |socket: std::path::PathBuf| {
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            let started = std::time::Instant::now();
+            while started.elapsed() < std::time::Duration::from_secs(8) {
+                let mut stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+                write!(stream, "GET /v1/instances?provider=spin HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n")
+                    .unwrap();
+                let mut raw = String::new();
+                stream.read_to_string(&mut raw).unwrap();
+                if raw.starts_with("HTTP/1.1 503") && raw.contains("max-concurrent-calls") {
+                    return Some(raw);
+                }
+            }
+            None
+        })
+    };
+    let clients = [calling(daemon.socket.clone()), calling(daemon.socket.clone())];
+    let refused: Vec<String> = clients.into_iter().filter_map(|client| client.join().unwrap()).collect();
+    let answered = refused.first().expect("a call past max-concurrent-calls = 1 was refused");
+    assert!(answered.to_ascii_lowercase().contains("retry-after: 1\r\n"), "{answered}");
+    let body = answered.split_once("\r\n\r\n").unwrap().1;
+    assert!(serde_json::from_str::<serde_json::Value>(body).unwrap()["error"].is_string(), "{body}");
+}
