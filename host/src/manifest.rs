@@ -792,6 +792,55 @@ mod tests {
         assert!(!err.contains("[grants"), "{err}");
     }
 
+    /// Fuzzed (bolero, random inputs; `BOLERO_RANDOM_ITERATIONS` for a long
+    /// run): any text, and any mutation of a real manifest, parses or is
+    /// refused with an error; it never panics.
+    #[test]
+    fn fuzz_manifest_parse() {
+        let real = "name = \"p\"\ncomponent = \"p.wasm\"\n[limits]\nmemory-mib = 64\n[limits.deadlines]\ndefault = \"5s\"\n[grants]\nkv = true\nprocess = [\"/bin/sh\"]\n[config]\na = 1\n";
+        let tokens = [
+            "name = ",
+            "component = ",
+            "sha256 = ",
+            "isolation = ",
+            "\n[limits]\n",
+            "\n[limits.deadlines]\n",
+            "\n[grants]\n",
+            "\n[grants.http]\n",
+            "\n[grants.bridge]\n",
+            "\n[config]\n",
+            "memory-mib = ",
+            "data-mib = ",
+            "kv-mib = ",
+            "max-records = ",
+            "queue-wait = ",
+            "default = ",
+            "kv = true",
+            "process = ",
+            "\"",
+            "[",
+            "]",
+            "{",
+            "}",
+            "\"5s\"",
+            "18446744073709551615",
+            "-1",
+            "0",
+            "\"p\"",
+            "\"../x\"",
+        ];
+        bolero::check!().with_iterations(20_000).with_type::<(Vec<u8>, u16, Vec<u8>)>().for_each(
+            |(made, at, inserted)| {
+                let _ = Manifest::parse(Path::new("/m/p.toml"), &crate::fuzz_text::of(made, "az09 =.\n\"", &tokens));
+                // A real manifest with text put in: past the syntax, into the checks.
+                let at = usize::from(*at) % real.len();
+                let inserted = crate::fuzz_text::of(inserted, "az09 =.\n\"", &tokens);
+                let text = format!("{}{inserted}{}", &real[..at], &real[at..]);
+                let _ = Manifest::parse(Path::new("/m/p.toml"), &text);
+            },
+        );
+    }
+
     /// A component that is a FIFO or a device is refused at once, not read.
     #[test]
     fn a_component_is_read_only_from_a_regular_file() {

@@ -128,6 +128,42 @@ fn parse_size(value: &str) -> Result<Option<u64>, String> {
 mod tests {
     use super::*;
 
+    /// Fuzzed (bolero): any text is constraints or an error, never a panic;
+    /// and what parses parses again the same from its parts.
+    #[test]
+    fn fuzz_constraints_parse() {
+        let tokens = [
+            "mem=",
+            "cores=",
+            "cpu-cores=",
+            "cpu-power=",
+            "arch=",
+            "tags=",
+            "zones=",
+            "root-disk=",
+            "root-disk-source=",
+            "instance-type=",
+            "virt-type=",
+            "container=",
+            "spaces=",
+            "allocate-public-ip=",
+            "G",
+            "M",
+            "T",
+            "P",
+            "amd64",
+            "true",
+            "false",
+            "^",
+            "18446744073709551615",
+            "-1",
+            "1.5",
+        ];
+        bolero::check!().with_iterations(20_000).for_each(|bytes: &[u8]| {
+            let _ = parse(&crate::fuzz_text::of(bytes, "abz019 ,.=-_^\u{e9}", &tokens));
+        });
+    }
+
     #[test]
     fn parses_the_issue_example() {
         let c = parse("mem=2G cores=2 arch=amd64 tags=a,b zones=z1,z2").unwrap();

@@ -209,3 +209,71 @@ async fn as_json_error(response: Response) -> Response {
 fn error(status: StatusCode, message: String) -> Response {
     (status, axum::Json(serde_json::json!({ "error": message }))).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::broker::Broker;
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    /// Fuzzed (bolero): any body, to any route that takes one, any query,
+    /// is answered 2xx or 4xx with `{"error": …}` JSON: never a 5xx, never a
+    /// panic. (A broker with no providers: every start or add fails early,
+    /// which is the code under attack here.)
+    #[test]
+    fn fuzz_api_requests() {
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let broker = std::sync::Arc::new(Broker::open(dir.path()).unwrap());
+        let app = super::super::api::router_with(broker, Default::default(), std::time::Duration::from_secs(1));
+        // A panic is the failure bolero reports: the router is never used after one.
+        let (app, runtime) = (std::panic::AssertUnwindSafe(app), std::panic::AssertUnwindSafe(runtime));
+        let routes = [
+            ("POST", "/v1/instances"),
+            ("POST", "/v1/providers"),
+            ("POST", "/v1/providers/fake/swap"),
+            ("GET", "/v1/instances?"),
+            ("GET", "/v1/events?"),
+            ("GET", "/v1/lock?"),
+            ("DELETE", "/v1/instances/"),
+        ];
+        bolero::check!().with_iterations(3_000).with_type::<(u8, Vec<u8>, String)>().for_each(
+            |(route, body, query)| {
+                let (method, path) = routes[usize::from(*route) % routes.len()];
+                let encoded: String = url_safe(query);
+                let uri = if path.ends_with(['?', '/']) { format!("{path}{encoded}") } else { path.to_owned() };
+                let Ok(request) = Request::builder()
+                    .method(method)
+                    .uri(&uri)
+                    .header("content-type", "application/json")
+                    .body(Body::from(body.clone()))
+                else {
+                    return;
+                };
+                // Through the wrapper (a whole capture), not its field.
+                let router = std::ops::Deref::deref(&app).clone();
+                let response = runtime.block_on(router.oneshot(request)).unwrap();
+                let status = response.status();
+                assert!(!status.is_server_error(), "{method} {uri}: {status}");
+                if status.is_client_error() {
+                    let bytes = runtime.block_on(axum::body::to_bytes(response.into_body(), 1 << 20)).unwrap();
+                    let answer: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                    assert!(answer["error"].is_string(), "{method} {uri}: {answer}");
+                }
+            },
+        );
+    }
+
+    /// `text` as a URI may carry it: what is not unreserved is %-escaped.
+    fn url_safe(text: &str) -> String {
+        text.bytes()
+            .map(|b| match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'=' | b'&' => {
+                    (b as char).to_string()
+                }
+                other => format!("%{other:02X}"),
+            })
+            .collect()
+    }
+}

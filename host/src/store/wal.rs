@@ -678,6 +678,19 @@ pub(super) mod tests {
         assert_eq!(replayed(&path), [put("kv", b"next", b"2")]);
     }
 
+    /// Fuzzed (bolero): a frame's payload of any bytes decodes to changes or
+    /// an error, never a panic (a log is read back after any crash).
+    #[test]
+    fn fuzz_frame_changes() {
+        bolero::check!().with_iterations(50_000).for_each(|bytes: &[u8]| {
+            for change in Changes(bytes) {
+                if change.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
     #[test]
     fn changes_round_trip_and_garbage_is_an_error_not_a_panic() {
         let mut out = Vec::new();
