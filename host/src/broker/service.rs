@@ -160,6 +160,33 @@ impl Broker {
         Ok(Broker::with_parts(runtime, store, machine_lock, host))
     }
 
+    /// As [`Broker::open`], waiting up to `patience` while another process (a
+    /// CLI command working on the state itself, or a daemon on its way out)
+    /// holds the state file, then trying again. `keep_waiting` is asked before
+    /// each retry: `false` gives up at once (a daemon came up to talk to instead).
+    pub async fn open_when_free(
+        data_dir: &Path,
+        patience: std::time::Duration,
+        mut keep_waiting: impl AsyncFnMut() -> bool,
+    ) -> Result<Broker, BrokerServiceError> {
+        let until = std::time::Instant::now() + patience;
+        let mut said = false;
+        loop {
+            match Broker::open(data_dir) {
+                Err(BrokerServiceError::Store(StoreError::Busy { path }))
+                    if std::time::Instant::now() < until && keep_waiting().await =>
+                {
+                    if !said {
+                        tracing::info!(path, "the state file is held by another broker process: waiting for it");
+                        said = true;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                opened => return opened,
+            }
+        }
+    }
+
     pub(crate) fn with_parts(
         runtime: Arc<Runtime>,
         store: Arc<Store>,

@@ -15,6 +15,9 @@ use http::Method;
 use serde_json::json;
 use std::path::Path;
 
+/// How long a command waits for the state file another broker process holds.
+const STATE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub enum Backend {
     Embedded(Box<Broker>),
     Daemon(DaemonClient),
@@ -35,8 +38,18 @@ impl Backend {
             tracing::debug!(socket = %socket.display(), "talking to the broker daemon");
             return Ok(Backend::Daemon(client));
         }
-        let broker = Broker::open(data_dir)
-            .with_context(|| format!("cannot open the broker state in {}", data_dir.display()))?;
+        // Another process holding the state (a daemon starting, or another
+        // command) is waited for a while; a daemon that comes up is talked to.
+        let mut came_up = None;
+        let opened = Broker::open_when_free(data_dir, STATE_PATIENCE, async || {
+            came_up = DaemonClient::probe(socket).await;
+            came_up.is_none()
+        })
+        .await;
+        if let Some(client) = came_up {
+            return Ok(Backend::Daemon(client));
+        }
+        let broker = opened.with_context(|| format!("cannot open the broker state in {}", data_dir.display()))?;
         Ok(Backend::Embedded(Box::new(broker)))
     }
 

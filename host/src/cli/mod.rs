@@ -369,8 +369,12 @@ async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: Se
         }
         _ => None,
     };
-    let broker =
-        Broker::open(data_dir).with_context(|| format!("cannot open the broker state in {}", data_dir.display()))?;
+    // A CLI command working on the state itself (no daemon was serving when it
+    // began) is let finish: a supervisor's restart racing it does not fail.
+    let patience = std::time::Duration::from_secs(30);
+    let broker = Broker::open_when_free(data_dir, patience, async || true)
+        .await
+        .with_context(|| format!("cannot open the broker state in {}", data_dir.display()))?;
     broker.store().kv().set_mirror_budget(kv_mirror_bytes);
     let watched = crate::providers::watch::ProvidersDir::new(providers_dir)
         .with_context(|| format!("cannot watch the providers directory {}", providers_dir.display()))?;

@@ -384,3 +384,29 @@ fn an_instance_without_a_record_is_stopped_through_the_provider_reporting_it() {
     assert!(ok(data, &["instance", "stop", "fake-0"]).contains("stopped fake-0 (fake)"));
     assert_eq!(json(data, &["instance", "list", "--json"]), serde_json::json!([]));
 }
+
+/// A command (or a daemon starting) waits for the state file another broker
+/// process holds, instead of failing at once: a CLI call racing a supervisor's
+/// restart of the daemon, or two commands at once.
+#[test]
+fn a_command_waits_for_the_state_another_process_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    ok(data, &["provider", "add", &fake_manifest()]);
+    let held = broker_host::store::Store::open(data).unwrap();
+    let waiting = Command::new(env!("CARGO_BIN_EXE_broker"))
+        .arg("--data-dir")
+        .arg(data)
+        .args(["provider", "list", "--json"])
+        .env_remove("BROKER_SOCKET")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    drop(held);
+    let out = waiting.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed[0]["name"], "fake");
+}

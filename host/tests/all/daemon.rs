@@ -404,3 +404,18 @@ fn instance_listing_pages() {
     let (status, refused) = daemon.json("GET", "/v1/instances?after=fake-1", None);
     assert_eq!(status, 400, "{refused}");
 }
+
+/// A daemon started while a CLI command holds the state (a supervisor's
+/// restart racing it) waits for the state instead of failing.
+#[test]
+fn a_daemon_waits_for_the_state_a_command_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let held = broker_host::store::Store::open(dir.path()).unwrap();
+    let releasing = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(700));
+        drop(held);
+    });
+    let daemon = Daemon::start(dir.path());
+    releasing.join().unwrap();
+    assert_eq!(daemon.request("GET", "/healthz", None).0, 200);
+}
