@@ -67,6 +67,18 @@ fn list_scale(c: &mut Criterion) {
                 b.iter(|| runtime.block_on(fake.all_instances(&CallHooks::default())).unwrap())
             });
             group.bench_function("records_read/10000", |b| b.iter(|| broker.store().instances(Some("fake")).unwrap()));
+            // One record's JSON decoded whole, and without its start params
+            // (what a listing reads since they are skipped: 'records_read').
+            let mut record = broker.store().instance("fake", "fake-0").unwrap().unwrap();
+            let with = serde_json::to_vec(&record).unwrap();
+            record.params = None;
+            let without = serde_json::to_vec(&record).unwrap();
+            eprintln!("one record: {} bytes of JSON with its params, {} without", with.len(), without.len());
+            for (name, bytes) in [("record_decode/with_params", with), ("record_decode/without_params", without)] {
+                group.bench_function(name, |b| {
+                    b.iter(|| serde_json::from_slice::<broker_host::store::InstanceRecord>(&bytes).unwrap())
+                });
+            }
         }
         if instances > 0 {
             let id = format!("fake-{}", instances / 2);

@@ -333,8 +333,22 @@ impl Broker {
             Err(BrokerServiceError::UnknownInstance(_)) => {}
             Err(failed) => return Err(failed),
         }
-        let reporting: Vec<String> =
-            self.list_instances(None).await?.into_iter().filter(|r| r.id == id).map(|r| r.provider).collect();
+        // Every provider asked at once; one that cannot answer may be the
+        // owner, so "nobody has it" is said only when all of them answered.
+        let names: Vec<String> = self.registry.list()?.into_iter().map(|p| p.name).collect();
+        let answers = futures_util::future::join_all(names.iter().map(async |name| {
+            let wasm = self.registry.get(name).await?;
+            Ok::<_, BrokerServiceError>(wasm.all_instances(&CallHooks::default()).await?)
+        }))
+        .await;
+        let mut reporting = Vec::new();
+        for (name, answer) in names.iter().zip(answers) {
+            match answer {
+                Ok(live) if live.iter().any(|instance| instance.id == id) => reporting.push(name.clone()),
+                Ok(_) | Err(BrokerServiceError::Registry(RegistryError::Removing(_))) => {}
+                Err(failed) => return Err(failed),
+            }
+        }
         match reporting.as_slice() {
             [] => Ok(None),
             [one] => Ok(Some(one.clone())),

@@ -203,8 +203,8 @@ pub(crate) enum InstanceCommand {
         json: bool,
         /// At most this many (sorted by provider, then id); the cursor of the
         /// next page is printed on stderr if more remain.
-        #[arg(long)]
-        limit: Option<usize>,
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        limit: Option<u64>,
         /// Only those after this cursor (PROVIDER/ID).
         #[arg(long, value_name = "CURSOR")]
         after: Option<String>,
@@ -404,7 +404,11 @@ async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: Se
     // Served to the end or failed to start: either way the watcher stops too, and a
     // rescan in progress (a swap, a removal draining) finishes first.
     let _ = stop.send(true);
-    let _ = watcher.await;
+    // Bounded as the drain is: a rescan's swap queued behind others must not
+    // outlast the supervisor's patience.
+    if tokio::time::timeout(limits.drain, watcher).await.is_err() {
+        tracing::warn!("the providers directory's rescan was still running when the drain ran out");
+    }
     served
 }
 
@@ -502,6 +506,7 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
                 return Err(UsageError("--after takes a cursor, PROVIDER/ID".into()).into());
             }
             let records = backend.list_instances(provider.as_deref()).await.context("cannot list instances")?;
+            let limit = limit.map(|limit| usize::try_from(limit).unwrap_or(usize::MAX));
             let (records, next) = crate::broker::page(records, after.as_deref(), limit);
             if let Some(next) = next {
                 eprintln!("more: --after {}", crate::error_text::escape_unprintable(&next));

@@ -128,8 +128,8 @@ fn parse_size(value: &str) -> Result<Option<u64>, String> {
 mod tests {
     use super::*;
 
-    /// Fuzzed (bolero): any text is constraints or an error, never a panic;
-    /// and what parses parses again the same from its parts.
+    /// Fuzzed (bolero): any text made of the grammar's own tokens is
+    /// constraints or an error, never a panic.
     #[test]
     fn fuzz_constraints_parse() {
         let tokens = [

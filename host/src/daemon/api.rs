@@ -251,6 +251,9 @@ struct ListQuery {
 }
 
 async fn list_instances(State(broker): State<Shared>, Query(query): Query<ListQuery>) -> ApiResult<Response> {
+    if query.limit == Some(0) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, "limit: at least 1".into()));
+    }
     if query.after.as_deref().is_some_and(|after| !after.contains('/')) {
         return Err(ApiError(StatusCode::BAD_REQUEST, "after: a cursor is PROVIDER/ID (X-Next-After gives it)".into()));
     }
@@ -296,6 +299,8 @@ async fn start_instance(
     let hooks = CallHooks::with_events(move |event| status_lines.push(StartLine::from(event)));
     let finished = lines.clone();
     detached.spawn(async move {
+        // If the start panics, its client is told so rather than left waiting.
+        let mut unfinished = FinishOnDrop(Some(finished.clone()));
         let last = match broker.start_instance(&request.provider, &params, &hooks).await {
             Ok(record) => StartLine::Started { instance: Box::new(record) },
             Err(err) => StartLine::Failed { error: error_text(&err) },
@@ -303,6 +308,7 @@ async fn start_instance(
         if finished.coalesced() > 0 {
             tracing::debug!(coalesced = finished.coalesced(), "a start's client was behind: statuses coalesced");
         }
+        unfinished.0 = None;
         finished.finish(last);
     });
     let stream = futures_util::stream::unfold(lines, |lines| async move {
@@ -310,6 +316,18 @@ async fn start_instance(
         Some((Ok::<_, std::convert::Infallible>(format!("{line}\n")), lines))
     });
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(stream)).into_response())
+}
+
+/// Ends a start's stream with a failure if its task goes without finishing it
+/// (a panic): the client gets an answer, and the drain does not wait on it.
+struct FinishOnDrop(Option<Arc<super::progress::ProgressQueue<StartLine>>>);
+
+impl Drop for FinishOnDrop {
+    fn drop(&mut self) {
+        if let Some(lines) = self.0.take() {
+            lines.finish(StartLine::Failed { error: "the start failed inside the host (a bug: see its log)".into() });
+        }
+    }
 }
 
 /// The provider named in the query, or the one the host recorded the instance for.

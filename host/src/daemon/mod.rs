@@ -85,6 +85,11 @@ pub async fn serve(
     tracing::info!(socket = %socket.display(), "broker daemon serving");
     let app = api::router_with(broker, detached.clone(), limits.body_timeout);
     listen::serve(listener, app, limits, until_stopped(stopped), "unix").await;
+    let _ = std::fs::remove_file(socket);
+    // Both listeners drained first: a request still on TCP may yet start work.
+    if let Some(over_tcp) = over_tcp {
+        over_tcp.await.context("the TCP API server panicked")?;
+    }
     // Work whose client went away (a start, a swap) runs to its end within the
     // same drain: cut short, a start could leave an instance with no record.
     detached.close();
@@ -96,10 +101,6 @@ pub async fn serve(
             drain_seconds = limits.drain.as_secs(),
             "calls whose clients went away were still running when the drain ran out: they are cut short"
         );
-    }
-    let _ = std::fs::remove_file(socket);
-    if let Some(over_tcp) = over_tcp {
-        over_tcp.await.context("the TCP API server panicked")?;
     }
     Ok(())
 }

@@ -166,7 +166,13 @@ impl Store {
                 let reason = "not a regular file".to_owned();
                 return Err(StoreError::Damaged { path: shown(), reason });
             }
-            Ok(metadata) if metadata.len() == 0 => return Err(StoreError::Empty { path: shown() }),
+            // Empty, unless another process is making it this moment (it holds its lock).
+            Ok(metadata) if metadata.len() == 0 => {
+                return Err(match held_by_another(&path) {
+                    true => StoreError::Busy { path: shown() },
+                    false => StoreError::Empty { path: shown() },
+                });
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && data_dir.join("state.wal").exists() => {
                 // The log is made after the state file: the state file was moved or deleted.
                 let reason = "it is missing, but its write-ahead log state.wal is here: the state file was moved or deleted (put it back, or `broker store recover` if a damaged copy is all there is)".to_owned();
@@ -201,7 +207,10 @@ impl Store {
             source: Arc::new(source),
         };
         let log_error = |error: WalError| StoreError::Log(Arc::new(error));
-        std::fs::create_dir_all(data_dir).map_err(|e| open_error(redb::Error::Io(e)))?;
+        // The state holds every provider's kv (their secrets too): the host's alone.
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+            .create(data_dir)
+            .map_err(|e| open_error(redb::Error::Io(e)))?;
         let db = Database::builder()
             .set_cache_size(STATE_CACHE_BYTES)
             .create(data_dir.join("state.redb"))
@@ -222,6 +231,13 @@ impl Store {
         }
         // What was replayed is in the state file now.
         wal.restart().map_err(StoreError::Log)?;
+        for file in ["state.redb", "state.wal"] {
+            use std::os::unix::fs::PermissionsExt;
+            let private = std::fs::Permissions::from_mode(0o600);
+            if let Err(error) = std::fs::set_permissions(data_dir.join(file), private) {
+                tracing::warn!(file, %error, "cannot make the state file private to its owner");
+            }
+        }
         let db = Arc::new(db);
         let writer = Arc::new(writer::Writer::start(db.clone(), wal).map_err(|e| open_error(redb::Error::Io(e)))?);
         let kv = Arc::new(RedbKv::new(db.clone(), writer.clone()));
@@ -397,6 +413,9 @@ impl Store {
     }
 
     /// Records of one provider, or of all, in (provider, id) order.
+    ///
+    /// Without their start params (`params` is `None`): [`Store::instance`]
+    /// reads one record whole.
     pub fn instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(INSTANCES).map_err(db_error)?;
@@ -413,8 +432,8 @@ impl Store {
             }
             // One record that does not decode hides no other: it is named, and
             // `broker store recover` leaves it out.
-            match decode("instance", value.value()) {
-                Ok(record) => records.push(record),
+            match decode::<records::ListedRecord>("instance", value.value()) {
+                Ok(record) => records.push(record.into()),
                 Err(error) => tracing::error!(
                     provider = owner,
                     instance_id = id,
@@ -424,6 +443,15 @@ impl Store {
             }
         }
         Ok(records)
+    }
+}
+
+/// Whether another process holds the lock redb takes on an open state file.
+fn held_by_another(path: &Path) -> bool {
+    let Ok(file) = std::fs::File::open(path) else { return false };
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(_unlocked_on_drop) => false,
+        Err((_, errno)) => errno == nix::errno::Errno::EWOULDBLOCK,
     }
 }
 
@@ -546,6 +574,19 @@ mod tests {
             created: String::new(),
             params: None,
         }
+    }
+
+    /// The state holds every provider's kv: a new data dir is the owner's
+    /// alone (0700), and so are the state file and its log (0600).
+    #[test]
+    fn the_state_is_private_to_its_owner() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("new/data");
+        drop(Store::open(&data).unwrap());
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&data), 0o700);
+        assert_eq!((mode(&data.join("state.redb")), mode(&data.join("state.wal"))), (0o600, 0o600));
     }
 
     #[test]

@@ -188,6 +188,31 @@ pub struct InstanceRecord {
     pub params: Option<StartInstanceParams>,
 }
 
+/// An instance record as a listing reads it: every field but the start
+/// params, which only `maintain-instance` needs (they are most of a record's
+/// bytes, and of the time to decode it), skipped unread.
+#[derive(Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) struct ListedRecord {
+    id: String,
+    provider: String,
+    status: String,
+    #[serde(default)]
+    message: String,
+    display_name: String,
+    hardware: Hardware,
+    tags: Vec<String>,
+    addresses: Vec<String>,
+    created: String,
+}
+
+impl From<ListedRecord> for InstanceRecord {
+    fn from(listed: ListedRecord) -> InstanceRecord {
+        let ListedRecord { id, provider, status, message, display_name, hardware, tags, addresses, created } = listed;
+        InstanceRecord { id, provider, status, message, display_name, hardware, tags, addresses, created, params: None }
+    }
+}
+
 /// A component hash as tables, messages and metric labels show it: its first
 /// 12 hex digits. A stored hash that is short or not hex (a corrupt store, a
 /// garbage answer) shows the hex it starts with instead of panicking.
