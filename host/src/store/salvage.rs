@@ -318,7 +318,10 @@ fn keep_aside(data_dir: &Path, path: &Path) -> std::io::Result<PathBuf> {
         let name =
             if n == 0 { format!("state.redb.damaged-{seconds}") } else { format!("state.redb.damaged-{seconds}-{n}") };
         let kept = data_dir.join(name);
-        let mut out = match std::fs::OpenOptions::new().write(true).create_new(true).open(&kept) {
+        // It holds every provider's kv, as the state file does: the owner's alone.
+        let mut options = std::fs::OpenOptions::new();
+        std::os::unix::fs::OpenOptionsExt::mode(options.write(true).create_new(true), 0o600);
+        let mut out = match options.open(&kept) {
             Ok(out) => out,
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
             Err(e) => return Err(e),
@@ -415,7 +418,9 @@ mod tests {
         assert!(instances.corrupt[0].contains("fake-7"), "{:?}", instances.corrupt);
 
         let report = recover(dir.path()).unwrap();
-        assert!(report.kept_as.as_deref().is_some_and(|kept| std::path::Path::new(kept).exists()));
+        let kept = std::path::PathBuf::from(report.kept_as.unwrap());
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&kept).unwrap().permissions().mode() & 0o777, 0o600, "kv secrets stay private");
         let store = Store::open(dir.path()).unwrap();
         assert_eq!(store.instances(None).unwrap().len(), 199);
         assert_eq!(store.kv().get("fake", "k/199").unwrap(), Some(vec![199; 300]));
