@@ -532,10 +532,8 @@ fn mismatched(answer: KvChanged) -> wit::KvError {
 
 impl wit::Host for KvCtx {
     async fn get(&mut self, key: String) -> WitResult<Option<Vec<u8>>> {
-        if let Err(refused) = self.warm().await {
-            return Ok(Err(refused.into()));
-        }
-        Ok(self.backend().and_then(|kv| kv.get(self.namespace(), &key)).map_err(Into::into))
+        let warmed = self.warm().await;
+        Ok(warmed.and_then(|()| self.backend()?.get(self.namespace(), &key)).map_err(Into::into))
     }
     async fn set(&mut self, key: String, value: Vec<u8>) -> WitResult<()> {
         Ok(self.change(key, KvChange::Set(value)).await.map(drop))
@@ -553,17 +551,14 @@ impl wit::Host for KvCtx {
         }))
     }
     async fn scan(&mut self, prefix: String) -> WitResult<Vec<u8>> {
-        if let Err(refused) = self.warm().await {
-            return Ok(Err(refused.into()));
-        }
-        Ok(self.backend().and_then(|kv| kv.scan_packed(self.namespace(), &prefix)).map_err(Into::into))
+        let warmed = self.warm().await;
+        Ok(warmed.and_then(|()| self.backend()?.scan_packed(self.namespace(), &prefix)).map_err(Into::into))
     }
     async fn scan_page(&mut self, prefix: String, after: Option<String>, max_bytes: u32) -> WitResult<Vec<u8>> {
-        if let Err(refused) = self.warm().await {
-            return Ok(Err(refused.into()));
-        }
+        let warmed = self.warm().await;
         let max_bytes = (max_bytes as usize).min(MAX_SCAN_BYTES);
-        let page = self.backend().and_then(|kv| kv.scan_page(self.namespace(), &prefix, after.as_deref(), max_bytes));
+        let page =
+            warmed.and_then(|()| self.backend()?.scan_page(self.namespace(), &prefix, after.as_deref(), max_bytes));
         Ok(page.map(|page| page.packed).map_err(Into::into))
     }
 }

@@ -89,7 +89,8 @@ pub async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout).keep_alive(true);
     let mut stop = std::pin::pin!(stop);
-    let mut full_since: Option<std::time::Instant> = None;
+    // Said once each time the limit is reached, not at every accept while it holds.
+    let mut said_full = false;
     loop {
         // A permit before the accept: past the limit, clients wait in the backlog.
         let permit = tokio::select! {
@@ -97,12 +98,11 @@ pub async fn serve(
             () = &mut stop => break,
         };
         let Ok(permit) = permit else { break };
-        if permits.available_permits() == 0 && full_since.is_none() {
-            full_since = Some(std::time::Instant::now());
+        let full = permits.available_permits() == 0;
+        if full && !said_full {
             tracing::warn!(listener = name, max = limits.max_connections, "connection limit reached: new clients wait");
-        } else if permits.available_permits() > 0 {
-            full_since = None;
         }
+        said_full = full;
         let io = tokio::select! {
             accepted = listener.accept() => accepted,
             () = &mut stop => break,

@@ -239,7 +239,8 @@ impl RedbKv {
         RedbKv { db, writer, mirrors: Arc::new(mirrors) }
     }
 
-    /// Bound the mirror to `bytes` instead of [`MIRROR_BUDGET_BYTES`] (tests, benchmarks).
+    /// Bound the mirror to `bytes` instead of [`MIRROR_BUDGET_BYTES`]
+    /// (`broker serve --kv-mirror-mib`; tests and benchmarks).
     pub fn set_mirror_budget(&self, bytes: usize) {
         self.mirrors.budget.store(bytes, Ordering::Relaxed);
         self.mirrors.trim();

@@ -159,7 +159,7 @@ impl Store {
     }
 
     fn open_checked(data_dir: &Path, checkpoints: wal::Checkpoints) -> Result<Store, StoreError> {
-        let path = data_dir.join("state.redb");
+        let path = state_file(data_dir);
         let shown = || path.display().to_string();
         match std::fs::metadata(&path) {
             Ok(metadata) if !metadata.is_file() => {
@@ -203,7 +203,7 @@ impl Store {
 
     fn open_with(data_dir: &Path, checkpoints: wal::Checkpoints) -> Result<Store, StoreError> {
         let open_error = |source: redb::Error| StoreError::Open {
-            path: data_dir.join("state.redb").display().to_string(),
+            path: state_file(data_dir).display().to_string(),
             source: Arc::new(source),
         };
         let log_error = |error: WalError| StoreError::Log(Arc::new(error));
@@ -213,7 +213,7 @@ impl Store {
             .map_err(|e| open_error(redb::Error::Io(e)))?;
         let db = Database::builder()
             .set_cache_size(STATE_CACHE_BYTES)
-            .create(data_dir.join("state.redb"))
+            .create(state_file(data_dir))
             .map_err(|e| open_error(e.into()))?;
         let mut wal = wal::Wal::open(&data_dir.join("state.wal"), checkpoints).map_err(log_error)?;
         let txn = db.begin_write().map_err(db_error)?;
@@ -444,6 +444,11 @@ impl Store {
         }
         Ok(records)
     }
+}
+
+/// The state file in `data_dir` (its write-ahead log is `state.wal` beside it).
+fn state_file(data_dir: &Path) -> PathBuf {
+    data_dir.join("state.redb")
 }
 
 /// Whether another process holds the lock redb takes on an open state file.

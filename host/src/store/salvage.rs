@@ -12,6 +12,7 @@
 //! applies the write-ahead log on top.
 
 use super::sandbox_users::SANDBOX_USERS;
+use super::state_file;
 use super::{
     CHILDREN, INSTANCES, KV, OBSERVED_NETWORK, PROVIDERS, ProviderRecord, StoreError, events, records::InstanceRecord,
 };
@@ -195,10 +196,6 @@ fn each_table(from: &impl ReadableDatabase, into: Option<&Database>) -> Result<V
         txn.commit().map_err(|e| e.to_string())?;
     }
     Ok(reports)
-}
-
-fn state_file(data_dir: &Path) -> PathBuf {
-    data_dir.join("state.redb")
 }
 
 /// What opening a state file that may be damaged came to.

@@ -1,6 +1,6 @@
 //! The `broker` binary end to end, on the bundled fake provider.
 
-use crate::common::broker;
+use crate::common::{broker, broker_command};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
@@ -155,10 +155,7 @@ fn a_killed_start_leaves_the_state_consistent() {
     let data = dir.path();
     ok(data, &["provider", "add", &fake_manifest()]);
     for round in 0..24u64 {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_broker"))
-            .arg("--data-dir")
-            .arg(data)
-            .args(["instance", "start", "--provider", "fake"])
+        let mut child = broker_command(data, &["instance", "start", "--provider", "fake"])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -394,11 +391,7 @@ fn a_command_waits_for_the_state_another_process_holds() {
     let data = dir.path();
     ok(data, &["provider", "add", &fake_manifest()]);
     let held = broker_host::store::Store::open(data).unwrap();
-    let waiting = Command::new(env!("CARGO_BIN_EXE_broker"))
-        .arg("--data-dir")
-        .arg(data)
-        .args(["provider", "list", "--json"])
-        .env_remove("BROKER_SOCKET")
+    let waiting = broker_command(data, &["provider", "list", "--json"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

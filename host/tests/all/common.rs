@@ -10,14 +10,15 @@ use std::time::{Duration, Instant};
 
 /// `broker --data-dir DATA_DIR ARGS…`, run to its end (talking to a daemon if one serves there).
 pub fn broker(data_dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_broker"))
-        .arg("--data-dir")
-        .arg(data_dir)
-        .args(args)
-        .env_remove("RUST_LOG")
-        .env_remove("BROKER_SOCKET")
-        .output()
-        .expect("run broker")
+    broker_command(data_dir, args).output().expect("run broker")
+}
+
+/// `broker --data-dir DATA_DIR ARGS…`, to run as the caller wants (no
+/// inherited log level or socket).
+pub fn broker_command(data_dir: &Path, args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_broker"));
+    command.arg("--data-dir").arg(data_dir).args(args).env_remove("RUST_LOG").env_remove("BROKER_SOCKET");
+    command
 }
 
 pub struct Daemon {
@@ -53,6 +54,13 @@ impl Daemon {
 
     pub fn request(&self, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String) {
         request(&self.socket, method, path, body)
+    }
+
+    /// SIGTERM, then its exit status once it has drained.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::SIGTERM).unwrap();
+        self.child.wait().unwrap()
     }
 
     pub fn json(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {

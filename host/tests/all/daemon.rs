@@ -166,11 +166,10 @@ fn sigterm_lets_a_start_in_flight_finish_then_exits() {
     let socket = daemon.socket.clone();
     let slow = std::thread::spawn(move || request(&socket, "POST", "/v1/instances", Some(br#"{"provider":"fake"}"#)));
     std::thread::sleep(Duration::from_millis(400));
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.child.id() as i32), nix::sys::signal::SIGTERM).unwrap();
+    let exit = daemon.terminate();
     let (status, stream) = slow.join().unwrap();
     assert_eq!(status, 200);
     assert!(stream.lines().last().unwrap().contains("\"event\":\"started\""), "{stream}");
-    let exit = daemon.child.wait().unwrap();
     assert!(exit.success(), "{exit:?}");
     assert!(!daemon.socket.exists(), "the socket is removed on the way out");
     // The instance it finished is recorded: a new daemon lists it.
@@ -200,8 +199,7 @@ fn sigterm_lets_a_start_whose_client_left_finish() {
         seen.extend_from_slice(&buf[..n]);
     }
     drop(client);
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.child.id() as i32), nix::sys::signal::SIGTERM).unwrap();
-    let exit = daemon.child.wait().unwrap();
+    let exit = daemon.terminate();
     assert!(exit.success(), "{exit:?}");
     let again = Daemon::start(dir.path());
     let (_, listed) = again.json("GET", "/v1/instances", None);

@@ -41,8 +41,7 @@ fn a_half_sent_request_is_cut_off_and_cannot_hold_up_a_sigterm() {
     let mut held_body = UnixStream::connect(&daemon.socket).unwrap();
     held_body.write_all(b"POST /v1/providers HTTP/1.1\r\nHost: broker\r\nContent-Length: 100\r\n\r\n{").unwrap();
     assert_eq!(daemon.request("GET", "/healthz", None).0, 200, "the held connections hold nobody else up");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.child.id() as i32), nix::sys::signal::SIGTERM).unwrap();
-    let exit = daemon.child.wait().unwrap();
+    let exit = daemon.terminate();
     assert!(exit.success(), "{exit:?}");
     drop((held, held_body));
 }
