@@ -34,12 +34,23 @@ pub(crate) struct DaemonClient {
     socket: PathBuf,
 }
 
+/// How long a daemon has to answer `/healthz` to count as serving: it
+/// answers from its accept loop, in well under a millisecond when idle.
+const PROBE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl DaemonClient {
-    /// A client if a daemon answers on `socket`; `None` if nothing listens there
-    /// (no socket, or one left by a daemon that died).
+    /// A client if a daemon answers on `socket`; `None` if nothing does there
+    /// (no socket, or one left by a daemon that died). Answering, not just
+    /// accepting a connection: a dead daemon's listening socket can outlive
+    /// it for a while in a process that inherited it, and takes connections
+    /// nobody will ever answer.
     pub async fn probe(socket: &Path) -> Option<DaemonClient> {
-        tokio::net::UnixStream::connect(socket).await.ok()?;
-        Some(DaemonClient { socket: socket.to_owned() })
+        let client = DaemonClient { socket: socket.to_owned() };
+        let asked = tokio::time::timeout(PROBE_PATIENCE, client.send(Method::GET, "/healthz", None));
+        match asked.await {
+            Ok(Ok(answer)) if answer.status().is_success() => Some(client),
+            _ => None,
+        }
     }
 
     /// One request; the answer's JSON body as `T`, or the daemon's refusal.

@@ -420,3 +420,191 @@ fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
         assert_eq!(replay.remaining(), 0, "every run and the child were asked for");
     });
 }
+
+/// One HTTP/1.0 request on the daemon's socket (HTTP/1.0: the body ends
+/// with the connection, never chunked); `None` once the daemon is gone.
+fn daemon_request(socket: &Path, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).ok()?;
+    // A VM's start takes seconds; a socket that never answers must not hang the test.
+    stream.set_read_timeout(Some(Duration::from_secs(120))).ok()?;
+    let head =
+        format!("{method} {path} HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
+    stream.write_all(head.as_bytes()).ok()?;
+    stream.write_all(body.as_bytes()).ok()?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    Some((head.split_whitespace().nth(1)?.parse().ok()?, body.to_owned()))
+}
+
+fn daemon_json(socket: &Path, path: &str) -> serde_json::Value {
+    let (status, body) = daemon_request(socket, "GET", path, "").unwrap_or_else(|| panic!("GET {path}: no answer"));
+    assert_eq!(status, 200, "GET {path}: {body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// `broker serve` on `data`, its log in `log`; returns once it listens.
+fn serve(data: &Path, harvest: &str, log_path: &Path) -> std::process::Child {
+    let log = std::fs::File::create(log_path).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_broker-daemon"))
+        .arg("--data-dir")
+        .arg(data)
+        .args(["-v", "serve", "--harvest", harvest])
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let socket = data.join("broker.sock");
+    let started = Instant::now();
+    while daemon_request(&socket, "GET", "/healthz", "").is_none_or(|(status, _)| status != 200) {
+        let exited = child.try_wait().unwrap();
+        if exited.is_some() || started.elapsed() > Duration::from_secs(60) {
+            // What the failure's reader needs: the daemon's word, and who else holds its socket.
+            let output = |program: &str, args: &[&str]| {
+                let ran = std::process::Command::new(program).args(args).output();
+                ran.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default()
+            };
+            let log = std::fs::read_to_string(log_path).unwrap_or_default();
+            let ss = output("ss", &["-xlpn"]);
+            let holders: Vec<&str> = ss.lines().filter(|l| l.contains(&*socket.to_string_lossy())).collect();
+            let stacks = match exited {
+                Some(_) => String::new(),
+                None => output("gdb", &["-batch", "-ex", "thread apply all bt 12", "-p", &child.id().to_string()]),
+            };
+            panic!("the daemon did not serve ({exited:?}); its socket held by {holders:?}; its log:\n{log}\n{stacks}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child
+}
+
+/// A daemon a failing test must not leave running.
+struct KilledOnDrop(std::process::Child);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A client of the crash test: start VMs one after another, stopping each
+/// one's predecessor, until the daemon stops answering.
+fn start_and_stop_until_killed(socket: &Path) -> (usize, usize) {
+    let (mut started, mut stopped, mut mine) = (0, 0, Vec::<String>::new());
+    let start = r#"{"provider":"kvm","constraints":"cores=1 mem=256M"}"#;
+    while let Some((status, stream)) = daemon_request(socket, "POST", "/v1/instances", start) {
+        let last = stream.lines().last().and_then(|line| serde_json::from_str::<serde_json::Value>(line).ok());
+        match last {
+            Some(line) if status == 200 && line["event"] == "started" => {
+                mine.push(line["instance"]["id"].as_str().unwrap().to_owned());
+                started += 1;
+            }
+            // The daemon died mid-answer (or refused while going down).
+            _ => break,
+        }
+        if mine.len() > 1 {
+            let oldest = mine.remove(0);
+            match daemon_request(socket, "DELETE", &format!("/v1/instances/{oldest}"), "") {
+                Some((200, _)) => stopped += 1,
+                _ => break,
+            }
+        }
+    }
+    (started, stopped)
+}
+
+/// The reconcile's event after the `n`th start of the daemon, once it is there.
+fn nth_reconcile(socket: &Path, n: usize) -> String {
+    let started = Instant::now();
+    loop {
+        let events = daemon_json(socket, "/v1/events?limit=1000");
+        let reconciled: Vec<&serde_json::Value> =
+            events.as_array().unwrap().iter().filter(|e| e["kind"] == "reconciled").collect();
+        if reconciled.len() >= n {
+            return reconciled[n - 1]["detail"].as_str().unwrap_or_default().to_owned();
+        }
+        assert!(started.elapsed() < Duration::from_secs(180), "no reconcile after restart {n}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Issue 17's crash test: the daemon SIGKILLed at staggered points while
+/// three clients start and stop real VMs, then restarted with each harvest
+/// mode. After every restart's reconcile the provider reports no instance
+/// the host has no record of (an orphan: a running qemu nobody would stop)
+/// and the host holds no record of an instance the provider no longer
+/// reports (a vanished record).
+#[test]
+fn the_daemon_killed_under_concurrent_starts_and_stops_leaves_no_orphan_and_no_vanished_record() {
+    let payload = vm_payload();
+    let dir = tempfile::tempdir().unwrap();
+    let _reaper = KillQemusUnder(dir.path().to_owned());
+    let data = dir.path().join("data");
+    let socket = data.join("broker.sock");
+    let manifest = kvm_manifest(dir.path(), &payload, "crash", true);
+
+    // Kill points (ms after the clients begin): across qemu-img, the seed,
+    // qemu's start and QMP, and the stops between.
+    let kills = [900, 2300, 1500, 3100, 600, 1900];
+    let modes = ["destroyed", "unknown"];
+    let (mut started, mut stopped) = (0, 0);
+    let mut details = Vec::new();
+    let mut daemon = KilledOnDrop(serve(&data, modes[0], &dir.path().join("daemon-0.log")));
+    let body = format!("{{\"manifest\":\"{}\"}}", manifest.display());
+    assert_eq!(daemon_request(&socket, "POST", "/v1/providers", &body).map(|(s, _)| s), Some(201));
+    for (round, kill_after) in kills.into_iter().enumerate() {
+        let clients: Vec<_> = (0..3)
+            .map(|_| {
+                let socket = socket.clone();
+                std::thread::spawn(move || start_and_stop_until_killed(&socket))
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(kill_after));
+        daemon.0.kill().unwrap();
+        daemon.0.wait().unwrap();
+        for client in clients {
+            let (s, t) = client.join().unwrap();
+            (started, stopped) = (started + s, stopped + t);
+        }
+
+        let mode = modes[round % modes.len()];
+        daemon = KilledOnDrop(serve(&data, mode, &dir.path().join(format!("daemon-{}.log", round + 1))));
+        let detail = nth_reconcile(&socket, round + 1);
+        let listed = daemon_json(&socket, "/v1/instances?provider=kvm");
+        let listed = listed.as_array().unwrap();
+        let orphans: Vec<&serde_json::Value> = listed.iter().filter(|r| r["created"] == "").collect();
+        let vanished: Vec<&serde_json::Value> =
+            listed.iter().filter(|r| r["message"] == "not reported by the provider").collect();
+        assert!(orphans.is_empty(), "restart {} ({mode}): orphans {orphans:?}; reconcile: {detail}", round + 1);
+        assert!(vanished.is_empty(), "restart {} ({mode}): vanished {vanished:?}; reconcile: {detail}", round + 1);
+        let log = std::fs::read_to_string(dir.path().join(format!("daemon-{}.log", round + 1))).unwrap_or_default();
+        let reaped = log.lines().filter(|l| l.contains("killed a process a killed host left")).count();
+        details.push(format!(
+            "restart {} ({mode}, killed at {kill_after} ms, {} listed, {reaped} unrecorded processes killed): {detail}",
+            round + 1,
+            listed.len()
+        ));
+    }
+    // For RELIABILITY.md: what the kills interrupted, and how each restart finished it.
+    eprintln!("{started} starts and {stopped} stops answered across {} kills", kills.len());
+    for detail in &details {
+        eprintln!("{detail}");
+    }
+    assert!(started > 0, "no start was ever answered: the test exercised nothing");
+
+    // Everything left is the host's to stop, and stopping leaves nothing behind.
+    let listed = daemon_json(&socket, "/v1/instances?provider=kvm");
+    for record in listed.as_array().unwrap() {
+        let id = record["id"].as_str().unwrap();
+        let stopped = daemon_request(&socket, "DELETE", &format!("/v1/instances/{id}"), "");
+        assert_eq!(stopped.as_ref().map(|(s, _)| *s), Some(200), "{id}: {stopped:?}");
+    }
+    assert_eq!(daemon_json(&socket, "/v1/instances?provider=kvm"), serde_json::json!([]));
+    assert!(!qemu_running_with(&dir.path().display().to_string()), "a qemu outlived its instance");
+    let pid = nix::unistd::Pid::from_raw(daemon.0.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::SIGTERM).unwrap();
+    assert!(daemon.0.wait().unwrap().success());
+}

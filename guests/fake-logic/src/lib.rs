@@ -52,6 +52,10 @@ pub struct Config {
     /// start-instance takes this long (tests of calls in flight).
     #[serde(default)]
     pub start_delay_ms: u64,
+    /// start-instance waits this long once the instance is made, before it
+    /// answers (tests of a host killed mid-start).
+    #[serde(default)]
+    pub answer_delay_ms: u64,
 }
 
 fn default_zones() -> Vec<String> {
@@ -66,7 +70,13 @@ fn default_arch() -> String {
 
 impl Default for Config {
     fn default() -> Self {
-        Config { zones: default_zones(), prefix: default_prefix(), default_arch: default_arch(), start_delay_ms: 0 }
+        Config {
+            zones: default_zones(),
+            prefix: default_prefix(),
+            default_arch: default_arch(),
+            start_delay_ms: 0,
+            answer_delay_ms: 0,
+        }
     }
 }
 
@@ -146,9 +156,21 @@ fn encode(instance: &FakeInstance) -> Result<Vec<u8>, FakeError> {
 
 /// Start an instance: pick its zone, echo the constraints as hardware, store it.
 pub fn start(kv: &impl Kv, config: &Config, request: StartRequest) -> Result<FakeInstance, FakeError> {
+    start_claiming(kv, config, request, |_| Ok(()))
+}
+
+/// As [`start`], calling `claim` with the id once it is chosen, before the
+/// instance is written.
+pub fn start_claiming(
+    kv: &impl Kv,
+    config: &Config,
+    request: StartRequest,
+    claim: impl FnOnce(&str) -> Result<(), FakeError>,
+) -> Result<FakeInstance, FakeError> {
     let zone = choose_zone(kv, config, &request)?;
     let sequence = kv.increment(SEQUENCE_KEY, 1)?;
     let id = format!("{}-{}", config.prefix, sequence - 1);
+    claim(&id)?;
     let hardware = Hardware {
         arch: Some(request.wanted.arch.clone().unwrap_or_else(|| config.default_arch.clone())),
         availability_zone: Some(zone),

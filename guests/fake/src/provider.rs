@@ -31,6 +31,14 @@ impl fake_logic::Kv for HostKv {
     }
 }
 
+/// The host's refusal of a claimed id, as the fake's error.
+fn claim_refused(err: BrokerError) -> FakeError {
+    match err {
+        BrokerError::InvalidParams(m) => FakeError::InvalidParams(m),
+        other => FakeError::Storage(format!("{other:?}")),
+    }
+}
+
 fn storage(err: host_kv::KvError) -> FakeError {
     FakeError::Storage(format!("{err:?}"))
 }
@@ -134,7 +142,12 @@ impl Guest for Fake {
             std::thread::sleep(std::time::Duration::from_millis(config.start_delay_ms));
         }
         let group = ctx.distribution_group()?;
-        let fake = fake_logic::start(&HostKv, &config, request(&params, group)).map_err(to_broker_error)?;
+        let claim = |id: &str| ctx.claim_instance_id(id).map_err(claim_refused);
+        let fake =
+            fake_logic::start_claiming(&HostKv, &config, request(&params, group), claim).map_err(to_broker_error)?;
+        if config.answer_delay_ms > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(config.answer_delay_ms));
+        }
         let recorded = serde_json::to_vec(&params).map_err(|e| BrokerError::Provider(e.to_string()))?;
         host_kv::set(&params_key(&fake.id), &recorded)?;
         ctx.set_status(InstanceStatus::Running, "", &[])?;

@@ -99,6 +99,9 @@ impl Guest for Kvm {
         if ctx.aborted() {
             return Err(BrokerError::Aborted("start-instance aborted before the VM was made".into()));
         }
+        // Durable with the host before anything of the VM is made: a host
+        // killed from here on adopts it on restart instead of losing it.
+        ctx.claim_instance_id(&plan.name)?;
         let starting = || ctx.set_status(InstanceStatus::Provisioning, "Starting instance", &[]);
         let virt_type = match vm::create(&plan, starting) {
             Ok(virt_type) => virt_type,

@@ -211,6 +211,9 @@ impl Guest for LxdProvider {
         if ctx.aborted() {
             return Err(failed(BrokerError::Aborted("start-instance aborted before the container was made".into())));
         }
+        // Durable with the host before the container exists: a host killed
+        // from here on adopts it on restart instead of losing it.
+        ctx.claim_instance_id(&spec.name).map_err(failed)?;
         ctx.set_status(InstanceStatus::Provisioning, "Creating container", &[])?;
         create_and_start(&lxd, &spec).map_err(failed)?;
 

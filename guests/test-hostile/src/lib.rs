@@ -95,6 +95,12 @@ impl Guest for Hostile {
             let id = format!("flood-{}", CALLS_SERVED.load(Ordering::SeqCst));
             return Ok(started(&id, None));
         }
+        // Ids to claim, NUL-separated, in order: the host's checks of claims.
+        if let Some(claims) = host_kv::get("claims")? {
+            for id in claims.split(|b| *b == 0) {
+                ctx.claim_instance_id(&String::from_utf8_lossy(id))?;
+            }
+        }
         let Some(id) = host_kv::get("start-id")? else {
             return Err(BrokerError::NotSupported("the hostile provider starts nothing".into()));
         };

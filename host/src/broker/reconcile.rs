@@ -1,11 +1,20 @@
 //! Start-up reconcile, as Juju's agent does when it starts: each recorded
 //! instance gets `maintain-instance`, and what each provider reports is
 //! compared with the host's records. What differs is reported (an event per
-//! provider and a log line), never silently changed.
+//! provider and a log line).
+//!
+//! After a restart it also finishes what the last process left in flight,
+//! as Juju's provisioner does: a start it recorded as pending is adopted if
+//! the provider reports the id the start claimed, else forgotten; a stop it
+//! marked is finished (the record goes once the provider no longer reports
+//! the instance); and instances no record claims are harvested as the
+//! [`HarvestMode`] says, only after a complete inventory and before the
+//! provider starts anything new.
 
 use super::service::Broker;
 use crate::capabilities::context::CallHooks;
-use crate::store::Event;
+use crate::store::{Event, InstanceRecord};
+use clap::ValueEnum;
 
 /// What a reconcile found for one provider.
 #[derive(Debug, Default, Clone, PartialEq, serde::Serialize)]
@@ -25,6 +34,48 @@ pub struct Reconciled {
     pub refused: Vec<String>,
     /// The provider could not be asked at all.
     pub error: Option<String>,
+    /// Instances whose start the last process left pending, recorded now.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub adopted: Vec<String>,
+    /// Pending starts of the last process that made nothing the provider reports.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub forgotten: Vec<String>,
+    /// Stops the last process left unfinished, finished now.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stops_finished: Vec<String>,
+    /// Unknown instances stopped by the harvest mode.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub harvested: Vec<String>,
+    /// What finishing the last process's work could not do, and why.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unresolved: Vec<String>,
+}
+
+/// Which instances the first reconcile after a restart stops (Juju's
+/// `provisioner-harvest-mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HarvestMode {
+    /// Stop nothing: unfinished stops stay marked, unknown instances reported.
+    None,
+    /// Finish the stops the host was asked for (its "destroyed" machines); unknown instances are reported.
+    #[default]
+    Destroyed,
+    /// Stop instances no record claims; unfinished stops stay marked.
+    Unknown,
+    /// Both.
+    All,
+}
+
+impl HarvestMode {
+    fn finishes_stops(self) -> bool {
+        matches!(self, HarvestMode::Destroyed | HarvestMode::All)
+    }
+
+    /// Whether new starts must wait for the harvest (it would take theirs for unknown).
+    pub fn stops_unknown(self) -> bool {
+        matches!(self, HarvestMode::Unknown | HarvestMode::All)
+    }
 }
 
 impl Reconciled {
@@ -47,6 +98,16 @@ impl Reconciled {
         if !self.refused.is_empty() {
             parts.push(format!("refused ids: {}", named(self.refused.iter().cloned())));
         }
+        let finished = [
+            ("adopted", &self.adopted),
+            ("forgot pending starts", &self.forgotten),
+            ("finished stops", &self.stops_finished),
+            ("harvested", &self.harvested),
+            ("unresolved", &self.unresolved),
+        ];
+        for (what, ids) in finished.into_iter().filter(|(_, ids)| !ids.is_empty()) {
+            parts.push(format!("{what}: {}", named(ids.iter().cloned())));
+        }
         parts.join("; ")
     }
 }
@@ -67,9 +128,83 @@ fn named(ids: impl ExactSizeIterator<Item = String>) -> String {
     text.join(", ")
 }
 
+/// Opens a provider's starts when its first reconcile ends, however it ends.
+struct SettleOnDrop<'a>(&'a Broker, &'a str);
+
+impl Drop for SettleOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.unsettled.settle(self.1);
+    }
+}
+
 impl Broker {
     /// Reconcile every registered provider; each result is also an event.
     pub async fn reconcile(&self) -> Vec<Reconciled> {
+        self.reconcile_all(None).await
+    }
+
+    /// The reconcile after a restart: as [`Broker::reconcile`], finishing the
+    /// starts and stops the last process left in flight and harvesting as
+    /// `harvest` says. With a mode that stops unknown instances, each
+    /// provider's new starts wait until its harvest is done.
+    pub async fn reconcile_after_restart(&self, harvest: HarvestMode) -> Vec<Reconciled> {
+        self.reconcile_all(Some(harvest)).await
+    }
+
+    /// With a `harvest` that stops unknown instances, hold every registered
+    /// provider's new starts until [`Broker::reconcile_after_restart`] has
+    /// harvested it (called before the API serves, so none slips in first).
+    pub fn hold_starts_for_harvest(&self, harvest: HarvestMode) {
+        if !harvest.stops_unknown() {
+            return;
+        }
+        match self.registry().list() {
+            Ok(records) => self.unsettled.hold(records.into_iter().map(|p| p.name)),
+            Err(e) => tracing::warn!(error = %e, "cannot list providers to hold their starts for the harvest"),
+        }
+    }
+
+    /// Kill the processes left running as a provider's sandbox user that no
+    /// child record holds: spawned by a host killed before it recorded them
+    /// (see [`reap_unrecorded`]). Run before any provider is called after a
+    /// restart; as root only (else programs run as the host's own user).
+    ///
+    /// [`reap_unrecorded`]: crate::capabilities::process::reap_unrecorded
+    pub fn reap_unrecorded_children(&self) -> Vec<(String, u32)> {
+        if !rustix::process::geteuid().is_root() {
+            return Vec::new();
+        }
+        let users = match self.store().sandbox_users() {
+            Ok(users) => users,
+            Err(error) => {
+                tracing::warn!(%error, "cannot read the sandbox users: unrecorded children are not reaped");
+                return Vec::new();
+            }
+        };
+        let mut uids: std::collections::HashMap<u32, String> = users.iter().map(|(p, uid)| (*uid, p.clone())).collect();
+        if let Some(shared) = self.sandbox_user() {
+            uids.insert(shared, "every provider".into());
+        }
+        let children = self.store().child_records();
+        let mut recorded = Vec::new();
+        for (provider, _) in &users {
+            match children.list(provider) {
+                Ok(records) => recorded.extend(records),
+                Err(error) => {
+                    // Without its records every child of it would look unrecorded.
+                    tracing::warn!(provider, %error, "cannot read child records: unrecorded children are not reaped");
+                    return Vec::new();
+                }
+            }
+        }
+        let killed = crate::capabilities::process::reap_unrecorded(&uids, &recorded);
+        for (provider, pid) in &killed {
+            tracing::warn!(provider, pid, "killed a process a killed host left running without a child record");
+        }
+        killed
+    }
+
+    async fn reconcile_all(&self, harvest: Option<HarvestMode>) -> Vec<Reconciled> {
         let names: Vec<String> = match self.registry().list() {
             Ok(records) => records.into_iter().map(|p| p.name).collect(),
             Err(e) => {
@@ -77,8 +212,17 @@ impl Broker {
                 return Vec::new();
             }
         };
+        if harvest.is_some_and(HarvestMode::stops_unknown) {
+            self.unsettled.hold(names.iter().cloned());
+        }
         // All at once, as listing does: a slow or failing provider holds up no other.
-        let all = futures_util::future::join_all(names.iter().map(|name| self.reconcile_one(name))).await;
+        let all = futures_util::future::join_all(names.iter().map(|name| async move {
+            let _settle = SettleOnDrop(self, name);
+            self.reconcile_one(name, harvest).await
+        }))
+        .await;
+        // Held before the list was read, since removed: nothing holds them now.
+        self.unsettled.settle_all();
         let mut out = Vec::new();
         for (name, found) in names.into_iter().zip(all) {
             let mut event = Event::new("reconciled", &name);
@@ -92,7 +236,7 @@ impl Broker {
         out
     }
 
-    async fn reconcile_one(&self, name: &str) -> Reconciled {
+    async fn reconcile_one(&self, name: &str, harvest: Option<HarvestMode>) -> Reconciled {
         use futures_util::StreamExt;
         use std::collections::HashSet;
         let mut found = Reconciled { provider: name.to_owned(), ..Reconciled::default() };
@@ -130,6 +274,11 @@ impl Broker {
             }
             Err(e) => return Reconciled { error: Some(e), ..found },
         };
+        if let Some(mode) = harvest
+            && let Err(e) = self.finish_last_process(name, mode, &live, &mut found).await
+        {
+            return Reconciled { error: Some(e.to_string()), ..found };
+        }
         // Like with like: the records are read again now the provider has
         // answered. An instance started meanwhile is in both; one stopped
         // meanwhile is in neither the records after nor (likely) the answer.
@@ -138,14 +287,111 @@ impl Broker {
             Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
         };
         let recorded_after: HashSet<&str> = after.iter().map(|r| r.id.as_str()).collect();
+        // Stopped by this reconcile: in the inventory, no longer anyone's.
+        let harvested: HashSet<&str> =
+            found.harvested.iter().chain(&found.stops_finished).map(String::as_str).collect();
         let reported: HashSet<&str> = live.iter().map(|i| i.id.as_str()).collect();
-        found.unknown_to_host =
-            live.iter().filter(|i| !recorded_after.contains(i.id.as_str())).map(|i| i.id.clone()).collect();
+        found.unknown_to_host = (live.iter())
+            .filter(|i| !recorded_after.contains(i.id.as_str()) && !harvested.contains(i.id.as_str()))
+            .map(|i| i.id.clone())
+            .collect();
         found.vanished = before
             .iter()
             .filter(|r| recorded_after.contains(r.id.as_str()) && !reported.contains(r.id.as_str()))
             .map(|r| r.id.clone())
             .collect();
         found
+    }
+
+    /// Finish what the last process left of `name`'s calls, against `live`
+    /// (a complete inventory, taken after every record was maintained), then
+    /// harvest as `mode` says.
+    async fn finish_last_process(
+        &self,
+        name: &str,
+        mode: HarvestMode,
+        live: &[crate::bindings::Instance],
+        found: &mut Reconciled,
+    ) -> Result<(), crate::broker::BrokerServiceError> {
+        use std::collections::{HashMap, HashSet};
+        let reported: HashMap<&str, &crate::bindings::Instance> = live.iter().map(|i| (i.id.as_str(), i)).collect();
+        let mut recorded: HashSet<String> = self.store().instances(Some(name))?.into_iter().map(|r| r.id).collect();
+
+        for (key, start) in self.store().interrupted_starts(name)? {
+            let claimed = start.claimed.clone();
+            match claimed.as_deref().and_then(|id| reported.get(id).map(|i| (id, *i))) {
+                Some((id, instance)) if !recorded.contains(id) => {
+                    let record = adopted(name, instance, start);
+                    match self.store().put_adopted_instance(&record, &key).await? {
+                        None => {
+                            found.adopted.push(id.to_owned());
+                            recorded.insert(id.to_owned());
+                        }
+                        Some(owner) => found.unresolved.push(format!("{id} (claimed, but recorded for {owner})")),
+                    }
+                }
+                // Its record made it (the id was claimed by another start too): nothing to adopt.
+                Some(_) => self.store().remove_pending_start(name, &key).await?,
+                None => {
+                    let what = match (&claimed, start.nonce.as_str()) {
+                        (Some(id), _) => id.clone(),
+                        (None, "") => format!("a start at {} that claimed no id", start.started),
+                        (None, nonce) => format!("a start of nonce {nonce} that claimed no id"),
+                    };
+                    self.store().remove_pending_start(name, &key).await?;
+                    found.forgotten.push(what);
+                }
+            }
+        }
+
+        let marked = self.store().interrupted_stops(name)?;
+        let (still, gone): (Vec<String>, Vec<String>) =
+            marked.into_iter().partition(|id| reported.contains_key(id.as_str()));
+        if !gone.is_empty() {
+            self.store().remove_instances(name, &gone).await?;
+            found.stops_finished.extend(gone.iter().cloned());
+            recorded.retain(|id| !gone.contains(id));
+        }
+        if !still.is_empty() {
+            match mode.finishes_stops() {
+                true => match self.stop_instances(name, &still).await {
+                    Ok(()) => found.stops_finished.extend(still),
+                    Err(e) => found.unresolved.push(format!("stopping {} failed: {e}", still.join(", "))),
+                },
+                false => {
+                    let mode = mode.to_possible_value().map(|v| v.get_name().to_owned()).unwrap_or_default();
+                    found.unresolved.push(format!("left stopping (harvest mode {mode}): {}", still.join(", ")));
+                }
+            }
+        }
+
+        let unknown: Vec<String> = live.iter().filter(|i| !recorded.contains(&i.id)).map(|i| i.id.clone()).collect();
+        if mode.stops_unknown() && !unknown.is_empty() {
+            let wasm = self.registry().get(name).await?;
+            match wasm.stop_instances(&CallHooks::default(), &unknown).await {
+                Ok(()) => found.harvested = unknown,
+                Err(e) => found.unresolved.push(format!("harvesting {} unknown instances failed: {e}", unknown.len())),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The record of an instance whose start the last process left pending.
+fn adopted(provider: &str, instance: &crate::bindings::Instance, start: crate::store::PendingStart) -> InstanceRecord {
+    use crate::store::records::{MAX_REPORTED_ENTRIES, MAX_REPORTED_WORD_BYTES, reported, status_name};
+    InstanceRecord {
+        id: instance.id.clone(),
+        provider: provider.to_owned(),
+        status: status_name(instance.status).to_owned(),
+        message: "adopted: its start was cut short by the host's end".into(),
+        display_name: String::new(),
+        hardware: crate::store::records::Hardware::default(),
+        tags: start.params.constraints.tags.clone().unwrap_or_default(),
+        addresses: (instance.addresses.iter().take(MAX_REPORTED_ENTRIES))
+            .map(|a| reported(&a.value, MAX_REPORTED_WORD_BYTES))
+            .collect(),
+        created: start.started,
+        params: Some(start.params),
     }
 }

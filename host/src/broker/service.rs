@@ -1,8 +1,9 @@
 //! The broker service: provider calls plus the host's records of what they did.
 
 use super::host_preparer::{HostPreparer, PrepareError};
+use crate::bindings::BrokerError;
 use crate::bindings::{Instance, StartInstanceParams};
-use crate::capabilities::context::CallHooks;
+use crate::capabilities::context::{CallHooks, ClaimFn};
 use crate::capabilities::kv::KvWrites;
 use crate::capabilities::machine_lock::MachineLockRoom;
 use crate::contract::empty_params;
@@ -109,6 +110,48 @@ pub struct Broker {
     registry: Registry,
     machine_lock: MachineLock,
     host: HostConfig,
+    /// Providers whose starts wait for their first reconcile's harvest.
+    pub(super) unsettled: Unsettled,
+}
+
+/// Providers whose new starts wait until the first reconcile after a restart
+/// has harvested their unknown instances: an instance whose start is in
+/// flight is not known yet, and must not be taken for one to stop.
+#[derive(Default)]
+pub(super) struct Unsettled {
+    providers: std::sync::Mutex<std::collections::HashSet<String>>,
+    settled: tokio::sync::Notify,
+}
+
+impl Unsettled {
+    pub(super) fn hold(&self, names: impl IntoIterator<Item = String>) {
+        self.providers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend(names);
+    }
+
+    pub(super) fn settle(&self, name: &str) {
+        if self.providers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(name) {
+            self.settled.notify_waiters();
+        }
+    }
+
+    pub(super) fn settle_all(&self) {
+        let mut held = self.providers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !held.is_empty() {
+            held.clear();
+            self.settled.notify_waiters();
+        }
+    }
+
+    async fn wait(&self, name: &str) {
+        loop {
+            let settled = self.settled.notified();
+            if !self.providers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(name) {
+                return;
+            }
+            tracing::debug!(provider = name, "a start waits for the provider's first reconcile");
+            settled.await;
+        }
+    }
 }
 
 /// `DATA_DIR/host.toml`: how this machine's network is to be bridged.
@@ -205,7 +248,8 @@ impl Broker {
             None
         };
         let capabilities = HostCapabilities { backends, data_filesystems, ..on_host };
-        Broker { registry: Registry::new(runtime, store.clone(), capabilities), store, machine_lock, host }
+        let registry = Registry::new(runtime, store.clone(), capabilities);
+        Broker { registry, store, machine_lock, host, unsettled: Unsettled::default() }
     }
 
     /// The registered providers and the versions loaded for them.
@@ -216,6 +260,11 @@ impl Broker {
     /// The host's state: provider and instance records, events, every provider's kv.
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// The one user every provider's programs run as, if `host.toml` sets one.
+    pub(crate) fn sandbox_user(&self) -> Option<u32> {
+        self.host.sandbox.user
     }
 
     /// The machine lock the host and its providers share.
@@ -233,17 +282,55 @@ impl Broker {
         hooks: &CallHooks,
     ) -> Result<InstanceRecord, BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
+        self.unsettled.wait(provider).await;
         self.prepare_host(params, hooks).await?;
+        // What the provider makes outside the store can outlive this call:
+        // the intent is durable first, and the id the guest claims with it,
+        // so a restart can finish the start (see reconcile).
+        let pending = match wasm.acts_outside_the_store() {
+            true => Some(self.store.put_pending_start(provider, &pending_start(&self.store, params)).await?),
+            false => None,
+        };
+        let claimed = Arc::new(std::sync::Mutex::new(None::<String>));
+        let hooks =
+            &CallHooks { claim: Some(self.claim_hook(provider, pending.as_deref(), &claimed)), ..hooks.clone() };
+        // A kv-only provider's instance is in the kv changes its call leaves
+        // for the record's commit below; were the call dropped midway (a
+        // drain cut short), those would be persisted without it. Declared
+        // after the call, the guard is dropped before it: its pending start
+        // is queued ahead of those changes.
+        let mut call = std::pin::pin!(wasm.start_instance_leaving_writes(hooks, params));
+        let abandoned =
+            AbandonedStart { store: &self.store, provider, params, claimed: pending.is_none().then_some(&claimed) };
         // A kv-only provider's changes are left to commit with the record below.
-        let (result, writes) = wasm.start_instance_leaving_writes(hooks, params).await?;
+        let outcome = call.as_mut().await;
+        std::mem::forget(abandoned);
+        let (result, writes) = match outcome {
+            Ok(answer) => answer,
+            Err(failed) => {
+                let claimed = claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+                if let Some(key) = pending {
+                    self.after_failed_start(&wasm, provider, &key, claimed, &failed).await;
+                }
+                return Err(failed.into());
+            }
+        };
         let instance = &result.instance;
         if let Some(reason) = instance_id_problem(&instance.id) {
             // An instance the host cannot record is stopped, as below; the provider
             // gets back the id it chose.
             self.persist_unrecorded(provider, writes).await;
             let _ = wasm.stop_instances(&CallHooks::default(), std::slice::from_ref(&instance.id)).await;
+            if let Some(key) = &pending {
+                self.forget_pending_start(provider, key).await;
+            }
             let (provider, id) = (provider.to_owned(), id_for_message(&instance.id));
             return Err(BrokerServiceError::InvalidInstanceId { provider, id, reason });
+        }
+        let claimed = claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        if let Some(claimed) = claimed.filter(|claimed| *claimed != instance.id) {
+            let (claimed, returned) = (id_for_message(&claimed), id_for_message(&instance.id));
+            tracing::warn!(provider, %claimed, %returned, "the provider claimed one instance id and returned another");
         }
         tracing::Span::current().record("instance_id", instance.id.as_str());
         let record = InstanceRecord {
@@ -263,7 +350,7 @@ impl Broker {
         };
         // One commit: the provider's state of the instance and the host's record
         // of it are durable together (a crash between them cannot orphan it).
-        match self.store.put_started_instance(&record, writes).await {
+        match self.store.put_started_instance(&record, writes, pending).await {
             Ok(None) => Ok(record),
             // Not stopped: the id may well name the other provider's instance (two
             // providers over one backend), and stopping it there would be worse.
@@ -277,6 +364,93 @@ impl Broker {
                 let _ = wasm.stop_instances(&CallHooks::default(), std::slice::from_ref(&record.id)).await;
                 Err(BrokerServiceError::RecordFailed { provider: provider.to_owned(), id: record.id, source })
             }
+        }
+    }
+
+    /// The `claim-instance-id` of the start pending as `key`: checked as a
+    /// returned id is, once per call, then noted durably before the guest goes on.
+    /// Without `key` (a kv-only provider) the claim is only held, for [`AbandonedStart`].
+    fn claim_hook(
+        &self,
+        provider: &str,
+        key: Option<&str>,
+        claimed: &Arc<std::sync::Mutex<Option<String>>>,
+    ) -> ClaimFn {
+        let (store, provider, claimed) = (self.store.clone(), provider.to_owned(), claimed.clone());
+        let key = key.map(str::to_owned);
+        Arc::new(move |id: String| {
+            let (store, provider, key, claimed) = (store.clone(), provider.clone(), key.clone(), claimed.clone());
+            Box::pin(async move {
+                let invalid = |why: String| Err(BrokerError::InvalidParams(format!("claim-instance-id: {why}")));
+                if let Some(reason) = instance_id_problem(&id) {
+                    return invalid(format!("the id {} is not one the host takes: {reason}", id_for_message(&id)));
+                }
+                {
+                    let mut held = claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    match held.as_deref() {
+                        Some(same) if same == id => return Ok(()),
+                        Some(other) => {
+                            return invalid(format!(
+                                "this start already claimed {}; a start claims one id",
+                                id_for_message(other)
+                            ));
+                        }
+                        None => {}
+                    }
+                    // Never written: a hostile guest's claims cost one write per call at most.
+                    *held = Some(id.clone());
+                }
+                let unclaim = || *claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+                match store.owner_of(&id) {
+                    Ok(Some(owner)) if owner != provider => {
+                        unclaim();
+                        return invalid(format!("the id {} is recorded for provider {owner}", id_for_message(&id)));
+                    }
+                    Ok(_) => {}
+                    Err(failed) => {
+                        unclaim();
+                        return Err(BrokerError::Provider(format!("the host cannot check the claimed id: {failed}")));
+                    }
+                }
+                let Some(key) = key else { return Ok(()) };
+                match store.claim_pending_start(&provider, &key, &id).await {
+                    Ok(_) => Ok(()),
+                    Err(failed) => {
+                        unclaim();
+                        Err(BrokerError::Provider(format!("the host cannot record the claimed id: {failed}")))
+                    }
+                }
+            })
+        })
+    }
+
+    /// A start that failed leaves nothing pending, unless the call was cut
+    /// off (trap, deadline, limit) after claiming an id no record holds:
+    /// whatever it made is then stopped, and if that fails the pending start
+    /// stays for the next restart's reconcile to adopt or forget.
+    async fn after_failed_start(
+        &self,
+        wasm: &crate::version::ProviderVersion,
+        provider: &str,
+        key: &str,
+        claimed: Option<String>,
+        failed: &CallError,
+    ) {
+        let cut_off = !matches!(failed, CallError::Guest { .. });
+        if let Some(id) = claimed.filter(|id| cut_off && matches!(self.store.owner_of(id), Ok(None))) {
+            let stopped = wasm.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
+            if let Err(error) = stopped {
+                let id = id_for_message(&id);
+                tracing::error!(provider, instance_id = %id, %error, "a start cut off after claiming its id could not be stopped: its pending start stays for the next restart");
+                return;
+            }
+        }
+        self.forget_pending_start(provider, key).await;
+    }
+
+    async fn forget_pending_start(&self, provider: &str, key: &str) {
+        if let Err(error) = self.store.remove_pending_start(provider, key).await {
+            tracing::warn!(provider, key, %error, "a pending start could not be removed: the next restart's reconcile will");
         }
     }
 
@@ -305,10 +479,13 @@ impl Broker {
         Ok(())
     }
 
-    /// Stop instances of one provider; unknown ids are ignored.
+    /// Stop instances of one provider; unknown ids are ignored. The records
+    /// are marked first, so a stop cut short by the host's end is finished by
+    /// the reconcile after its restart.
     #[tracing::instrument(skip(self, ids), fields(instance_ids = ?ids))]
     pub async fn stop_instances(&self, provider: &str, ids: &[String]) -> Result<(), BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
+        self.store.mark_stopping(provider, ids).await?;
         wasm.stop_instances(&CallHooks::default(), ids).await?;
         self.store.remove_instances(provider, ids).await?;
         Ok(())
@@ -456,6 +633,39 @@ impl Broker {
             }
         }
         Ok((kept, refused))
+    }
+}
+
+/// Armed while a kv-only provider's start runs: dropped with the call (the
+/// guard is forgotten once the call answers), it leaves a pending start with
+/// the id the guest claimed, so the restart's reconcile adopts the instance
+/// whose kv changes the dropped call persists.
+struct AbandonedStart<'a> {
+    store: &'a Store,
+    provider: &'a str,
+    params: &'a StartInstanceParams,
+    /// `None`: the provider's starts are made pending before the call already.
+    claimed: Option<&'a std::sync::Mutex<Option<String>>>,
+}
+
+impl Drop for AbandonedStart<'_> {
+    fn drop(&mut self) {
+        let Some(claimed) = self.claimed else { return };
+        let Some(id) = claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone() else { return };
+        tracing::warn!(provider = self.provider, instance_id = %id_for_message(&id), "a start was dropped midway: pending until the next restart's reconcile");
+        let start = crate::store::PendingStart { claimed: Some(id), ..pending_start(self.store, self.params) };
+        self.store.put_pending_start_detached(self.provider, &start);
+    }
+}
+
+/// What the host records before asking `params`' start of a provider.
+fn pending_start(store: &Store, params: &StartInstanceParams) -> crate::store::PendingStart {
+    crate::store::PendingStart {
+        session: store.session(),
+        started: now_rfc3339(),
+        nonce: params.instance_config.as_ref().map(|ic| ic.machine_nonce.clone()).unwrap_or_default(),
+        claimed: None,
+        params: params.clone(),
     }
 }
 

@@ -5,6 +5,7 @@
 use crate::bindings::broker::provider::context::{self as wit};
 use crate::bindings::{BrokerError, InstanceStatus};
 use crate::runtime::quotas::{Quota, Quotas};
+use futures_util::future::BoxFuture;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
@@ -41,6 +42,10 @@ pub type EventSink = Arc<dyn Fn(CallEvent) + Send + Sync>;
 /// an `Err` reaches the guest as a provider error.
 pub type DistributionGroupFn = Arc<dyn Fn() -> Result<Vec<String>, String> + Send + Sync>;
 
+/// Records the id a start claims (`claim-instance-id`) durably before the
+/// guest goes on; an `Err` reaches the guest as the error it carries.
+pub type ClaimFn = Arc<dyn Fn(String) -> BoxFuture<'static, Result<(), BrokerError>> + Send + Sync>;
+
 /// Caller-side hooks for one call. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct CallHooks {
@@ -48,6 +53,9 @@ pub struct CallHooks {
     pub events: Option<EventSink>,
     /// Asked only when the guest calls `distribution-group`; `None` answers an empty group.
     pub distribution_group: Option<DistributionGroupFn>,
+    /// Asked when the guest calls `claim-instance-id`; `None` records nothing
+    /// (a call that is not a start the host records, or a kv-only provider).
+    pub claim: Option<ClaimFn>,
     /// Set to tell the guest the call is aborted.
     pub abort: Arc<AtomicBool>,
 }
@@ -174,6 +182,18 @@ impl wit::HostCallContext for ContextView<'_> {
         Ok(self.get(&handle)?.provider_config.to_string())
     }
 
+    async fn claim_instance_id(
+        &mut self,
+        handle: Resource<CallContext>,
+        id: String,
+    ) -> wasmtime::Result<Result<(), BrokerError>> {
+        let claim = self.get(&handle)?.hooks.claim.clone();
+        Ok(match claim {
+            Some(claim) => claim(id).await,
+            None => Ok(()),
+        })
+    }
+
     async fn drop(&mut self, handle: Resource<CallContext>) -> wasmtime::Result<()> {
         // The host owns the context and deletes it after the call; a guest
         // only ever borrows it, so there is nothing to do here.
@@ -234,6 +254,14 @@ mod tests {
                 Ok(vec!["i-1".into()])
             })),
             abort: Arc::new(AtomicBool::new(false)),
+            claim: Some(Arc::new(|id: String| {
+                Box::pin(async move {
+                    match id.as_str() {
+                        "taken" => Err(BrokerError::InvalidParams("claim-instance-id: taken".into())),
+                        _ => Ok(()),
+                    }
+                })
+            })),
         };
         let mut table = ResourceTable::new();
         let context = CallContext { hooks: hooks.clone(), provider_config: "{}".into(), quotas: Arc::default() };
@@ -248,6 +276,10 @@ mod tests {
         assert!(!view.aborted(borrowed()).await.unwrap());
         hooks.abort.store(true, Ordering::SeqCst);
         assert!(view.aborted(borrowed()).await.unwrap());
+        // A claim is the caller's to answer, refusal and all.
+        assert_eq!(view.claim_instance_id(borrowed(), "i-2".into()).await.unwrap(), Ok(()));
+        let refused = view.claim_instance_id(borrowed(), "taken".into()).await.unwrap();
+        assert!(matches!(refused, Err(BrokerError::InvalidParams(_))), "{refused:?}");
         assert_eq!(
             events.lock().unwrap().as_slice(),
             &[CallEvent::Status { status: InstanceStatus::Allocating, info: "x".into(), data: vec![] }]

@@ -61,6 +61,9 @@ pub(crate) enum Command {
     /// (starting streams NDJSON status lines), /v1/events, /v1/lock, /openapi.json.
     /// On start it reconciles: maintain-instance for each recorded instance, and
     /// each provider's instances compared with the records (an event per provider).
+    /// It also finishes what a killed host left in flight: a start recorded as
+    /// pending is adopted if the provider reports the id it claimed, a stop
+    /// marked is finished, and unknown instances are harvested per --harvest.
     Serve {
         /// Also serve on this loopback TCP address (e.g. 127.0.0.1:7070); every
         /// request but /healthz must then carry `Authorization: Bearer <token>`.
@@ -94,6 +97,13 @@ pub(crate) enum Command {
         /// went away, have to finish before they are cut short (1s to 1h).
         #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = timeout_between_1s_and_1h)]
         drain_timeout: std::time::Duration,
+        /// Which instances the start-up reconcile stops (Juju's provisioner-harvest-mode):
+        /// `destroyed` finishes the stops a killed host left unfinished; `unknown`
+        /// stops instances the providers report and no record claims (after a complete
+        /// inventory, before the provider starts anything new); `all` does both;
+        /// `none` stops nothing and only reports.
+        #[arg(long, value_enum, value_name = "MODE", default_value_t = crate::broker::reconcile::HarvestMode::Destroyed)]
+        harvest: crate::broker::reconcile::HarvestMode,
     },
     /// The event log: providers added, swapped (both versions' hashes), refused, removed.
     Events {
@@ -312,6 +322,7 @@ pub async fn run(mut cli: Cli) -> Result<u8> {
         body_timeout,
         max_connections,
         drain_timeout,
+        harvest,
     } = cli.command
     {
         let providers_dir = providers_dir.unwrap_or_else(|| cli.data_dir.join("providers"));
@@ -322,7 +333,7 @@ pub async fn run(mut cli: Cli) -> Result<u8> {
             max_connections: max_connections as usize,
             drain: drain_timeout,
         };
-        let options = ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits };
+        let options = ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits, harvest };
         serve(&cli.data_dir, &socket, options).await?;
         return Ok(0);
     }
@@ -352,10 +363,11 @@ struct ServeOptions {
     providers_dir: PathBuf,
     kv_mirror_bytes: usize,
     limits: crate::daemon::ServeLimits,
+    harvest: crate::broker::reconcile::HarvestMode,
 }
 
 async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: ServeOptions) -> Result<()> {
-    let ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits } = options;
+    let ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits, harvest } = options;
     let providers_dir = providers_dir.as_path();
     // Before the state is opened: a second daemon would only be told the database is busy.
     if crate::client::DaemonClient::probe(socket).await.is_some() {
@@ -380,9 +392,16 @@ async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: Se
         .with_context(|| format!("cannot watch the providers directory {}", providers_dir.display()))?;
     let broker = std::sync::Arc::new(broker);
     // Juju's agent maintains its instances when it starts; here that runs
-    // beside the API, and each provider's result is an event.
+    // beside the API, and each provider's result is an event. Held first, so
+    // no start the API takes can be harvested as unknown.
+    broker.hold_starts_for_harvest(harvest);
+    // Before any provider runs: what a killed host spawned but never recorded.
+    let reaped = broker.reap_unrecorded_children();
+    if !reaped.is_empty() {
+        tracing::warn!(count = reaped.len(), "killed processes left running without a child record");
+    }
     let reconciling = broker.clone();
-    tokio::spawn(async move { reconciling.reconcile().await });
+    tokio::spawn(async move { reconciling.reconcile_after_restart(harvest).await });
 
     let (stop, stopping) = tokio::sync::watch::channel(false);
     let until_stopping = |mut stopping: tokio::sync::watch::Receiver<bool>| async move {
@@ -667,4 +686,46 @@ async fn store_command(
         return Ok(0);
     }
     Ok(if report.is_sound() { 0 } else { 1 })
+}
+
+/// The `broker` command: parse the arguments, log to stderr, run, and turn
+/// the outcome into the exit code (2 for usage errors). The `broker` binary
+/// is this; the tests' own copy of it (`broker-daemon`) is this too.
+pub fn main() -> std::process::ExitCode {
+    // clap exits with 2 on usage errors and 0 for --help/--version.
+    let cli = <Cli as clap::Parser>::parse();
+    let default_level = match cli.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return std::process::ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => std::process::ExitCode::from(code),
+        Err(e) if e.downcast_ref::<UsageError>().is_some() => {
+            eprintln!(
+                "error: {}\n(see `broker --help`)",
+                crate::error_text::escape_unprintable(&crate::error_text::chain_text(e.chain()))
+            );
+            std::process::ExitCode::from(2)
+        }
+        Err(e) => {
+            // Errors quote what providers said: escaped, they cannot drive the terminal.
+            eprintln!("error: {}", crate::error_text::escape_unprintable(&crate::error_text::chain_text(e.chain())));
+            std::process::ExitCode::from(1)
+        }
+    }
 }

@@ -49,7 +49,7 @@ pub async fn serve(
 ) -> Result<()> {
     if socket.exists() {
         // A socket nobody answers on is left over from a crash; a live one is another daemon.
-        if tokio::net::UnixStream::connect(socket).await.is_ok() {
+        if crate::client::DaemonClient::probe(socket).await.is_some() {
             anyhow::bail!("another broker daemon is serving on {}", socket.display());
         }
         std::fs::remove_file(socket).with_context(|| format!("cannot remove stale socket {}", socket.display()))?;

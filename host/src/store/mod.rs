@@ -12,10 +12,12 @@ mod kv;
 pub mod records;
 pub mod salvage;
 mod sandbox_users;
+mod starts;
 mod wal;
 mod writer;
 
 pub use events::Event;
+pub use starts::{PendingStart, StopMark};
 
 pub use kv::{MIRROR_BUDGET_BYTES, MirrorStats, RedbKv};
 pub use records::{InstanceRecord, ObservedNetwork, ProviderRecord};
@@ -144,6 +146,10 @@ pub struct Store {
     writer: Arc<writer::Writer>,
     kv: Arc<RedbKv>,
     data_dir: PathBuf,
+    /// This opening's number: entries of [`starts`] that carry another are an earlier process's.
+    session: u64,
+    /// Pending starts this session has keyed.
+    starts_made: std::sync::atomic::AtomicU64,
 }
 
 impl Store {
@@ -224,6 +230,9 @@ impl Store {
         txn.open_table(CHILDREN).map_err(db_error)?;
         txn.open_table(OBSERVED_NETWORK).map_err(db_error)?;
         txn.open_table(events::EVENTS).map_err(db_error)?;
+        txn.open_table(starts::STARTS).map_err(db_error)?;
+        txn.open_table(starts::STOPPING).map_err(db_error)?;
+        txn.open_table(sandbox_users::SANDBOX_USERS).map_err(db_error)?;
         index_instance_ids(&txn)?;
         txn.commit().map_err(db_error)?;
         if replayed > 0 {
@@ -241,7 +250,10 @@ impl Store {
         let db = Arc::new(db);
         let writer = Arc::new(writer::Writer::start(db.clone(), wal).map_err(|e| open_error(redb::Error::Io(e)))?);
         let kv = Arc::new(RedbKv::new(db.clone(), writer.clone()));
-        Ok(Store { kv, writer, db, data_dir: data_dir.to_owned() })
+        // Random, so no two openings share one, whatever the clock did.
+        let session = getrandom::u64().map_err(|e| open_error(redb::Error::Io(std::io::Error::other(e))))?;
+        let starts_made = std::sync::atomic::AtomicU64::new(0);
+        Ok(Store { kv, writer, db, data_dir: data_dir.to_owned(), session, starts_made })
     }
 
     /// A write through the store's writer (see [`Pending`]).
@@ -336,9 +348,20 @@ impl Store {
     /// starts cannot both take one id. Returns that other provider, and then
     /// writes nothing.
     pub fn put_new_instance(&self, record: &InstanceRecord) -> Pending<Option<String>> {
+        self.put_instance_resolving(record, None)
+    }
+
+    /// As [`Store::put_new_instance`]; the pending start `pending` (of the
+    /// record's provider) goes in the same commit, whatever the outcome: a
+    /// refused record leaves nothing pending either.
+    fn put_instance_resolving(&self, record: &InstanceRecord, pending: Option<String>) -> Pending<Option<String>> {
         let (provider, id, bytes) = (record.provider.clone(), record.id.clone(), encoded("instance", record));
         self.write(move |txn| {
             let bytes = bytes.as_ref().map_err(Clone::clone)?;
+            if let Some(key) = &pending {
+                let mut starts = txn.open_table(starts::STARTS).map_err(db_error)?;
+                starts.remove((provider.as_str(), key.as_str())).map_err(db_error)?;
+            }
             let mut ids = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
             if let Some(owner) = ids.get(id.as_str()).map_err(db_error)?.map(|owner| owner.value().to_owned())
                 && owner != provider
@@ -352,24 +375,38 @@ impl Store {
         })
     }
 
+    /// Record an instance whose start was left pending as `key` by an earlier
+    /// process, removing the pending start in the same commit.
+    pub fn put_adopted_instance(&self, record: &InstanceRecord, key: &str) -> Pending<Option<String>> {
+        self.put_instance_resolving(record, Some(key.to_owned()))
+    }
+
     /// As [`Store::put_new_instance`], committing in the same transaction the
-    /// kv changes of the call that started the instance: the provider's own
-    /// state and the host's record of it are durable together or not at all.
-    pub fn put_started_instance(&self, record: &InstanceRecord, writes: KvWrites) -> Pending<Option<String>> {
-        let put = self.put_new_instance(record);
+    /// kv changes of the call that started the instance (the provider's own
+    /// state and the host's record of it are durable together or not at
+    /// all), and the removal of its pending start, `pending`.
+    pub fn put_started_instance(
+        &self,
+        record: &InstanceRecord,
+        writes: KvWrites,
+        pending: Option<String>,
+    ) -> Pending<Option<String>> {
+        let put = self.put_instance_resolving(record, pending);
         match self.kv.persist_job(writes) {
             Some(persist) => put.joined(persist),
             None => put,
         }
     }
 
-    /// Remove records in one transaction; unknown ids are ignored.
+    /// Remove records, and their stop marks, in one transaction; unknown ids are ignored.
     pub fn remove_instances(&self, provider: &str, ids: &[String]) -> Pending<()> {
         let (provider, removed) = (provider.to_owned(), ids.to_vec());
         self.write(move |txn| {
             let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
             let mut owners = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
+            let mut marks = txn.open_table(starts::STOPPING).map_err(db_error)?;
             for id in &removed {
+                marks.remove((provider.as_str(), id.as_str())).map_err(db_error)?;
                 if table.remove((provider.as_str(), id.as_str())).map_err(db_error)?.is_some() {
                     let owned = owners.get(id.as_str()).map_err(db_error)?.is_some_and(|o| o.value() == provider);
                     if owned {
@@ -493,6 +530,8 @@ fn replay_change(txn: &redb::WriteTransaction, table: &str, key: &[u8], value: O
         t if t == KV.name() => wal::replay_into(txn, KV, key, value),
         t if t == OBSERVED_NETWORK.name() => wal::replay_into(txn, OBSERVED_NETWORK, key, value),
         t if t == CHILDREN.name() => wal::replay_into(txn, CHILDREN, key, value),
+        t if t == starts::STARTS.name() => wal::replay_into(txn, starts::STARTS, key, value),
+        t if t == starts::STOPPING.name() => wal::replay_into(txn, starts::STOPPING, key, value),
         t if t == events::EVENTS.name() => wal::replay_into(txn, events::EVENTS, key, value),
         t if t == sandbox_users::SANDBOX_USERS.name() => {
             wal::replay_into(txn, sandbox_users::SANDBOX_USERS, key, value)

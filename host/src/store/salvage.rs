@@ -174,6 +174,9 @@ fn each_table(from: &impl ReadableDatabase, into: Option<&Database>) -> Result<V
     copy!(CHILDREN, as_json::<ChildRecord>);
     copy!(OBSERVED_NETWORK, as_json::<super::ObservedNetwork>);
     copy!(events::EVENTS, as_json::<super::Event>);
+    copy!(super::starts::STARTS, as_json::<super::PendingStart>);
+    copy!(super::starts::STOPPING, as_json::<super::StopMark>);
+    // Last: its report is amended below.
     copy!(SANDBOX_USERS, any_uid);
     if let Some(txn) = &write {
         // The next uid to hand out is the key "" (it sorts first). Without it

@@ -28,6 +28,24 @@ impl crate::sandbox::UidAllocations for Store {
     }
 }
 
+impl Store {
+    /// Every provider that was given a sandbox uid, with it (removed providers too: the uid stays theirs).
+    pub fn sandbox_users(&self) -> Result<Vec<(String, u32)>, super::StoreError> {
+        use redb::ReadableDatabase;
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(SANDBOX_USERS).map_err(db_error)?;
+        let mut users = Vec::new();
+        for entry in table.iter().map_err(db_error)? {
+            let (provider, uid) = entry.map_err(db_error)?;
+            // The key "" holds the next uid to give out.
+            if !provider.value().is_empty() {
+                users.push((provider.value().to_owned(), uid.value()));
+            }
+        }
+        Ok(users)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::sandbox::UidAllocations;

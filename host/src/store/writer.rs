@@ -102,6 +102,13 @@ impl<T: Send + 'static> Pending<T> {
         Pending { writer, job: Box::new(move |reply| Box::new(Joined { first, then: job(reply) })) }
     }
 
+    /// Hand the write to the writer and wait for nobody: for a caller that is
+    /// going away (a dropped call's guard); its failure is the writer's to log.
+    pub(crate) fn detach(self) {
+        let (reply, _gone) = tokio::sync::oneshot::channel();
+        self.writer.submit((self.job)(Reply::Task(reply)));
+    }
+
     /// Wait on this thread until the write is committed: for callers that are
     /// not async (opening the store, tools, tests), never for a host function.
     pub fn wait(self) -> Result<T, StoreError> {

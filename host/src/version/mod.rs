@@ -326,6 +326,13 @@ impl ProviderVersion {
         &self.capabilities.data_dir
     }
 
+    /// Whether its grants let it change anything outside the host's store
+    /// (programs, devices, sockets, egress): then an instance it starts can
+    /// outlive a start the host never recorded, and starts are made pending first.
+    pub fn acts_outside_the_store(&self) -> bool {
+        self.capabilities.acts_outside_the_store()
+    }
+
     /// The manifest this version was loaded from (component path and pin as loaded).
     pub fn manifest(&self) -> &Manifest {
         &self.manifest

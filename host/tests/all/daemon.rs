@@ -417,3 +417,28 @@ fn a_daemon_waits_for_the_state_a_command_holds() {
     releasing.join().unwrap();
     assert_eq!(daemon.request("GET", "/healthz", None).0, 200);
 }
+
+/// A socket that takes connections but never answers (a dead daemon's,
+/// inherited by a process that outlives it) is stale, not another daemon:
+/// the daemon replaces it and serves.
+#[test]
+fn a_socket_that_accepts_but_never_answers_is_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let _silent = std::os::unix::net::UnixListener::bind(data.join("broker.sock")).unwrap();
+    // Connecting succeeds at once (the silent listener), so start waits for nothing.
+    let mut daemon = Daemon::start(&data);
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut stream = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+        stream.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+        stream.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        if stream.read_to_string(&mut answer).is_ok() && answer.contains(" 200 ") {
+            break;
+        }
+        assert!(daemon.child.try_wait().unwrap().is_none(), "the daemon took the silent socket for another daemon");
+        assert!(Instant::now() < until, "the daemon never served in the silent socket's place");
+    }
+}

@@ -13,6 +13,7 @@ mod contract;
 mod fake_provider;
 mod process;
 mod quotas;
+mod resume;
 mod sandbox;
 mod state;
 mod swap;

@@ -125,6 +125,59 @@ pub fn proc_stat(pid: u32) -> Option<(u64, char)> {
     Some((start_time, state))
 }
 
+/// A process's real uid and parent pid, from `/proc/<pid>/status`.
+fn uid_and_parent(pid: u32) -> Option<(u32, u32)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name))?.split_whitespace().next()?.parse().ok();
+    Some((field("Uid:")?, field("PPid:")?))
+}
+
+/// How far up its parents a process is followed to a recorded child.
+const MAX_ANCESTRY: usize = 64;
+
+/// Kill what runs as a provider's sandbox user and descends from no recorded
+/// child: a host killed between spawning a child and recording it leaves it
+/// running, and no provider can find it again. A recorded child (its pid
+/// and start time, so a recycled pid is no match) keeps itself and every
+/// descendant (bubblewrap's own children); the rest of those users'
+/// processes belong to no record. Returns what was killed: the uid's owner
+/// (from `uids`) and the pid.
+///
+/// Only for uids the host's sandbox gives out and nobody else uses; never
+/// root's, nor the host's own (without root, programs run as it).
+pub fn reap_unrecorded(uids: &HashMap<u32, String>, recorded: &[ChildRecord]) -> Vec<(String, u32)> {
+    let kept: std::collections::HashSet<(u32, u64)> = recorded.iter().map(|r| (r.pid, r.start_time)).collect();
+    let own = rustix::process::getuid().as_raw();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let pids: Vec<u32> = entries.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect();
+    let descends_from_a_record = |pid: u32| {
+        let mut at = pid;
+        for _ in 0..MAX_ANCESTRY {
+            if proc_stat(at).is_some_and(|(start, _)| kept.contains(&(at, start))) {
+                return true;
+            }
+            match uid_and_parent(at) {
+                Some((_, parent)) if parent > 1 => at = parent,
+                _ => return false,
+            }
+        }
+        false
+    };
+    let mut killed = Vec::new();
+    for pid in pids {
+        let Some((uid, _)) = uid_and_parent(pid) else { continue };
+        let Some(owner) = uids.get(&uid).filter(|_| uid != 0 && uid != own) else { continue };
+        if descends_from_a_record(pid) {
+            continue;
+        }
+        let target = nix::unistd::Pid::from_raw(pid as i32);
+        if nix::sys::signal::kill(target, nix::sys::signal::Signal::SIGKILL).is_ok() {
+            killed.push((owner.clone(), pid));
+        }
+    }
+    killed
+}
+
 /// Live handles of children spawned by this host process, so they are reaped
 /// and their exit status is known. Shared by every provider of the host.
 #[derive(Default)]
@@ -193,6 +246,63 @@ impl LiveChildren {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two programs as a sandbox user, one recorded (with a child of its
+    /// own). The reaper kills the other, and nothing of another user. (As root
+    /// only: it takes root to run as another user.)
+    #[test]
+    fn the_reaper_kills_a_sandbox_users_processes_that_descend_from_no_record() {
+        use std::os::unix::process::CommandExt;
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root to run programs as a sandbox user");
+            return;
+        }
+        const UID: u32 = 2_000_123_457;
+        let spawn =
+            |uid: u32, program: &[&str]| std::process::Command::new("setsid").args(program).uid(uid).spawn().unwrap();
+        // The recorded one's own child (as bubblewrap's program is) is kept with it.
+        let (mut recorded, mut stray, mut others) = (
+            spawn(UID, &["sh", "-c", "sleep 60 & wait"]),
+            spawn(UID, &["sleep", "60"]),
+            spawn(UID + 1, &["sleep", "60"]),
+        );
+        let record = |child: &Child| ChildRecord {
+            provider: "p".into(),
+            name: "vm".into(),
+            pid: child.id(),
+            start_time: proc_stat(child.id()).unwrap().0,
+            program: "sleep".into(),
+            args: Vec::new(),
+            log: String::new(),
+        };
+        // Once the shell has its child, the recorded one has a descendant to keep.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let grandchild = || {
+            let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", recorded.id()));
+            children.ok().and_then(|c| c.split_whitespace().next().and_then(|p| p.parse::<u32>().ok()))
+        };
+        let grandchild = loop {
+            if let Some(pid) = grandchild().filter(|pid| uid_and_parent(*pid).is_some_and(|(uid, _)| uid == UID)) {
+                break pid;
+            }
+            assert!(std::time::Instant::now() < until, "the recorded child never started its own");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        let uids = HashMap::from([(UID, "p".to_owned())]);
+        let killed = reap_unrecorded(&uids, &[record(&recorded)]);
+        assert_eq!(killed, [("p".to_owned(), stray.id())]);
+        assert!(stray.wait().unwrap().code().is_none(), "killed by a signal");
+        assert!(proc_stat(grandchild).is_some_and(|(_, state)| state != 'Z'), "the recorded one's child was killed");
+        for alive in [&mut recorded, &mut others] {
+            assert!(alive.try_wait().unwrap().is_none(), "{} was killed", alive.id());
+        }
+        // Only now: the recorded shell ends once its child does.
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(grandchild as i32), nix::sys::signal::SIGKILL);
+        for alive in [&mut recorded, &mut others] {
+            let _ = alive.kill();
+            alive.wait().unwrap();
+        }
+    }
 
     /// The storage's own error stays reachable as the source, typed.
     #[test]

@@ -18,7 +18,9 @@ pub mod simulated;
 pub mod tape;
 
 pub use backend::{Launch, ProcessBackend, Recorded};
-pub use children::{ChildRecord, ChildRecords, LiveChildren, Liveness, MemoryChildRecords, RecordsError, proc_stat};
+pub use children::{
+    ChildRecord, ChildRecords, LiveChildren, Liveness, MemoryChildRecords, RecordsError, proc_stat, reap_unrecorded,
+};
 pub use on_host::{HostProcesses, MAX_OUTPUT_BYTES};
 pub use policy::{GUEST_DATA_DIR, PolicyError, ProcessPolicy};
 pub use simulated::SimProcesses;

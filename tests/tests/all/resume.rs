@@ -1,0 +1,252 @@
+//! Calls the host was killed in: pending starts adopted or forgotten, marked
+//! stops finished, unknown instances harvested per mode, and hostile claims.
+//! A "kill" here is the call's future dropped with the broker, then the state
+//! reopened: what the host wrote before the provider acted is all there is.
+
+use broker_host::broker::Broker;
+use broker_host::broker::reconcile::{HarvestMode, Reconciled};
+use broker_host::capabilities::context::CallHooks;
+use broker_host::capabilities::kv::KvBackend;
+use broker_host::contract::empty_params;
+use broker_tests::write_manifest;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The fake, granted a local socket so that it counts as acting outside the
+/// store (its starts are made pending, as a VM's or a container's are).
+fn outside_fake(dir: &Path, config: &str) -> std::path::PathBuf {
+    let extra = format!(
+        "[limits]\nmemory-mib = 64\n[limits.deadlines]\ndefault = \"60s\"\n[grants]\nkv = true\nlocal-sockets = true\n[config]\n{config}\n"
+    );
+    write_manifest(dir, "fake", "fake", &extra)
+}
+
+async fn only(found: Vec<Reconciled>) -> Reconciled {
+    assert_eq!(found.len(), 1, "{found:?}");
+    found.into_iter().next().unwrap()
+}
+
+/// Wait until the provider reports an instance the host has no record of
+/// (its start is in flight, past the point where it made the instance).
+async fn an_unrecorded_instance(broker: &Broker) -> String {
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let listed = broker.list_instances(Some("fake")).await.unwrap();
+        if let Some(unrecorded) = listed.iter().find(|r| r.created.is_empty()) {
+            return unrecorded.id.clone();
+        }
+        assert!(Instant::now() < until, "no start got as far as making its instance: {listed:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Start one instance and "kill" the host once `ready` says the call is far enough.
+async fn killed_mid_start(data: &Path, manifest: &Path, wait_for_instance: bool) -> Option<String> {
+    let broker = Arc::new(Broker::open(data).unwrap());
+    broker.registry().add(manifest).await.unwrap();
+    let starting = broker.clone();
+    let mut params = empty_params();
+    params.constraints.tags = Some(vec!["kept".into()]);
+    let call = tokio::spawn(async move { starting.start_instance("fake", &params, &CallHooks::default()).await });
+    let id = match wait_for_instance {
+        true => Some(an_unrecorded_instance(&broker).await),
+        false => {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            None
+        }
+    };
+    assert!(!call.is_finished(), "the start answered before the kill");
+    call.abort();
+    let _ = call.await;
+    drop(broker);
+    id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_killed_after_its_claim_is_adopted_with_its_params() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let manifest = outside_fake(dir.path(), "answer-delay-ms = 60000");
+    let id = killed_mid_start(&data, &manifest, true).await.unwrap();
+
+    let broker = Broker::open(&data).unwrap();
+    assert_eq!(broker.store().interrupted_starts("fake").unwrap().len(), 1, "the start was pending, id claimed");
+    let found = only(broker.reconcile_after_restart(HarvestMode::Destroyed).await).await;
+    assert_eq!(found.adopted, [id.as_str()], "{found:?}");
+    assert!(found.unknown_to_host.is_empty() && found.forgotten.is_empty(), "{found:?}");
+    assert!(broker.store().interrupted_starts("fake").unwrap().is_empty());
+    let record = broker.store().instance("fake", &id).unwrap().expect("recorded");
+    assert_eq!(record.tags, ["kept"]);
+    assert!(record.params.is_some_and(|p| p.constraints.tags == Some(vec!["kept".into()])));
+    // It is an instance like any other now: maintained with its params, stopped by id.
+    broker.maintain_instance("fake", &id).await.unwrap();
+    broker.stop_instances("fake", std::slice::from_ref(&id)).await.unwrap();
+    assert!(broker.list_instances(Some("fake")).await.unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_killed_before_its_claim_is_forgotten() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let manifest = outside_fake(dir.path(), "start-delay-ms = 60000");
+    killed_mid_start(&data, &manifest, false).await;
+
+    let broker = Broker::open(&data).unwrap();
+    let found = only(broker.reconcile_after_restart(HarvestMode::Destroyed).await).await;
+    assert_eq!(found.forgotten.len(), 1, "{found:?}");
+    assert!(found.forgotten[0].contains("claimed no id"), "{found:?}");
+    assert!(found.adopted.is_empty() && found.unknown_to_host.is_empty(), "{found:?}");
+    assert!(broker.store().interrupted_starts("fake").unwrap().is_empty());
+    // The event says it.
+    let events = broker.store().events(0, 100).unwrap();
+    let reconciled = events.iter().find(|e| e.kind == "reconciled").unwrap();
+    assert!(reconciled.detail.contains("forgot pending starts: a start"), "{}", reconciled.detail);
+}
+
+/// A kv-only provider's instance lives in its kv, committed with the record:
+/// nothing is made pending before its call (a start costs no extra write).
+/// A call dropped midway (a drain cut short) persists the kv changes it made,
+/// so its drop leaves a pending start with the claimed id first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_only_start_dropped_midway_is_adopted_on_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let extra = "[limits]\nmemory-mib = 64\n[grants]\nkv = true\n[config]\nanswer-delay-ms = 60000\n";
+    let manifest = write_manifest(dir.path(), "fake", "fake", extra);
+    {
+        let broker = Arc::new(Broker::open(&data).unwrap());
+        broker.registry().add(&manifest).await.unwrap();
+        let starting = broker.clone();
+        let call =
+            tokio::spawn(async move { starting.start_instance("fake", &empty_params(), &CallHooks::default()).await });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(broker.store().interrupted_starts("fake").unwrap().is_empty());
+        call.abort();
+        let _ = call.await;
+    }
+    let broker = Broker::open(&data).unwrap();
+    assert_eq!(broker.store().interrupted_starts("fake").unwrap().len(), 1);
+    let found = only(broker.reconcile_after_restart(HarvestMode::Destroyed).await).await;
+    assert_eq!(found.adopted, ["fake-0"], "{found:?}");
+    assert!(found.unknown_to_host.is_empty(), "{found:?}");
+}
+
+/// Two recorded instances; a stop of both marked, then the host "killed"
+/// after the provider stopped only `stopped` of them (or none).
+async fn killed_mid_stop(data: &Path, manifest: &Path, provider_stopped_first: bool) -> (String, String) {
+    let broker = Broker::open(data).unwrap();
+    broker.registry().add(manifest).await.unwrap();
+    let hooks = CallHooks::default();
+    let a = broker.start_instance("fake", &empty_params(), &hooks).await.unwrap().id;
+    let b = broker.start_instance("fake", &empty_params(), &hooks).await.unwrap().id;
+    broker.store().mark_stopping("fake", &[a.clone(), b.clone()]).await.unwrap();
+    if provider_stopped_first {
+        let wasm = broker.registry().get("fake").await.unwrap();
+        wasm.stop_instances(&hooks, std::slice::from_ref(&a)).await.unwrap();
+    }
+    (a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_killed_midway_is_finished_on_restart_per_harvest_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let manifest = outside_fake(dir.path(), "");
+    let (a, b) = killed_mid_stop(&data, &manifest, true).await;
+
+    // `none` stops nothing; the record whose instance is gone still goes.
+    let broker = Broker::open(&data).unwrap();
+    let found = only(broker.reconcile_after_restart(HarvestMode::None).await).await;
+    assert_eq!(found.stops_finished, [a.as_str()], "{found:?}");
+    assert!(found.vanished.is_empty(), "{found:?}");
+    assert!(
+        found.unresolved.iter().any(|u| u.contains("left stopping (harvest mode none)") && u.contains(&b)),
+        "{found:?}"
+    );
+    let listed: Vec<String> = broker.list_instances(Some("fake")).await.unwrap().into_iter().map(|r| r.id).collect();
+    assert_eq!(listed, [b.as_str()]);
+    drop(broker);
+
+    // The default finishes it.
+    let broker = Broker::open(&data).unwrap();
+    let found = only(broker.reconcile_after_restart(HarvestMode::default()).await).await;
+    assert_eq!(found.stops_finished, [b.as_str()], "{found:?}");
+    assert!(found.unknown_to_host.is_empty(), "stopped now, so nobody's: {found:?}");
+    assert!(broker.list_instances(Some("fake")).await.unwrap().is_empty());
+    assert!(broker.store().interrupted_stops("fake").unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harvest_unknown_stops_unrecorded_instances_and_starts_wait_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let manifest = outside_fake(dir.path(), "");
+    let stray = {
+        let broker = Broker::open(&data).unwrap();
+        broker.registry().add(&manifest).await.unwrap();
+        // Made behind the host's back: no record claims it.
+        let wasm = broker.registry().get("fake").await.unwrap();
+        wasm.start_instance(&CallHooks::default(), &empty_params()).await.unwrap().instance.id
+    };
+
+    // The default reports it and leaves it running.
+    let broker = Arc::new(Broker::open(&data).unwrap());
+    let found = only(broker.reconcile_after_restart(HarvestMode::Destroyed).await).await;
+    assert_eq!((found.unknown_to_host.clone(), found.harvested.clone()), (vec![stray.clone()], vec![]), "{found:?}");
+
+    // `unknown` stops it, and a start asked meanwhile waits for the harvest.
+    broker.hold_starts_for_harvest(HarvestMode::Unknown);
+    let starting = broker.clone();
+    let start =
+        tokio::spawn(async move { starting.start_instance("fake", &empty_params(), &CallHooks::default()).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!start.is_finished(), "a start ran before the harvest");
+    let found = only(broker.reconcile_after_restart(HarvestMode::Unknown).await).await;
+    assert_eq!(found.harvested, [stray.as_str()], "{found:?}");
+    assert!(found.unknown_to_host.is_empty(), "{found:?}");
+    let started = start.await.unwrap().unwrap();
+    let listed: Vec<String> = broker.list_instances(Some("fake")).await.unwrap().into_iter().map(|r| r.id).collect();
+    assert_eq!(listed, [started.id], "the stray is stopped; the start that waited is not");
+}
+
+/// The hostile provider, acting outside the store, claiming `claims` in order
+/// and returning `returned`.
+async fn hostile_start(broker: &Broker, claims: &[&str], returned: &str) -> Result<String, String> {
+    let kv = broker.store().kv();
+    kv.set("hostile", "claims", claims.join("\0").as_bytes()).unwrap();
+    kv.set("hostile", "start-id", returned.as_bytes()).unwrap();
+    let started = broker.start_instance("hostile", &empty_params(), &CallHooks::default()).await;
+    started.map(|r| r.id).map_err(|e| e.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_claims_are_refused_and_leave_nothing_pending() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let broker = Broker::open(&data).unwrap();
+    broker.registry().add(&outside_fake(dir.path(), "")).await.unwrap();
+    let fakes = broker.start_instance("fake", &empty_params(), &CallHooks::default()).await.unwrap().id;
+    let extra = "[limits]\nmemory-mib = 32\n[grants]\nkv = true\nlocal-sockets = true\n";
+    broker.registry().add(&write_manifest(dir.path(), "hostile", "test_hostile", extra)).await.unwrap();
+
+    let long = "x".repeat(256);
+    let refusals = [
+        (vec!["a\nb"], "control character"),
+        (vec![""], "it is empty"),
+        (vec![long.as_str()], "256 bytes long"),
+        (vec!["one", "two"], "already claimed \"one\""),
+        (vec![fakes.as_str()], "recorded for provider fake"),
+    ];
+    for (claims, why) in refusals {
+        let err = hostile_start(&broker, &claims, "h-0").await.expect_err("a bad claim fails the start");
+        assert!(err.contains("claim-instance-id") && err.contains(why), "{claims:?}: {err}");
+    }
+    // The same id twice is one claim; another id returned than claimed is recorded as returned.
+    assert_eq!(hostile_start(&broker, &["h-1", "h-1"], "h-1").await.unwrap(), "h-1");
+    assert_eq!(hostile_start(&broker, &["h-2"], "h-3").await.unwrap(), "h-3");
+    drop(broker);
+    let broker = Broker::open(&data).unwrap();
+    assert!(broker.store().interrupted_starts("hostile").unwrap().is_empty(), "every refused start was forgotten");
+    assert_eq!(broker.store().owner_of(&fakes).unwrap().as_deref(), Some("fake"));
+}
