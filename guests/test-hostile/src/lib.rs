@@ -100,6 +100,11 @@ impl Guest for Hostile {
             for id in claims.split(|b| *b == 0) {
                 ctx.claim_instance_id(&String::from_utf8_lossy(id))?;
             }
+            // Cut off after claiming: the deadline ends the call.
+            if host_kv::get("after-claims")?.as_deref() == Some(b"spin") {
+                #[allow(clippy::empty_loop)]
+                loop {}
+            }
         }
         let Some(id) = host_kv::get("start-id")? else {
             return Err(BrokerError::NotSupported("the hostile provider starts nothing".into()));

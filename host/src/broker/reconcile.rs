@@ -167,7 +167,8 @@ impl Broker {
     /// Kill the processes left running as a provider's sandbox user that no
     /// child record holds: spawned by a host killed before it recorded them
     /// (see [`reap_unrecorded`]). Run before any provider is called after a
-    /// restart; as root only (else programs run as the host's own user).
+    /// restart; as root only (else programs run as the host's own user), and
+    /// for the per-provider uids the host allocates (not a `[sandbox] user`).
     ///
     /// [`reap_unrecorded`]: crate::capabilities::process::reap_unrecorded
     pub fn reap_unrecorded_children(&self) -> Vec<(String, u32)> {
@@ -181,13 +182,22 @@ impl Broker {
                 return Vec::new();
             }
         };
-        let mut uids: std::collections::HashMap<u32, String> = users.iter().map(|(p, uid)| (*uid, p.clone())).collect();
-        if let Some(shared) = self.sandbox_user() {
-            uids.insert(shared, "every provider".into());
+        // Only the uids the host gave out itself: one `[sandbox] user` set in
+        // host.toml may be shared with programs that are none of the host's.
+        let uids: std::collections::HashMap<u32, String> = users.iter().map(|(p, uid)| (*uid, p.clone())).collect();
+        // Every provider that may have children: those given a uid, and the
+        // registered ones (with `[sandbox] user`, none is given a uid of its own).
+        let mut providers: std::collections::BTreeSet<String> = users.into_iter().map(|(p, _)| p).collect();
+        match self.registry().list() {
+            Ok(registered) => providers.extend(registered.into_iter().map(|p| p.name)),
+            Err(error) => {
+                tracing::warn!(%error, "cannot list the providers: unrecorded children are not reaped");
+                return Vec::new();
+            }
         }
         let children = self.store().child_records();
         let mut recorded = Vec::new();
-        for (provider, _) in &users {
+        for provider in &providers {
             match children.list(provider) {
                 Ok(records) => recorded.extend(records),
                 Err(error) => {

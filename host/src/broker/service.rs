@@ -262,11 +262,6 @@ impl Broker {
         &self.store
     }
 
-    /// The one user every provider's programs run as, if `host.toml` sets one.
-    pub(crate) fn sandbox_user(&self) -> Option<u32> {
-        self.host.sandbox.user
-    }
-
     /// The machine lock the host and its providers share.
     pub fn lock(&self) -> &MachineLock {
         &self.machine_lock
@@ -309,9 +304,7 @@ impl Broker {
             Ok(answer) => answer,
             Err(failed) => {
                 let claimed = claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-                if let Some(key) = pending {
-                    self.after_failed_start(&wasm, provider, &key, claimed, &failed).await;
-                }
+                self.after_failed_start(&wasm, provider, pending.as_deref(), claimed, &failed).await;
                 return Err(failed.into());
             }
         };
@@ -426,13 +419,14 @@ impl Broker {
 
     /// A start that failed leaves nothing pending, unless the call was cut
     /// off (trap, deadline, limit) after claiming an id no record holds:
-    /// whatever it made is then stopped, and if that fails the pending start
+    /// whatever it made is then stopped (a kv-only provider's too: a failed
+    /// call's kv changes are persisted), and if that fails the pending start
     /// stays for the next restart's reconcile to adopt or forget.
     async fn after_failed_start(
         &self,
         wasm: &crate::version::ProviderVersion,
         provider: &str,
-        key: &str,
+        key: Option<&str>,
         claimed: Option<String>,
         failed: &CallError,
     ) {
@@ -445,7 +439,9 @@ impl Broker {
                 return;
             }
         }
-        self.forget_pending_start(provider, key).await;
+        if let Some(key) = key {
+            self.forget_pending_start(provider, key).await;
+        }
     }
 
     async fn forget_pending_start(&self, provider: &str, key: &str) {

@@ -250,3 +250,18 @@ async fn hostile_claims_are_refused_and_leave_nothing_pending() {
     assert!(broker.store().interrupted_starts("hostile").unwrap().is_empty(), "every refused start was forgotten");
     assert_eq!(broker.store().owner_of(&fakes).unwrap().as_deref(), Some("fake"));
 }
+
+/// A start cut off (here by its deadline) after claiming an id is stopped by
+/// that id: its provider, kv-only or not, may have made something by then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_cut_off_after_its_claim_is_stopped_by_the_claimed_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::open(&dir.path().join("data")).unwrap();
+    let extra = "[limits]\nmemory-mib = 32\n[limits.deadlines]\ndefault = \"1s\"\nstart-instance = \"1s\"\n[grants]\nkv = true\n";
+    broker.registry().add(&write_manifest(dir.path(), "hostile", "test_hostile", extra)).await.unwrap();
+    broker.store().kv().set("hostile", "after-claims", b"spin").unwrap();
+    let err = hostile_start(&broker, &["h-cut"], "h-cut").await.expect_err("the deadline ends it");
+    assert!(err.contains("deadline"), "{err}");
+    let stopped = broker.store().kv().get("hostile", "stopped").unwrap().unwrap_or_default();
+    assert_eq!(stopped, b"h-cut\0", "the claimed id was stopped");
+}
