@@ -207,7 +207,8 @@ impl Broker {
                 }
             }
         }
-        let killed = crate::capabilities::process::reap_unrecorded(&uids, &recorded);
+        let ours = self.store().data_dir().display().to_string();
+        let killed = crate::capabilities::process::reap_unrecorded(&uids, &recorded, &ours);
         for (provider, pid) in &killed {
             tracing::warn!(provider, pid, "killed a process a killed host left running without a child record");
         }

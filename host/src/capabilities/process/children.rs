@@ -145,23 +145,34 @@ const MAX_ANCESTRY: usize = 64;
 ///
 /// Only for uids the host's sandbox gives out and nobody else uses; never
 /// root's, nor the host's own (without root, programs run as it).
-pub fn reap_unrecorded(uids: &HashMap<u32, String>, recorded: &[ChildRecord]) -> Vec<(String, u32)> {
+///
+/// A uid range may be shared by several hosts on one machine (each data dir
+/// allocates from the same base), so a process counts as this host's only if
+/// one of its ancestors' command lines names `ours` (the host's data dir, in
+/// bubblewrap's binds); the others are left alone.
+pub fn reap_unrecorded(uids: &HashMap<u32, String>, recorded: &[ChildRecord], ours: &str) -> Vec<(String, u32)> {
     let kept: std::collections::HashSet<(u32, u64)> = recorded.iter().map(|r| (r.pid, r.start_time)).collect();
     let own = rustix::process::getuid().as_raw();
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
     let pids: Vec<u32> = entries.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect();
+    let names_ours = |pid: u32| {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        String::from_utf8_lossy(&cmdline).contains(ours)
+    };
+    // Whether to leave it: it descends from a record, or from nothing of this host's.
     let descends_from_a_record = |pid: u32| {
-        let mut at = pid;
+        let (mut at, mut seen_ours) = (pid, false);
         for _ in 0..MAX_ANCESTRY {
             if proc_stat(at).is_some_and(|(start, _)| kept.contains(&(at, start))) {
                 return true;
             }
+            seen_ours |= names_ours(at);
             match uid_and_parent(at) {
                 Some((_, parent)) if parent > 1 => at = parent,
-                _ => return false,
+                _ => return !seen_ours,
             }
         }
-        false
+        true
     };
     let mut killed = Vec::new();
     for pid in pids {
@@ -258,14 +269,15 @@ mod tests {
             return;
         }
         const UID: u32 = 2_000_123_457;
-        let spawn =
-            |uid: u32, program: &[&str]| std::process::Command::new("setsid").args(program).uid(uid).spawn().unwrap();
+        const OURS: &str = "/nonexistent/broker-reaper-test-data-dir";
+        let spawn = |uid: u32, script: &str, data_dir: &str| {
+            std::process::Command::new("setsid").args(["sh", "-c", script, data_dir]).uid(uid).spawn().unwrap()
+        };
         // The recorded one's own child (as bubblewrap's program is) is kept with it.
-        let (mut recorded, mut stray, mut others) = (
-            spawn(UID, &["sh", "-c", "sleep 60 & wait"]),
-            spawn(UID, &["sleep", "60"]),
-            spawn(UID + 1, &["sleep", "60"]),
-        );
+        let (mut recorded, mut stray, mut others) =
+            (spawn(UID, "sleep 60 & wait", OURS), spawn(UID, "sleep 60; :", OURS), spawn(UID + 1, "sleep 60; :", OURS));
+        // Another host's (its command line names another data dir) is left alone.
+        let mut another_hosts = spawn(UID, "sleep 60; :", "/nonexistent/another-host");
         let record = |child: &Child| ChildRecord {
             provider: "p".into(),
             name: "vm".into(),
@@ -289,16 +301,19 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(10));
         };
         let uids = HashMap::from([(UID, "p".to_owned())]);
-        let killed = reap_unrecorded(&uids, &[record(&recorded)]);
-        assert_eq!(killed, [("p".to_owned(), stray.id())]);
+        let killed = reap_unrecorded(&uids, &[record(&recorded)], OURS);
+        // The stray and what it ran (its `sleep`), nothing else.
+        assert!(killed.contains(&("p".to_owned(), stray.id())), "{killed:?}");
+        let spared = [recorded.id(), others.id(), another_hosts.id(), grandchild];
+        assert!(killed.iter().all(|(_, pid)| !spared.contains(pid)), "{killed:?} includes one of {spared:?}");
         assert!(stray.wait().unwrap().code().is_none(), "killed by a signal");
         assert!(proc_stat(grandchild).is_some_and(|(_, state)| state != 'Z'), "the recorded one's child was killed");
-        for alive in [&mut recorded, &mut others] {
+        for alive in [&mut recorded, &mut others, &mut another_hosts] {
             assert!(alive.try_wait().unwrap().is_none(), "{} was killed", alive.id());
         }
         // Only now: the recorded shell ends once its child does.
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(grandchild as i32), nix::sys::signal::SIGKILL);
-        for alive in [&mut recorded, &mut others] {
+        for alive in [&mut recorded, &mut others, &mut another_hosts] {
             let _ = alive.kill();
             alive.wait().unwrap();
         }
