@@ -275,7 +275,11 @@ impl Broker {
         found.maintained.sort_unstable();
         found.maintain_failed.sort_unstable();
         let live = match self.registry().get(name).await {
-            Ok(wasm) => wasm.all_instances(&CallHooks::default()).await.map_err(|e| e.to_string()),
+            Ok(wasm) => wasm
+                .all_instances(&CallHooks::default())
+                .await
+                .map(super::service::in_id_order)
+                .map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };
         let live = match live.and_then(|live| self.screen_reported(name, live).map_err(|e| e.to_string())) {
@@ -403,6 +407,6 @@ fn adopted(provider: &str, instance: &crate::bindings::Instance, start: crate::s
             .map(|a| reported(&a.value, MAX_REPORTED_WORD_BYTES))
             .collect(),
         created: start.started,
-        params: Some(start.params),
+        params: Some(Box::new(start.params)),
     }
 }

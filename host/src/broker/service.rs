@@ -339,7 +339,7 @@ impl Broker {
                 .map(|a| reported(&a.value, MAX_REPORTED_WORD_BYTES))
                 .collect(),
             created: now_rfc3339(),
-            params: Some(params.clone()),
+            params: Some(Box::new(params.clone())),
         };
         // One commit: the provider's state of the instance and the host's record
         // of it are durable together (a crash between them cannot orphan it).
@@ -491,7 +491,8 @@ impl Broker {
     #[tracing::instrument(skip(self, id), fields(instance_id = %id))]
     pub async fn maintain_instance(&self, provider: &str, id: &str) -> Result<(), BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
-        let params = self.store.instance(provider, id)?.and_then(|r| r.params).unwrap_or_else(empty_params);
+        let params =
+            self.store.instance(provider, id)?.and_then(|r| r.params).map_or_else(empty_params, |params| *params);
         wasm.maintain_instance(&CallHooks::default(), id, &params).await?;
         Ok(())
     }
@@ -535,18 +536,20 @@ impl Broker {
         self.store.owner_of(id)?.ok_or_else(|| BrokerServiceError::UnknownInstance(id.to_owned()))
     }
 
-    /// What the providers report, joined with the host's records: live status
-    /// from `all-instances`; records the provider no longer reports show as
-    /// `unknown`, and instances the host never recorded appear without hardware.
-    /// Listing every provider asks them all at once, and one that fails to
-    /// answer fails no other: its records show as `unknown`, its error named.
+    /// What the providers report, joined with the host's records, in order of
+    /// provider and id: live status from `all-instances`; records the provider
+    /// no longer reports show as `unknown`, and instances the host never
+    /// recorded appear without hardware. Listing every provider asks them all
+    /// at once, and one that fails to answer fails no other: its records show
+    /// as `unknown`, its error named.
     pub async fn list_instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>, BrokerServiceError> {
         if let Some(name) = provider {
-            let mut out = self.instances_of(name).await?;
-            out.sort_by(|a, b| a.id.cmp(&b.id));
-            return Ok(out);
+            return self.instances_of(name).await;
         }
-        let names: Vec<String> = self.registry.list()?.into_iter().map(|p| p.name).collect();
+        // In name order, each provider's records in id order: the answer is
+        // sorted without sorting it.
+        let mut names: Vec<String> = self.registry.list()?.into_iter().map(|p| p.name).collect();
+        names.sort_unstable();
         let answers = futures_util::future::join_all(names.iter().map(|name| self.instances_of(name))).await;
         let mut out = Vec::new();
         for (name, answer) in names.iter().zip(answers) {
@@ -557,7 +560,7 @@ impl Broker {
                 Err(failed) => {
                     let why = crate::error_text::error_text(&failed);
                     tracing::warn!(provider = %name, error = %why, "a provider did not answer the listing of all");
-                    for mut record in self.store.instances(Some(name))? {
+                    for mut record in self.records_of(name).await? {
                         record.status = "unknown".into();
                         record.message = format!("provider {name} did not answer: {why}");
                         out.push(record);
@@ -565,39 +568,62 @@ impl Broker {
                 }
             }
         }
-        out.sort_by(|a, b| (&a.provider, &a.id).cmp(&(&b.provider, &b.id)));
         Ok(out)
     }
 
-    /// One provider's instances: what it reports joined with the host's records.
+    /// One provider's instances, in id order: what it reports joined with the
+    /// host's records (a merge of the two, each in id order).
     async fn instances_of(&self, name: &str) -> Result<Vec<InstanceRecord>, BrokerServiceError> {
         let wasm = self.registry.get(name).await?;
-        let live = wasm.all_instances(&CallHooks::default()).await?;
-        let (live, refused) = self.screen_reported(name, live)?;
+        // The records are read while the provider answers.
+        let hooks = CallHooks::default();
+        let (live, records) = tokio::join!(wasm.all_instances(&hooks), self.records_of(name));
+        let (live, records) = (in_id_order(live?), records?);
+        // Only an id no record of this provider's holds needs screening (a
+        // recorded id was screened when it was recorded): invalid, or another's.
+        let mut unrecorded_ids = Vec::new();
+        let mut at = 0;
+        for instance in &live {
+            while records.get(at).is_some_and(|record| record.id < instance.id) {
+                at += 1;
+            }
+            if records.get(at).is_none_or(|record| record.id != instance.id) {
+                unrecorded_ids.push(instance.clone());
+            }
+        }
+        let (unrecorded_kept, refused) = self.screen_reported(name, unrecorded_ids)?;
         if let Some(first) = refused.first() {
             // One line however many: a provider decides how many it reports.
             let count = refused.len();
             tracing::warn!(provider = %name, count, first = %first, "dropped instances the provider reported");
         }
-        let mut records: std::collections::HashMap<String, InstanceRecord> =
-            self.store.instances(Some(name))?.into_iter().map(|r| (r.id.clone(), r)).collect();
-        let mut out = Vec::with_capacity(live.len().max(records.len()));
-        for instance in &live {
-            match records.remove(&instance.id) {
-                Some(mut record) => {
-                    record.status = status_name(instance.status).to_owned();
-                    record.message = reported(&instance.message, MAX_REPORTED_MESSAGE_BYTES);
-                    out.push(record);
-                }
-                None => out.push(unrecorded(name, instance)),
-            }
-        }
-        for mut missing in records.into_values() {
+        let not_reported = |mut missing: InstanceRecord| {
             missing.status = "unknown".into();
             missing.message = "not reported by the provider".into();
-            out.push(missing);
+            missing
+        };
+        let mut out = Vec::with_capacity(live.len().max(records.len()));
+        let mut kept = unrecorded_kept.into_iter().peekable();
+        let mut records = records.into_iter().peekable();
+        for instance in &live {
+            out.extend(std::iter::from_fn(|| records.next_if(|r| r.id < instance.id)).map(not_reported));
+            if let Some(mut record) = records.next_if(|r| r.id == instance.id) {
+                record.status = status_name(instance.status).to_owned();
+                record.message = reported(&instance.message, MAX_REPORTED_MESSAGE_BYTES);
+                out.push(record);
+            } else if let Some(kept) = kept.next_if(|k| k.id == instance.id) {
+                out.push(unrecorded(name, &kept));
+            }
         }
+        out.extend(records.map(not_reported));
         Ok(out)
+    }
+
+    /// A provider's records, in id order (the store's key order), read off
+    /// the async workers: thousands of them take milliseconds.
+    async fn records_of(&self, name: &str) -> Result<Vec<InstanceRecord>, StoreError> {
+        let (store, name) = (self.store.clone(), name.to_owned());
+        tokio::task::spawn_blocking(move || store.instances(Some(&name))).await.map_err(|_| StoreError::ReadPanicked)?
     }
 
     /// Split what a provider's `all-instances` reported into the instances the
@@ -668,6 +694,14 @@ fn pending_start(store: &Store, params: &StartInstanceParams) -> crate::store::P
 /// The machine's lock in `data_dir`, as this host (agent `broker`) takes it.
 pub fn machine_lock(data_dir: &Path) -> Result<MachineLock, LockError> {
     MachineLock::new(data_dir, "machine-lock", "broker")
+}
+
+/// What a provider reported, in id order, each id once (a provider that
+/// reports one twice is answered as if it had not).
+pub(super) fn in_id_order(mut live: Vec<Instance>) -> Vec<Instance> {
+    live.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+    live.dedup_by(|a, b| a.id == b.id);
+    live
 }
 
 fn unrecorded(provider: &str, instance: &Instance) -> InstanceRecord {

@@ -36,6 +36,11 @@ use std::sync::Arc;
 const PROVIDERS: TableDefinition<&str, &[u8]> = TableDefinition::new("providers");
 /// Key: (provider, instance id).
 const INSTANCES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("instances");
+/// Key: (provider, instance id): the params an instance was started with,
+/// apart from its record: only `maintain-instance` reads them, one at a time,
+/// and they are most of a record's bytes, which a listing reads by the
+/// thousand. (Records written before this table hold theirs inline.)
+const INSTANCE_PARAMS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("instance_params");
 /// Instance id -> the provider it is recorded for: ids are the host's, one owner each.
 const INSTANCE_IDS: TableDefinition<&str, &str> = TableDefinition::new("instance_ids");
 /// Key: (provider namespace, key).
@@ -84,6 +89,9 @@ pub enum StoreError {
     /// A write that panicked fails alone; the writer serves on.
     #[error("state database: a write panicked while it was applied")]
     WritePanicked,
+    /// A read that panicked (redb panics on some damage) fails alone.
+    #[error("state database: a read panicked (the file may be damaged: `broker store check` shows what can be read)")]
+    ReadPanicked,
     /// The writer has stopped; nothing more can be written.
     #[error("state database is closed")]
     Closed,
@@ -226,6 +234,7 @@ impl Store {
         let replayed = wal.replay(|table, key, value| replay_change(&txn, table, key, value)).map_err(log_error)?;
         txn.open_table(PROVIDERS).map_err(db_error)?;
         txn.open_table(INSTANCES).map_err(db_error)?;
+        txn.open_table(INSTANCE_PARAMS).map_err(db_error)?;
         txn.open_table(KV).map_err(db_error)?;
         txn.open_table(CHILDREN).map_err(db_error)?;
         txn.open_table(OBSERVED_NETWORK).map_err(db_error)?;
@@ -355,9 +364,12 @@ impl Store {
     /// record's provider) goes in the same commit, whatever the outcome: a
     /// refused record leaves nothing pending either.
     fn put_instance_resolving(&self, record: &InstanceRecord, pending: Option<String>) -> Pending<Option<String>> {
-        let (provider, id, bytes) = (record.provider.clone(), record.id.clone(), encoded("instance", record));
+        let (provider, id) = (record.provider.clone(), record.id.clone());
+        let bytes = encoded("instance", &InstanceRecord { params: None, ..record.clone() });
+        let params = record.params.as_ref().map(|params| encoded("instance params", params));
         self.write(move |txn| {
             let bytes = bytes.as_ref().map_err(Clone::clone)?;
+            let params = params.as_ref().map(|params| params.as_ref().map_err(Clone::clone)).transpose()?;
             if let Some(key) = &pending {
                 let mut starts = txn.open_table(starts::STARTS).map_err(db_error)?;
                 starts.remove((provider.as_str(), key.as_str())).map_err(db_error)?;
@@ -371,6 +383,12 @@ impl Store {
             ids.insert(id.as_str(), provider.as_str()).map_err(db_error)?;
             let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
             table.insert((provider.as_str(), id.as_str()), bytes.as_slice()).map_err(db_error)?;
+            let mut stored_params = txn.open_table(INSTANCE_PARAMS).map_err(db_error)?;
+            match params {
+                Some(params) => stored_params.insert((provider.as_str(), id.as_str()), params.as_slice()),
+                None => stored_params.remove((provider.as_str(), id.as_str())),
+            }
+            .map_err(db_error)?;
             Ok(None)
         })
     }
@@ -405,8 +423,10 @@ impl Store {
             let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
             let mut owners = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
             let mut marks = txn.open_table(starts::STOPPING).map_err(db_error)?;
+            let mut params = txn.open_table(INSTANCE_PARAMS).map_err(db_error)?;
             for id in &removed {
                 marks.remove((provider.as_str(), id.as_str())).map_err(db_error)?;
+                params.remove((provider.as_str(), id.as_str())).map_err(db_error)?;
                 if table.remove((provider.as_str(), id.as_str())).map_err(db_error)?.is_some() {
                     let owned = owners.get(id.as_str()).map_err(db_error)?.is_some_and(|o| o.value() == provider);
                     if owned {
@@ -441,12 +461,19 @@ impl Store {
         Ok(owners)
     }
 
-    /// One instance's record, if it is recorded for `provider`.
+    /// One instance's record, with its start params, if it is recorded for `provider`.
     pub fn instance(&self, provider: &str, id: &str) -> Result<Option<InstanceRecord>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(INSTANCES).map_err(db_error)?;
-        let value = table.get((provider, id)).map_err(db_error)?;
-        value.map(|v| decode("instance", v.value())).transpose()
+        let Some(value) = table.get((provider, id)).map_err(db_error)? else { return Ok(None) };
+        let mut record: InstanceRecord = decode("instance", value.value())?;
+        if record.params.is_none() {
+            let params = txn.open_table(INSTANCE_PARAMS).map_err(db_error)?;
+            if let Some(value) = params.get((provider, id)).map_err(db_error)? {
+                record.params = Some(Box::new(decode("instance params", value.value())?));
+            }
+        }
+        Ok(Some(record))
     }
 
     /// Records of one provider, or of all, in (provider, id) order.
@@ -526,6 +553,7 @@ fn replay_change(txn: &redb::WriteTransaction, table: &str, key: &[u8], value: O
     match table {
         t if t == PROVIDERS.name() => wal::replay_into(txn, PROVIDERS, key, value),
         t if t == INSTANCES.name() => wal::replay_into(txn, INSTANCES, key, value),
+        t if t == INSTANCE_PARAMS.name() => wal::replay_into(txn, INSTANCE_PARAMS, key, value),
         t if t == INSTANCE_IDS.name() => wal::replay_into(txn, INSTANCE_IDS, key, value),
         t if t == KV.name() => wal::replay_into(txn, KV, key, value),
         t if t == OBSERVED_NETWORK.name() => wal::replay_into(txn, OBSERVED_NETWORK, key, value),
@@ -652,6 +680,50 @@ mod tests {
         store.remove_instances("fake", &["fake-0".into()]).wait().unwrap();
         assert_eq!(store.owner_of("fake-0").unwrap(), None);
         assert_eq!(put("hostile", "fake-0"), None);
+    }
+
+    /// Start params live apart from the record: a listing reads records
+    /// without them, one record is read with them, they go with the record,
+    /// and records from before the split (params inline) still read whole.
+    #[test]
+    fn start_params_are_kept_apart_and_read_with_one_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut params = crate::contract::empty_params();
+        params.constraints.tags = Some(vec!["kept".into()]);
+        let with_params = InstanceRecord { params: Some(Box::new(params.clone())), ..record("fake", "fake-0") };
+        {
+            let store = open_uncheckpointed(dir.path());
+            assert_eq!(store.put_new_instance(&with_params).wait().unwrap(), None);
+            // What a host before the split wrote: the params inside the record.
+            let legacy = InstanceRecord { params: Some(Box::new(params.clone())), ..record("fake", "fake-1") };
+            let bytes = serde_json::to_vec(&legacy).unwrap();
+            store
+                .write(move |txn| {
+                    let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
+                    table.insert(("fake", "fake-1"), bytes.as_slice()).map_err(db_error)?;
+                    Ok(())
+                })
+                .wait()
+                .unwrap();
+            let txn = store.db.begin_read().unwrap();
+            let raw = txn.open_table(INSTANCES).unwrap().get(("fake", "fake-0")).unwrap().unwrap().value().to_vec();
+            assert!(!String::from_utf8_lossy(&raw).contains("kept"), "the record holds no params");
+            // Read back below after the store is opened again.
+        }
+        let store = Store::open(dir.path()).unwrap();
+        for id in ["fake-0", "fake-1"] {
+            let read = store.instance("fake", id).unwrap().unwrap();
+            assert_eq!(read.params.as_deref(), Some(&params), "{id}");
+        }
+        assert!(store.instances(None).unwrap().iter().all(|listed| listed.params.is_none()));
+        store.remove_instances("fake", &["fake-0".into()]).wait().unwrap();
+        let txn = store.db.begin_read().unwrap();
+        assert!(txn.open_table(INSTANCE_PARAMS).unwrap().get(("fake", "fake-0")).unwrap().is_none());
+        drop(txn);
+        // The id taken again without params does not inherit the old ones.
+        store.put_new_instance(&with_params).wait().unwrap();
+        store.put_new_instance(&record("fake", "fake-0")).wait().unwrap();
+        assert_eq!(store.instance("fake", "fake-0").unwrap().unwrap().params, None);
     }
 
     /// No checkpoint for the life of a test: every write is only in the log

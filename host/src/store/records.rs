@@ -185,7 +185,9 @@ pub struct InstanceRecord {
     pub created: String,
     /// The params it was started with, replayed by `maintain-instance`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub params: Option<StartInstanceParams>,
+    /// Boxed: most records in hand (a listing's) have none, and a record
+    /// moves through joins and sorts.
+    pub params: Option<Box<StartInstanceParams>>,
 }
 
 /// An instance record as a listing reads it: every field but the start

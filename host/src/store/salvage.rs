@@ -14,7 +14,8 @@
 use super::sandbox_users::SANDBOX_USERS;
 use super::state_file;
 use super::{
-    CHILDREN, INSTANCES, KV, OBSERVED_NETWORK, PROVIDERS, ProviderRecord, StoreError, events, records::InstanceRecord,
+    CHILDREN, INSTANCE_PARAMS, INSTANCES, KV, OBSERVED_NETWORK, PROVIDERS, ProviderRecord, StoreError, events,
+    records::InstanceRecord,
 };
 use crate::capabilities::process::ChildRecord;
 use redb::{Database, Key, ReadableDatabase, ReadableTable, TableDefinition, TableHandle, Value};
@@ -170,6 +171,7 @@ fn each_table(from: &impl ReadableDatabase, into: Option<&Database>) -> Result<V
     }
     copy!(PROVIDERS, as_json::<ProviderRecord>);
     copy!(INSTANCES, as_json::<InstanceRecord>);
+    copy!(INSTANCE_PARAMS, as_json::<crate::bindings::StartInstanceParams>);
     copy!(KV, any_bytes);
     copy!(CHILDREN, as_json::<ChildRecord>);
     copy!(OBSERVED_NETWORK, as_json::<super::ObservedNetwork>);

@@ -375,7 +375,8 @@ async fn a_provider_cannot_return_an_unprintable_id_or_another_providers_id() {
     assert_eq!(broker.start_instance("hostile", &empty_params(), &hooks).await.unwrap().id, "hostile-1");
 
     kv.set("hostile", "mode", b"ids").unwrap();
-    let reported = format!("hostile-1\0{forged}\0{theirs}\0has space\0{}\0hostile-2", "x".repeat(256));
+    // Out of order, one id twice: listed in order, once.
+    let reported = format!("hostile-2\0{forged}\0hostile-1\0{theirs}\0has space\0{}\0hostile-2", "x".repeat(256));
     kv.set("hostile", "ids", reported.as_bytes()).unwrap();
     let listed = broker.list_instances(None).await.unwrap();
     let listed: Vec<(&str, &str)> = listed.iter().map(|r| (r.provider.as_str(), r.id.as_str())).collect();
