@@ -11,6 +11,7 @@ pub mod conformance;
 pub mod contract;
 pub mod daemon;
 pub mod error_text;
+pub mod groups;
 pub mod machine_lock;
 pub mod manifest;
 pub mod network;

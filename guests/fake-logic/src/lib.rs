@@ -23,6 +23,8 @@ pub enum FakeError {
     InvalidParams(String),
     NotFound(String),
     ZoneIndependent(String),
+    /// The zone cannot take an instance now; another may.
+    ZoneUnavailable(String),
     Storage(String),
 }
 
@@ -32,6 +34,7 @@ impl std::fmt::Display for FakeError {
             FakeError::InvalidParams(m) => write!(f, "invalid params: {m}"),
             FakeError::NotFound(m) => write!(f, "not found: {m}"),
             FakeError::ZoneIndependent(m) => write!(f, "{m}"),
+            FakeError::ZoneUnavailable(m) => write!(f, "{m}"),
             FakeError::Storage(m) => write!(f, "storage: {m}"),
         }
     }
@@ -56,6 +59,10 @@ pub struct Config {
     /// answers (tests of a host killed mid-start).
     #[serde(default)]
     pub answer_delay_ms: u64,
+    /// Zones that answer `zone-unavailable` to a start placed in them
+    /// (tests of a group trying the next zone).
+    #[serde(default)]
+    pub unavailable_zones: Vec<String>,
 }
 
 fn default_zones() -> Vec<String> {
@@ -76,6 +83,7 @@ impl Default for Config {
             default_arch: default_arch(),
             start_delay_ms: 0,
             answer_delay_ms: 0,
+            unavailable_zones: Vec::new(),
         }
     }
 }
@@ -210,6 +218,9 @@ fn choose_zone(kv: &impl Kv, config: &Config, request: &StartRequest) -> Result<
         },
     };
     if let Some(zone) = explicit {
+        if config.unavailable_zones.contains(&zone) {
+            return Err(FakeError::ZoneUnavailable(format!("zone {zone:?} cannot take an instance now")));
+        }
         if !allowed.iter().any(|z| **z == zone) {
             return Err(FakeError::InvalidParams(format!(
                 "zone {zone:?} is not available: allowed zones are {allowed:?}"

@@ -48,6 +48,7 @@ pub(crate) fn to_broker_error(err: FakeError) -> BrokerError {
         FakeError::InvalidParams(m) => BrokerError::InvalidParams(m),
         FakeError::NotFound(m) => BrokerError::NotFound(m),
         FakeError::ZoneIndependent(m) => BrokerError::ZoneIndependent(m),
+        FakeError::ZoneUnavailable(m) => BrokerError::ZoneUnavailable(m),
         FakeError::Storage(m) => BrokerError::Provider(m),
     }
 }

@@ -407,6 +407,8 @@ fn adopted(provider: &str, instance: &crate::bindings::Instance, start: crate::s
             .map(|a| reported(&a.value, MAX_REPORTED_WORD_BYTES))
             .collect(),
         created: start.started,
+        // A group's member adopted stays its member.
+        instance_tags: start.params.instance_config.iter().flat_map(|config| config.tags.iter().cloned()).collect(),
         params: Some(Box::new(start.params)),
     }
 }

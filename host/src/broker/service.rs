@@ -339,6 +339,7 @@ impl Broker {
                 .map(|a| reported(&a.value, MAX_REPORTED_WORD_BYTES))
                 .collect(),
             created: now_rfc3339(),
+            instance_tags: params.instance_config.iter().flat_map(|config| config.tags.iter().cloned()).collect(),
             params: Some(Box::new(params.clone())),
         };
         // One commit: the provider's state of the instance and the host's record
@@ -717,6 +718,7 @@ fn unrecorded(provider: &str, instance: &Instance) -> InstanceRecord {
             .map(|a| reported(&a.value, MAX_REPORTED_WORD_BYTES))
             .collect(),
         created: String::new(),
+        instance_tags: Default::default(),
         params: None,
     }
 }

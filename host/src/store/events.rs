@@ -20,6 +20,9 @@ pub struct Event {
     pub kind: String,
     /// The provider it happened to.
     pub provider: String,
+    /// The group it happened in (`group-committed`, `instance-added`, …), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
     /// The component hash before (of the version replaced or removed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub old_sha256: Option<String>,
@@ -46,6 +49,7 @@ impl Event {
             time: super::records::now_rfc3339(),
             kind: kind.to_owned(),
             provider: provider.to_owned(),
+            group: None,
             old_sha256: None,
             new_sha256: None,
             old_version: None,

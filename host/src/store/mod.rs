@@ -8,6 +8,7 @@
 //! ([`wal`]); redb's own sync runs only at checkpoints.
 
 mod events;
+mod groups;
 mod kv;
 pub mod records;
 pub mod salvage;
@@ -17,6 +18,7 @@ mod wal;
 mod writer;
 
 pub use events::Event;
+pub use groups::GroupRecord;
 pub use starts::{PendingStart, StopMark};
 
 pub use kv::{MIRROR_BUDGET_BYTES, MirrorStats, RedbKv};
@@ -197,8 +199,12 @@ impl Store {
         let opened = salvage::caught(|| Self::open_with(data_dir, checkpoints));
         match opened {
             Ok(Err(StoreError::Open { source, .. } | StoreError::Db(source)))
-                if matches!(&*source, redb::Error::Corrupted(_))
-                    || matches!(&*source, redb::Error::Io(e) if e.kind() == std::io::ErrorKind::InvalidData) =>
+                if matches!(
+                    &*source,
+                    redb::Error::Corrupted(_)
+                        | redb::Error::TypeDefinitionChanged { .. }
+                        | redb::Error::TableTypeMismatch { .. }
+                ) || matches!(&*source, redb::Error::Io(e) if e.kind() == std::io::ErrorKind::InvalidData) =>
             {
                 Err(StoreError::Damaged { path: shown(), reason: source.to_string() })
             }
@@ -207,6 +213,8 @@ impl Store {
             {
                 Err(StoreError::Busy { path: shown() })
             }
+            // Whatever else failed in opening it, the error names the file.
+            Ok(Err(StoreError::Db(source))) => Err(StoreError::Open { path: shown(), source }),
             Ok(opened) => opened,
             Err(payload) => {
                 let reason = format!("redb panicked reading it: {}", salvage::panic_text(&*payload));
@@ -235,6 +243,7 @@ impl Store {
         txn.open_table(PROVIDERS).map_err(db_error)?;
         txn.open_table(INSTANCES).map_err(db_error)?;
         txn.open_table(INSTANCE_PARAMS).map_err(db_error)?;
+        txn.open_table(groups::GROUPS).map_err(db_error)?;
         txn.open_table(KV).map_err(db_error)?;
         txn.open_table(CHILDREN).map_err(db_error)?;
         txn.open_table(OBSERVED_NETWORK).map_err(db_error)?;
@@ -438,6 +447,25 @@ impl Store {
         })
     }
 
+    /// Drop the instance config tags `keys` from the records of `ids` (those
+    /// recorded for `provider`), in one transaction: a freed group's members
+    /// are recorded as ungrouped.
+    pub fn untag_instances(&self, provider: &str, ids: &[String], keys: &[&str]) -> Pending<()> {
+        let (provider, ids) = (provider.to_owned(), ids.to_vec());
+        let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+        self.write(move |txn| {
+            let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
+            for id in &ids {
+                let key = (provider.as_str(), id.as_str());
+                let Some(bytes) = table.get(key).map_err(db_error)?.map(|v| v.value().to_vec()) else { continue };
+                let mut record: InstanceRecord = decode("instance", &bytes)?;
+                record.instance_tags.retain(|k, _| !keys.contains(k));
+                table.insert(key, encoded("instance", &record)?.as_slice()).map_err(db_error)?;
+            }
+            Ok(())
+        })
+    }
+
     /// The provider an instance id is recorded for.
     pub fn owner_of(&self, id: &str) -> Result<Option<String>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
@@ -554,6 +582,7 @@ fn replay_change(txn: &redb::WriteTransaction, table: &str, key: &[u8], value: O
         t if t == PROVIDERS.name() => wal::replay_into(txn, PROVIDERS, key, value),
         t if t == INSTANCES.name() => wal::replay_into(txn, INSTANCES, key, value),
         t if t == INSTANCE_PARAMS.name() => wal::replay_into(txn, INSTANCE_PARAMS, key, value),
+        t if t == groups::GROUPS.name() => wal::replay_into(txn, groups::GROUPS, key, value),
         t if t == INSTANCE_IDS.name() => wal::replay_into(txn, INSTANCE_IDS, key, value),
         t if t == KV.name() => wal::replay_into(txn, KV, key, value),
         t if t == OBSERVED_NETWORK.name() => wal::replay_into(txn, OBSERVED_NETWORK, key, value),
@@ -644,6 +673,7 @@ mod tests {
             tags: Vec::new(),
             addresses: Vec::new(),
             created: String::new(),
+            instance_tags: Default::default(),
             params: None,
         }
     }

@@ -183,6 +183,10 @@ pub struct InstanceRecord {
     pub addresses: Vec<String>,
     /// RFC 3339, UTC.
     pub created: String,
+    /// The instance config's tags it was started with (`infrakit.group`, …):
+    /// what a group knows its members by.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub instance_tags: std::collections::BTreeMap<String, String>,
     /// The params it was started with, replayed by `maintain-instance`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     /// Boxed: most records in hand (a listing's) have none, and a record
@@ -206,12 +210,37 @@ pub(crate) struct ListedRecord {
     tags: Vec<String>,
     addresses: Vec<String>,
     created: String,
+    #[serde(default)]
+    instance_tags: std::collections::BTreeMap<String, String>,
 }
 
 impl From<ListedRecord> for InstanceRecord {
     fn from(listed: ListedRecord) -> InstanceRecord {
-        let ListedRecord { id, provider, status, message, display_name, hardware, tags, addresses, created } = listed;
-        InstanceRecord { id, provider, status, message, display_name, hardware, tags, addresses, created, params: None }
+        let ListedRecord {
+            id,
+            provider,
+            status,
+            message,
+            display_name,
+            hardware,
+            tags,
+            addresses,
+            created,
+            instance_tags,
+        } = listed;
+        InstanceRecord {
+            id,
+            provider,
+            status,
+            message,
+            display_name,
+            hardware,
+            tags,
+            addresses,
+            created,
+            instance_tags,
+            params: None,
+        }
     }
 }
 

@@ -176,6 +176,7 @@ fn each_table(from: &impl ReadableDatabase, into: Option<&Database>) -> Result<V
     copy!(CHILDREN, as_json::<ChildRecord>);
     copy!(OBSERVED_NETWORK, as_json::<super::ObservedNetwork>);
     copy!(events::EVENTS, as_json::<super::Event>);
+    copy!(super::groups::GROUPS, as_json::<super::GroupRecord>);
     copy!(super::starts::STARTS, as_json::<super::PendingStart>);
     copy!(super::starts::STOPPING, as_json::<super::StopMark>);
     // Last: its report is amended below.

@@ -11,6 +11,7 @@ mod bridge;
 mod conformance;
 mod contract;
 mod fake_provider;
+mod groups;
 mod process;
 mod quotas;
 mod resume;

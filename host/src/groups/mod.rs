@@ -1,0 +1,843 @@
+//! Groups: InfraKit's group plugin in the host, over any registered provider.
+//!
+//! A group is a committed spec ([`spec::Group`]) and the instances whose
+//! records carry its tag (`infrakit.group=ID`): membership is the host's
+//! records, so it survives a restart and needs nothing of the provider but
+//! starts, stops and listings. While `broker serve` runs, each group has a
+//! convergence loop ([`Groups::start_loops`]): a pass every poll interval and
+//! at once after a commit, replacing members the provider no longer runs,
+//! destroying the surplus, starting the missing (at most `max-parallel` at
+//! once) and rolling members made from an older spec one at a time. Every
+//! action is an event. The calls themselves (commit, describe, size, …) work
+//! without the loop: they change the spec and the records, and say so.
+
+pub mod spec;
+
+use crate::broker::{Broker, BrokerServiceError};
+use crate::capabilities::context::CallHooks;
+use crate::store::{Event, GroupRecord, InstanceRecord, StoreError};
+use futures_util::StreamExt;
+use serde::Serialize;
+use spec::{CONFIG_HASH_TAG, GROUP_TAG, Group, GroupSpec, LOGICAL_ID_TAG, Members, SpecError, UpdatePace};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Why a group call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GroupError {
+    /// The spec was refused.
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    /// No group of this id is committed.
+    #[error("no group {0:?} is committed (`broker group ls` lists them)")]
+    UnknownGroup(String),
+    /// The spec names a provider that is not registered.
+    #[error("group spec field Properties.Instance.Plugin: no provider {0:?} is registered")]
+    UnknownProvider(String),
+    /// A committed group's provider cannot change under its instances.
+    #[error(
+        "group spec field Properties.Instance.Plugin: group {group:?}'s instances are provider {was:?}'s; free or destroy the group to move it to {now:?}"
+    )]
+    ProviderChanged {
+        /// The group.
+        group: String,
+        /// Its provider.
+        was: String,
+        /// The one the new spec names.
+        now: String,
+    },
+    /// `destroy-instances` named an instance that is not the group's.
+    #[error("instance {id:?} is not a member of group {group:?}: nothing was destroyed")]
+    NotAMember {
+        /// The group.
+        group: String,
+        /// The first id that is not its member.
+        id: String,
+    },
+    /// A quorum group's size is its logical ids.
+    #[error(
+        "group {0:?} is a quorum group (LogicalIDs): its size is its logical ids; commit a new spec to change them"
+    )]
+    QuorumSize(String),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A broker call failed.
+    #[error(transparent)]
+    Broker(#[from] BrokerServiceError),
+}
+
+/// How the convergence loops run.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupSettings {
+    /// Between passes of a group, when nothing wakes it sooner.
+    pub poll: Duration,
+    /// Most starts or stops one pass has in flight at once.
+    pub max_parallel: usize,
+    /// How long a rolling update waits for its replacement to be healthy
+    /// (beyond `Updating.Duration`) before it stops and says so.
+    pub update_patience: Duration,
+}
+
+impl Default for GroupSettings {
+    fn default() -> Self {
+        GroupSettings { poll: Duration::from_secs(10), max_parallel: 4, update_patience: Duration::from_secs(600) }
+    }
+}
+
+/// One member as `describe` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct MemberDescription {
+    /// The instance id.
+    pub id: String,
+    /// Its logical id, in a quorum group.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logical_id: Option<String>,
+    /// Its instance config tags (the group's among them).
+    pub tags: BTreeMap<String, String>,
+    /// Its status, as the provider reports it now.
+    pub status: String,
+    /// The provider's word on it; may be empty.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub message: String,
+}
+
+/// What `describe` answers.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct GroupDescription {
+    /// The group.
+    pub id: String,
+    /// Its provider.
+    pub provider: String,
+    /// How many members it should have.
+    pub size: usize,
+    /// Its members, by id.
+    pub instances: Vec<MemberDescription>,
+    /// Whether its members are what the spec asks: as many (or the logical
+    /// ids), all running, all made from the committed spec, and no rolling
+    /// update stopped.
+    pub converged: bool,
+    /// Why a rolling update stopped, if one did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub update_stopped: Option<String>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A member's record read for the group.
+fn config_hash(record: &InstanceRecord) -> Option<&str> {
+    record.instance_tags.get(CONFIG_HASH_TAG).map(String::as_str)
+}
+
+fn logical_id(record: &InstanceRecord) -> Option<&str> {
+    record.instance_tags.get(LOGICAL_ID_TAG).map(String::as_str)
+}
+
+/// A member the provider no longer runs: replaced.
+fn is_lost(record: &InstanceRecord) -> bool {
+    matches!(record.status.as_str(), "stopped" | "stopping" | "unknown" | "error" | "provisioning-error")
+}
+
+/// What a convergence loop remembers between passes (not across restarts:
+/// a restarted host waits out a replacement's health again, the safe side).
+#[derive(Default)]
+struct LoopState {
+    /// Since when each member has been seen healthy, and on how many passes in a row.
+    healthy: HashMap<String, (Instant, u32)>,
+    /// When the last rolling-update step destroyed an old member.
+    step_at: Option<Instant>,
+    /// Why the rolling update stopped, until the next commit.
+    update_stopped: Option<String>,
+    /// Whether `converged` was announced (once per convergence).
+    announced: bool,
+}
+
+struct GroupLoop {
+    /// One pass at a time; the calls that change members take it too.
+    state: Arc<tokio::sync::Mutex<LoopState>>,
+    wake: Arc<tokio::sync::Notify>,
+    running: bool,
+    task: Option<tokio::task::AbortHandle>,
+}
+
+/// The groups of one host.
+pub struct Groups {
+    broker: Arc<Broker>,
+    settings: GroupSettings,
+    loops: Mutex<HashMap<String, GroupLoop>>,
+    /// Set once [`Groups::start_loops`] ran: commits then start loops too.
+    serving: std::sync::atomic::AtomicBool,
+}
+
+impl Groups {
+    /// The groups of `broker`'s host; no loop runs until [`Groups::start_loops`].
+    pub fn new(broker: Arc<Broker>, settings: GroupSettings) -> Arc<Groups> {
+        Arc::new(Groups {
+            broker,
+            settings,
+            loops: Mutex::new(HashMap::new()),
+            serving: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Whether convergence loops run in this process (`broker serve`).
+    pub fn converging(&self) -> bool {
+        self.serving.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn slot(&self, id: &str) -> (Arc<tokio::sync::Mutex<LoopState>>, Arc<tokio::sync::Notify>) {
+        let mut loops = self.loops.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let slot = loops.entry(id.to_owned()).or_insert_with(|| GroupLoop {
+            state: Arc::default(),
+            wake: Arc::default(),
+            running: false,
+            task: None,
+        });
+        (slot.state.clone(), slot.wake.clone())
+    }
+
+    /// Start a convergence loop for every committed group, and for each
+    /// committed from now on. The loops end when the runtime does.
+    pub fn start_loops(self: &Arc<Self>) -> Result<(), GroupError> {
+        self.serving.store(true, std::sync::atomic::Ordering::SeqCst);
+        for (id, _) in self.broker.store().groups()? {
+            self.ensure_loop(&id);
+        }
+        Ok(())
+    }
+
+    fn ensure_loop(self: &Arc<Self>, id: &str) {
+        if !self.converging() {
+            return;
+        }
+        let wake = {
+            let mut loops = self.loops.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let slot = loops.entry(id.to_owned()).or_insert_with(|| GroupLoop {
+                state: Arc::default(),
+                wake: Arc::default(),
+                running: false,
+                task: None,
+            });
+            if slot.running {
+                slot.wake.notify_one();
+                return;
+            }
+            slot.running = true;
+            slot.wake.clone()
+        };
+        let (groups, group_id) = (self.clone(), id.to_owned());
+        let task = tokio::spawn(async move {
+            let id = group_id;
+            let mut failures = 0u32;
+            loop {
+                let span = tracing::info_span!("group pass", group = %id);
+                let outcome = tracing::Instrument::instrument(groups.converge_once(&id), span).await;
+                let wait = match outcome {
+                    Ok(Pass::Gone) => break,
+                    Ok(pass) => {
+                        failures = 0;
+                        match pass {
+                            // What it changed is looked at again at once.
+                            Pass::Changed => Duration::ZERO,
+                            Pass::Updating => groups.settings.poll.min(Duration::from_secs(1)),
+                            _ => groups.settings.poll,
+                        }
+                    }
+                    Err(error) => {
+                        // Backoff: never a tight loop against a failing provider.
+                        failures = failures.saturating_add(1);
+                        let backoff = Duration::from_millis(100u64 << failures.min(10));
+                        tracing::warn!(group = %id, error = %crate::error_text::error_text(&error), "a group pass failed");
+                        backoff.min(groups.settings.poll)
+                    }
+                };
+                tokio::select! {
+                    () = wake.notified() => {}
+                    () = tokio::time::sleep(wait) => {}
+                }
+            }
+            let mut loops = groups.loops.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            loops.remove(&id);
+        });
+        let mut loops = self.loops.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(slot) = loops.get_mut(id)
+            && !task.is_finished()
+        {
+            slot.task = Some(task.abort_handle());
+        }
+    }
+
+    /// End every convergence loop where it stands (the host is going away:
+    /// a start cut short is left pending, for the next host to resolve).
+    pub fn stop_loops(&self) {
+        self.serving.store(false, std::sync::atomic::Ordering::SeqCst);
+        let mut loops = self.loops.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for slot in loops.values_mut() {
+            if let Some(task) = slot.task.take() {
+                task.abort();
+            }
+            slot.running = false;
+        }
+    }
+
+    /// The committed group `id`, checked.
+    fn committed(&self, id: &str) -> Result<Group, GroupError> {
+        let record = self.broker.store().group(id)?.ok_or_else(|| GroupError::UnknownGroup(id.to_owned()))?;
+        let spec: GroupSpec =
+            serde_json::from_value(record.spec).map_err(|e| SpecError::Parse(format!("the stored spec: {e}")))?;
+        Ok(Group::check(spec)?)
+    }
+
+    /// The group's members: its provider's instances whose records carry its tag, by id.
+    async fn members(&self, group: &Group) -> Result<Vec<InstanceRecord>, GroupError> {
+        let listed = self.broker.list_instances(Some(&group.provider)).await?;
+        Ok(listed.into_iter().filter(|r| r.instance_tags.get(GROUP_TAG).is_some_and(|g| g == group.id())).collect())
+    }
+
+    /// Commit a spec (its file's text): the plan, in InfraKit's words; with
+    /// `pretend`, only the plan, and nothing changes.
+    #[tracing::instrument(skip(self, text))]
+    pub async fn commit_text(self: &Arc<Self>, text: &str, pretend: bool) -> Result<String, GroupError> {
+        self.commit(Group::parse(text)?, pretend).await
+    }
+
+    /// Commit a checked spec; see [`Groups::commit_text`].
+    pub async fn commit(self: &Arc<Self>, group: Group, pretend: bool) -> Result<String, GroupError> {
+        let registered = self.broker.registry().list().map_err(BrokerServiceError::from)?;
+        if !registered.iter().any(|p| p.name == group.provider) {
+            return Err(GroupError::UnknownProvider(group.provider.clone()));
+        }
+        let previous = match self.broker.store().group(group.id())? {
+            Some(_) => Some(self.committed(group.id())?),
+            None => None,
+        };
+        if let Some(previous) = &previous
+            && previous.provider != group.provider
+        {
+            return Err(GroupError::ProviderChanged {
+                group: group.id().to_owned(),
+                was: previous.provider.clone(),
+                now: group.provider.clone(),
+            });
+        }
+        let plan = match &previous {
+            None => format!("Managing {} instances", group.size()),
+            Some(previous) => plan_text(previous, &group, &self.members(&group).await?),
+        };
+        if pretend {
+            return Ok(plan);
+        }
+        let (state, _) = self.slot(group.id());
+        {
+            // Not in a pass's middle; the next one works from the new spec.
+            let mut state = state.lock().await;
+            state.update_stopped = None;
+            state.step_at = None;
+            state.announced = false;
+            let spec = serde_json::to_value(&group.spec).map_err(|e| SpecError::Parse(e.to_string()))?;
+            let record = GroupRecord { spec, committed: crate::store::records::now_rfc3339() };
+            let event = group_event("group-committed", &group, plan.clone());
+            self.broker.store().put_group(group.id(), &record, &event).await?;
+        }
+        self.ensure_loop(group.id());
+        Ok(plan)
+    }
+
+    /// The committed specs, by id.
+    pub fn inspect(&self) -> Result<Vec<GroupSpec>, GroupError> {
+        let mut specs = Vec::new();
+        for (id, _) in self.broker.store().groups()? {
+            specs.push(self.committed(&id)?.spec);
+        }
+        Ok(specs)
+    }
+
+    /// The group's members now, and whether it has converged.
+    pub async fn describe(&self, id: &str) -> Result<GroupDescription, GroupError> {
+        let group = self.committed(id)?;
+        let members = self.members(&group).await?;
+        let (state, _) = self.slot(id);
+        let update_stopped = state.lock().await.update_stopped.clone();
+        let converged = update_stopped.is_none() && is_converged(&group, &members);
+        let instances = members
+            .into_iter()
+            .map(|r| MemberDescription {
+                logical_id: logical_id(&r).map(str::to_owned),
+                id: r.id,
+                tags: r.instance_tags,
+                status: r.status,
+                message: r.message,
+            })
+            .collect();
+        let size = group.size();
+        Ok(GroupDescription { id: id.to_owned(), provider: group.provider, size, instances, converged, update_stopped })
+    }
+
+    /// How many members the group should have.
+    pub fn size(&self, id: &str) -> Result<usize, GroupError> {
+        Ok(self.committed(id)?.size())
+    }
+
+    /// Commit the group's spec with a new size; returns the plan. Its
+    /// members follow while the loop runs (`describe` tells when).
+    pub async fn set_size(self: &Arc<Self>, id: &str, size: u32) -> Result<String, GroupError> {
+        let mut spec = self.committed(id)?.spec;
+        if spec.properties.allocation.logical_ids.is_some() {
+            return Err(GroupError::QuorumSize(id.to_owned()));
+        }
+        spec.properties.allocation.size = Some(size);
+        self.commit(Group::check(spec)?, false).await
+    }
+
+    /// Destroy `ids`, all members of the group, and shrink it by as many;
+    /// one that is not a member fails the call before anything is destroyed.
+    pub async fn destroy_instances(self: &Arc<Self>, id: &str, ids: &[String]) -> Result<(), GroupError> {
+        let group = self.committed(id)?;
+        let (state, _) = self.slot(id);
+        let _pass = state.lock().await;
+        let members = self.members(&group).await?;
+        if let Some(stranger) = ids.iter().find(|wanted| !members.iter().any(|m| &m.id == *wanted)) {
+            return Err(GroupError::NotAMember { group: id.to_owned(), id: stranger.clone() });
+        }
+        let mut spec = group.spec.clone();
+        // A quorum member destroyed is made again: its logical id is still wanted.
+        if let Some(size) = &mut spec.properties.allocation.size {
+            *size = size.saturating_sub(u32::try_from(ids.len()).unwrap_or(u32::MAX));
+        }
+        let shrunk = Group::check(spec)?;
+        if shrunk.size() != group.size() {
+            let plan = format!("Terminating {} instances to reduce the group size to {}", ids.len(), shrunk.size());
+            let spec = serde_json::to_value(&shrunk.spec).map_err(|e| SpecError::Parse(e.to_string()))?;
+            let record = GroupRecord { spec, committed: crate::store::records::now_rfc3339() };
+            self.broker.store().put_group(id, &record, &group_event("group-committed", &shrunk, plan)).await?;
+        }
+        self.broker.stop_instances(&group.provider, ids).await?;
+        for stopped in ids {
+            self.note(&group, "instance-destroyed", format!("{stopped}: destroyed on request")).await;
+        }
+        Ok(())
+    }
+
+    /// Forget the group; its instances run on, recorded as ungrouped.
+    pub async fn free(&self, id: &str) -> Result<(), GroupError> {
+        self.forget(id, false).await
+    }
+
+    /// Destroy the group's instances and forget it.
+    pub async fn destroy(&self, id: &str) -> Result<(), GroupError> {
+        self.forget(id, true).await
+    }
+
+    async fn forget(&self, id: &str, destroy_members: bool) -> Result<(), GroupError> {
+        let group = self.committed(id)?;
+        let (state, wake) = self.slot(id);
+        let _pass = state.lock().await;
+        let members = self.members(&group).await?;
+        let ids: Vec<String> = members.iter().map(|m| m.id.clone()).collect();
+        let event = if destroy_members {
+            self.broker.stop_instances(&group.provider, &ids).await?;
+            group_event("group-destroyed", &group, format!("{} instances destroyed", ids.len()))
+        } else {
+            let tags = [GROUP_TAG, CONFIG_HASH_TAG, LOGICAL_ID_TAG];
+            self.broker.store().untag_instances(&group.provider, &ids, &tags).await?;
+            group_event("group-freed", &group, format!("{} instances left running, ungrouped", ids.len()))
+        };
+        self.broker.store().remove_group(id, &event).await?;
+        wake.notify_one();
+        Ok(())
+    }
+
+    /// Wake the group's loop for a pass now.
+    pub fn wake(&self, id: &str) {
+        self.slot(id).1.notify_one();
+    }
+
+    /// One convergence pass of group `id`.
+    pub async fn converge_once(&self, id: &str) -> Result<Pass, GroupError> {
+        let (state, _) = self.slot(id);
+        let mut state = state.lock().await;
+        let group = match self.committed(id) {
+            Err(GroupError::UnknownGroup(_)) => return Ok(Pass::Gone),
+            other => other?,
+        };
+        let members = self.members(&group).await?;
+        let (lost, alive): (Vec<InstanceRecord>, Vec<InstanceRecord>) = members.into_iter().partition(is_lost);
+        if !lost.is_empty() {
+            let ids: Vec<String> = lost.iter().map(|m| m.id.clone()).collect();
+            self.broker.stop_instances(&group.provider, &ids).await?;
+            for member in &lost {
+                self.note(
+                    &group,
+                    "instance-replaced",
+                    format!("{}: {} ({})", member.id, member.status, member.message),
+                )
+                .await;
+            }
+        }
+        state.healthy.retain(|id, _| alive.iter().any(|m| &m.id == id));
+        let now = Instant::now();
+        for member in &alive {
+            if member.status == "running" {
+                let seen = state.healthy.entry(member.id.clone()).or_insert((now, 0));
+                seen.1 = seen.1.saturating_add(1);
+            } else {
+                state.healthy.remove(&member.id);
+            }
+        }
+        let pass = match &group.members {
+            Members::Size(_) => self.converge_scaled(&group, alive, &mut state).await?,
+            Members::LogicalIds(ids) => self.converge_quorum(&group, ids, alive, &mut state).await?,
+        };
+        let pass = if lost.is_empty() { pass } else { Pass::Changed };
+        let members = self.members(&group).await?;
+        if state.update_stopped.is_none() && is_converged(&group, &members) {
+            if !state.announced {
+                state.announced = true;
+                self.note(&group, "converged", format!("{} instances", members.len())).await;
+            }
+        } else {
+            state.announced = false;
+        }
+        Ok(pass)
+    }
+
+    async fn converge_scaled(
+        &self,
+        group: &Group,
+        mut alive: Vec<InstanceRecord>,
+        state: &mut LoopState,
+    ) -> Result<Pass, GroupError> {
+        let target = group.size();
+        if alive.len() > target {
+            // Oldest config first (not the committed hash), then by id: the same choice every pass.
+            alive.sort_by(|a, b| {
+                let current = |r: &InstanceRecord| config_hash(r) == Some(group.config_hash.as_str());
+                (current(a), &a.id).cmp(&(current(b), &b.id))
+            });
+            let surplus: Vec<String> = alive.drain(..alive.len() - target).map(|m| m.id).collect();
+            self.broker.stop_instances(&group.provider, &surplus).await?;
+            for id in surplus {
+                self.note(group, "instance-destroyed", format!("{id}: surplus")).await;
+            }
+            return Ok(Pass::Changed);
+        }
+        if alive.len() < target {
+            self.start_members(group, &alive, vec![None; target - alive.len()]).await?;
+            return Ok(Pass::Changed);
+        }
+        self.rolling_step(group, &alive, state).await
+    }
+
+    async fn converge_quorum(
+        &self,
+        group: &Group,
+        wanted: &[String],
+        alive: Vec<InstanceRecord>,
+        state: &mut LoopState,
+    ) -> Result<Pass, GroupError> {
+        // One member per logical id: a stranger or a second of one id goes.
+        let mut kept: BTreeMap<&str, &InstanceRecord> = BTreeMap::new();
+        let mut extra = Vec::new();
+        for member in &alive {
+            match logical_id(member) {
+                Some(lid) if wanted.iter().any(|w| w == lid) && !kept.contains_key(lid) => {
+                    kept.insert(lid, member);
+                }
+                _ => extra.push(member.id.clone()),
+            }
+        }
+        if !extra.is_empty() {
+            self.broker.stop_instances(&group.provider, &extra).await?;
+            for id in &extra {
+                self.note(group, "instance-destroyed", format!("{id}: its logical id is not the spec's")).await;
+            }
+        }
+        let missing: Vec<Option<String>> =
+            wanted.iter().filter(|w| !kept.contains_key(w.as_str())).map(|w| Some(w.clone())).collect();
+        if !missing.is_empty() {
+            let kept: Vec<InstanceRecord> = kept.values().map(|m| (*m).clone()).collect();
+            self.start_members(group, &kept, missing).await?;
+            return Ok(Pass::Changed);
+        }
+        let alive: Vec<InstanceRecord> = kept.into_values().cloned().collect();
+        match self.rolling_step(group, &alive, state).await? {
+            Pass::Steady if !extra.is_empty() => Ok(Pass::Changed),
+            pass => Ok(pass),
+        }
+    }
+
+    /// Start one member per entry (a logical id, or none), at most
+    /// `max-parallel` at once. Zones follow Juju's rule, the group's members
+    /// being the distribution group: with a `zones=` constraint the host
+    /// places each start in the zone with fewest members (starts in flight
+    /// count; ties by name) and tries the next zone on `zone-unavailable`;
+    /// without one, the provider is given the members as the distribution
+    /// group and chooses. The first failure is returned after the rest finish.
+    async fn start_members(
+        &self,
+        group: &Group,
+        members: &[InstanceRecord],
+        logical_ids: Vec<Option<String>>,
+    ) -> Result<(), GroupError> {
+        let mut per_zone: BTreeMap<String, usize> = group.zones().into_iter().map(|z| (z, 0)).collect();
+        for member in members {
+            if let Some(count) = member.hardware.availability_zone.as_ref().and_then(|z| per_zone.get_mut(z)) {
+                *count += 1;
+            }
+        }
+        let per_zone = Mutex::new(per_zone);
+        let distribution = Arc::new(Mutex::new(members.iter().map(|m| m.id.clone()).collect::<Vec<_>>()));
+        let starts = futures_util::stream::iter(logical_ids)
+            .map(|lid| {
+                let (per_zone, distribution) = (&per_zone, distribution.clone());
+                async move {
+                    let started = self.start_member(group, lid.as_deref(), per_zone, distribution.clone()).await;
+                    if let Ok(record) = &started {
+                        lock(&distribution).push(record.id.clone());
+                        self.note(group, "instance-added", record.id.clone()).await;
+                    }
+                    started
+                }
+            })
+            .buffer_unordered(self.settings.max_parallel.max(1));
+        let outcomes: Vec<_> = starts.collect().await;
+        match outcomes.into_iter().find_map(Result::err) {
+            Some(failed) => Err(failed),
+            None => Ok(()),
+        }
+    }
+
+    async fn start_member(
+        &self,
+        group: &Group,
+        logical_id: Option<&str>,
+        per_zone: &Mutex<BTreeMap<String, usize>>,
+        distribution: Arc<Mutex<Vec<String>>>,
+    ) -> Result<InstanceRecord, GroupError> {
+        let hooks = CallHooks {
+            distribution_group: Some(Arc::new(move || Ok(lock(&distribution).clone()))),
+            ..CallHooks::default()
+        };
+        let mut params = group.params_for(logical_id);
+        let mut tried: Vec<String> = Vec::new();
+        loop {
+            let zone = {
+                let mut per_zone = lock(per_zone);
+                let fewest = per_zone.iter().filter(|(z, _)| !tried.contains(z)).min_by_key(|(_, n)| **n);
+                let zone = fewest.map(|(z, _)| z.clone());
+                if let Some(zone) = &zone {
+                    *per_zone.entry(zone.clone()).or_default() += 1;
+                }
+                zone
+            };
+            if zone.is_some() {
+                params.availability_zone = zone.clone();
+            }
+            let started = self.broker.start_instance(&group.provider, &params, &hooks).await;
+            let Some(zone) = zone else { return Ok(started?) };
+            match started {
+                Ok(record) => return Ok(record),
+                Err(failed) => {
+                    if let Some(count) = lock(per_zone).get_mut(&zone) {
+                        *count = count.saturating_sub(1);
+                    }
+                    let unavailable = matches!(
+                        &failed,
+                        BrokerServiceError::Call(crate::version::CallError::Guest {
+                            error: crate::bindings::BrokerError::ZoneUnavailable(_),
+                            ..
+                        })
+                    );
+                    tried.push(zone.clone());
+                    if !unavailable || tried.len() == lock(per_zone).len() {
+                        return Err(failed.into());
+                    }
+                    self.note(
+                        group,
+                        "zone-unavailable",
+                        format!("{zone}: {}; trying the next zone", crate::error_text::error_text(&failed)),
+                    )
+                    .await;
+                }
+            }
+        }
+    }
+
+    /// With the group at its size: if members from an older spec remain and
+    /// every current one is healthy (for `Updating`'s pace), destroy one old
+    /// member (the next pass makes its replacement); if a replacement stays
+    /// unhealthy past the patience, stop the update and say so.
+    async fn rolling_step(
+        &self,
+        group: &Group,
+        alive: &[InstanceRecord],
+        state: &mut LoopState,
+    ) -> Result<Pass, GroupError> {
+        if state.update_stopped.is_some() {
+            return Ok(Pass::Steady);
+        }
+        let mut old: Vec<&InstanceRecord> =
+            alive.iter().filter(|m| config_hash(m) != Some(group.config_hash.as_str())).collect();
+        if old.is_empty() {
+            state.step_at = None;
+            return Ok(Pass::Steady);
+        }
+        let now = Instant::now();
+        let settled = |healthy: &HashMap<String, (Instant, u32)>, member: &InstanceRecord| match (
+            healthy.get(&member.id),
+            group.pace,
+        ) {
+            (None, _) => false,
+            (Some(_), UpdatePace::Healthy) => true,
+            (Some((since, _)), UpdatePace::For(duration)) => now.duration_since(*since) >= duration,
+            (Some((_, passes)), UpdatePace::Passes(count)) => *passes >= count,
+        };
+        let current: Vec<&InstanceRecord> =
+            alive.iter().filter(|m| config_hash(m) == Some(group.config_hash.as_str())).collect();
+        let mut all_settled = true;
+        for member in &current {
+            // Healthy: the provider lists it running and answers `maintain-instance` for it.
+            if settled(&state.healthy, member) {
+                if let Err(failed) = self.broker.maintain_instance(&group.provider, &member.id).await {
+                    tracing::info!(group = %group.id(), instance_id = %member.id, error = %failed, "not healthy yet");
+                    state.healthy.remove(&member.id);
+                    all_settled = false;
+                }
+            } else {
+                all_settled = false;
+            }
+        }
+        if !all_settled {
+            let pace = match group.pace {
+                UpdatePace::For(duration) => duration,
+                _ => Duration::ZERO,
+            };
+            if let Some(step_at) = state.step_at
+                && now.duration_since(step_at) > pace + self.settings.update_patience
+            {
+                let why = format!(
+                    "a replacement was not healthy within {}; {} instances of the older spec remain",
+                    humantime::format_duration(pace + self.settings.update_patience),
+                    old.len()
+                );
+                self.note(group, "update-stopped", why.clone()).await;
+                state.update_stopped = Some(why);
+                return Ok(Pass::Steady);
+            }
+            return Ok(Pass::Updating);
+        }
+        old.sort_by(|a, b| a.id.cmp(&b.id));
+        let next = old[0].id.clone();
+        self.note(group, "update-step", format!("{next}: replaced by the committed spec ({} old left)", old.len() - 1))
+            .await;
+        self.broker.stop_instances(&group.provider, std::slice::from_ref(&next)).await?;
+        state.step_at = Some(now);
+        Ok(Pass::Changed)
+    }
+
+    /// An event of the group's; one that cannot be written is logged, and the pass goes on.
+    async fn note(&self, group: &Group, kind: &str, detail: String) {
+        tracing::info!(group = %group.id(), provider = %group.provider, kind, detail = %detail, "group event");
+        if let Err(error) = self.broker.store().append_event(&group_event(kind, group, detail)).await {
+            tracing::warn!(group = %group.id(), %error, "a group event was not recorded");
+        }
+    }
+}
+
+/// What a pass did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Pass {
+    /// Nothing to do: the group is as its spec asks, or waits on its provider.
+    Steady,
+    /// It started or stopped instances.
+    Changed,
+    /// A rolling update waits for a replacement to settle.
+    Updating,
+    /// The group is no longer committed: its loop ends.
+    Gone,
+}
+
+fn group_event(kind: &str, group: &Group, detail: String) -> Event {
+    let mut event = Event::new(kind, &group.provider);
+    event.group = Some(group.id().to_owned());
+    event.detail = detail;
+    event
+}
+
+/// Whether `members` are what `group` asks for.
+fn is_converged(group: &Group, members: &[InstanceRecord]) -> bool {
+    let all_current_and_running =
+        members.iter().all(|m| m.status == "running" && config_hash(m) == Some(group.config_hash.as_str()));
+    let right_members = match &group.members {
+        Members::Size(size) => members.len() == *size as usize,
+        Members::LogicalIds(ids) => {
+            let mut have: Vec<&str> = members.iter().filter_map(logical_id).collect();
+            have.sort_unstable();
+            let mut want: Vec<&str> = ids.iter().map(String::as_str).collect();
+            want.sort_unstable();
+            have == want
+        }
+    };
+    all_current_and_running && right_members
+}
+
+/// The plan of committing `next` over `previous`, in InfraKit's words.
+fn plan_text(previous: &Group, next: &Group, members: &[InstanceRecord]) -> String {
+    let live: Vec<&InstanceRecord> = members.iter().filter(|m| !is_lost(m)).collect();
+    let undesired = live.iter().filter(|m| config_hash(m) != Some(next.config_hash.as_str())).count();
+    let desired = live.len() - undesired;
+    match (&previous.members, &next.members) {
+        (Members::Size(old), Members::Size(new)) => {
+            let (old, new) = (*old as usize, *new as usize);
+            match new.cmp(&old) {
+                std::cmp::Ordering::Equal if undesired == 0 => "Noop".into(),
+                std::cmp::Ordering::Equal => format!("Performing a rolling update on {undesired} instances"),
+                std::cmp::Ordering::Less => {
+                    let terminate = format!("Terminating {} instances to reduce the group size to {new}", old - new);
+                    match new.saturating_sub(desired) {
+                        0 => terminate,
+                        roll => format!("{terminate}, then performing a rolling update on {roll} instances"),
+                    }
+                }
+                std::cmp::Ordering::Greater => {
+                    let add = new - old;
+                    match undesired {
+                        0 => format!("Adding {add} instances to increase the group size to {new}"),
+                        roll => format!(
+                            "Performing a rolling update on {roll} instances, then adding {add} instances to increase the group size to {new}"
+                        ),
+                    }
+                }
+            }
+        }
+        (_, Members::LogicalIds(ids)) => {
+            let have: Vec<&str> = live.iter().filter_map(|m| logical_id(m)).collect();
+            let adding: Vec<&str> = ids.iter().map(String::as_str).filter(|id| !have.contains(id)).collect();
+            let removing: Vec<&str> = have.iter().copied().filter(|h| !ids.iter().any(|id| id == h)).collect();
+            let mut parts = Vec::new();
+            if !adding.is_empty() {
+                parts.push(format!("Adding {} instances for logical ids {}", adding.len(), adding.join(", ")));
+            }
+            if !removing.is_empty() {
+                parts.push(format!("Terminating {} instances of logical ids {}", removing.len(), removing.join(", ")));
+            }
+            let rolled = live
+                .iter()
+                .filter(|m| config_hash(m) != Some(next.config_hash.as_str()))
+                .filter(|m| logical_id(m).is_some_and(|lid| ids.iter().any(|id| id == lid)))
+                .count();
+            if rolled > 0 {
+                parts.push(format!("Performing a rolling update on {rolled} instances"));
+            }
+            if parts.is_empty() { "Noop".into() } else { parts.join(", then ") }
+        }
+        (Members::LogicalIds(_), Members::Size(new)) => {
+            format!("Managing {new} instances, replacing the quorum's {} members", live.len())
+        }
+    }
+}
