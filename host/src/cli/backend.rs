@@ -19,7 +19,7 @@ use std::path::Path;
 const STATE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub enum Backend {
-    Embedded(Box<Broker>),
+    Embedded(std::sync::Arc<Broker>),
     Daemon(DaemonClient),
 }
 
@@ -50,7 +50,7 @@ impl Backend {
             return Ok(Backend::Daemon(client));
         }
         let broker = opened.with_context(|| format!("cannot open the broker state in {}", data_dir.display()))?;
-        Ok(Backend::Embedded(Box::new(broker)))
+        Ok(Backend::Embedded(std::sync::Arc::new(broker)))
     }
 
     pub async fn add_provider(&self, manifest: &Path) -> Result<ProviderRecord> {

@@ -2,6 +2,7 @@
 //! 2 usage error.
 
 mod backend;
+mod groups;
 mod lock;
 mod output;
 
@@ -105,6 +106,10 @@ pub(crate) enum Command {
         #[arg(long, value_enum, value_name = "MODE", default_value_t = crate::broker::reconcile::HarvestMode::Destroyed)]
         harvest: crate::broker::reconcile::HarvestMode,
     },
+    /// Groups (InfraKit's group plugin): keep N instances of a template alive
+    /// on a provider, or one per logical id, and roll them to a new template.
+    #[command(subcommand)]
+    Group(groups::GroupCommand),
     /// The event log: providers added, swapped (both versions' hashes), refused, removed.
     Events {
         /// Only events after this sequence number.
@@ -341,6 +346,7 @@ pub async fn run(mut cli: Cli) -> Result<u8> {
     match cli.command {
         Command::Provider(command) => provider(&backend, command, &mut stdout).await?,
         Command::Instance(command) => instance(&backend, command, &mut stdout).await?,
+        Command::Group(command) => groups::run(&backend, command, &mut stdout).await?,
         Command::Lock(_) | Command::Serve { .. } | Command::Store(_) => unreachable!("handled above"),
         Command::Events { after, limit, json } => {
             let events = backend.events(after, limit).await?;

@@ -9,6 +9,7 @@ use crate::capabilities::context::CallHooks;
 use crate::contract::constraints;
 use crate::contract::params_with;
 use crate::error_text::error_text;
+use crate::groups::{GroupError, Groups};
 use crate::providers::registry::RegistryError;
 use crate::providers::view::{BreakerView, ProviderView};
 use crate::version::CallError;
@@ -32,12 +33,19 @@ type Shared = Arc<Broker>;
 #[derive(Clone)]
 pub(crate) struct ApiState {
     pub broker: Shared,
+    pub groups: Arc<Groups>,
     pub detached: tokio_util::task::TaskTracker,
 }
 
 impl axum::extract::FromRef<ApiState> for Shared {
     fn from_ref(state: &ApiState) -> Shared {
         state.broker.clone()
+    }
+}
+
+impl axum::extract::FromRef<ApiState> for Arc<Groups> {
+    fn from_ref(state: &ApiState) -> Arc<Groups> {
+        state.groups.clone()
     }
 }
 
@@ -152,7 +160,12 @@ where
 }
 
 /// The routes, each request bounded (see [`super::listen::bounded_request`]).
-pub(crate) fn router_with(broker: Shared, detached: Detached, body_timeout: std::time::Duration) -> Router {
+pub(crate) fn router_with(
+    broker: Shared,
+    groups: Arc<Groups>,
+    detached: Detached,
+    body_timeout: std::time::Duration,
+) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/metrics", get(metrics))
@@ -165,11 +178,133 @@ pub(crate) fn router_with(broker: Shared, detached: Detached, body_timeout: std:
         .route("/v1/instances/{id}/maintain", post(maintain_instance))
         .route("/v1/events", get(events))
         .route("/v1/lock", get(lock_report))
+        .route("/v1/groups", get(list_groups).post(commit_group))
+        .route("/v1/groups/{id}", get(describe_group).delete(destroy_group))
+        .route("/v1/groups/{id}/spec", get(group_spec))
+        .route("/v1/groups/{id}/size", get(group_size).put(set_group_size))
+        .route("/v1/groups/{id}/destroy-instances", post(destroy_group_instances))
+        .route("/v1/groups/{id}/free", post(free_group))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(move |request, next| {
             super::listen::bounded_request(body_timeout, request, next)
         }))
-        .with_state(ApiState { broker, detached })
+        .with_state(ApiState { broker, groups, detached })
+}
+
+impl From<GroupError> for ApiError {
+    fn from(err: GroupError) -> Self {
+        let status = match &err {
+            GroupError::Spec(_) | GroupError::UnknownProvider(_) => StatusCode::BAD_REQUEST,
+            GroupError::UnknownGroup(_) => StatusCode::NOT_FOUND,
+            GroupError::ProviderChanged { .. } | GroupError::NotAMember { .. } | GroupError::QuorumSize(_) => {
+                StatusCode::CONFLICT
+            }
+            GroupError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            GroupError::Broker(_) => {
+                return match err {
+                    GroupError::Broker(inner) => inner.into(),
+                    _ => unreachable!("matched above"),
+                };
+            }
+        };
+        ApiError(status, error_text(&err))
+    }
+}
+
+#[derive(Deserialize)]
+struct CommitQuery {
+    #[serde(default)]
+    pretend: bool,
+}
+
+/// Commit a group spec (InfraKit's shape, as JSON); `?pretend=true` only plans.
+async fn commit_group(
+    State(groups): State<Arc<Groups>>,
+    State(detached): State<Detached>,
+    Query(query): Query<CommitQuery>,
+    body: Result<Json<crate::groups::spec::GroupSpec>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(spec) = body?;
+    let group = crate::groups::spec::Group::check(spec).map_err(GroupError::from)?;
+    // Runs to its end if the client goes away: a commit half made is none.
+    let plan = to_the_end(&detached, async move { groups.commit(group, query.pretend).await }).await?;
+    Ok(Json(json!({ "plan": plan, "pretend": query.pretend })).into_response())
+}
+
+/// Every group: its spec's id, provider and size, its members and whether it converged.
+async fn list_groups(State(groups): State<Arc<Groups>>) -> ApiResult<Response> {
+    let mut described = Vec::new();
+    for spec in groups.inspect()? {
+        described.push(groups.describe(&spec.id).await?);
+    }
+    Ok(Json(described).into_response())
+}
+
+async fn describe_group(State(groups): State<Arc<Groups>>, Path(id): Path<String>) -> ApiResult<Response> {
+    Ok(Json(groups.describe(&id).await?).into_response())
+}
+
+async fn group_spec(State(groups): State<Arc<Groups>>, Path(id): Path<String>) -> ApiResult<Response> {
+    let spec = groups.inspect()?.into_iter().find(|spec| spec.id == id);
+    let spec = spec.ok_or_else(|| ApiError::from(GroupError::UnknownGroup(id)))?;
+    Ok(Json(spec).into_response())
+}
+
+async fn group_size(State(groups): State<Arc<Groups>>, Path(id): Path<String>) -> ApiResult<Response> {
+    Ok(Json(json!({ "size": groups.size(&id)? })).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SizeRequest {
+    size: u32,
+}
+
+async fn set_group_size(
+    State(groups): State<Arc<Groups>>,
+    State(detached): State<Detached>,
+    Path(id): Path<String>,
+    body: Result<Json<SizeRequest>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(request) = body?;
+    let plan = to_the_end(&detached, async move { groups.set_size(&id, request.size).await }).await?;
+    Ok(Json(json!({ "plan": plan })).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DestroyInstancesRequest {
+    instances: Vec<String>,
+}
+
+async fn destroy_group_instances(
+    State(groups): State<Arc<Groups>>,
+    State(detached): State<Detached>,
+    Path(id): Path<String>,
+    body: Result<Json<DestroyInstancesRequest>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(request) = body?;
+    let ids = request.instances;
+    to_the_end(&detached, async move { groups.destroy_instances(&id, &ids).await }).await?;
+    Ok(Json(json!({ "destroyed": true })).into_response())
+}
+
+async fn free_group(
+    State(groups): State<Arc<Groups>>,
+    State(detached): State<Detached>,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    to_the_end(&detached, async move { groups.free(&id).await }).await?;
+    Ok(Json(json!({ "freed": true })).into_response())
+}
+
+async fn destroy_group(
+    State(groups): State<Arc<Groups>>,
+    State(detached): State<Detached>,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    to_the_end(&detached, async move { groups.destroy(&id).await }).await?;
+    Ok(Json(json!({ "destroyed": true })).into_response())
 }
 
 async fn list_providers(State(broker): State<Shared>) -> ApiResult<Response> {

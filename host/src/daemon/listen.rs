@@ -226,7 +226,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let broker = std::sync::Arc::new(Broker::open(dir.path()).unwrap());
-        let app = super::super::api::router_with(broker, Default::default(), std::time::Duration::from_secs(1));
+        let groups = crate::groups::Groups::new(broker.clone(), Default::default());
+        let app = super::super::api::router_with(broker, groups, Default::default(), std::time::Duration::from_secs(1));
         // A panic is the failure bolero reports: the router is never used after one.
         let (app, runtime) = (std::panic::AssertUnwindSafe(app), std::panic::AssertUnwindSafe(runtime));
         let routes = [

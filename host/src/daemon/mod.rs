@@ -67,6 +67,9 @@ pub async fn serve(
         let _ = stop.send(true);
     });
     let detached = tokio_util::task::TaskTracker::new();
+    // Groups converge while the daemon serves.
+    let groups = crate::groups::Groups::new(broker.clone(), crate::groups::GroupSettings::default());
+    groups.start_loops().context("cannot read the committed groups")?;
     let until_stopped = |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
         let _ = stopped.wait_for(|stop| *stop).await;
     };
@@ -76,20 +79,22 @@ pub async fn serve(
             check_loopback(addr)?;
             let listener =
                 tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-            let app = api::router_with(broker.clone(), detached.clone(), limits.body_timeout)
+            let app = api::router_with(broker.clone(), groups.clone(), detached.clone(), limits.body_timeout)
                 .layer(axum::middleware::from_fn_with_state(token, auth::require_bearer));
             tracing::info!(addr = %addr, "broker daemon serving on TCP (bearer token required)");
             Some(tokio::spawn(listen::serve(listener, app, limits, until_stopped(stopped.clone()), "tcp")))
         }
     };
     tracing::info!(socket = %socket.display(), "broker daemon serving");
-    let app = api::router_with(broker, detached.clone(), limits.body_timeout);
+    let app = api::router_with(broker, groups.clone(), detached.clone(), limits.body_timeout);
     listen::serve(listener, app, limits, until_stopped(stopped), "unix").await;
     let _ = std::fs::remove_file(socket);
     // Both listeners drained first: a request still on TCP may yet start work.
     if let Some(over_tcp) = over_tcp {
         over_tcp.await.context("the TCP API server panicked")?;
     }
+    // Passes end where they stand: a start cut short is left pending for the next host.
+    groups.stop_loops();
     // Work whose client went away (a start, a swap) runs to its end within the
     // same drain: cut short, a start could leave an instance with no record.
     detached.close();

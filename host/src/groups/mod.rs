@@ -87,25 +87,25 @@ impl Default for GroupSettings {
 }
 
 /// One member as `describe` shows it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct MemberDescription {
     /// The instance id.
     pub id: String,
     /// Its logical id, in a quorum group.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logical_id: Option<String>,
     /// Its instance config tags (the group's among them).
     pub tags: BTreeMap<String, String>,
     /// Its status, as the provider reports it now.
     pub status: String,
     /// The provider's word on it; may be empty.
-    #[serde(skip_serializing_if = "String::is_empty")]
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
 }
 
 /// What `describe` answers.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct GroupDescription {
     /// The group.
@@ -121,7 +121,7 @@ pub struct GroupDescription {
     /// update stopped.
     pub converged: bool,
     /// Why a rolling update stopped, if one did.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub update_stopped: Option<String>,
 }
 

@@ -16,7 +16,9 @@ pub struct Event {
     /// RFC 3339, UTC.
     pub time: String,
     /// `added`, `reloaded`, `swapped`, `swap-refused`, `removed`, `remove-refused`,
-    /// `watch-refused`, `reconciled`.
+    /// `watch-refused`, `reconciled`; a group's `group-committed`,
+    /// `instance-added`, `instance-destroyed`, `instance-replaced`, `update-step`,
+    /// `update-stopped`, `zone-unavailable`, `converged`, `group-freed`, `group-destroyed`.
     pub kind: String,
     /// The provider it happened to.
     pub provider: String,

@@ -8,6 +8,7 @@ mod cli;
 mod cli_daemon;
 mod common;
 mod daemon;
+mod groups;
 mod lock;
 mod providers_dir;
 mod quotas;
