@@ -700,7 +700,8 @@ pub fn machine_lock(data_dir: &Path) -> Result<MachineLock, LockError> {
 /// What a provider reported, in id order, each id once (a provider that
 /// reports one twice is answered as if it had not).
 pub(super) fn in_id_order(mut live: Vec<Instance>) -> Vec<Instance> {
-    live.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+    // Stable: of an id reported twice, the first report is kept, every time.
+    live.sort_by(|a, b| a.id.cmp(&b.id));
     live.dedup_by(|a, b| a.id == b.id);
     live
 }

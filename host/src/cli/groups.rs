@@ -111,7 +111,8 @@ pub(crate) async fn run(backend: &Backend, command: GroupCommand, out: &mut impl
                 }
                 for m in &described.instances {
                     let lid = m.logical_id.as_deref().unwrap_or("-");
-                    let hash = m.tags.get(crate::groups::spec::CONFIG_HASH_TAG).map_or("-", |h| &h[..h.len().min(12)]);
+                    let hash =
+                        m.tags.get(crate::groups::spec::CONFIG_HASH_TAG).map_or("-", |h| h.get(..12).unwrap_or(h));
                     writeln!(out, "  {:<32} {:<12} {:<14} config {hash}", m.id, lid, m.status)?;
                 }
             }

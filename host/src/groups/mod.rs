@@ -718,11 +718,11 @@ impl Groups {
                 _ => Duration::ZERO,
             };
             if let Some(step_at) = state.step_at
-                && now.duration_since(step_at) > pace + self.settings.update_patience
+                && now.duration_since(step_at) > pace.saturating_add(self.settings.update_patience)
             {
                 let why = format!(
                     "a replacement was not healthy within {}; {} instances of the older spec remain",
-                    humantime::format_duration(pace + self.settings.update_patience),
+                    humantime::format_duration(pace.saturating_add(self.settings.update_patience)),
                     old.len()
                 );
                 self.note(group, "update-stopped", why.clone()).await;

@@ -35,6 +35,8 @@ pub const MAX_SPEC_BYTES: usize = 64 * 1024;
 pub const MAX_GROUP_SIZE: u32 = 10_000;
 /// Longest group id or logical id: they are tags, URL segments and event text.
 pub const MAX_ID_BYTES: usize = 128;
+/// Longest `Updating.Duration`: a replacement healthy for a day is settled.
+pub const MAX_UPDATE_DURATION: Duration = Duration::from_secs(24 * 3600);
 /// The flavors this host has built in.
 pub const FLAVORS: [&str; 1] = ["vanilla"];
 
@@ -273,10 +275,14 @@ impl Group {
             Some(Updating { duration: Some(_), count: Some(_) }) => {
                 return Err(field("Properties.Updating", "Duration and Count are both given; give one"));
             }
-            Some(Updating { duration: Some(text), count: None }) => UpdatePace::For(
-                humantime::parse_duration(text)
-                    .map_err(|e| field("Properties.Updating.Duration", format!("{text:?}: {e}")))?,
-            ),
+            Some(Updating { duration: Some(text), count: None }) => {
+                let duration = humantime::parse_duration(text)
+                    .map_err(|e| field("Properties.Updating.Duration", format!("{text:?}: {e}")))?;
+                if duration > MAX_UPDATE_DURATION {
+                    return Err(field("Properties.Updating.Duration", format!("{text:?} is more than a day")));
+                }
+                UpdatePace::For(duration)
+            }
             Some(Updating { duration: None, count: Some(count) }) => UpdatePace::Passes(*count),
             Some(Updating { duration: None, count: None }) => UpdatePace::Healthy,
         };
@@ -483,6 +489,7 @@ mod tests {
             (WORKERS.replace(r#""Allocation""#, r#""Alocation""#), "unknown field `Alocation`"),
             (WORKERS.replace("mem=2G", "mem=lots"), "Properties.Instance.Properties.Constraints"),
             (WORKERS.replace("1m30s", "soon"), "Properties.Updating.Duration"),
+            (WORKERS.replace("1m30s", "25h"), "is more than a day"),
             (
                 WORKERS.replace(r#""Duration": "1m30s""#, r#""Duration": "1s", "Count": 2"#),
                 "Duration and Count are both given",
