@@ -157,6 +157,7 @@ struct LoopState {
     announced: bool,
 }
 
+#[derive(Default)]
 struct GroupLoop {
     /// One pass at a time; the calls that change members take it too.
     state: Arc<tokio::sync::Mutex<LoopState>>,
@@ -191,13 +192,8 @@ impl Groups {
     }
 
     fn slot(&self, id: &str) -> (Arc<tokio::sync::Mutex<LoopState>>, Arc<tokio::sync::Notify>) {
-        let mut loops = self.loops.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let slot = loops.entry(id.to_owned()).or_insert_with(|| GroupLoop {
-            state: Arc::default(),
-            wake: Arc::default(),
-            running: false,
-            task: None,
-        });
+        let mut loops = lock(&self.loops);
+        let slot = loops.entry(id.to_owned()).or_default();
         (slot.state.clone(), slot.wake.clone())
     }
 
@@ -216,13 +212,8 @@ impl Groups {
             return;
         }
         let wake = {
-            let mut loops = self.loops.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let slot = loops.entry(id.to_owned()).or_insert_with(|| GroupLoop {
-                state: Arc::default(),
-                wake: Arc::default(),
-                running: false,
-                task: None,
-            });
+            let mut loops = lock(&self.loops);
+            let slot = loops.entry(id.to_owned()).or_default();
             if slot.running {
                 slot.wake.notify_one();
                 return;
@@ -261,10 +252,10 @@ impl Groups {
                     () = tokio::time::sleep(wait) => {}
                 }
             }
-            let mut loops = groups.loops.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut loops = lock(&groups.loops);
             loops.remove(&id);
         });
-        let mut loops = self.loops.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut loops = lock(&self.loops);
         if let Some(slot) = loops.get_mut(id)
             && !task.is_finished()
         {
@@ -276,7 +267,7 @@ impl Groups {
     /// a start cut short is left pending, for the next host to resolve).
     pub fn stop_loops(&self) {
         self.serving.store(false, std::sync::atomic::Ordering::SeqCst);
-        let mut loops = self.loops.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut loops = lock(&self.loops);
         for slot in loops.values_mut() {
             if let Some(task) = slot.task.take() {
                 task.abort();
