@@ -63,6 +63,15 @@ pub struct Config {
     /// (tests of a group trying the next zone).
     #[serde(default)]
     pub unavailable_zones: Vec<String>,
+    /// Instances in these zones are listed with status `error` (tests of a
+    /// group whose members fail as they start).
+    #[serde(default)]
+    pub failed_zones: Vec<String>,
+    /// `maintain-instance` fails for an instance started with this instance
+    /// config tag (tests of a rolling update whose replacement is listed
+    /// running but never healthy).
+    #[serde(default)]
+    pub unhealthy_tag: Option<String>,
 }
 
 fn default_zones() -> Vec<String> {
@@ -84,6 +93,8 @@ impl Default for Config {
             start_delay_ms: 0,
             answer_delay_ms: 0,
             unavailable_zones: Vec::new(),
+            failed_zones: Vec::new(),
+            unhealthy_tag: None,
         }
     }
 }

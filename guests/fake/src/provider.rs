@@ -206,11 +206,31 @@ impl Guest for Fake {
         Ok(())
     }
 
-    fn all_instances(_ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
-        Ok(fake_logic::all(&HostKv).map_err(to_broker_error)?.iter().map(instance).collect())
+    fn all_instances(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
+        let failed_zones = config(ctx)?.failed_zones;
+        let listed = fake_logic::all(&HostKv).map_err(to_broker_error)?;
+        Ok(listed
+            .iter()
+            .map(|fake| {
+                let mut listed = instance(fake);
+                if let Some(zone) = fake.hardware.availability_zone.as_ref().filter(|z| failed_zones.contains(z)) {
+                    listed.status = InstanceStatus::Error;
+                    listed.message = format!("zone {zone} fails its instances (fake config failed-zones)");
+                }
+                listed
+            })
+            .collect())
     }
 
-    fn maintain_instance(_ctx: &CallContext, id: String, _params: StartInstanceParams) -> Result<(), BrokerError> {
+    fn maintain_instance(ctx: &CallContext, id: String, params: StartInstanceParams) -> Result<(), BrokerError> {
+        if let Some(tag) = config(ctx)?.unhealthy_tag {
+            let tags = params.instance_config.as_ref().map(|ic| ic.tags.as_slice()).unwrap_or_default();
+            if tags.iter().any(|(key, _)| *key == tag) {
+                return Err(BrokerError::Provider(format!(
+                    "instance {id} is not healthy (it carries tag {tag}: fake config unhealthy-tag)"
+                )));
+            }
+        }
         fake_logic::maintain(&HostKv, &id).map(|_| ()).map_err(to_broker_error)
     }
 }

@@ -622,7 +622,7 @@ impl Broker {
 
     /// A provider's records, in id order (the store's key order), read off
     /// the async workers: thousands of them take milliseconds.
-    async fn records_of(&self, name: &str) -> Result<Vec<InstanceRecord>, StoreError> {
+    pub async fn records_of(&self, name: &str) -> Result<Vec<InstanceRecord>, StoreError> {
         let (store, name) = (self.store.clone(), name.to_owned());
         tokio::task::spawn_blocking(move || store.instances(Some(&name))).await.map_err(|_| StoreError::ReadPanicked)?
     }

@@ -196,10 +196,15 @@ impl From<GroupError> for ApiError {
         let status = match &err {
             GroupError::Spec(_) | GroupError::UnknownProvider(_) => StatusCode::BAD_REQUEST,
             GroupError::UnknownGroup(_) => StatusCode::NOT_FOUND,
-            GroupError::ProviderChanged { .. } | GroupError::NotAMember { .. } | GroupError::QuorumSize(_) => {
-                StatusCode::CONFLICT
-            }
-            GroupError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            GroupError::ProviderChanged { .. }
+            | GroupError::AllocationChanged { .. }
+            | GroupError::NotAMember { .. }
+            | GroupError::QuorumSize(_)
+            | GroupError::TooManyGroups(_)
+            | GroupError::ProviderGone { .. } => StatusCode::CONFLICT,
+            GroupError::Store(_) | GroupError::StoredSpec { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            // The group is gone; its members' stop failed, mostly at the provider.
+            GroupError::StopsUnfinished { .. } => StatusCode::BAD_GATEWAY,
             GroupError::Broker(_) => {
                 return match err {
                     GroupError::Broker(inner) => inner.into(),

@@ -55,6 +55,52 @@ pub enum GroupError {
         /// The first id that is not its member.
         id: String,
     },
+    /// A group cannot switch between a size and logical ids.
+    #[error(
+        "group spec field Properties.Allocation: group {group:?} is committed with {was}; a spec with {now} cannot replace it (free or destroy the group first)"
+    )]
+    AllocationChanged {
+        /// The group.
+        group: String,
+        /// What it is committed with.
+        was: &'static str,
+        /// What the new spec gives.
+        now: &'static str,
+    },
+    /// The host keeps at most [`MAX_GROUPS`] groups.
+    #[error("{0} groups are committed, the most one host keeps: destroy or free one first")]
+    TooManyGroups(usize),
+    /// A committed spec does not read back (a damaged store, or an older host's spec).
+    #[error("group {group:?}: its stored spec does not read ({why}); commit a new spec for it, or free it")]
+    StoredSpec {
+        /// The group.
+        group: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// The group's provider is gone, so its instances cannot be stopped.
+    #[error(
+        "group {group:?}: its provider {provider:?} is not registered, so its instances cannot be stopped; `broker group free {group}` forgets the group and leaves them"
+    )]
+    ProviderGone {
+        /// The group.
+        group: String,
+        /// Its provider.
+        provider: String,
+    },
+    /// The group is forgotten but stopping its members failed.
+    #[error(
+        "group {group:?} is destroyed, but stopping its {count} instances failed (they stay marked for stopping: `broker stop` or the next restart's reconcile finishes them)"
+    )]
+    StopsUnfinished {
+        /// The group.
+        group: String,
+        /// How many members it had.
+        count: usize,
+        /// Why the stop failed.
+        #[source]
+        source: Box<BrokerServiceError>,
+    },
     /// A quorum group's size is its logical ids.
     #[error(
         "group {0:?} is a quorum group (LogicalIDs): its size is its logical ids; commit a new spec to change them"
@@ -78,13 +124,29 @@ pub struct GroupSettings {
     /// How long a rolling update waits for its replacement to be healthy
     /// (beyond `Updating.Duration`) before it stops and says so.
     pub update_patience: Duration,
+    /// A member lost within this of its start counts as a failed start:
+    /// passes that replace such members wait longer each time (from a
+    /// second, doubling, at most `poll`), and after `max_failed_passes` in a
+    /// row the group stops replacing until its spec is committed again.
+    pub failure_window: Duration,
+    /// See `failure_window`.
+    pub max_failed_passes: u32,
 }
 
 impl Default for GroupSettings {
     fn default() -> Self {
-        GroupSettings { poll: Duration::from_secs(10), max_parallel: 4, update_patience: Duration::from_secs(600) }
+        GroupSettings {
+            poll: Duration::from_secs(10),
+            max_parallel: 4,
+            update_patience: Duration::from_secs(600),
+            failure_window: Duration::from_secs(120),
+            max_failed_passes: 5,
+        }
     }
 }
+
+/// The most groups one host keeps: each has a loop and listings of its own.
+pub const MAX_GROUPS: usize = 1000;
 
 /// One member as `describe` shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
@@ -120,7 +182,9 @@ pub struct GroupDescription {
     /// ids), all running, all made from the committed spec, and no rolling
     /// update stopped.
     pub converged: bool,
-    /// Why a rolling update stopped, if one did.
+    /// Why the group stopped converging until its spec is committed again
+    /// (a rolling update whose replacement never became healthy, or members
+    /// failing as soon as they start), if it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub update_stopped: Option<String>,
 }
@@ -143,25 +207,82 @@ fn is_lost(record: &InstanceRecord) -> bool {
     matches!(record.status.as_str(), "stopped" | "stopping" | "unknown" | "error" | "provisioning-error")
 }
 
+/// How long ago the member was recorded as started (zero if unreadable: the safe side for counting failures).
+fn age(record: &InstanceRecord, now: std::time::SystemTime) -> Duration {
+    humantime::parse_rfc3339(&record.created)
+        .ok()
+        .and_then(|created| now.duration_since(created).ok())
+        .unwrap_or(Duration::ZERO)
+}
+
+/// How a member has looked to the rolling update.
+#[derive(Debug, Clone, Copy)]
+struct Health {
+    /// Since when it has been listed running, pass after pass.
+    since: Instant,
+    /// On how many passes in a row.
+    passes: u32,
+    /// Whether `maintain-instance` answered for it once it settled (asked once).
+    answered: bool,
+}
+
 /// What a convergence loop remembers between passes (not across restarts:
 /// a restarted host waits out a replacement's health again, the safe side).
 #[derive(Default)]
 struct LoopState {
-    /// Since when each member has been seen healthy, and on how many passes in a row.
-    healthy: HashMap<String, (Instant, u32)>,
+    /// The members listed running, by id.
+    healthy: HashMap<String, Health>,
     /// When the last rolling-update step destroyed an old member.
     step_at: Option<Instant>,
-    /// Why the rolling update stopped, until the next commit.
-    update_stopped: Option<String>,
+    /// Passes in a row that replaced members lost soon after their start.
+    failed_passes: u32,
+    /// Set when those passes reached the most: no pass changes anything
+    /// until the next commit.
+    replacing_stopped: bool,
+    /// Why the group stopped converging, until the next commit; read by
+    /// `describe` without waiting for a pass.
+    halted: Arc<Mutex<Option<String>>>,
     /// Whether `converged` was announced (once per convergence).
     announced: bool,
 }
 
-#[derive(Default)]
-struct GroupLoop {
+impl LoopState {
+    fn halted(&self) -> Option<String> {
+        lock(&self.halted).clone()
+    }
+    fn halt(&self, why: String) {
+        *lock(&self.halted) = Some(why);
+    }
+    /// A new spec: a fresh start for the update and the failure count.
+    fn recommitted(&mut self) {
+        *lock(&self.halted) = None;
+        self.step_at = None;
+        self.failed_passes = 0;
+        self.replacing_stopped = false;
+        self.announced = false;
+    }
+}
+
+/// A group's loop: its pass lock, its wake-up, and what `describe` reads without the lock.
+#[derive(Clone)]
+struct Slot {
     /// One pass at a time; the calls that change members take it too.
     state: Arc<tokio::sync::Mutex<LoopState>>,
     wake: Arc<tokio::sync::Notify>,
+    halted: Arc<Mutex<Option<String>>>,
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        let state = LoopState::default();
+        let halted = state.halted.clone();
+        Slot { state: Arc::new(tokio::sync::Mutex::new(state)), wake: Arc::default(), halted }
+    }
+}
+
+#[derive(Default)]
+struct GroupLoop {
+    slot: Slot,
     running: bool,
     task: Option<tokio::task::AbortHandle>,
 }
@@ -191,10 +312,8 @@ impl Groups {
         self.serving.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    fn slot(&self, id: &str) -> (Arc<tokio::sync::Mutex<LoopState>>, Arc<tokio::sync::Notify>) {
-        let mut loops = lock(&self.loops);
-        let slot = loops.entry(id.to_owned()).or_default();
-        (slot.state.clone(), slot.wake.clone())
+    fn slot(&self, id: &str) -> Slot {
+        lock(&self.loops).entry(id.to_owned()).or_default().slot.clone()
     }
 
     /// Start a convergence loop for every committed group, and for each
@@ -211,15 +330,15 @@ impl Groups {
         if !self.converging() {
             return;
         }
-        let wake = {
+        let slot = {
             let mut loops = lock(&self.loops);
-            let slot = loops.entry(id.to_owned()).or_default();
-            if slot.running {
-                slot.wake.notify_one();
+            let entry = loops.entry(id.to_owned()).or_default();
+            if entry.running {
+                entry.slot.wake.notify_one();
                 return;
             }
-            slot.running = true;
-            slot.wake.clone()
+            entry.running = true;
+            entry.slot.clone()
         };
         let (groups, group_id) = (self.clone(), id.to_owned());
         let task = tokio::spawn(async move {
@@ -229,15 +348,22 @@ impl Groups {
                 let span = tracing::info_span!("group pass", group = %id);
                 let outcome = tracing::Instrument::instrument(groups.converge_once(&id), span).await;
                 let wait = match outcome {
-                    Ok(Pass::Gone) => break,
+                    Ok(Pass::Gone) => {
+                        // Unless a commit made the group again meanwhile (its
+                        // wake-up found this loop running), the loop ends.
+                        let mut loops = lock(&groups.loops);
+                        if matches!(groups.broker.store().group(&id), Ok(Some(_))) {
+                            Duration::ZERO
+                        } else {
+                            if loops.get(&id).is_some_and(|entry| Arc::ptr_eq(&entry.slot.state, &slot.state)) {
+                                loops.remove(&id);
+                            }
+                            break;
+                        }
+                    }
                     Ok(pass) => {
                         failures = 0;
-                        match pass {
-                            // What it changed is looked at again at once.
-                            Pass::Changed => Duration::ZERO,
-                            Pass::Updating => groups.settings.poll.min(Duration::from_secs(1)),
-                            _ => groups.settings.poll,
-                        }
+                        pass.wait(groups.settings.poll)
                     }
                     Err(error) => {
                         // Backoff: never a tight loop against a failing provider.
@@ -248,12 +374,10 @@ impl Groups {
                     }
                 };
                 tokio::select! {
-                    () = wake.notified() => {}
+                    () = slot.wake.notified() => {}
                     () = tokio::time::sleep(wait) => {}
                 }
             }
-            let mut loops = lock(&groups.loops);
-            loops.remove(&id);
         });
         let mut loops = lock(&self.loops);
         if let Some(slot) = loops.get_mut(id)
@@ -279,15 +403,40 @@ impl Groups {
     /// The committed group `id`, checked.
     fn committed(&self, id: &str) -> Result<Group, GroupError> {
         let record = self.broker.store().group(id)?.ok_or_else(|| GroupError::UnknownGroup(id.to_owned()))?;
-        let spec: GroupSpec =
-            serde_json::from_value(record.spec).map_err(|e| SpecError::Parse(format!("the stored spec: {e}")))?;
-        Ok(Group::check(spec)?)
+        let stored = |why: String| GroupError::StoredSpec { group: id.to_owned(), why };
+        let spec: GroupSpec = serde_json::from_value(record.spec).map_err(|e| stored(e.to_string()))?;
+        Group::check(spec).map_err(|e| stored(e.to_string()))
+    }
+
+    /// The provider a committed group's stored spec names, even a spec that
+    /// no longer checks (so that such a group can still be freed).
+    fn committed_provider(&self, id: &str) -> Result<String, GroupError> {
+        match self.committed(id) {
+            Ok(group) => Ok(group.provider),
+            Err(GroupError::StoredSpec { group, why }) => {
+                let record = self.broker.store().group(id)?.ok_or_else(|| GroupError::UnknownGroup(id.to_owned()))?;
+                let plugin = record.spec.pointer("/Properties/Instance/Plugin").and_then(|p| p.as_str());
+                plugin.map(str::to_owned).ok_or(GroupError::StoredSpec { group, why })
+            }
+            Err(other) => Err(other),
+        }
     }
 
     /// The group's members: its provider's instances whose records carry its tag, by id.
     async fn members(&self, group: &Group) -> Result<Vec<InstanceRecord>, GroupError> {
         let listed = self.broker.list_instances(Some(&group.provider)).await?;
         Ok(listed.into_iter().filter(|r| r.instance_tags.get(GROUP_TAG).is_some_and(|g| g == group.id())).collect())
+    }
+
+    /// The ids of the group's members by the host's records alone (no
+    /// provider asked: it may be gone, or failing).
+    async fn recorded_members(&self, id: &str, provider: &str) -> Result<Vec<String>, GroupError> {
+        let records = self.broker.records_of(provider).await?;
+        Ok(records
+            .into_iter()
+            .filter(|r| r.instance_tags.get(GROUP_TAG).is_some_and(|g| g == id))
+            .map(|r| r.id)
+            .collect())
     }
 
     /// Commit a spec (its file's text): the plan, in InfraKit's words; with
@@ -299,61 +448,96 @@ impl Groups {
 
     /// Commit a checked spec; see [`Groups::commit_text`].
     pub async fn commit(self: &Arc<Self>, group: Group, pretend: bool) -> Result<String, GroupError> {
+        let slot = self.slot(group.id());
+        let plan = {
+            // Read, check and write under the group's lock: two commits of
+            // one group never both see "no previous spec".
+            let mut state = slot.state.lock().await;
+            self.commit_locked(&group, pretend, &mut state).await?
+        };
+        if !pretend {
+            self.ensure_loop(group.id());
+        }
+        Ok(plan)
+    }
+
+    async fn commit_locked(&self, group: &Group, pretend: bool, state: &mut LoopState) -> Result<String, GroupError> {
         let registered = self.broker.registry().list().map_err(BrokerServiceError::from)?;
         if !registered.iter().any(|p| p.name == group.provider) {
             return Err(GroupError::UnknownProvider(group.provider.clone()));
         }
-        let previous = match self.broker.store().group(group.id())? {
-            Some(_) => Some(self.committed(group.id())?),
-            None => None,
+        let previous = match self.committed(group.id()) {
+            Ok(previous) => Some(previous),
+            Err(GroupError::UnknownGroup(_)) => {
+                let count = self.broker.store().group_count()?;
+                if usize::try_from(count).unwrap_or(usize::MAX) >= MAX_GROUPS {
+                    return Err(GroupError::TooManyGroups(MAX_GROUPS));
+                }
+                None
+            }
+            // A spec that no longer reads is replaced, as long as it names the same provider.
+            Err(GroupError::StoredSpec { .. }) => {
+                let was = self.committed_provider(group.id())?;
+                if was != group.provider {
+                    return Err(provider_changed(group, was));
+                }
+                None
+            }
+            Err(other) => return Err(other),
         };
-        if let Some(previous) = &previous
-            && previous.provider != group.provider
-        {
-            return Err(GroupError::ProviderChanged {
-                group: group.id().to_owned(),
-                was: previous.provider.clone(),
-                now: group.provider.clone(),
-            });
+        if let Some(previous) = &previous {
+            if previous.provider != group.provider {
+                return Err(provider_changed(group, previous.provider.clone()));
+            }
+            let kind = |members: &Members| match members {
+                Members::Size(_) => "a size (Allocation.Size)",
+                Members::LogicalIds(_) => "logical ids (Allocation.LogicalIDs)",
+            };
+            if kind(&previous.members) != kind(&group.members) {
+                return Err(GroupError::AllocationChanged {
+                    group: group.id().to_owned(),
+                    was: kind(&previous.members),
+                    now: kind(&group.members),
+                });
+            }
         }
         let plan = match &previous {
             None => format!("Managing {} instances", group.size()),
-            Some(previous) => plan_text(previous, &group, &self.members(&group).await?),
+            Some(previous) => plan_text(previous, group, &self.members(group).await?),
         };
         if pretend {
             return Ok(plan);
         }
-        let (state, _) = self.slot(group.id());
-        {
-            // Not in a pass's middle; the next one works from the new spec.
-            let mut state = state.lock().await;
-            state.update_stopped = None;
-            state.step_at = None;
-            state.announced = false;
-            let spec = serde_json::to_value(&group.spec).map_err(|e| SpecError::Parse(e.to_string()))?;
-            let record = GroupRecord { spec, committed: crate::store::records::now_rfc3339() };
-            let event = group_event("group-committed", &group, plan.clone());
-            self.broker.store().put_group(group.id(), &record, &event).await?;
-        }
-        self.ensure_loop(group.id());
+        let spec = serde_json::to_value(&group.spec).map_err(|e| SpecError::Parse(e.to_string()))?;
+        let record = GroupRecord { spec, committed: crate::store::records::now_rfc3339() };
+        let event = group_event("group-committed", group, plan.clone());
+        self.broker.store().put_group(group.id(), &record, &event).await?;
+        // The next pass works from the new spec.
+        state.recommitted();
         Ok(plan)
     }
 
-    /// The committed specs, by id.
+    /// The committed specs, by id. One that does not read back is named in
+    /// the log and left out: it hides no other.
     pub fn inspect(&self) -> Result<Vec<GroupSpec>, GroupError> {
         let mut specs = Vec::new();
         for (id, _) in self.broker.store().groups()? {
-            specs.push(self.committed(&id)?.spec);
+            match self.committed(&id) {
+                Ok(group) => specs.push(group.spec),
+                Err(error) => {
+                    tracing::error!(group = %id, error = %crate::error_text::error_text(&error), "left out of the listing")
+                }
+            }
         }
         Ok(specs)
     }
 
-    /// The group's members now, and whether it has converged.
+    /// The group's members now, and whether it has converged. It does not
+    /// wait for a pass in progress.
     pub async fn describe(&self, id: &str) -> Result<GroupDescription, GroupError> {
         let group = self.committed(id)?;
         let members = self.members(&group).await?;
-        let (state, _) = self.slot(id);
-        let update_stopped = state.lock().await.update_stopped.clone();
+        let update_stopped = lock(&self.slot(id).halted).clone();
         let converged = update_stopped.is_none() && is_converged(&group, &members);
         let instances = members
             .into_iter()
@@ -377,87 +561,139 @@ impl Groups {
     /// Commit the group's spec with a new size; returns the plan. Its
     /// members follow while the loop runs (`describe` tells when).
     pub async fn set_size(self: &Arc<Self>, id: &str, size: u32) -> Result<String, GroupError> {
-        let mut spec = self.committed(id)?.spec;
-        if spec.properties.allocation.logical_ids.is_some() {
-            return Err(GroupError::QuorumSize(id.to_owned()));
-        }
-        spec.properties.allocation.size = Some(size);
-        self.commit(Group::check(spec)?, false).await
+        let slot = self.slot(id);
+        let plan = {
+            let mut state = slot.state.lock().await;
+            let mut spec = self.committed(id)?.spec;
+            if spec.properties.allocation.logical_ids.is_some() {
+                return Err(GroupError::QuorumSize(id.to_owned()));
+            }
+            spec.properties.allocation.size = Some(size);
+            self.commit_locked(&Group::check(spec)?, false, &mut state).await?
+        };
+        self.ensure_loop(id);
+        Ok(plan)
     }
 
     /// Destroy `ids`, all members of the group, and shrink it by as many;
     /// one that is not a member fails the call before anything is destroyed.
+    /// The smaller spec and the members' stop marks are one write, so a
+    /// crash between them and the stop neither regrows the group nor
+    /// shrinks it twice on a retry.
     pub async fn destroy_instances(self: &Arc<Self>, id: &str, ids: &[String]) -> Result<(), GroupError> {
+        let slot = self.slot(id);
+        let _pass = slot.state.lock().await;
         let group = self.committed(id)?;
-        let (state, _) = self.slot(id);
-        let _pass = state.lock().await;
-        let members = self.members(&group).await?;
-        if let Some(stranger) = ids.iter().find(|wanted| !members.iter().any(|m| &m.id == *wanted)) {
-            return Err(GroupError::NotAMember { group: id.to_owned(), id: stranger.clone() });
+        let members: std::collections::HashSet<String> =
+            self.recorded_members(id, &group.provider).await?.into_iter().collect();
+        let mut unique: Vec<String> = Vec::with_capacity(ids.len());
+        for wanted in ids {
+            if !members.contains(wanted) {
+                return Err(GroupError::NotAMember { group: id.to_owned(), id: wanted.clone() });
+            }
+            if !unique.contains(wanted) {
+                unique.push(wanted.clone());
+            }
         }
         let mut spec = group.spec.clone();
         // A quorum member destroyed is made again: its logical id is still wanted.
         if let Some(size) = &mut spec.properties.allocation.size {
-            *size = size.saturating_sub(u32::try_from(ids.len()).unwrap_or(u32::MAX));
+            *size = size.saturating_sub(u32::try_from(unique.len()).unwrap_or(u32::MAX));
         }
         let shrunk = Group::check(spec)?;
-        if shrunk.size() != group.size() {
-            let plan = format!("Terminating {} instances to reduce the group size to {}", ids.len(), shrunk.size());
-            let spec = serde_json::to_value(&shrunk.spec).map_err(|e| SpecError::Parse(e.to_string()))?;
-            let record = GroupRecord { spec, committed: crate::store::records::now_rfc3339() };
-            self.broker.store().put_group(id, &record, &group_event("group-committed", &shrunk, plan)).await?;
-        }
-        self.broker.stop_instances(&group.provider, ids).await?;
-        for stopped in ids {
+        let plan = format!("Terminating {} instances to reduce the group size to {}", unique.len(), shrunk.size());
+        let spec = serde_json::to_value(&shrunk.spec).map_err(|e| SpecError::Parse(e.to_string()))?;
+        let record = GroupRecord { spec, committed: crate::store::records::now_rfc3339() };
+        let event = group_event("group-committed", &shrunk, plan);
+        self.broker.store().shrink_group(id, &record, &event, &group.provider, &unique).await?;
+        self.broker.stop_instances(&group.provider, &unique).await?;
+        for stopped in &unique {
             self.note(&group, "instance-destroyed", format!("{stopped}: destroyed on request")).await;
         }
         Ok(())
     }
 
-    /// Forget the group; its instances run on, recorded as ungrouped.
+    /// Forget the group; its instances run on, recorded as ungrouped (one
+    /// write: a crash never leaves the group committed with its members
+    /// untagged). Works without the provider, and on a spec that no longer reads.
     pub async fn free(&self, id: &str) -> Result<(), GroupError> {
-        self.forget(id, false).await
-    }
-
-    /// Destroy the group's instances and forget it.
-    pub async fn destroy(&self, id: &str) -> Result<(), GroupError> {
-        self.forget(id, true).await
-    }
-
-    async fn forget(&self, id: &str, destroy_members: bool) -> Result<(), GroupError> {
-        let group = self.committed(id)?;
-        let (state, wake) = self.slot(id);
-        let _pass = state.lock().await;
-        let members = self.members(&group).await?;
-        let ids: Vec<String> = members.iter().map(|m| m.id.clone()).collect();
-        let event = if destroy_members {
-            self.broker.stop_instances(&group.provider, &ids).await?;
-            group_event("group-destroyed", &group, format!("{} instances destroyed", ids.len()))
-        } else {
-            let tags = [GROUP_TAG, CONFIG_HASH_TAG, LOGICAL_ID_TAG];
-            self.broker.store().untag_instances(&group.provider, &ids, &tags).await?;
-            group_event("group-freed", &group, format!("{} instances left running, ungrouped", ids.len()))
-        };
-        self.broker.store().remove_group(id, &event).await?;
-        wake.notify_one();
+        let slot = self.slot(id);
+        let _pass = slot.state.lock().await;
+        let provider = self.committed_provider(id)?;
+        let ids = self.recorded_members(id, &provider).await?;
+        let mut event = Event::new("group-freed", &provider);
+        event.group = Some(id.to_owned());
+        event.detail = format!("{} instances left running, ungrouped", ids.len());
+        let tags = [GROUP_TAG, CONFIG_HASH_TAG, LOGICAL_ID_TAG];
+        self.broker.store().free_group(id, &event, &provider, &ids, &tags).await?;
+        slot.wake.notify_one();
         Ok(())
+    }
+
+    /// Destroy the group's instances and forget it. The group is forgotten
+    /// and its members marked for stopping in one write, before the stop:
+    /// a crash midway never makes the members again, and the restart's
+    /// reconcile finishes their stops.
+    pub async fn destroy(&self, id: &str) -> Result<(), GroupError> {
+        let slot = self.slot(id);
+        let _pass = slot.state.lock().await;
+        let provider = self.committed_provider(id)?;
+        let registered = self.broker.registry().list().map_err(BrokerServiceError::from)?;
+        if !registered.iter().any(|p| p.name == provider) {
+            return Err(GroupError::ProviderGone { group: id.to_owned(), provider });
+        }
+        let ids = self.recorded_members(id, &provider).await?;
+        let mut event = Event::new("group-destroyed", &provider);
+        event.group = Some(id.to_owned());
+        event.detail = format!("{} instances destroyed", ids.len());
+        self.broker.store().destroy_group(id, &event, &provider, &ids).await?;
+        slot.wake.notify_one();
+        self.broker.stop_instances(&provider, &ids).await.map_err(|source| GroupError::StopsUnfinished {
+            group: id.to_owned(),
+            count: ids.len(),
+            source: Box::new(source),
+        })
     }
 
     /// Wake the group's loop for a pass now.
     pub fn wake(&self, id: &str) {
-        self.slot(id).1.notify_one();
+        self.slot(id).wake.notify_one();
     }
 
     /// One convergence pass of group `id`.
     pub async fn converge_once(&self, id: &str) -> Result<Pass, GroupError> {
-        let (state, _) = self.slot(id);
-        let mut state = state.lock().await;
+        let slot = self.slot(id);
+        let mut state = slot.state.lock().await;
         let group = match self.committed(id) {
             Err(GroupError::UnknownGroup(_)) => return Ok(Pass::Gone),
             other => other?,
         };
+        if state.replacing_stopped {
+            // Until the spec is committed again.
+            return Ok(Pass::Steady);
+        }
         let members = self.members(&group).await?;
         let (lost, alive): (Vec<InstanceRecord>, Vec<InstanceRecord>) = members.into_iter().partition(is_lost);
+        let wall = std::time::SystemTime::now();
+        let failed_young = lost.iter().filter(|m| age(m, wall) < self.settings.failure_window).count();
+        if failed_young > 0 {
+            state.failed_passes = state.failed_passes.saturating_add(1);
+            if state.failed_passes >= self.settings.max_failed_passes {
+                let why = format!(
+                    "members failed within {} of their start on {} passes in a row ({} now); replacing stopped until the spec is committed again",
+                    humantime::format_duration(self.settings.failure_window),
+                    state.failed_passes,
+                    lost.iter().map(|m| format!("{} {}", m.id, m.status)).collect::<Vec<_>>().join(", "),
+                );
+                self.note(&group, "replacement-stopped", why.clone()).await;
+                state.halt(why);
+                state.replacing_stopped = true;
+                state.announced = false;
+                return Ok(Pass::Steady);
+            }
+        } else if lost.is_empty() && alive.iter().all(|m| age(m, wall) >= self.settings.failure_window) {
+            state.failed_passes = 0;
+        }
         if !lost.is_empty() {
             let ids: Vec<String> = lost.iter().map(|m| m.id.clone()).collect();
             self.broker.stop_instances(&group.provider, &ids).await?;
@@ -470,23 +706,33 @@ impl Groups {
                 .await;
             }
         }
-        state.healthy.retain(|id, _| alive.iter().any(|m| &m.id == id));
+        let running: std::collections::HashSet<&str> =
+            alive.iter().filter(|m| m.status == "running").map(|m| m.id.as_str()).collect();
+        state.healthy.retain(|id, _| running.contains(id.as_str()));
         let now = Instant::now();
-        for member in &alive {
-            if member.status == "running" {
-                let seen = state.healthy.entry(member.id.clone()).or_insert((now, 0));
-                seen.1 = seen.1.saturating_add(1);
-            } else {
-                state.healthy.remove(&member.id);
-            }
+        for id in running {
+            let seen = state.healthy.entry(id.to_owned()).or_insert(Health { since: now, passes: 0, answered: false });
+            seen.passes = seen.passes.saturating_add(1);
         }
+        let steady_members = (lost.is_empty()).then(|| alive.clone());
         let pass = match &group.members {
             Members::Size(_) => self.converge_scaled(&group, alive, &mut state).await?,
             Members::LogicalIds(ids) => self.converge_quorum(&group, ids, alive, &mut state).await?,
         };
-        let pass = if lost.is_empty() { pass } else { Pass::Changed };
-        let members = self.members(&group).await?;
-        if state.update_stopped.is_none() && is_converged(&group, &members) {
+        let pass = match pass {
+            _ if failed_young > 0 => Pass::Replaced { failed_passes: state.failed_passes },
+            pass if !lost.is_empty() => match pass {
+                Pass::Steady | Pass::Updating => Pass::Changed,
+                other => other,
+            },
+            pass => pass,
+        };
+        // A pass that changed nothing decides from its own listing; one that did lists again.
+        let members = match steady_members {
+            Some(members) if pass != Pass::Changed => members,
+            _ => self.members(&group).await?,
+        };
+        if state.halted().is_none() && is_converged(&group, &members) {
             if !state.announced {
                 state.announced = true;
                 self.note(&group, "converged", format!("{} instances", members.len())).await;
@@ -669,7 +915,7 @@ impl Groups {
         alive: &[InstanceRecord],
         state: &mut LoopState,
     ) -> Result<Pass, GroupError> {
-        if state.update_stopped.is_some() {
+        if state.halted().is_some() {
             return Ok(Pass::Steady);
         }
         let mut old: Vec<&InstanceRecord> =
@@ -679,28 +925,30 @@ impl Groups {
             return Ok(Pass::Steady);
         }
         let now = Instant::now();
-        let settled = |healthy: &HashMap<String, (Instant, u32)>, member: &InstanceRecord| match (
-            healthy.get(&member.id),
-            group.pace,
-        ) {
-            (None, _) => false,
-            (Some(_), UpdatePace::Healthy) => true,
-            (Some((since, _)), UpdatePace::For(duration)) => now.duration_since(*since) >= duration,
-            (Some((_, passes)), UpdatePace::Passes(count)) => *passes >= count,
+        let settled = |health: &Health| match group.pace {
+            UpdatePace::Healthy => true,
+            UpdatePace::For(duration) => now.duration_since(health.since) >= duration,
+            UpdatePace::Passes(count) => health.passes >= count,
         };
-        let current: Vec<&InstanceRecord> =
-            alive.iter().filter(|m| config_hash(m) == Some(group.config_hash.as_str())).collect();
+        let current = alive.iter().filter(|m| config_hash(m) == Some(group.config_hash.as_str()));
         let mut all_settled = true;
-        for member in &current {
-            // Healthy: the provider lists it running and answers `maintain-instance` for it.
-            if settled(&state.healthy, member) {
-                if let Err(failed) = self.broker.maintain_instance(&group.provider, &member.id).await {
-                    tracing::info!(group = %group.id(), instance_id = %member.id, error = %failed, "not healthy yet");
-                    state.healthy.remove(&member.id);
-                    all_settled = false;
+        for member in current {
+            // Healthy: the provider lists it running and, once it has been so
+            // for the pace, answers `maintain-instance` for it (asked once).
+            match state.healthy.get_mut(&member.id) {
+                Some(health) if health.answered => {}
+                Some(health) if settled(health) => {
+                    match self.broker.maintain_instance(&group.provider, &member.id).await {
+                        Ok(()) => health.answered = true,
+                        Err(failed) => {
+                            tracing::info!(group = %group.id(), instance_id = %member.id, error = %failed, "not healthy yet");
+                            // Its pace starts again from the next pass that lists it running.
+                            state.healthy.remove(&member.id);
+                            all_settled = false;
+                        }
+                    }
                 }
-            } else {
-                all_settled = false;
+                _ => all_settled = false,
             }
         }
         if !all_settled {
@@ -717,7 +965,7 @@ impl Groups {
                     old.len()
                 );
                 self.note(group, "update-stopped", why.clone()).await;
-                state.update_stopped = Some(why);
+                state.halt(why);
                 return Ok(Pass::Steady);
             }
             return Ok(Pass::Updating);
@@ -747,10 +995,37 @@ pub enum Pass {
     Steady,
     /// It started or stopped instances.
     Changed,
+    /// It replaced members lost soon after their start, on this many passes
+    /// in a row: the loop waits longer each time.
+    Replaced {
+        /// Passes in a row that did so.
+        failed_passes: u32,
+    },
     /// A rolling update waits for a replacement to settle.
     Updating,
     /// The group is no longer committed: its loop ends.
     Gone,
+}
+
+impl Pass {
+    /// How long the loop waits after this pass, with `poll` between steady passes.
+    pub fn wait(&self, poll: Duration) -> Duration {
+        match self {
+            // What it changed is looked at again at once.
+            Pass::Changed => Duration::ZERO,
+            // Members that fail as they start: never a tight loop of starts
+            // (1 s, 2 s, 4 s, … at most `poll`).
+            Pass::Replaced { failed_passes } => {
+                Duration::from_secs(1).saturating_mul(1 << failed_passes.saturating_sub(1).min(16)).min(poll)
+            }
+            Pass::Updating => poll.min(Duration::from_secs(1)),
+            Pass::Steady | Pass::Gone => poll,
+        }
+    }
+}
+
+fn provider_changed(group: &Group, was: String) -> GroupError {
+    GroupError::ProviderChanged { group: group.id().to_owned(), was, now: group.provider.clone() }
 }
 
 fn group_event(kind: &str, group: &Group, detail: String) -> Event {
@@ -767,9 +1042,10 @@ fn is_converged(group: &Group, members: &[InstanceRecord]) -> bool {
     let right_members = match &group.members {
         Members::Size(size) => members.len() == *size as usize,
         Members::LogicalIds(ids) => {
-            let mut have: Vec<&str> = members.iter().filter_map(logical_id).collect();
+            // Every member has one of the ids, each id once: a member without one is one too many.
+            let mut have: Vec<Option<&str>> = members.iter().map(logical_id).collect();
             have.sort_unstable();
-            let mut want: Vec<&str> = ids.iter().map(String::as_str).collect();
+            let mut want: Vec<Option<&str>> = ids.iter().map(|id| Some(id.as_str())).collect();
             want.sort_unstable();
             have == want
         }

@@ -1,7 +1,7 @@
 //! Committed group specs (`broker group commit`): what each group converges to.
 
-use super::{Pending, Store, StoreError, db_error, decode, encoded, events};
-use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use super::{Pending, Store, StoreError, Txn, db_error, decode, encoded, events, starts};
+use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use serde::{Deserialize, Serialize};
 
 /// Group id -> its committed spec.
@@ -29,14 +29,71 @@ impl Store {
         })
     }
 
-    /// Forget group `id`, with `event` in the same transaction.
-    pub fn remove_group(&self, id: &str, event: &events::Event) -> Pending<()> {
-        let (id, event) = (id.to_owned(), event.clone());
+    /// Commit `record` as group `id`'s spec and mark `stopping` (members of
+    /// `provider`) as being stopped, with `event`, in one transaction: a group
+    /// shrunk by destroying named members. A crash before their stop is
+    /// finished leaves them marked, and the restart's reconcile stops them;
+    /// the group never counts them again.
+    pub fn shrink_group(
+        &self,
+        id: &str,
+        record: &GroupRecord,
+        event: &events::Event,
+        provider: &str,
+        stopping: &[String],
+    ) -> Pending<()> {
+        let (id, bytes, event) = (id.to_owned(), encoded("group", record), event.clone());
+        let (mark, provider, stopping) = (self.stop_mark(), provider.to_owned(), stopping.to_vec());
         self.write(move |txn| {
-            txn.open_table(GROUPS).map_err(db_error)?.remove(id.as_str()).map_err(db_error)?;
+            let bytes = bytes.as_ref().map_err(Clone::clone)?;
+            txn.open_table(GROUPS).map_err(db_error)?.insert(id.as_str(), bytes.as_slice()).map_err(db_error)?;
+            starts::mark_stops(txn, &mark, &provider, &stopping)?;
             events::append(txn, &event)?;
             Ok(())
         })
+    }
+
+    /// Forget group `id` and mark its members `stopping` (of `provider`) as
+    /// being stopped, with `event`, in one transaction: a destroyed group
+    /// whose stops a crash cuts short is not made again, and its members'
+    /// stops are finished by the restart's reconcile.
+    pub fn destroy_group(&self, id: &str, event: &events::Event, provider: &str, stopping: &[String]) -> Pending<()> {
+        let (id, event) = (id.to_owned(), event.clone());
+        let (mark, provider, stopping) = (self.stop_mark(), provider.to_owned(), stopping.to_vec());
+        self.write(move |txn| {
+            forget(txn, &id)?;
+            starts::mark_stops(txn, &mark, &provider, &stopping)?;
+            events::append(txn, &event)?;
+            Ok(())
+        })
+    }
+
+    /// Forget group `id` and drop the tags `keys` from its members' records
+    /// (`members`, of `provider`), with `event`, in one transaction: the
+    /// instances run on, recorded as ungrouped.
+    pub fn free_group(
+        &self,
+        id: &str,
+        event: &events::Event,
+        provider: &str,
+        members: &[String],
+        keys: &[&str],
+    ) -> Pending<()> {
+        let (id, event, provider, members) = (id.to_owned(), event.clone(), provider.to_owned(), members.to_vec());
+        let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+        self.write(move |txn| {
+            forget(txn, &id)?;
+            super::untag(txn, &provider, &members, &keys)?;
+            events::append(txn, &event)?;
+            Ok(())
+        })
+    }
+
+    /// How many groups are committed.
+    pub fn group_count(&self) -> Result<u64, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let table = txn.open_table(GROUPS).map_err(db_error)?;
+        table.len().map_err(db_error)
     }
 
     /// Group `id`'s committed spec.
@@ -62,4 +119,9 @@ impl Store {
         }
         Ok(groups)
     }
+}
+
+fn forget(txn: &Txn<'_>, id: &str) -> Result<(), StoreError> {
+    txn.open_table(GROUPS).map_err(db_error)?.remove(id).map_err(db_error)?;
+    Ok(())
 }

@@ -447,25 +447,6 @@ impl Store {
         })
     }
 
-    /// Drop the instance config tags `keys` from the records of `ids` (those
-    /// recorded for `provider`), in one transaction: a freed group's members
-    /// are recorded as ungrouped.
-    pub fn untag_instances(&self, provider: &str, ids: &[String], keys: &[&str]) -> Pending<()> {
-        let (provider, ids) = (provider.to_owned(), ids.to_vec());
-        let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
-        self.write(move |txn| {
-            let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
-            for id in &ids {
-                let key = (provider.as_str(), id.as_str());
-                let Some(bytes) = table.get(key).map_err(db_error)?.map(|v| v.value().to_vec()) else { continue };
-                let mut record: InstanceRecord = decode("instance", &bytes)?;
-                record.instance_tags.retain(|k, _| !keys.contains(k));
-                table.insert(key, encoded("instance", &record)?.as_slice()).map_err(db_error)?;
-            }
-            Ok(())
-        })
-    }
-
     /// The provider an instance id is recorded for.
     pub fn owner_of(&self, id: &str) -> Result<Option<String>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
@@ -655,6 +636,19 @@ impl ChildRecords for RedbChildren {
         }
         Ok(records)
     }
+}
+
+/// Drop the instance config tags `keys` from the records of `ids` (those recorded for `provider`), in `txn`.
+fn untag(txn: &Txn<'_>, provider: &str, ids: &[String], keys: &[String]) -> Result<(), StoreError> {
+    let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
+    for id in ids {
+        let key = (provider, id.as_str());
+        let Some(bytes) = table.get(key).map_err(db_error)?.map(|v| v.value().to_vec()) else { continue };
+        let mut record: InstanceRecord = decode("instance", &bytes)?;
+        record.instance_tags.retain(|k, _| !keys.contains(k));
+        table.insert(key, encoded("instance", &record)?.as_slice()).map_err(db_error)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -132,20 +132,14 @@ impl Store {
 
     /// Mark `ids` (those recorded for `provider`) as being stopped.
     pub async fn mark_stopping(&self, provider: &str, ids: &[String]) -> Result<(), StoreError> {
-        let mark = encoded("stop mark", &StopMark { session: self.session, since: super::records::now_rfc3339() });
+        let mark = self.stop_mark();
         let (provider, ids) = (provider.to_owned(), ids.to_vec());
-        self.write(move |txn| {
-            let mark = mark.as_ref().map_err(Clone::clone)?;
-            let records = txn.open_table(INSTANCES).map_err(db_error)?;
-            let mut marks = txn.open_table(STOPPING).map_err(db_error)?;
-            for id in &ids {
-                if records.get((provider.as_str(), id.as_str())).map_err(db_error)?.is_some() {
-                    marks.insert((provider.as_str(), id.as_str()), mark.as_slice()).map_err(db_error)?;
-                }
-            }
-            Ok(())
-        })
-        .await
+        self.write(move |txn| mark_stops(txn, &mark, &provider, &ids)).await
+    }
+
+    /// This session's stop mark, encoded.
+    pub(super) fn stop_mark(&self) -> Result<Vec<u8>, StoreError> {
+        encoded("stop mark", &StopMark { session: self.session, since: super::records::now_rfc3339() })
     }
 
     /// `provider`'s stop marks of earlier sessions: stops cut short by the end of their process.
@@ -167,6 +161,24 @@ impl Store {
         }
         Ok(out)
     }
+}
+
+/// Mark `ids` (those recorded for `provider`) with `mark`, in `txn`.
+pub(super) fn mark_stops(
+    txn: &super::Txn<'_>,
+    mark: &Result<Vec<u8>, StoreError>,
+    provider: &str,
+    ids: &[String],
+) -> Result<(), StoreError> {
+    let mark = mark.as_ref().map_err(Clone::clone)?;
+    let records = txn.open_table(INSTANCES).map_err(db_error)?;
+    let mut marks = txn.open_table(STOPPING).map_err(db_error)?;
+    for id in ids {
+        if records.get((provider, id.as_str())).map_err(db_error)?.is_some() {
+            marks.insert((provider, id.as_str()), mark.as_slice()).map_err(db_error)?;
+        }
+    }
+    Ok(())
 }
 
 impl PendingStart {

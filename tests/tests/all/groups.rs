@@ -25,16 +25,24 @@ fn sized(size: u32) -> String {
 }
 
 async fn host(dir: &Path, config: &str) -> (Arc<Broker>, Arc<Groups>) {
+    let settings = GroupSettings { poll: Duration::from_millis(50), ..GroupSettings::default() };
+    host_with(dir, config, settings).await
+}
+
+async fn host_with(dir: &Path, config: &str, settings: GroupSettings) -> (Arc<Broker>, Arc<Groups>) {
+    let broker = Arc::new(Broker::open(&dir.join("data")).unwrap());
+    add_fake(&broker, dir, "fake", config).await;
+    (broker.clone(), Groups::new(broker, settings))
+}
+
+async fn add_fake(broker: &Broker, dir: &Path, name: &str, config: &str) {
     let manifest = write_manifest(
         dir,
-        "fake",
+        name,
         "fake",
         &format!("[limits]\nmemory-mib = 64\n[grants]\nkv = true\n[config]\n{config}\n"),
     );
-    let broker = Arc::new(Broker::open(&dir.join("data")).unwrap());
     broker.registry().add(&manifest).await.unwrap();
-    let settings = GroupSettings { poll: Duration::from_millis(50), ..GroupSettings::default() };
-    (broker.clone(), Groups::new(broker, settings))
 }
 
 /// Passes until one changes nothing (at most 60).
@@ -150,7 +158,8 @@ async fn an_instance_stopped_behind_the_groups_back_is_replaced_in_one_pass() {
     // Gone from the provider: its record stays, listed as unknown.
     assert!(broker.store().kv().delete("fake", &format!("instance/{}", before[0])).unwrap());
     assert!(!groups.describe("workers").await.unwrap().converged);
-    assert_eq!(groups.converge_once("workers").await.unwrap(), Pass::Changed);
+    // Lost within minutes of its start: it counts toward stopping replacements.
+    assert_eq!(groups.converge_once("workers").await.unwrap(), Pass::Replaced { failed_passes: 1 });
     let after = groups.describe("workers").await.unwrap();
     assert!(after.converged, "{after:?}");
     assert_eq!(after.instances.len(), 3);
@@ -239,7 +248,10 @@ async fn destroy_instances_free_and_destroy() {
     );
     assert_eq!(member_ids(&groups).await, ids, "nothing was destroyed");
 
-    groups.destroy_instances("workers", &ids[..2]).await.unwrap();
+    // One id twice is one instance: the size goes down by one.
+    groups.destroy_instances("workers", &[ids[0].clone(), ids[0].clone()]).await.unwrap();
+    assert_eq!(groups.size("workers").unwrap(), 3);
+    groups.destroy_instances("workers", &ids[1..2]).await.unwrap();
     assert_eq!(groups.size("workers").unwrap(), 2, "the size is reduced before the call returns");
     assert_eq!(member_ids(&groups).await, ids[2..]);
     converge(&groups, "workers").await;
@@ -328,4 +340,154 @@ async fn members_spread_over_the_zones_and_an_unavailable_zone_is_skipped() {
     let skipped = events_of(&broker, 0).into_iter().filter(|(kind, _)| kind == "zone-unavailable").count();
     assert!(skipped >= 1, "each start placed in zone-b went on to the next zone");
     assert!(groups.describe("workers").await.unwrap().converged);
+}
+
+/// Members that fail as they start are replaced with growing waits between
+/// passes, and after `max_failed_passes` such passes in a row the group stops
+/// replacing, says why, and is not converged, until its spec is committed again.
+#[tokio::test]
+async fn members_failing_as_they_start_are_not_replaced_in_a_tight_loop() {
+    let dir = tempfile::tempdir().unwrap();
+    let (broker, groups) = host(dir.path(), r#"failed-zones = ["zone-a"]"#).await;
+    // Every member goes to zone-a, whose instances the fake lists as failed.
+    let failing = spec(r#"{"Size": 2}"#, "mem=1G zones=zone-a");
+    groups.commit_text(&failing, false).await.unwrap();
+    assert_eq!(groups.converge_once("workers").await.unwrap(), Pass::Changed, "the first two start");
+    let max = GroupSettings::default().max_failed_passes;
+    for failed_passes in 1..max {
+        assert_eq!(groups.converge_once("workers").await.unwrap(), Pass::Replaced { failed_passes });
+    }
+    assert_eq!(groups.converge_once("workers").await.unwrap(), Pass::Steady, "replacing stops");
+    assert_eq!(groups.converge_once("workers").await.unwrap(), Pass::Steady, "and stays stopped");
+    let described = groups.describe("workers").await.unwrap();
+    assert!(!described.converged, "{described:?}");
+    let why = described.update_stopped.unwrap();
+    assert!(why.contains(&format!("on {max} passes in a row")) && why.contains("error"), "{why}");
+    let kinds: Vec<String> = events_of(&broker, 0).into_iter().map(|(kind, _)| kind).collect();
+    let count = |kind: &str| kinds.iter().filter(|k| *k == kind).count();
+    let replaced_passes = usize::try_from(max - 1).unwrap();
+    assert_eq!(count("instance-added"), 2 + 2 * replaced_passes, "{kinds:?}");
+    assert_eq!(count("replacement-stopped"), 1, "{kinds:?}");
+
+    // The loop's waits after such passes grow: 1 s, 2 s, 4 s, … at most the poll.
+    let poll = Duration::from_secs(10);
+    let waits: Vec<Duration> = (1..=5).map(|failed_passes| Pass::Replaced { failed_passes }.wait(poll)).collect();
+    assert_eq!(waits, [1, 2, 4, 8, 10].map(Duration::from_secs));
+    assert_eq!(Pass::Changed.wait(poll), Duration::ZERO);
+
+    // Committing again resumes.
+    assert_eq!(groups.commit_text(&failing, false).await.unwrap(), "Noop");
+    assert!(groups.describe("workers").await.unwrap().update_stopped.is_none());
+    assert_eq!(groups.converge_once("workers").await.unwrap(), Pass::Replaced { failed_passes: 1 });
+}
+
+/// A rolling update whose replacement is listed running but never answers
+/// `maintain-instance` stops after its patience, with an event, `Converged`
+/// false and the reason in `describe`; the older members stay; a commit of
+/// the old spec rolls the bad member back.
+#[tokio::test]
+async fn an_update_whose_replacement_never_becomes_healthy_stops_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = GroupSettings {
+        poll: Duration::from_millis(50),
+        update_patience: Duration::from_millis(200),
+        ..GroupSettings::default()
+    };
+    let (broker, groups) = host_with(dir.path(), r#"unhealthy-tag = "fake.unhealthy""#, settings).await;
+    groups.commit_text(&sized(3), false).await.unwrap();
+    converge(&groups, "workers").await;
+    let good_hash = groups.describe("workers").await.unwrap().instances[0].tags["infrakit.config.hash"].clone();
+    let seq = broker.store().events(0, 10_000).unwrap().last().unwrap().seq;
+
+    let unhealthy =
+        sized(3).replace(r#""Tags": {"role": "worker"}"#, r#""Tags": {"role": "worker", "fake.unhealthy": "yes"}"#);
+    assert_eq!(groups.commit_text(&unhealthy, false).await.unwrap(), "Performing a rolling update on 3 instances");
+    let until = Instant::now() + Duration::from_secs(30);
+    while groups.describe("workers").await.unwrap().update_stopped.is_none() {
+        assert!(Instant::now() < until, "the update never stopped");
+        groups.converge_once("workers").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for _ in 0..3 {
+        groups.converge_once("workers").await.unwrap();
+    }
+    let described = groups.describe("workers").await.unwrap();
+    assert!(!described.converged);
+    assert!(described.update_stopped.as_deref().unwrap().contains("was not healthy within"), "{described:?}");
+    let good = described.instances.iter().filter(|m| m.tags["infrakit.config.hash"] == good_hash).count();
+    assert_eq!((described.instances.len(), good), (3, 2), "one step only: {described:?}");
+    assert!(described.instances.iter().all(|m| m.status == "running"));
+    let kinds: Vec<String> = events_of(&broker, seq).into_iter().map(|(kind, _)| kind).collect();
+    let count = |kind: &str| kinds.iter().filter(|k| *k == kind).count();
+    assert_eq!((count("update-step"), count("update-stopped"), count("converged")), (1, 1, 0), "{kinds:?}");
+
+    assert_eq!(groups.commit_text(&sized(3), false).await.unwrap(), "Performing a rolling update on 1 instances");
+    converge(&groups, "workers").await;
+    let described = groups.describe("workers").await.unwrap();
+    assert!(described.converged, "{described:?}");
+    assert!(described.instances.iter().all(|m| m.tags["infrakit.config.hash"] == good_hash));
+}
+
+/// What a commit may not change, and commits racing for one new group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_cannot_switch_allocation_or_provider_and_racing_first_commits_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let (broker, groups) = host(dir.path(), "").await;
+    add_fake(&broker, dir.path(), "other", r#"prefix = "other""#).await;
+    groups.commit_text(&sized(2), false).await.unwrap();
+    converge(&groups, "workers").await;
+    let quorum = spec(r#"{"LogicalIDs": ["a", "b"]}"#, "mem=1G");
+    for pretend in [true, false] {
+        let refused = groups.commit_text(&quorum, pretend).await.unwrap_err();
+        assert!(matches!(refused, GroupError::AllocationChanged { .. }), "{refused}");
+        assert!(refused.to_string().contains("Properties.Allocation"), "{refused}");
+    }
+    assert_eq!(groups.describe("workers").await.unwrap().instances.len(), 2, "nothing destroyed");
+
+    // Two first commits of one group, naming different providers, at once:
+    // one commits, the other is refused, and only one provider runs members.
+    for round in 0..5 {
+        let id = format!("race-{round}");
+        let on = |provider: &str| {
+            sized(1).replace("\"workers\"", &format!("{id:?}")).replace("\"fake\"", &format!("{provider:?}"))
+        };
+        let (a, b) = (on("fake"), on("other"));
+        let (first, second) = tokio::join!(groups.commit_text(&a, false), groups.commit_text(&b, false));
+        let refused = match (first, second) {
+            (Ok(_), Err(refused)) | (Err(refused), Ok(_)) => refused,
+            other => panic!("exactly one commit must win: {other:?}"),
+        };
+        assert!(matches!(refused, GroupError::ProviderChanged { .. }), "{refused}");
+    }
+}
+
+/// A group whose provider was removed can still be freed, not destroyed, and
+/// a stored spec that no longer reads hides no other group and can be freed.
+#[tokio::test]
+async fn groups_outlive_their_provider_and_a_bad_stored_spec() {
+    let dir = tempfile::tempdir().unwrap();
+    let (broker, groups) = host(dir.path(), "").await;
+    add_fake(&broker, dir.path(), "other", r#"prefix = "other""#).await;
+    let idle = sized(0).replace("\"workers\"", "\"idle\"").replace("\"fake\"", "\"other\"");
+    groups.commit_text(&idle, false).await.unwrap();
+    groups.commit_text(&sized(1), false).await.unwrap();
+    broker.registry().remove("other").await.unwrap();
+    let refused = groups.destroy("idle").await.unwrap_err();
+    assert!(matches!(refused, GroupError::ProviderGone { .. }), "{refused}");
+    assert!(refused.to_string().contains("broker group free idle"), "{refused}");
+    groups.free("idle").await.unwrap();
+
+    // A spec an older or damaged store holds: it reads as JSON, but not as a group.
+    let broken = broker_host::store::GroupRecord {
+        spec: serde_json::json!({"ID": "broken", "Properties": {"Instance": {"Plugin": "fake"}, "Bogus": 1}}),
+        committed: "2026-01-01T00:00:00Z".into(),
+    };
+    let event = broker_host::store::Event::new("test", "fake");
+    broker.store().put_group("broken", &broken, &event).await.unwrap();
+    let listed: Vec<String> = groups.inspect().unwrap().into_iter().map(|spec| spec.id).collect();
+    assert_eq!(listed, ["workers"], "the bad one is left out, the good one listed");
+    let error = groups.describe("broken").await.unwrap_err();
+    assert!(matches!(error, GroupError::StoredSpec { .. }), "{error}");
+    groups.free("broken").await.unwrap();
+    assert!(broker.store().group("broken").unwrap().is_none());
 }
