@@ -108,28 +108,49 @@ impl DaemonClient {
         path: &str,
         body: Option<serde_json::Value>,
     ) -> Result<http::Response<hyper::body::Incoming>, ClientError> {
-        let stream = tokio::net::UnixStream::connect(&self.socket)
-            .await
-            .map_err(|source| ClientError::Connect { socket: self.socket.display().to_string(), source })?;
-        let (mut sender, connection) = hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
-            .await
-            .map_err(|e| self.broke_off(e))?;
-        // The connection drives the socket; it ends when the response body is read.
-        tokio::spawn(connection);
         let body = body.map(|b| b.to_string()).unwrap_or_default();
-        let request = http::Request::builder()
-            .method(method)
-            .uri(path)
-            .header(header::HOST, "broker")
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| self.broke_off(e))?;
-        sender.send_request(request).await.map_err(|e| self.broke_off(e))
+        send_unix(&self.socket, method, path, body).await.map_err(|failed| match failed {
+            SendError::Connect(source) => ClientError::Connect { socket: self.socket.display().to_string(), source },
+            SendError::Http(source) => self.broke_off(source),
+        })
     }
 
     fn broke_off(&self, source: impl Into<crate::runtime::BoxError>) -> ClientError {
         ClientError::Http { socket: self.socket.display().to_string(), source: source.into() }
     }
+}
+
+/// Why [`send_unix`] failed.
+#[derive(Debug)]
+pub(crate) enum SendError {
+    /// Nothing listens there (or it refused).
+    Connect(std::io::Error),
+    /// The exchange broke off.
+    Http(crate::runtime::BoxError),
+}
+
+/// One HTTP/1.1 request with a JSON body over a new connection to `socket`;
+/// the answer, its body still to read.
+pub(crate) async fn send_unix(
+    socket: &Path,
+    method: Method,
+    path: &str,
+    body: String,
+) -> Result<http::Response<hyper::body::Incoming>, SendError> {
+    let stream = tokio::net::UnixStream::connect(socket).await.map_err(SendError::Connect)?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
+        .await
+        .map_err(|e| SendError::Http(e.into()))?;
+    // The connection drives the socket; it ends when the response body is read.
+    tokio::spawn(connection);
+    let request = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header(header::HOST, "broker")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| SendError::Http(e.into()))?;
+    sender.send_request(request).await.map_err(|e| SendError::Http(e.into()))
 }
 
 /// The daemon's `{"error": …}`, or the status and body as they came.

@@ -12,6 +12,7 @@ pub mod contract;
 pub mod daemon;
 pub mod error_text;
 pub mod groups;
+pub mod infrakit;
 pub mod machine_lock;
 pub mod manifest;
 pub mod network;

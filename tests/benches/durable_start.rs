@@ -101,7 +101,7 @@ fn bench_healthz(c: &mut Criterion) {
             let shutdown = async move {
                 let _ = stopped.await;
             };
-            broker_host::daemon::serve(broker, &socket, None, Default::default(), shutdown).await
+            broker_host::daemon::serve(broker, &socket, Default::default(), Default::default(), shutdown).await
         }
     });
     runtime.block_on(async {

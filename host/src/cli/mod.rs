@@ -105,6 +105,18 @@ pub(crate) enum Command {
         /// `none` stops nothing and only reports.
         #[arg(long, value_enum, value_name = "MODE", default_value_t = crate::broker::reconcile::HarvestMode::Destroyed)]
         harvest: crate::broker::reconcile::HarvestMode,
+        /// Also speak InfraKit's plugin protocol, so InfraKit's tools drive this host: a
+        /// unix socket `group` (Group/0.1.1) and one per provider, named after it
+        /// (Instance/0.6.1), in DIR (given without DIR: ~/.infrakit/plugins, InfraKit's
+        /// own). Mode 0600; removed when the daemon stops.
+        #[arg(long, value_name = "DIR", num_args = 0..=1)]
+        infrakit_dir: Option<Option<PathBuf>>,
+        /// Between convergence passes of a group when nothing wakes it sooner (1s to 1h).
+        #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = timeout_between_1s_and_1h)]
+        group_poll: std::time::Duration,
+        /// Most starts or stops one group's pass has in flight at once.
+        #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
+        group_max_parallel: u16,
     },
     /// Groups (InfraKit's group plugin): keep N instances of a template alive
     /// on a provider, or one per logical id, and roll them to a new template.
@@ -328,6 +340,9 @@ pub async fn run(mut cli: Cli) -> Result<u8> {
         max_connections,
         drain_timeout,
         harvest,
+        infrakit_dir,
+        group_poll,
+        group_max_parallel,
     } = cli.command
     {
         let providers_dir = providers_dir.unwrap_or_else(|| cli.data_dir.join("providers"));
@@ -338,7 +353,20 @@ pub async fn run(mut cli: Cli) -> Result<u8> {
             max_connections: max_connections as usize,
             drain: drain_timeout,
         };
-        let options = ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits, harvest };
+        let infrakit_dir = match infrakit_dir {
+            None => None,
+            Some(Some(dir)) => Some(dir),
+            Some(None) => Some(crate::infrakit::default_dir().ok_or_else(|| {
+                UsageError("--infrakit-dir without DIR needs $HOME (for ~/.infrakit/plugins)".into())
+            })?),
+        };
+        let groups = crate::groups::GroupSettings {
+            poll: group_poll,
+            max_parallel: usize::from(group_max_parallel),
+            ..Default::default()
+        };
+        let options =
+            ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits, harvest, infrakit_dir, groups };
         serve(&cli.data_dir, &socket, options).await?;
         return Ok(0);
     }
@@ -370,10 +398,13 @@ struct ServeOptions {
     kv_mirror_bytes: usize,
     limits: crate::daemon::ServeLimits,
     harvest: crate::broker::reconcile::HarvestMode,
+    infrakit_dir: Option<PathBuf>,
+    groups: crate::groups::GroupSettings,
 }
 
 async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: ServeOptions) -> Result<()> {
-    let ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits, harvest } = options;
+    let ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits, harvest, infrakit_dir, groups } =
+        options;
     let providers_dir = providers_dir.as_path();
     // Before the state is opened: a second daemon would only be told the database is busy.
     if crate::client::DaemonClient::probe(socket).await.is_some() {
@@ -425,7 +456,8 @@ async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: Se
         shutdown_signal().await;
         let _ = signalled.send(true);
     });
-    let served = crate::daemon::serve(broker, socket, tcp, limits, until_stopping(stopping)).await;
+    let serving = crate::daemon::Serving { tcp, infrakit_dir, groups };
+    let served = crate::daemon::serve(broker, socket, serving, limits, until_stopping(stopping)).await;
     // Served to the end or failed to start: either way the watcher stops too, and a
     // rescan in progress (a swap, a removal draining) finishes first.
     let _ = stop.send(true);

@@ -37,16 +37,28 @@ pub struct TcpListen {
     pub token: BearerToken,
 }
 
-/// Serve the API on `socket` (and on loopback TCP behind a bearer token, if
-/// asked) until `shutdown` resolves; then stop accepting and let the requests
-/// in flight finish, within `limits.drain`.
+/// What `broker serve` serves besides its unix socket, and how its groups converge.
+#[derive(Default)]
+pub struct Serving {
+    /// Also the API on loopback TCP.
+    pub tcp: Option<TcpListen>,
+    /// Also InfraKit's plugin sockets in this directory.
+    pub infrakit_dir: Option<PathBuf>,
+    /// The groups' convergence loops.
+    pub groups: crate::groups::GroupSettings,
+}
+
+/// Serve the API on `socket` (and on loopback TCP behind a bearer token, and
+/// InfraKit's sockets, if asked) until `shutdown` resolves; then stop
+/// accepting and let the requests in flight finish, within `limits.drain`.
 pub async fn serve(
     broker: Arc<Broker>,
     socket: &Path,
-    tcp: Option<TcpListen>,
+    serving: Serving,
     limits: ServeLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
+    let Serving { tcp, infrakit_dir, groups: group_settings } = serving;
     if socket.exists() {
         // A socket nobody answers on is left over from a crash; a live one is another daemon.
         if crate::client::DaemonClient::probe(socket).await.is_some() {
@@ -68,8 +80,22 @@ pub async fn serve(
     });
     let detached = tokio_util::task::TaskTracker::new();
     // Groups converge while the daemon serves.
-    let groups = crate::groups::Groups::new(broker.clone(), crate::groups::GroupSettings::default());
+    let groups = crate::groups::Groups::new(broker.clone(), group_settings);
     groups.start_loops().context("cannot read the committed groups")?;
+    let infrakit = match &infrakit_dir {
+        None => None,
+        Some(dir) => {
+            let serving =
+                crate::infrakit::serve(dir, broker.clone(), groups.clone(), detached.clone(), limits, stopped.clone());
+            match serving.await {
+                Ok(task) => Some(task),
+                Err(error) => {
+                    groups.stop_loops();
+                    return Err(error.context("cannot serve InfraKit's plugin sockets"));
+                }
+            }
+        }
+    };
     let until_stopped = |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
         let _ = stopped.wait_for(|stop| *stop).await;
     };
@@ -92,6 +118,9 @@ pub async fn serve(
     // Both listeners drained first: a request still on TCP may yet start work.
     if let Some(over_tcp) = over_tcp {
         over_tcp.await.context("the TCP API server panicked")?;
+    }
+    if let Some(infrakit) = infrakit {
+        infrakit.await.context("InfraKit's plugin sockets panicked")?;
     }
     // Passes end where they stand: a start cut short is left pending for the next host.
     groups.stop_loops();

@@ -50,14 +50,14 @@ pub enum SpecError {
     #[error("group spec field {field}: {why}")]
     Field {
         /// The field, as a path: `Properties.Allocation.Size`.
-        field: &'static str,
+        field: String,
         /// What is wrong with it.
         why: String,
     },
 }
 
-fn field(field: &'static str, why: impl Into<String>) -> SpecError {
-    SpecError::Field { field, why: why.into() }
+fn field(field: &str, why: impl Into<String>) -> SpecError {
+    SpecError::Field { field: field.to_owned(), why: why.into() }
 }
 
 /// The spec as written: InfraKit's field names.
@@ -247,11 +247,6 @@ impl Group {
         if provider.is_empty() {
             return Err(field("Properties.Instance.Plugin", "name the provider its instances come from"));
         }
-        let instance: InstanceProperties = match &properties.instance.properties {
-            serde_json::Value::Null => InstanceProperties::default(),
-            value => serde_json::from_value(value.clone())
-                .map_err(|e| field("Properties.Instance.Properties", e.to_string()))?,
-        };
         let flavor = match &properties.flavor {
             None => VanillaFlavor::default(),
             Some(section) if FLAVORS.contains(&section.plugin.as_str()) => match &section.properties {
@@ -286,28 +281,13 @@ impl Group {
             Some(Updating { duration: None, count: Some(count) }) => UpdatePace::Passes(*count),
             Some(Updating { duration: None, count: None }) => UpdatePace::Healthy,
         };
-        let constraints = crate::contract::constraints::parse(&instance.constraints).map_err(|e| {
-            field("Properties.Instance.Properties.Constraints", format!("{:?}: {e}", instance.constraints))
-        })?;
-        let mut params = crate::contract::params_with(constraints);
-        params.placement = instance.placement;
-        let mut user_data = instance.user_data.unwrap_or_default();
-        for line in &flavor.init {
-            if !user_data.is_empty() && !user_data.ends_with('\n') {
-                user_data.push('\n');
-            }
-            user_data.push_str(line);
-            user_data.push('\n');
-        }
-        let mut tags = instance.tags;
-        tags.extend(flavor.tags);
-        if let Some(reserved) = tags.keys().find(|key| key.starts_with("infrakit.")) {
-            return Err(field(
-                "Properties.Instance.Properties.Tags",
-                format!("{reserved:?}: infrakit.* tags are the group's"),
-            ));
-        }
-        params.instance_config = Some(instance_config(user_data, tags, instance.base));
+        let params = start_params(
+            "Properties.Instance.Properties",
+            &properties.instance.properties,
+            &flavor.init,
+            flavor.tags,
+            false,
+        )?;
         let config_hash = config_hash(&properties.instance, properties.flavor.as_ref());
         Ok(Group { provider, members, config_hash, pace, params, spec })
     }
@@ -359,6 +339,46 @@ pub fn id_problem(id: &str) -> Option<String> {
     }
     let bad = id.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))?;
     Some(format!("has {:?}; only A-Z, a-z, 0-9, '.', '_' and '-' are allowed", bad))
+}
+
+/// Start params from an instance plugin's `Properties` (field names
+/// prefixed by `at` in errors), with `init` lines appended to the user data
+/// and `tags` added to the properties' own. `infrakit.*` tags are refused in
+/// the properties and the extra tags unless `infrakit_tags` (InfraKit's own
+/// group controller sends them to an instance plugin).
+pub fn start_params(
+    at: &str,
+    properties: &serde_json::Value,
+    init: &[String],
+    tags: BTreeMap<String, String>,
+    infrakit_tags: bool,
+) -> Result<StartInstanceParams, SpecError> {
+    let instance: InstanceProperties = match properties {
+        serde_json::Value::Null => InstanceProperties::default(),
+        value => serde_json::from_value(value.clone()).map_err(|e| field(at, e.to_string()))?,
+    };
+    let constraints = crate::contract::constraints::parse(&instance.constraints)
+        .map_err(|e| field(&format!("{at}.Constraints"), format!("{:?}: {e}", instance.constraints)))?;
+    let mut params = crate::contract::params_with(constraints);
+    params.placement = instance.placement;
+    let mut user_data = instance.user_data.unwrap_or_default();
+    for line in init {
+        if !user_data.is_empty() && !user_data.ends_with('\n') {
+            user_data.push('\n');
+        }
+        user_data.push_str(line);
+        user_data.push('\n');
+    }
+    let mut all_tags = instance.tags;
+    if let Some(reserved) = all_tags.keys().find(|key| key.starts_with("infrakit.")) {
+        return Err(field(&format!("{at}.Tags"), format!("{reserved:?}: infrakit.* tags are the group's")));
+    }
+    all_tags.extend(tags);
+    if !infrakit_tags && let Some(reserved) = all_tags.keys().find(|key| key.starts_with("infrakit.")) {
+        return Err(field(&format!("{at}.Tags"), format!("{reserved:?}: infrakit.* tags are the group's")));
+    }
+    params.instance_config = Some(instance_config(user_data, all_tags, instance.base));
+    Ok(params)
 }
 
 fn instance_config(user_data: String, tags: BTreeMap<String, String>, base: Option<String>) -> InstanceConfig {

@@ -52,6 +52,9 @@ const OBSERVED_NETWORK: TableDefinition<&str, &[u8]> = TableDefinition::new("obs
 /// Key: (provider, child name).
 const CHILDREN: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("children");
 
+/// Most instance config tags a record keeps once labelled (`Instance.Label`).
+pub const MAX_INSTANCE_TAGS: usize = 128;
+
 /// Why the state database could not be opened, read or written.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -444,6 +447,37 @@ impl Store {
                 }
             }
             Ok(())
+        })
+    }
+
+    /// Set `labels` among the instance config tags of `provider`'s record of
+    /// `id` (InfraKit's `Instance.Label`), in one transaction. Refused (the
+    /// inner error, nothing written) when no such record is, or when the
+    /// record would hold more than [`MAX_INSTANCE_TAGS`].
+    pub fn label_instance(
+        &self,
+        provider: &str,
+        id: &str,
+        labels: &std::collections::BTreeMap<String, String>,
+    ) -> Pending<Result<(), String>> {
+        let (provider, id, labels) = (provider.to_owned(), id.to_owned(), labels.clone());
+        self.write(move |txn| {
+            let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
+            let key = (provider.as_str(), id.as_str());
+            let Some(bytes) = table.get(key).map_err(db_error)?.map(|v| v.value().to_vec()) else {
+                return Ok(Err(format!("no instance {} is recorded", records::id_for_message(&id))));
+            };
+            let mut record: InstanceRecord = decode("instance", &bytes)?;
+            record.instance_tags.extend(labels.iter().map(|(k, v)| (k.clone(), v.clone())));
+            if record.instance_tags.len() > MAX_INSTANCE_TAGS {
+                return Ok(Err(format!(
+                    "instance {} would have {} tags; at most {MAX_INSTANCE_TAGS}",
+                    records::id_for_message(&id),
+                    record.instance_tags.len()
+                )));
+            }
+            table.insert(key, encoded("instance", &record)?.as_slice()).map_err(db_error)?;
+            Ok(Ok(()))
         })
     }
 

@@ -9,6 +9,7 @@ mod cli_daemon;
 mod common;
 mod daemon;
 mod groups;
+mod infrakit;
 mod lock;
 mod providers_dir;
 mod quotas;

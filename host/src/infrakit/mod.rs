@@ -1,0 +1,304 @@
+//! InfraKit's wire protocol, so that InfraKit's own tools drive this host
+//! (`broker serve --infrakit-dir DIR`). One unix socket per plugin in DIR,
+//! as InfraKit's plugin discovery expects: `group` (Group/0.1.1, over this
+//! host's groups) and one per registered provider, named after it
+//! (Instance/0.6.1, over that provider). Each speaks JSON-RPC 2.0 over
+//! HTTP/1.1 `POST /` ([`rpc`]), answers `Handshake.Hello` and
+//! `Handshake.Implements`, and lists its methods at `GET /info/api.json`.
+//!
+//! The sockets are mode 0600 (bound under a temporary name, restricted, then
+//! renamed into place: never reachable by others), follow the registry while
+//! the daemon serves, and are removed when it stops. A socket left by a dead
+//! process is replaced; a live one, or anything that is not a socket, is not.
+
+pub mod client;
+pub mod group;
+pub mod instance;
+pub mod rpc;
+
+use crate::broker::Broker;
+use crate::daemon::ServeLimits;
+use crate::groups::Groups;
+use anyhow::{Context, Result};
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// The group plugin's socket name.
+pub const GROUP_SOCKET: &str = "group";
+/// How often the provider sockets are matched to the registry.
+const FOLLOW_REGISTRY: Duration = Duration::from_secs(1);
+/// Largest request body a plugin socket takes (a group spec is at most 64 KiB).
+const MAX_RPC_BODY_BYTES: usize = 128 * 1024;
+
+/// InfraKit's own default: `~/.infrakit/plugins`.
+pub fn default_dir() -> Option<PathBuf> {
+    std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".infrakit").join("plugins"))
+}
+
+/// What one socket serves.
+#[derive(Clone)]
+enum Plugin {
+    Group(Arc<Groups>),
+    Instance { broker: Arc<Broker>, provider: String },
+}
+
+impl Plugin {
+    fn api(&self) -> (&'static str, &'static str) {
+        match self {
+            Plugin::Group(_) => group::GROUP_API,
+            Plugin::Instance { .. } => instance::INSTANCE_API,
+        }
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            Plugin::Group(_) => GROUP_SOCKET,
+            Plugin::Instance { provider, .. } => provider,
+        }
+    }
+
+    async fn call(&self, method: &str, params: Value) -> Result<Value, rpc::RpcError> {
+        let (name, version) = self.api();
+        let outcome = match method {
+            // The objects this plugin serves: one, the plugin itself (".").
+            "Handshake.Hello" => {
+                Some(Ok(json!({"Objects": {format!("{name}/{version}"): [{"Name": ".", "ProxyFor": ""}]}})))
+            }
+            // Older clients ask this instead.
+            "Handshake.Implements" | "Plugin.Implements" => {
+                Some(Ok(json!({"APIs": [{"Name": name, "Version": version}]})))
+            }
+            _ => match self {
+                Plugin::Group(groups) => group::call(groups, method, params).await,
+                Plugin::Instance { broker, provider } => instance::call(broker, provider, method, params).await,
+            },
+        };
+        outcome.unwrap_or_else(|| {
+            Err(rpc::RpcError {
+                code: rpc::METHOD_NOT_FOUND,
+                message: format!(
+                    "no method {method:?} on this {name}/{version} plugin (GET /info/api.json lists them)"
+                ),
+            })
+        })
+    }
+
+    fn info(&self) -> Value {
+        let (name, version) = self.api();
+        let methods = match self {
+            Plugin::Group(_) => group::methods(),
+            Plugin::Instance { .. } => instance::methods(),
+        };
+        let methods: Vec<Value> = methods
+            .into_iter()
+            .map(
+                |(method, params)| json!({"Request": {"jsonrpc": "2.0", "method": method, "params": params, "id": ""}}),
+            )
+            .collect();
+        json!({
+            "Vendor": {"Name": "wasm-broker", "Version": env!("CARGO_PKG_VERSION")},
+            "Implements": [{"Name": name, "Version": version}],
+            "Interfaces": [{"Name": name, "Version": version, "Methods": methods}],
+        })
+    }
+}
+
+#[derive(Clone)]
+struct SocketState {
+    plugin: Plugin,
+    /// Calls run to their end even if their client goes (a start cut short could leave an instance unrecorded).
+    detached: tokio_util::task::TaskTracker,
+}
+
+fn router(state: SocketState, body_timeout: Duration) -> Router {
+    Router::new()
+        .route("/", post(rpc_call))
+        .route("/info/api.json", get(api_info))
+        .layer(DefaultBodyLimit::max(MAX_RPC_BODY_BYTES))
+        .layer(axum::middleware::from_fn(move |request, next| {
+            crate::daemon::listen::bounded_request(body_timeout, request, next)
+        }))
+        .with_state(state)
+}
+
+async fn rpc_call(State(state): State<SocketState>, body: Bytes) -> axum::Json<rpc::Response> {
+    let request = match rpc::read_request(&body) {
+        Ok(request) => request,
+        Err(answer) => return axum::Json(answer),
+    };
+    let span = tracing::info_span!("infrakit call", plugin = %state.plugin.name(), method = %request.method);
+    let plugin = state.plugin.clone();
+    let (method, params) = (request.method, request.params);
+    let call =
+        state.detached.spawn(tracing::Instrument::instrument(async move { plugin.call(&method, params).await }, span));
+    let outcome = call.await.unwrap_or_else(|_| {
+        Err(rpc::RpcError { code: rpc::SERVER_ERROR, message: "the call failed inside the host (see its log)".into() })
+    });
+    axum::Json(rpc::Response::of(request.id, outcome))
+}
+
+async fn api_info(State(state): State<SocketState>) -> axum::Json<Value> {
+    axum::Json(state.plugin.info())
+}
+
+/// A socket this daemon made: removed at the end only if it is still the same file.
+struct Served {
+    path: PathBuf,
+    identity: (u64, u64),
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Served {
+    async fn end(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+        if std::fs::symlink_metadata(&self.path).is_ok_and(|meta| (meta.dev(), meta.ino()) == self.identity) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// The sockets' shared parts.
+#[derive(Clone)]
+struct Sockets {
+    dir: PathBuf,
+    limits: ServeLimits,
+    detached: tokio_util::task::TaskTracker,
+}
+
+impl Sockets {
+    async fn serve(&self, name: &str, plugin: Plugin) -> Result<Served> {
+        let (listener, path, identity) = bind(&self.dir, name).await?;
+        let stop = CancellationToken::new();
+        let app = router(SocketState { plugin, detached: self.detached.clone() }, self.limits.body_timeout);
+        let stopped = stop.clone().cancelled_owned();
+        let task = tokio::spawn(crate::daemon::listen::serve(listener, app, self.limits, stopped, "infrakit"));
+        tracing::info!(socket = %path.display(), "InfraKit plugin serving");
+        Ok(Served { path, identity, stop, task })
+    }
+}
+
+/// Serve the `group` socket and one per provider in `dir` until `stop`
+/// turns true; the returned task ends once they are drained and removed.
+/// An error (the directory, or the `group` socket) is returned before
+/// anything serves.
+pub async fn serve(
+    dir: &Path,
+    broker: Arc<Broker>,
+    groups: Arc<Groups>,
+    detached: tokio_util::task::TaskTracker,
+    limits: ServeLimits,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>> {
+    if !dir.exists() {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the InfraKit plugin dir {}", dir.display()))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("cannot restrict {}", dir.display()))?;
+    }
+    let sockets = Sockets { dir: dir.to_owned(), limits, detached };
+    let group = sockets.serve(GROUP_SOCKET, Plugin::Group(groups)).await?;
+    Ok(tokio::spawn(async move {
+        let mut providers: HashMap<String, Served> = HashMap::new();
+        // Names that could not be served, said once each.
+        let mut refused: std::collections::HashSet<String> = std::collections::HashSet::new();
+        loop {
+            follow_registry(&sockets, &broker, &mut providers, &mut refused).await;
+            tokio::select! {
+                _ = stop.wait_for(|stop| *stop) => break,
+                () = tokio::time::sleep(FOLLOW_REGISTRY) => {}
+            }
+        }
+        let ends = providers.into_values().chain(std::iter::once(group)).map(Served::end);
+        futures_util::future::join_all(ends).await;
+    }))
+}
+
+/// One socket per registered provider: new ones served, removed ones ended.
+async fn follow_registry(
+    sockets: &Sockets,
+    broker: &Arc<Broker>,
+    providers: &mut HashMap<String, Served>,
+    refused: &mut std::collections::HashSet<String>,
+) {
+    let registered: Vec<String> = match broker.registry().list() {
+        Ok(list) => list.into_iter().map(|p| p.name).collect(),
+        Err(error) => {
+            tracing::warn!(error = %crate::error_text::error_text(&error), "cannot list providers for their InfraKit sockets");
+            return;
+        }
+    };
+    let gone: Vec<String> = providers.keys().filter(|name| !registered.contains(name)).cloned().collect();
+    for name in gone {
+        if let Some(served) = providers.remove(&name) {
+            served.end().await;
+        }
+    }
+    refused.retain(|name| registered.contains(name));
+    for name in registered {
+        if providers.contains_key(&name) || refused.contains(&name) {
+            continue;
+        }
+        if name == GROUP_SOCKET {
+            tracing::warn!(provider = %name, "a provider named like the group plugin gets no InfraKit socket");
+            refused.insert(name);
+            continue;
+        }
+        let plugin = Plugin::Instance { broker: broker.clone(), provider: name.clone() };
+        match sockets.serve(&name, plugin).await {
+            Ok(served) => {
+                providers.insert(name, served);
+            }
+            Err(error) => {
+                tracing::warn!(provider = %name, error = %format!("{error:#}"), "no InfraKit socket for this provider");
+                refused.insert(name);
+            }
+        }
+    }
+}
+
+/// Bind `dir/name` at mode 0600, replacing a socket nobody answers on.
+async fn bind(dir: &Path, name: &str) -> Result<(tokio::net::UnixListener, PathBuf, (u64, u64))> {
+    let path = dir.join(name);
+    match std::fs::symlink_metadata(&path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            let live = tokio::time::timeout(Duration::from_secs(1), tokio::net::UnixStream::connect(&path)).await;
+            if matches!(live, Ok(Ok(_))) {
+                anyhow::bail!(
+                    "{} is served by another process (an InfraKit plugin, or another broker): not replaced",
+                    path.display()
+                );
+            }
+            std::fs::remove_file(&path)
+                .with_context(|| format!("cannot remove the stale socket {}", path.display()))?;
+        }
+        Ok(_) => anyhow::bail!("{} exists and is not a socket: not replaced", path.display()),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error).with_context(|| format!("cannot look at {}", path.display())),
+    }
+    // Bound under a name of this process's, restricted, then moved into place.
+    let temporary = dir.join(format!(".{name}.{}.binding", std::process::id()));
+    let _ = std::fs::remove_file(&temporary);
+    let listener = tokio::net::UnixListener::bind(&temporary)
+        .with_context(|| format!("cannot listen on {}", temporary.display()))?;
+    let placed = std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(0o600))
+        .and_then(|()| std::fs::rename(&temporary, &path))
+        .and_then(|()| std::fs::symlink_metadata(&path));
+    match placed {
+        Ok(meta) => Ok((listener, path, (meta.dev(), meta.ino()))),
+        Err(error) => {
+            let _ = std::fs::remove_file(&temporary);
+            Err(error).with_context(|| format!("cannot put the socket in place at {}", path.display()))
+        }
+    }
+}
