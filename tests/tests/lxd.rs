@@ -311,3 +311,99 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
         "{reasons:?}"
     );
 }
+
+/// A group of 3 on real Incus containers: it converges (each container
+/// carrying the group's tags in its LXD config), survives a restart of the
+/// host without making or losing a container, and a template change rolls it
+/// one container at a time to the new limits.
+#[test]
+fn a_group_of_three_containers_converges_survives_a_restart_and_rolls() {
+    use broker_host::groups::{GroupSettings, Groups};
+    use std::time::{Duration, Instant};
+
+    let daemon = Arc::new(IncusDaemon::start("br-lxdgroup"));
+    let d = daemon.clone();
+    in_netns_of(daemon.netns(), move || async move {
+        let daemon = d;
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let manifest = lxd_manifest(dir.path(), &daemon, "lxd", "g1", true);
+        let settings = GroupSettings { poll: Duration::from_millis(500), ..GroupSettings::default() };
+        let spec = |mem: &str| {
+            format!(
+                r#"{{"ID": "workers", "Properties": {{"Allocation": {{"Size": 3}},
+                    "Instance": {{"Plugin": "lxd", "Properties": {{"Constraints": "mem={mem}", "Tags": {{"role": "worker"}}}}}}}}}}"#
+            )
+        };
+        // Until converged with 3 members (120 s at most); the fewest running seen meanwhile.
+        let converged = async |groups: &Groups| {
+            let until = Instant::now() + Duration::from_secs(120);
+            let mut fewest = usize::MAX;
+            loop {
+                let described = groups.describe("workers").await.unwrap();
+                fewest = fewest.min(described.instances.iter().filter(|m| m.status == "running").count());
+                if described.converged && described.instances.len() == 3 {
+                    let mut ids: Vec<String> = described.instances.into_iter().map(|m| m.id).collect();
+                    ids.sort();
+                    return (ids, fewest);
+                }
+                assert!(Instant::now() < until, "not converged: {described:?}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        };
+        let limits = |daemon: &IncusDaemon, id: &str| {
+            let config = daemon.api(&format!("/1.0/instances/{id}")).unwrap()["expanded_config"].clone();
+            (
+                config["limits.memory"].as_str().map(str::to_owned),
+                config["user.infrakit.group"].as_str().map(str::to_owned),
+            )
+        };
+
+        let first = {
+            let broker = Arc::new(Broker::open(&data).unwrap());
+            broker.registry().add(&manifest).await.unwrap();
+            let groups = Groups::new(broker.clone(), settings);
+            groups.start_loops().unwrap();
+            assert_eq!(groups.commit_text(&spec("128M"), false).await.unwrap(), "Managing 3 instances");
+            let (ids, _) = converged(&groups).await;
+            let mut names = daemon.instance_names().unwrap();
+            names.sort();
+            assert_eq!(names, ids, "exactly the group's containers");
+            for id in &ids {
+                let role = daemon.api(&format!("/1.0/instances/{id}")).unwrap()["expanded_config"]["user.role"].clone();
+                assert_eq!(limits(&daemon, id), (Some("128MiB".into()), Some("workers".into())), "{id}");
+                assert_eq!(role, "worker", "{id}");
+            }
+            groups.stop_loops();
+            ids
+        };
+
+        // A new host on the same state: the group resumes, converged as it was.
+        let broker = Arc::new(Broker::open_when_free(&data, Duration::from_secs(10), async || true).await.unwrap());
+        broker.reconcile_after_restart(broker_host::broker::reconcile::HarvestMode::Destroyed).await;
+        let groups = Groups::new(broker.clone(), settings);
+        groups.start_loops().unwrap();
+        assert_eq!(converged(&groups).await.0, first, "no container made or lost by the restart");
+        assert_eq!(daemon.instance_names().unwrap().len(), 3);
+
+        // A template change rolls every member, never fewer than 2 running.
+        let plan = groups.commit_text(&spec("192M"), false).await.unwrap();
+        assert_eq!(plan, "Performing a rolling update on 3 instances");
+        let (rolled, fewest) = converged(&groups).await;
+        assert!(rolled.iter().all(|id| !first.contains(id)), "{rolled:?} {first:?}");
+        assert!(fewest >= 2, "never fewer than size - 1 running: saw {fewest}");
+        for id in &rolled {
+            assert_eq!(limits(&daemon, id).0.as_deref(), Some("192MiB"), "{id}");
+        }
+        let mut names = daemon.instance_names().unwrap();
+        names.sort();
+        assert_eq!(names, rolled, "the old containers are gone");
+
+        groups.destroy("workers").await.unwrap();
+        groups.stop_loops();
+        assert!(daemon.instance_names().unwrap().is_empty());
+    });
+    let daemon_pid = daemon.pid();
+    drop(Arc::into_inner(daemon).expect("the test thread released the daemon"));
+    assert!(!Path::new(&format!("/proc/{daemon_pid}")).exists(), "incusd {daemon_pid} still runs");
+}

@@ -87,6 +87,18 @@ pub struct Request<'a> {
     pub user_data: Option<String>,
     pub network_config: Option<String>,
     pub charm_profiles: &'a [String],
+    /// The instance config's tags: each becomes config key `user.<tag>`, as
+    /// Juju's LXD provider keeps its tags (a group's `infrakit.*` among them).
+    pub tags: &'a [(String, String)],
+}
+
+/// Whether `key` can be an LXD `user.` config key: letters, digits, `.`, `-`,
+/// `_`, at most 128 bytes, and none of the keys this provider writes itself.
+fn tag_key_ok(key: &str) -> bool {
+    !key.is_empty()
+        && key.len() <= 128
+        && key.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+        && !matches!(key, "user-data" | "network-config")
 }
 
 pub fn container_spec(config: &Config, request: Request<'_>) -> Result<ContainerSpec, LxdError> {
@@ -120,6 +132,14 @@ pub fn container_spec(config: &Config, request: Request<'_>) -> Result<Container
     }
     if let Some(network) = request.network_config {
         config_keys.insert("user.network-config".to_owned(), network);
+    }
+    for (key, value) in request.tags {
+        if !tag_key_ok(key) {
+            return Err(LxdError::InvalidParams(format!(
+                "tag {key:?} cannot be an LXD config key (user.<tag>: letters, digits, '.', '-', '_', at most 128 bytes)"
+            )));
+        }
+        config_keys.insert(format!("user.{key}"), value.clone());
     }
 
     let mut devices = BTreeMap::new();
@@ -236,6 +256,7 @@ mod tests {
             user_data: Some("#cloud-config\n".into()),
             network_config: Some("{}".into()),
             charm_profiles: profiles,
+            tags: &[],
         }
     }
 
@@ -270,6 +291,14 @@ mod tests {
         assert_eq!(body["config"]["limits.memory"], "256MiB");
         assert_eq!(body["config"]["boot.autostart"], "true");
         assert_eq!(body["config"]["user.user-data"], "#cloud-config\n");
+        let tags = [("infrakit.group".to_owned(), "workers".to_owned())];
+        let tagged = container_spec(&config(), Request { tags: &tags, ..request(&wanted, &nics, &profiles) }).unwrap();
+        assert_eq!(tagged.create_body()["config"]["user.infrakit.group"], "workers");
+        for bad in ["user-data", "a b", "", "x\n"] {
+            let tags = [(bad.to_owned(), "v".to_owned())];
+            let refused = container_spec(&config(), Request { tags: &tags, ..request(&wanted, &nics, &profiles) });
+            assert!(refused.is_err(), "{bad:?}");
+        }
         assert_eq!(body["devices"]["eth0"]["nictype"], "bridged");
         assert_eq!(body["devices"]["eth0"]["parent"], "br-eth0");
         assert_eq!(body["devices"]["eth0"]["hwaddr"], "00:16:3e:00:00:01");

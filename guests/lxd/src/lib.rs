@@ -197,6 +197,7 @@ impl Guest for LxdProvider {
                 user_data,
                 network_config,
                 charm_profiles: &params.charm_lxd_profiles,
+                tags: instance_config.map(|ic| ic.tags.as_slice()).unwrap_or_default(),
             },
         )
         .map_err(|e| failed(from_logic(e)))?;
