@@ -120,6 +120,25 @@ impl Config {
     }
 }
 
+/// The test knobs listing and maintenance read ([`Config::failed_zones`],
+/// [`Config::unhealthy_tag`]), leniently: a provider built on the fake
+/// (test-broken) adds keys of its own to the config, and a config that does
+/// not parse was already refused by validate-config and start.
+#[derive(Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Knobs {
+    #[serde(default)]
+    pub failed_zones: Vec<String>,
+    #[serde(default)]
+    pub unhealthy_tag: Option<String>,
+}
+
+impl Knobs {
+    pub fn read(json: &str) -> Knobs {
+        serde_json::from_str(json).unwrap_or_default()
+    }
+}
+
 /// Hardware as Juju names it; echoed from the constraints.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Hardware {

@@ -57,6 +57,10 @@ fn config(ctx: &CallContext) -> Result<fake_logic::Config, BrokerError> {
     fake_logic::Config::parse(&ctx.provider_config()).map_err(to_broker_error)
 }
 
+fn knobs(ctx: &CallContext) -> fake_logic::Knobs {
+    fake_logic::Knobs::read(&ctx.provider_config())
+}
+
 /// Key under which the fake keeps the params it was started with, so a test
 /// can check that every field crossed the boundary intact.
 fn params_key(id: &str) -> String {
@@ -207,7 +211,7 @@ impl Guest for Fake {
     }
 
     fn all_instances(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
-        let failed_zones = config(ctx)?.failed_zones;
+        let failed_zones = knobs(ctx).failed_zones;
         let listed = fake_logic::all(&HostKv).map_err(to_broker_error)?;
         Ok(listed
             .iter()
@@ -223,7 +227,7 @@ impl Guest for Fake {
     }
 
     fn maintain_instance(ctx: &CallContext, id: String, params: StartInstanceParams) -> Result<(), BrokerError> {
-        if let Some(tag) = config(ctx)?.unhealthy_tag {
+        if let Some(tag) = knobs(ctx).unhealthy_tag {
             let tags = params.instance_config.as_ref().map(|ic| ic.tags.as_slice()).unwrap_or_default();
             if tags.iter().any(|(key, _)| *key == tag) {
                 return Err(BrokerError::Provider(format!(
