@@ -87,6 +87,16 @@ pub enum BrokerServiceError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A start was answered with the id of an instance already recorded for the same provider.
+    #[error(
+        "provider {provider} answered a start with instance id {id}, which is already recorded as one of its instances; nothing was recorded (a provider must not hand out one id twice)"
+    )]
+    InstanceIdReused {
+        /// The provider.
+        provider: String,
+        /// The id, escaped for a message.
+        id: String,
+    },
     /// The provider returned an id recorded for another provider; the instance is left running.
     #[error(
         "provider {provider} returned instance id {id}, which is recorded for provider {owner}; nothing was recorded, and the instance was not stopped, as the id may name {owner}'s instance"
@@ -348,6 +358,11 @@ impl Broker {
             Ok(None) => Ok(record),
             // Not stopped: the id may well name the other provider's instance (two
             // providers over one backend), and stopping it there would be worse.
+            // A second start answered with a recorded instance's id: refused,
+            // never an overwrite of that record (its tags, its group).
+            Ok(Some(owner)) if owner == provider => {
+                Err(BrokerServiceError::InstanceIdReused { provider: owner, id: id_for_message(&record.id) })
+            }
             Ok(Some(owner)) => Err(BrokerServiceError::InstanceIdTaken {
                 provider: provider.to_owned(),
                 id: id_for_message(&record.id),

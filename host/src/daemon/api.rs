@@ -112,9 +112,9 @@ impl From<BrokerServiceError> for ApiError {
             BrokerServiceError::UnknownInstance(_) => StatusCode::NOT_FOUND,
             BrokerServiceError::AmbiguousInstance { .. } => StatusCode::CONFLICT,
             // The provider answered with an id the host does not take.
-            BrokerServiceError::InvalidInstanceId { .. } | BrokerServiceError::InstanceIdTaken { .. } => {
-                StatusCode::BAD_GATEWAY
-            }
+            BrokerServiceError::InvalidInstanceId { .. }
+            | BrokerServiceError::InstanceIdTaken { .. }
+            | BrokerServiceError::InstanceIdReused { .. } => StatusCode::BAD_GATEWAY,
             BrokerServiceError::Call(CallError::Unavailable { .. } | CallError::Busy { .. }) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }

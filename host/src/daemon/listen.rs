@@ -148,6 +148,11 @@ pub const MAX_HEADER_BYTES: usize = 32 << 10;
 /// [`MAX_BODY_BYTES`] (408, 413), and every error answer, axum's own
 /// rejections of a path or a query included, is `{"error": "..."}` JSON.
 pub async fn bounded_request(timeout: Duration, request: Request, next: Next) -> Response {
+    bounded_request_up_to(timeout, MAX_BODY_BYTES, request, next).await
+}
+
+/// [`bounded_request`] with a body of at most `max_body` bytes.
+pub async fn bounded_request_up_to(timeout: Duration, max_body: usize, request: Request, next: Next) -> Response {
     let (parts, body) = request.into_parts();
     let target = parts.uri.path_and_query().map_or(0, |p| p.as_str().len());
     if target > MAX_URI_BYTES {
@@ -160,7 +165,7 @@ pub async fn bounded_request(timeout: Duration, request: Request, next: Next) ->
             format!("the request headers are larger than {MAX_HEADER_BYTES} bytes"),
         );
     }
-    let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, MAX_BODY_BYTES)).await;
+    let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, max_body)).await;
     let bytes = match read {
         Ok(Ok(bytes)) => bytes,
         Ok(Err(failed)) => {
@@ -168,7 +173,7 @@ pub async fn bounded_request(timeout: Duration, request: Request, next: Next) ->
             let too_large = std::error::Error::source(&failed)
                 .is_some_and(|source| source.is::<http_body_util::LengthLimitError>());
             return if too_large {
-                error(StatusCode::PAYLOAD_TOO_LARGE, format!("the request body is larger than {MAX_BODY_BYTES} bytes"))
+                error(StatusCode::PAYLOAD_TOO_LARGE, format!("the request body is larger than {max_body} bytes"))
             } else {
                 error(StatusCode::BAD_REQUEST, format!("cannot read the request body: {failed}"))
             };

@@ -207,12 +207,13 @@ fn is_lost(record: &InstanceRecord) -> bool {
     matches!(record.status.as_str(), "stopped" | "stopping" | "unknown" | "error" | "provisioning-error")
 }
 
-/// How long ago the member was recorded as started (zero if unreadable: the safe side for counting failures).
+/// How long ago the member was recorded as started (forever if unreadable:
+/// such a member never counts as failing young).
 fn age(record: &InstanceRecord, now: std::time::SystemTime) -> Duration {
     humantime::parse_rfc3339(&record.created)
         .ok()
         .and_then(|created| now.duration_since(created).ok())
-        .unwrap_or(Duration::ZERO)
+        .unwrap_or(Duration::MAX)
 }
 
 /// How a member has looked to the rolling update.
@@ -236,6 +237,9 @@ struct LoopState {
     step_at: Option<Instant>,
     /// Passes in a row that replaced members lost soon after their start.
     failed_passes: u32,
+    /// When the last of those passes ran: a failure window without another
+    /// ends the row.
+    last_failed: Option<Instant>,
     /// Set when those passes reached the most: no pass changes anything
     /// until the next commit.
     replacing_stopped: bool,
@@ -258,6 +262,7 @@ impl LoopState {
         *lock(&self.halted) = None;
         self.step_at = None;
         self.failed_passes = 0;
+        self.last_failed = None;
         self.replacing_stopped = false;
         self.announced = false;
     }
@@ -314,6 +319,38 @@ impl Groups {
 
     fn slot(&self, id: &str) -> Slot {
         lock(&self.loops).entry(id.to_owned()).or_default().slot.clone()
+    }
+
+    /// The group's pass lock, held on the slot the map holds (a loop that
+    /// ended may have removed the one first looked up: then again). With
+    /// `committed`, an id no group has is refused before any slot is made
+    /// for it, so a caller cannot fill the map with ids.
+    async fn locked(
+        &self,
+        id: &str,
+        committed: bool,
+    ) -> Result<(Slot, tokio::sync::OwnedMutexGuard<LoopState>), GroupError> {
+        loop {
+            if committed && self.broker.store().group(id)?.is_none() {
+                return Err(GroupError::UnknownGroup(id.to_owned()));
+            }
+            let slot = self.slot(id);
+            let guard = slot.state.clone().lock_owned().await;
+            let current = lock(&self.loops).get(id).is_some_and(|entry| Arc::ptr_eq(&entry.slot.state, &slot.state));
+            if current {
+                return Ok((slot, guard));
+            }
+        }
+    }
+
+    /// Forget `slot` if nothing uses it: no loop, no committed group (a
+    /// refused or pretend first commit).
+    fn drop_idle_slot(&self, id: &str, slot: &Slot) {
+        let mut loops = lock(&self.loops);
+        let idle = loops.get(id).is_some_and(|entry| !entry.running && Arc::ptr_eq(&entry.slot.state, &slot.state));
+        if idle && matches!(self.broker.store().group(id), Ok(None)) {
+            loops.remove(id);
+        }
     }
 
     /// Start a convergence loop for every committed group, and for each
@@ -448,17 +485,16 @@ impl Groups {
 
     /// Commit a checked spec; see [`Groups::commit_text`].
     pub async fn commit(self: &Arc<Self>, group: Group, pretend: bool) -> Result<String, GroupError> {
-        let slot = self.slot(group.id());
-        let plan = {
-            // Read, check and write under the group's lock: two commits of
-            // one group never both see "no previous spec".
-            let mut state = slot.state.lock().await;
-            self.commit_locked(&group, pretend, &mut state).await?
-        };
-        if !pretend {
-            self.ensure_loop(group.id());
+        // Read, check and write under the group's lock: two commits of one
+        // group never both see "no previous spec".
+        let (slot, mut state) = self.locked(group.id(), false).await?;
+        let outcome = self.commit_locked(&group, pretend, &mut state).await;
+        drop(state);
+        match &outcome {
+            Ok(_) if !pretend => self.ensure_loop(group.id()),
+            _ => self.drop_idle_slot(group.id(), &slot),
         }
-        Ok(plan)
+        outcome
     }
 
     async fn commit_locked(&self, group: &Group, pretend: bool, state: &mut LoopState) -> Result<String, GroupError> {
@@ -468,13 +504,7 @@ impl Groups {
         }
         let previous = match self.committed(group.id()) {
             Ok(previous) => Some(previous),
-            Err(GroupError::UnknownGroup(_)) => {
-                let count = self.broker.store().group_count()?;
-                if usize::try_from(count).unwrap_or(usize::MAX) >= MAX_GROUPS {
-                    return Err(GroupError::TooManyGroups(MAX_GROUPS));
-                }
-                None
-            }
+            Err(GroupError::UnknownGroup(_)) => None,
             // A spec that no longer reads is replaced, as long as it names the same provider.
             Err(GroupError::StoredSpec { .. }) => {
                 let was = self.committed_provider(group.id())?;
@@ -511,7 +541,10 @@ impl Groups {
         let spec = serde_json::to_value(&group.spec).map_err(|e| SpecError::Parse(e.to_string()))?;
         let record = GroupRecord { spec, committed: crate::store::records::now_rfc3339() };
         let event = group_event("group-committed", group, plan.clone());
-        self.broker.store().put_group(group.id(), &record, &event).await?;
+        // The cap is checked in the write itself: concurrent first commits cannot pass it.
+        if !self.broker.store().put_group(group.id(), &record, &event, MAX_GROUPS).await? {
+            return Err(GroupError::TooManyGroups(MAX_GROUPS));
+        }
         // The next pass works from the new spec.
         state.recommitted();
         Ok(plan)
@@ -561,9 +594,8 @@ impl Groups {
     /// Commit the group's spec with a new size; returns the plan. Its
     /// members follow while the loop runs (`describe` tells when).
     pub async fn set_size(self: &Arc<Self>, id: &str, size: u32) -> Result<String, GroupError> {
-        let slot = self.slot(id);
         let plan = {
-            let mut state = slot.state.lock().await;
+            let (_, mut state) = self.locked(id, true).await?;
             let mut spec = self.committed(id)?.spec;
             if spec.properties.allocation.logical_ids.is_some() {
                 return Err(GroupError::QuorumSize(id.to_owned()));
@@ -577,12 +609,12 @@ impl Groups {
 
     /// Destroy `ids`, all members of the group, and shrink it by as many;
     /// one that is not a member fails the call before anything is destroyed.
-    /// The smaller spec and the members' stop marks are one write, so a
-    /// crash between them and the stop neither regrows the group nor
-    /// shrinks it twice on a retry.
+    /// The smaller spec, the members' stop marks and their leaving the group
+    /// are one write, so neither a crash before the stop nor a failed stop
+    /// regrows the group, shrinks it twice on a retry, or has it stop
+    /// another member in their place.
     pub async fn destroy_instances(self: &Arc<Self>, id: &str, ids: &[String]) -> Result<(), GroupError> {
-        let slot = self.slot(id);
-        let _pass = slot.state.lock().await;
+        let _pass = self.locked(id, true).await?;
         let group = self.committed(id)?;
         let members: std::collections::HashSet<String> =
             self.recorded_members(id, &group.provider).await?.into_iter().collect();
@@ -613,40 +645,35 @@ impl Groups {
         Ok(())
     }
 
-    /// Forget the group; its instances run on, recorded as ungrouped (one
-    /// write: a crash never leaves the group committed with its members
-    /// untagged). Works without the provider, and on a spec that no longer reads.
+    /// Forget the group; its instances run on, recorded as ungrouped. Its
+    /// members are chosen, untagged and the group forgotten in one write: a
+    /// crash never leaves the group committed with its members untagged,
+    /// nor a member tagged meanwhile behind. Works without the provider, and
+    /// on a spec that no longer reads.
     pub async fn free(&self, id: &str) -> Result<(), GroupError> {
-        let slot = self.slot(id);
-        let _pass = slot.state.lock().await;
+        let (slot, _pass) = self.locked(id, true).await?;
         let provider = self.committed_provider(id)?;
-        let ids = self.recorded_members(id, &provider).await?;
         let mut event = Event::new("group-freed", &provider);
         event.group = Some(id.to_owned());
-        event.detail = format!("{} instances left running, ungrouped", ids.len());
-        let tags = [GROUP_TAG, CONFIG_HASH_TAG, LOGICAL_ID_TAG];
-        self.broker.store().free_group(id, &event, &provider, &ids, &tags).await?;
+        self.broker.store().free_group(id, &event, &provider).await?;
         slot.wake.notify_one();
         Ok(())
     }
 
     /// Destroy the group's instances and forget it. The group is forgotten
-    /// and its members marked for stopping in one write, before the stop:
-    /// a crash midway never makes the members again, and the restart's
-    /// reconcile finishes their stops.
+    /// and its members (chosen in the same write) marked for stopping and
+    /// ungrouped in one write, before the stop: a crash midway never makes
+    /// the members again, and the restart's reconcile finishes their stops.
     pub async fn destroy(&self, id: &str) -> Result<(), GroupError> {
-        let slot = self.slot(id);
-        let _pass = slot.state.lock().await;
+        let (slot, _pass) = self.locked(id, true).await?;
         let provider = self.committed_provider(id)?;
         let registered = self.broker.registry().list().map_err(BrokerServiceError::from)?;
         if !registered.iter().any(|p| p.name == provider) {
             return Err(GroupError::ProviderGone { group: id.to_owned(), provider });
         }
-        let ids = self.recorded_members(id, &provider).await?;
         let mut event = Event::new("group-destroyed", &provider);
         event.group = Some(id.to_owned());
-        event.detail = format!("{} instances destroyed", ids.len());
-        self.broker.store().destroy_group(id, &event, &provider, &ids).await?;
+        let ids = self.broker.store().destroy_group(id, &event, &provider).await?;
         slot.wake.notify_one();
         self.broker.stop_instances(&provider, &ids).await.map_err(|source| GroupError::StopsUnfinished {
             group: id.to_owned(),
@@ -657,13 +684,14 @@ impl Groups {
 
     /// Wake the group's loop for a pass now.
     pub fn wake(&self, id: &str) {
-        self.slot(id).wake.notify_one();
+        if let Some(entry) = lock(&self.loops).get(id) {
+            entry.slot.wake.notify_one();
+        }
     }
 
     /// One convergence pass of group `id`.
     pub async fn converge_once(&self, id: &str) -> Result<Pass, GroupError> {
-        let slot = self.slot(id);
-        let mut state = slot.state.lock().await;
+        let (_, mut state) = self.locked(id, false).await?;
         let group = match self.committed(id) {
             Err(GroupError::UnknownGroup(_)) => return Ok(Pass::Gone),
             other => other?,
@@ -678,6 +706,7 @@ impl Groups {
         let failed_young = lost.iter().filter(|m| age(m, wall) < self.settings.failure_window).count();
         if failed_young > 0 {
             state.failed_passes = state.failed_passes.saturating_add(1);
+            state.last_failed = Some(Instant::now());
             if state.failed_passes >= self.settings.max_failed_passes {
                 let why = format!(
                     "members failed within {} of their start on {} passes in a row ({} now); replacing stopped until the spec is committed again",
@@ -691,8 +720,10 @@ impl Groups {
                 state.announced = false;
                 return Ok(Pass::Steady);
             }
-        } else if lost.is_empty() && alive.iter().all(|m| age(m, wall) >= self.settings.failure_window) {
+        } else if state.last_failed.is_none_or(|at| at.elapsed() >= self.settings.failure_window) {
+            // A whole window without a member failing young: the row is over.
             state.failed_passes = 0;
+            state.last_failed = None;
         }
         if !lost.is_empty() {
             let ids: Vec<String> = lost.iter().map(|m| m.id.clone()).collect();
@@ -764,7 +795,10 @@ impl Groups {
             return Ok(Pass::Changed);
         }
         if alive.len() < target {
-            self.start_members(group, &alive, vec![None; target - alive.len()]).await?;
+            // A bounded batch a pass: the group's lock is let go between
+            // batches, so a commit or a destroy never waits for thousands of starts.
+            let missing = (target - alive.len()).min(self.start_batch());
+            self.start_members(group, &alive, vec![None; missing]).await?;
             return Ok(Pass::Changed);
         }
         self.rolling_step(group, &alive, state).await
@@ -794,8 +828,12 @@ impl Groups {
                 self.note(group, "instance-destroyed", format!("{id}: its logical id is not the spec's")).await;
             }
         }
-        let missing: Vec<Option<String>> =
-            wanted.iter().filter(|w| !kept.contains_key(w.as_str())).map(|w| Some(w.clone())).collect();
+        let missing: Vec<Option<String>> = wanted
+            .iter()
+            .filter(|w| !kept.contains_key(w.as_str()))
+            .take(self.start_batch())
+            .map(|w| Some(w.clone()))
+            .collect();
         if !missing.is_empty() {
             let kept: Vec<InstanceRecord> = kept.values().map(|m| (*m).clone()).collect();
             self.start_members(group, &kept, missing).await?;
@@ -803,9 +841,15 @@ impl Groups {
         }
         let alive: Vec<InstanceRecord> = kept.into_values().cloned().collect();
         match self.rolling_step(group, &alive, state).await? {
-            Pass::Steady if !extra.is_empty() => Ok(Pass::Changed),
+            // What it stopped is looked at again.
+            _ if !extra.is_empty() => Ok(Pass::Changed),
             pass => Ok(pass),
         }
+    }
+
+    /// Most starts one pass makes.
+    fn start_batch(&self) -> usize {
+        self.settings.max_parallel.max(1).saturating_mul(4)
     }
 
     /// Start one member per entry (a logical id, or none), at most
@@ -827,35 +871,44 @@ impl Groups {
                 *count += 1;
             }
         }
-        let per_zone = Mutex::new(per_zone);
+        let placing = Placing { per_zone: Mutex::new(per_zone), said_unavailable: Mutex::default() };
         let distribution = Arc::new(Mutex::new(members.iter().map(|m| m.id.clone()).collect::<Vec<_>>()));
+        // After a failure, starts not yet begun are not begun: a failing
+        // provider gets the few in flight, not the whole batch.
+        let failed = std::sync::atomic::AtomicBool::new(false);
         let starts = futures_util::stream::iter(logical_ids)
             .map(|lid| {
-                let (per_zone, distribution) = (&per_zone, distribution.clone());
+                let (placing, distribution, failed) = (&placing, distribution.clone(), &failed);
                 async move {
-                    let started = self.start_member(group, lid.as_deref(), per_zone, distribution.clone()).await;
-                    if let Ok(record) = &started {
-                        lock(&distribution).push(record.id.clone());
-                        self.note(group, "instance-added", record.id.clone()).await;
+                    if failed.load(std::sync::atomic::Ordering::SeqCst) {
+                        return Ok(());
                     }
-                    started
+                    match self.start_member(group, lid.as_deref(), placing, distribution.clone()).await {
+                        Ok(record) => {
+                            lock(&distribution).push(record.id.clone());
+                            self.note(group, "instance-added", record.id).await;
+                            Ok(())
+                        }
+                        Err(error) => {
+                            failed.store(true, std::sync::atomic::Ordering::SeqCst);
+                            Err(error)
+                        }
+                    }
                 }
             })
             .buffer_unordered(self.settings.max_parallel.max(1));
-        let outcomes: Vec<_> = starts.collect().await;
-        match outcomes.into_iter().find_map(Result::err) {
-            Some(failed) => Err(failed),
-            None => Ok(()),
-        }
+        let outcomes: Vec<Result<(), GroupError>> = starts.collect().await;
+        outcomes.into_iter().collect()
     }
 
     async fn start_member(
         &self,
         group: &Group,
         logical_id: Option<&str>,
-        per_zone: &Mutex<BTreeMap<String, usize>>,
+        placing: &Placing,
         distribution: Arc<Mutex<Vec<String>>>,
     ) -> Result<InstanceRecord, GroupError> {
+        let per_zone = &placing.per_zone;
         let hooks = CallHooks {
             distribution_group: Some(Arc::new(move || Ok(lock(&distribution).clone()))),
             ..CallHooks::default()
@@ -894,12 +947,15 @@ impl Groups {
                     if !unavailable || tried.len() == lock(per_zone).len() {
                         return Err(failed.into());
                     }
-                    self.note(
-                        group,
-                        "zone-unavailable",
-                        format!("{zone}: {}; trying the next zone", crate::error_text::error_text(&failed)),
-                    )
-                    .await;
+                    // One event a zone a pass, however many starts it turned away.
+                    if lock(&placing.said_unavailable).insert(zone.clone()) {
+                        self.note(
+                            group,
+                            "zone-unavailable",
+                            format!("{zone}: {}; trying the next zone", crate::error_text::error_text(&failed)),
+                        )
+                        .await;
+                    }
                 }
             }
         }
@@ -986,6 +1042,13 @@ impl Groups {
             tracing::warn!(group = %group.id(), %error, "a group event was not recorded");
         }
     }
+}
+
+/// Where one pass's starts go: members per allowed zone (starts in flight
+/// counted), and the zones already said to be unavailable.
+struct Placing {
+    per_zone: Mutex<BTreeMap<String, usize>>,
+    said_unavailable: Mutex<std::collections::BTreeSet<String>>,
 }
 
 /// What a pass did.

@@ -2,7 +2,7 @@
 //! Every request names its object (`Name`: the plugin, as the client
 //! addresses it, echoed) and, but for `InspectGroups`, the group (`ID`).
 
-use super::rpc::{RpcError, params};
+use super::rpc::{RpcError, or_default, params};
 use crate::groups::spec::{Group, GroupSpec};
 use crate::groups::{Groups, MemberDescription};
 use serde::Deserialize;
@@ -27,38 +27,39 @@ pub fn methods() -> Vec<(&'static str, Value)> {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+#[serde(rename_all = "PascalCase")]
 struct Commit {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     name: String,
     spec: GroupSpec,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     pretend: bool,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+#[serde(rename_all = "PascalCase")]
 struct Named {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     name: String,
-    #[serde(rename = "ID", default)]
+    #[serde(rename = "ID", default, deserialize_with = "or_default")]
     id: String,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+#[serde(rename_all = "PascalCase")]
 struct DestroyInstances {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     name: String,
     #[serde(rename = "ID")]
     id: String,
+    #[serde(default, deserialize_with = "or_default")]
     instances: Vec<String>,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+#[serde(rename_all = "PascalCase")]
 struct SetSize {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     name: String,
     #[serde(rename = "ID")]
     id: String,

@@ -3,7 +3,7 @@
 //! stops only the provider's own recorded instances, Label sets tags the
 //! host keeps on the record, DescribeInstances filters by them.
 
-use super::rpc::{RpcError, params};
+use super::rpc::{RpcError, or_default, params};
 use crate::broker::Broker;
 use crate::groups::spec::{LOGICAL_ID_TAG, start_params};
 use serde::Deserialize;
@@ -30,65 +30,63 @@ pub fn methods() -> Vec<(&'static str, Value)> {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+#[serde(rename_all = "PascalCase")]
 struct Validate {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     r#type: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     properties: Value,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+#[serde(rename_all = "PascalCase")]
 struct Provision {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     r#type: String,
     spec: Spec,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+#[serde(rename_all = "PascalCase")]
 struct Spec {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     properties: Value,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     tags: BTreeMap<String, String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     init: String,
-    #[serde(rename = "LogicalID", default)]
+    #[serde(rename = "LogicalID", default, deserialize_with = "or_default")]
     logical_id: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     attachments: Option<Vec<Value>>,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+#[serde(rename_all = "PascalCase")]
 struct Label {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     r#type: String,
     instance: String,
+    #[serde(default, deserialize_with = "or_default")]
     labels: BTreeMap<String, String>,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+#[serde(rename_all = "PascalCase")]
 struct Destroy {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     r#type: String,
     instance: String,
-    #[serde(default)]
-    #[allow(dead_code, reason = "InfraKit's reason (terminate, rolling update) changes nothing here")]
-    context: Value,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+#[serde(rename_all = "PascalCase")]
 struct Describe {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     r#type: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     tags: BTreeMap<String, String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     properties: bool,
 }
 

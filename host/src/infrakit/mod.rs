@@ -6,10 +6,15 @@
 //! HTTP/1.1 `POST /` ([`rpc`]), answers `Handshake.Hello` and
 //! `Handshake.Implements`, and lists its methods at `GET /info/api.json`.
 //!
-//! The sockets are mode 0600 (bound under a temporary name, restricted, then
-//! renamed into place: never reachable by others), follow the registry while
-//! the daemon serves, and are removed when it stops. A socket left by a dead
-//! process is replaced; a live one, or anything that is not a socket, is not.
+//! The directory must be the daemon user's and writable by nobody else. The
+//! sockets are mode 0600 (bound in a fresh private directory, restricted,
+//! then moved into place, never over an existing file: never reachable by
+//! others), follow the registry while the daemon serves, and are removed when
+//! it stops. A socket left by a dead process (it refuses connections) is
+//! replaced; a live one, or anything that is not a socket, is not.
+//!
+//! Bounds: at most [`MAX_CALLS`] calls in flight over all the sockets (more
+//! are answered "busy"), and [`MAX_CONNECTIONS`] connections per socket.
 
 pub mod client;
 pub mod group;
@@ -38,6 +43,12 @@ pub const GROUP_SOCKET: &str = "group";
 const FOLLOW_REGISTRY: Duration = Duration::from_secs(1);
 /// Largest request body a plugin socket takes (a group spec is at most 64 KiB).
 const MAX_RPC_BODY_BYTES: usize = 128 * 1024;
+/// Calls in flight at once over all the plugin sockets. A call runs to its
+/// end even if its client goes, so without this a client that sends and
+/// hangs up could pile up work without limit.
+pub const MAX_CALLS: usize = 64;
+/// Connections open at once per plugin socket.
+pub const MAX_CONNECTIONS: usize = 64;
 
 /// InfraKit's own default: `~/.infrakit/plugins`.
 pub fn default_dir() -> Option<PathBuf> {
@@ -117,6 +128,8 @@ struct SocketState {
     plugin: Plugin,
     /// Calls run to their end even if their client goes (a start cut short could leave an instance unrecorded).
     detached: tokio_util::task::TaskTracker,
+    /// [`MAX_CALLS`], shared by every plugin socket.
+    calls: Arc<tokio::sync::Semaphore>,
 }
 
 fn router(state: SocketState, body_timeout: Duration) -> Router {
@@ -125,7 +138,7 @@ fn router(state: SocketState, body_timeout: Duration) -> Router {
         .route("/info/api.json", get(api_info))
         .layer(DefaultBodyLimit::max(MAX_RPC_BODY_BYTES))
         .layer(axum::middleware::from_fn(move |request, next| {
-            crate::daemon::listen::bounded_request(body_timeout, request, next)
+            crate::daemon::listen::bounded_request_up_to(body_timeout, MAX_RPC_BODY_BYTES, request, next)
         }))
         .with_state(state)
 }
@@ -136,10 +149,21 @@ async fn rpc_call(State(state): State<SocketState>, body: Bytes) -> axum::Json<r
         Err(answer) => return axum::Json(answer),
     };
     let span = tracing::info_span!("infrakit call", plugin = %state.plugin.name(), method = %request.method);
+    let Ok(permit) = state.calls.clone().try_acquire_owned() else {
+        let busy = rpc::RpcError {
+            code: rpc::SERVER_ERROR,
+            message: format!("busy: {MAX_CALLS} calls are in flight on this host's InfraKit sockets; try again"),
+        };
+        return axum::Json(rpc::Response::of(request.id, Err(busy)));
+    };
     let plugin = state.plugin.clone();
     let (method, params) = (request.method, request.params);
-    let call =
-        state.detached.spawn(tracing::Instrument::instrument(async move { plugin.call(&method, params).await }, span));
+    let work = async move {
+        let outcome = plugin.call(&method, params).await;
+        drop(permit);
+        outcome
+    };
+    let call = state.detached.spawn(tracing::Instrument::instrument(work, span));
     let outcome = call.await.unwrap_or_else(|_| {
         Err(rpc::RpcError { code: rpc::SERVER_ERROR, message: "the call failed inside the host (see its log)".into() })
     });
@@ -174,13 +198,15 @@ struct Sockets {
     dir: PathBuf,
     limits: ServeLimits,
     detached: tokio_util::task::TaskTracker,
+    calls: Arc<tokio::sync::Semaphore>,
 }
 
 impl Sockets {
     async fn serve(&self, name: &str, plugin: Plugin) -> Result<Served> {
         let (listener, path, identity) = bind(&self.dir, name).await?;
         let stop = CancellationToken::new();
-        let app = router(SocketState { plugin, detached: self.detached.clone() }, self.limits.body_timeout);
+        let state = SocketState { plugin, detached: self.detached.clone(), calls: self.calls.clone() };
+        let app = router(state, self.limits.body_timeout);
         let stopped = stop.clone().cancelled_owned();
         let task = tokio::spawn(crate::daemon::listen::serve(listener, app, self.limits, stopped, "infrakit"));
         tracing::info!(socket = %path.display(), "InfraKit plugin serving");
@@ -206,21 +232,29 @@ pub async fn serve(
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
             .with_context(|| format!("cannot restrict {}", dir.display()))?;
     }
-    let sockets = Sockets { dir: dir.to_owned(), limits, detached };
+    check_dir(dir)?;
+    let limits = ServeLimits { max_connections: limits.max_connections.min(MAX_CONNECTIONS), ..limits };
+    let calls = Arc::new(tokio::sync::Semaphore::new(MAX_CALLS));
+    let sockets = Sockets { dir: dir.to_owned(), limits, detached, calls };
     let group = sockets.serve(GROUP_SOCKET, Plugin::Group(groups)).await?;
     Ok(tokio::spawn(async move {
         let mut providers: HashMap<String, Served> = HashMap::new();
         // Names that could not be served, said once each.
         let mut refused: std::collections::HashSet<String> = std::collections::HashSet::new();
+        // Sockets of removed providers draining, each on its own.
+        let mut ending = tokio::task::JoinSet::new();
         loop {
-            follow_registry(&sockets, &broker, &mut providers, &mut refused).await;
+            follow_registry(&sockets, &broker, &mut providers, &mut refused, &mut ending).await;
+            while ending.try_join_next().is_some() {}
             tokio::select! {
                 _ = stop.wait_for(|stop| *stop) => break,
                 () = tokio::time::sleep(FOLLOW_REGISTRY) => {}
             }
         }
-        let ends = providers.into_values().chain(std::iter::once(group)).map(Served::end);
-        futures_util::future::join_all(ends).await;
+        for served in providers.into_values().chain(std::iter::once(group)) {
+            ending.spawn(served.end());
+        }
+        while ending.join_next().await.is_some() {}
     }))
 }
 
@@ -230,6 +264,7 @@ async fn follow_registry(
     broker: &Arc<Broker>,
     providers: &mut HashMap<String, Served>,
     refused: &mut std::collections::HashSet<String>,
+    ending: &mut tokio::task::JoinSet<()>,
 ) {
     let registered: Vec<String> = match broker.registry().list() {
         Ok(list) => list.into_iter().map(|p| p.name).collect(),
@@ -241,7 +276,7 @@ async fn follow_registry(
     let gone: Vec<String> = providers.keys().filter(|name| !registered.contains(name)).cloned().collect();
     for name in gone {
         if let Some(served) = providers.remove(&name) {
-            served.end().await;
+            ending.spawn(served.end());
         }
     }
     refused.retain(|name| registered.contains(name));
@@ -267,17 +302,40 @@ async fn follow_registry(
     }
 }
 
-/// Bind `dir/name` at mode 0600, replacing a socket nobody answers on.
+/// The plugin dir must be the daemon user's and writable by nobody else:
+/// another user able to write there could swap the sockets for their own.
+fn check_dir(dir: &Path) -> Result<()> {
+    let meta = std::fs::metadata(dir).with_context(|| format!("cannot look at {}", dir.display()))?;
+    anyhow::ensure!(meta.is_dir(), "the InfraKit plugin dir {} is not a directory", dir.display());
+    let me = rustix::process::geteuid().as_raw();
+    anyhow::ensure!(
+        meta.uid() == me && meta.mode() & 0o022 == 0,
+        "the InfraKit plugin dir {} must be owned by uid {me} and writable by it alone (it is uid {}, mode {:o})",
+        dir.display(),
+        meta.uid(),
+        meta.mode() & 0o7777
+    );
+    Ok(())
+}
+
+/// Bind `dir/name` at mode 0600, replacing a socket that refuses connections
+/// (its process is gone).
 async fn bind(dir: &Path, name: &str) -> Result<(tokio::net::UnixListener, PathBuf, (u64, u64))> {
     let path = dir.join(name);
     match std::fs::symlink_metadata(&path) {
         Ok(meta) if meta.file_type().is_socket() => {
-            let live = tokio::time::timeout(Duration::from_secs(1), tokio::net::UnixStream::connect(&path)).await;
-            if matches!(live, Ok(Ok(_))) {
-                anyhow::bail!(
+            let probe = tokio::time::timeout(Duration::from_secs(1), tokio::net::UnixStream::connect(&path)).await;
+            match probe {
+                Ok(Err(error)) if error.kind() == std::io::ErrorKind::ConnectionRefused => {}
+                Ok(Ok(_)) => anyhow::bail!(
                     "{} is served by another process (an InfraKit plugin, or another broker): not replaced",
                     path.display()
-                );
+                ),
+                Ok(Err(error)) => {
+                    return Err(error)
+                        .with_context(|| format!("cannot tell whether {} is served: not replaced", path.display()));
+                }
+                Err(_) => anyhow::bail!("{} does not take a connection within 1 s: not replaced", path.display()),
             }
             std::fs::remove_file(&path)
                 .with_context(|| format!("cannot remove the stale socket {}", path.display()))?;
@@ -286,19 +344,21 @@ async fn bind(dir: &Path, name: &str) -> Result<(tokio::net::UnixListener, PathB
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
         Err(error) => return Err(error).with_context(|| format!("cannot look at {}", path.display())),
     }
-    // Bound under a name of this process's, restricted, then moved into place.
-    let temporary = dir.join(format!(".{name}.{}.binding", std::process::id()));
-    let _ = std::fs::remove_file(&temporary);
-    let listener = tokio::net::UnixListener::bind(&temporary)
-        .with_context(|| format!("cannot listen on {}", temporary.display()))?;
-    let placed = std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(0o600))
-        .and_then(|()| std::fs::rename(&temporary, &path))
-        .and_then(|()| std::fs::symlink_metadata(&path));
-    match placed {
-        Ok(meta) => Ok((listener, path, (meta.dev(), meta.ino()))),
-        Err(error) => {
-            let _ = std::fs::remove_file(&temporary);
-            Err(error).with_context(|| format!("cannot put the socket in place at {}", path.display()))
-        }
-    }
+    // Bound in a fresh directory only this user can enter, restricted, then
+    // moved into place, never over a file that appeared meanwhile.
+    let private = tempfile::Builder::new()
+        .prefix(".broker-bind-")
+        .tempdir_in(dir)
+        .with_context(|| format!("cannot make a private directory in {}", dir.display()))?;
+    let bound = private.path().join("socket");
+    let listener =
+        tokio::net::UnixListener::bind(&bound).with_context(|| format!("cannot listen on {}", bound.display()))?;
+    std::fs::set_permissions(&bound, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("cannot restrict {}", bound.display()))?;
+    let cwd = rustix::fs::CWD;
+    rustix::fs::renameat_with(cwd, &bound, cwd, &path, rustix::fs::RenameFlags::NOREPLACE).with_context(|| {
+        format!("cannot put the socket in place at {} (not replacing what is there)", path.display())
+    })?;
+    let meta = std::fs::symlink_metadata(&path).with_context(|| format!("cannot look at {}", path.display()))?;
+    Ok((listener, path, (meta.dev(), meta.ino())))
 }

@@ -99,7 +99,18 @@ pub fn read_request(body: &[u8]) -> Result<Request, Response> {
     Ok(request)
 }
 
-/// A method's params as `T`: an object, or an array holding exactly one.
+/// A field InfraKit's Go clients may send as `null` (a nil map or slice):
+/// read as its default, as Go's decoder does.
+pub fn or_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
+/// A method's params as `T` (fields it does not know are ignored, as
+/// InfraKit's servers do: a newer client's extra field breaks nothing): an object, or an array holding exactly one.
 pub fn params<T: DeserializeOwned>(params: Value) -> Result<T, RpcError> {
     let object = match params {
         Value::Array(mut items) if items.len() == 1 => items.remove(0),
@@ -117,21 +128,24 @@ mod tests {
     use super::*;
 
     #[derive(Debug, Deserialize, PartialEq)]
-    #[serde(deny_unknown_fields)]
     struct Sized {
         #[serde(rename = "ID")]
         id: String,
+        #[serde(rename = "Instances", default, deserialize_with = "or_default")]
+        instances: Vec<String>,
     }
 
     #[test]
     fn params_are_an_object_or_an_array_of_one() {
-        let want = Sized { id: "w".into() };
+        let want = Sized { id: "w".into(), instances: Vec::new() };
         assert_eq!(params::<Sized>(serde_json::json!({"ID": "w"})).unwrap(), want);
         assert_eq!(params::<Sized>(serde_json::json!([{"ID": "w"}])).unwrap(), want);
         let two = params::<Sized>(serde_json::json!([{"ID": "w"}, {"ID": "x"}])).unwrap_err();
         assert_eq!(two.code, INVALID_PARAMS);
-        let unknown = params::<Sized>(serde_json::json!({"ID": "w", "Bogus": 1})).unwrap_err();
-        assert!(unknown.message.contains("unknown field `Bogus`"), "{unknown:?}");
+        // As Go clients send them: a nil slice is null, a newer field is ignored.
+        assert_eq!(params::<Sized>(serde_json::json!({"ID": "w", "Instances": null, "Newer": 1})).unwrap(), want);
+        let wrong = params::<Sized>(serde_json::json!({"ID": 5})).unwrap_err();
+        assert_eq!(wrong.code, INVALID_PARAMS, "{wrong:?}");
     }
 
     #[test]

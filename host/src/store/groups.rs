@@ -18,22 +18,30 @@ pub struct GroupRecord {
 }
 
 impl Store {
-    /// Commit `record` as group `id`'s spec, with `event` in the same transaction.
-    pub fn put_group(&self, id: &str, record: &GroupRecord, event: &events::Event) -> Pending<()> {
+    /// Commit `record` as group `id`'s spec, with `event` in the same
+    /// transaction; a group not yet committed is refused (`false`, nothing
+    /// written) when `max_groups` are already.
+    pub fn put_group(&self, id: &str, record: &GroupRecord, event: &events::Event, max_groups: usize) -> Pending<bool> {
         let (id, bytes, event) = (id.to_owned(), encoded("group", record), event.clone());
         self.write(move |txn| {
             let bytes = bytes.as_ref().map_err(Clone::clone)?;
-            txn.open_table(GROUPS).map_err(db_error)?.insert(id.as_str(), bytes.as_slice()).map_err(db_error)?;
+            let mut groups = txn.open_table(GROUPS).map_err(db_error)?;
+            let known = groups.get(id.as_str()).map_err(db_error)?.is_some();
+            if !known && usize::try_from(groups.len().map_err(db_error)?).unwrap_or(usize::MAX) >= max_groups {
+                return Ok(false);
+            }
+            groups.insert(id.as_str(), bytes.as_slice()).map_err(db_error)?;
             events::append(txn, &event)?;
-            Ok(())
+            Ok(true)
         })
     }
 
-    /// Commit `record` as group `id`'s spec and mark `stopping` (members of
-    /// `provider`) as being stopped, with `event`, in one transaction: a group
-    /// shrunk by destroying named members. A crash before their stop is
-    /// finished leaves them marked, and the restart's reconcile stops them;
-    /// the group never counts them again.
+    /// Commit `record` as group `id`'s spec, and mark `stopping` (members of
+    /// `provider`) as being stopped and no longer the group's (its tags
+    /// dropped), with `event`, in one transaction: a group shrunk by
+    /// destroying named members. A crash, or a failed stop, leaves them
+    /// marked and ungrouped: the restart's reconcile stops them, and the
+    /// group never counts them again nor stops another in their place.
     pub fn shrink_group(
         &self,
         id: &str,
@@ -48,52 +56,47 @@ impl Store {
             let bytes = bytes.as_ref().map_err(Clone::clone)?;
             txn.open_table(GROUPS).map_err(db_error)?.insert(id.as_str(), bytes.as_slice()).map_err(db_error)?;
             starts::mark_stops(txn, &mark, &provider, &stopping)?;
+            super::untag(txn, &provider, &stopping, &group_tags())?;
             events::append(txn, &event)?;
             Ok(())
         })
     }
 
-    /// Forget group `id` and mark its members `stopping` (of `provider`) as
-    /// being stopped, with `event`, in one transaction: a destroyed group
-    /// whose stops a crash cuts short is not made again, and its members'
-    /// stops are finished by the restart's reconcile.
-    pub fn destroy_group(&self, id: &str, event: &events::Event, provider: &str, stopping: &[String]) -> Pending<()> {
-        let (id, event) = (id.to_owned(), event.clone());
-        let (mark, provider, stopping) = (self.stop_mark(), provider.to_owned(), stopping.to_vec());
+    /// Forget group `id` and mark its members (the records of `provider`
+    /// tagged with it, chosen in the same transaction) as being stopped and
+    /// ungrouped, with `event` (its detail the count), in one transaction: a
+    /// destroyed group whose stops a crash cuts short is not made again, and
+    /// its members' stops are finished by the restart's reconcile. Returns
+    /// the members, to stop.
+    pub fn destroy_group(&self, id: &str, event: &events::Event, provider: &str) -> Pending<Vec<String>> {
+        let (id, event, mark, provider) = (id.to_owned(), event.clone(), self.stop_mark(), provider.to_owned());
         self.write(move |txn| {
+            let members = members_in(txn, &provider, &id)?;
             forget(txn, &id)?;
-            starts::mark_stops(txn, &mark, &provider, &stopping)?;
+            starts::mark_stops(txn, &mark, &provider, &members)?;
+            super::untag(txn, &provider, &members, &group_tags())?;
+            let mut event = event.clone();
+            event.detail = format!("{} instances destroyed", members.len());
             events::append(txn, &event)?;
-            Ok(())
+            Ok(members)
         })
     }
 
-    /// Forget group `id` and drop the tags `keys` from its members' records
-    /// (`members`, of `provider`), with `event`, in one transaction: the
-    /// instances run on, recorded as ungrouped.
-    pub fn free_group(
-        &self,
-        id: &str,
-        event: &events::Event,
-        provider: &str,
-        members: &[String],
-        keys: &[&str],
-    ) -> Pending<()> {
-        let (id, event, provider, members) = (id.to_owned(), event.clone(), provider.to_owned(), members.to_vec());
-        let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+    /// Forget group `id` and drop its tags from its members' records (those
+    /// of `provider` tagged with it, chosen in the same transaction), with
+    /// `event` (its detail the count), in one transaction: the instances run
+    /// on, recorded as ungrouped. Returns how many there were.
+    pub fn free_group(&self, id: &str, event: &events::Event, provider: &str) -> Pending<usize> {
+        let (id, event, provider) = (id.to_owned(), event.clone(), provider.to_owned());
         self.write(move |txn| {
+            let members = members_in(txn, &provider, &id)?;
             forget(txn, &id)?;
-            super::untag(txn, &provider, &members, &keys)?;
+            super::untag(txn, &provider, &members, &group_tags())?;
+            let mut event = event.clone();
+            event.detail = format!("{} instances left running, ungrouped", members.len());
             events::append(txn, &event)?;
-            Ok(())
+            Ok(members.len())
         })
-    }
-
-    /// How many groups are committed.
-    pub fn group_count(&self) -> Result<u64, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
-        let table = txn.open_table(GROUPS).map_err(db_error)?;
-        table.len().map_err(db_error)
     }
 
     /// Group `id`'s committed spec.
@@ -124,4 +127,27 @@ impl Store {
 fn forget(txn: &Txn<'_>, id: &str) -> Result<(), StoreError> {
     txn.open_table(GROUPS).map_err(db_error)?.remove(id).map_err(db_error)?;
     Ok(())
+}
+
+/// The instance config tags that make a record a group's member.
+fn group_tags() -> Vec<String> {
+    ["infrakit.group", "infrakit.config.hash", "infrakit.logical_id"].map(str::to_owned).to_vec()
+}
+
+/// The ids of `provider`'s records tagged as members of group `id`, read in `txn`.
+fn members_in(txn: &Txn<'_>, provider: &str, id: &str) -> Result<Vec<String>, StoreError> {
+    let table = txn.open_table(super::INSTANCES).map_err(db_error)?;
+    let mut members = Vec::new();
+    for entry in table.range((provider, "")..).map_err(db_error)? {
+        let (key, value) = entry.map_err(db_error)?;
+        let (owner, instance) = key.value();
+        if owner != provider {
+            break;
+        }
+        let record: super::InstanceRecord = decode("instance", value.value())?;
+        if record.instance_tags.get("infrakit.group").is_some_and(|group| group == id) {
+            members.push(instance.to_owned());
+        }
+    }
+    Ok(members)
 }

@@ -369,13 +369,20 @@ impl Store {
     /// starts cannot both take one id. Returns that other provider, and then
     /// writes nothing.
     pub fn put_new_instance(&self, record: &InstanceRecord) -> Pending<Option<String>> {
-        self.put_instance_resolving(record, None)
+        self.put_instance_resolving(record, None, false)
     }
 
     /// As [`Store::put_new_instance`]; the pending start `pending` (of the
     /// record's provider) goes in the same commit, whatever the outcome: a
-    /// refused record leaves nothing pending either.
-    fn put_instance_resolving(&self, record: &InstanceRecord, pending: Option<String>) -> Pending<Option<String>> {
+    /// refused record leaves nothing pending either. With `fresh` (a start's
+    /// answer), an id already recorded for the same provider is refused too
+    /// (the provider is returned): a start never overwrites another record.
+    fn put_instance_resolving(
+        &self,
+        record: &InstanceRecord,
+        pending: Option<String>,
+        fresh: bool,
+    ) -> Pending<Option<String>> {
         let (provider, id) = (record.provider.clone(), record.id.clone());
         let bytes = encoded("instance", &InstanceRecord { params: None, ..record.clone() });
         let params = record.params.as_ref().map(|params| encoded("instance params", params));
@@ -388,7 +395,7 @@ impl Store {
             }
             let mut ids = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
             if let Some(owner) = ids.get(id.as_str()).map_err(db_error)?.map(|owner| owner.value().to_owned())
-                && owner != provider
+                && (owner != provider || fresh)
             {
                 return Ok(Some(owner));
             }
@@ -408,7 +415,7 @@ impl Store {
     /// Record an instance whose start was left pending as `key` by an earlier
     /// process, removing the pending start in the same commit.
     pub fn put_adopted_instance(&self, record: &InstanceRecord, key: &str) -> Pending<Option<String>> {
-        self.put_instance_resolving(record, Some(key.to_owned()))
+        self.put_instance_resolving(record, Some(key.to_owned()), false)
     }
 
     /// As [`Store::put_new_instance`], committing in the same transaction the
@@ -421,7 +428,7 @@ impl Store {
         writes: KvWrites,
         pending: Option<String>,
     ) -> Pending<Option<String>> {
-        let put = self.put_instance_resolving(record, pending);
+        let put = self.put_instance_resolving(record, pending, true);
         match self.kv.persist_job(writes) {
             Some(persist) => put.joined(persist),
             None => put,

@@ -51,6 +51,23 @@ async fn converged(group: &InfrakitClient, size: usize) -> Value {
     }
 }
 
+/// `broker serve --infrakit-dir DIR` on `data`, which must fail to start: what it said.
+fn refused_serve(data: &Path, dir: &str) -> String {
+    let mut serving =
+        broker_command(data, &["serve", "--infrakit-dir", dir]).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while serving.try_wait().unwrap().is_none() {
+        if Instant::now() > until {
+            let _ = serving.kill();
+            panic!("the daemon on {} kept serving", data.display());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = serving.wait_with_output().unwrap();
+    assert!(!output.status.success());
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
 #[test]
 fn infrakits_group_and_instance_plugins_are_served_on_their_sockets() {
     let dir = tempfile::tempdir().unwrap();
@@ -70,18 +87,14 @@ fn infrakits_group_and_instance_plugins_are_served_on_their_sockets() {
     }
 
     // A second daemon on the same plugin dir is refused: the sockets are live.
-    let mut second = broker_command(&dir.path().join("data2"), &["serve", "--infrakit-dir", plugins_arg])
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let until = Instant::now() + Duration::from_secs(30);
-    while second.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < until, "a second daemon took the live sockets");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let output = second.wait_with_output().unwrap();
-    let said = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success() && said.contains("is served by another process"), "{said}");
+    let said = refused_serve(&dir.path().join("data2"), plugins_arg);
+    assert!(said.contains("is served by another process"), "{said}");
+    // A plugin dir others can write to is refused: they could swap the sockets.
+    let open_dir = dir.path().join("open");
+    std::fs::create_dir(&open_dir).unwrap();
+    std::fs::set_permissions(&open_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let said = refused_serve(&dir.path().join("data3"), open_dir.to_str().unwrap());
+    assert!(said.contains("writable by it alone"), "{said}");
 
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(async {
@@ -141,7 +154,10 @@ fn infrakits_group_and_instance_plugins_are_served_on_their_sockets() {
 
         // Bad requests: each its JSON-RPC code, the id echoed exactly.
         assert_eq!(refused(&group, "Group.Nosuch", json!({})).await.0, METHOD_NOT_FOUND);
-        assert_eq!(refused(&group, "Group.Size", json!({"ID": "workers", "Bogus": 1})).await.0, INVALID_PARAMS);
+        assert_eq!(refused(&group, "Group.Size", json!({"ID": ["workers"]})).await.0, INVALID_PARAMS);
+        // Go's nil slices and maps arrive as null; newer fields are ignored.
+        let sized = ok(&group, "Group.Size", json!({"Name": null, "ID": "workers", "Newer": true})).await;
+        assert_eq!(sized["Size"], 2, "{sized}");
         assert_eq!(refused(&group, "Group.SetSize", json!({"ID": "workers", "Size": -1})).await.0, INVALID_PARAMS);
         let (code, message) = refused(&group, "Group.CommitGroup", json!({"Spec": {"ID": "w", "Properties": {
             "Allocation": {"Size": 1, "LogicalIDs": ["a"]}, "Instance": {"Plugin": "fake"}}}}))

@@ -483,11 +483,27 @@ async fn groups_outlive_their_provider_and_a_bad_stored_spec() {
         committed: "2026-01-01T00:00:00Z".into(),
     };
     let event = broker_host::store::Event::new("test", "fake");
-    broker.store().put_group("broken", &broken, &event).await.unwrap();
+    assert!(broker.store().put_group("broken", &broken, &event, 10).await.unwrap());
     let listed: Vec<String> = groups.inspect().unwrap().into_iter().map(|spec| spec.id).collect();
     assert_eq!(listed, ["workers"], "the bad one is left out, the good one listed");
     let error = groups.describe("broken").await.unwrap_err();
     assert!(matches!(error, GroupError::StoredSpec { .. }), "{error}");
     groups.free("broken").await.unwrap();
     assert!(broker.store().group("broken").unwrap().is_none());
+}
+
+/// A pass starts at most 4 × max-parallel members, so the group's lock is
+/// let go between batches (a commit or destroy never waits out thousands of
+/// starts); the next passes start the rest.
+#[tokio::test]
+async fn a_pass_starts_a_bounded_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = GroupSettings { poll: Duration::from_millis(50), max_parallel: 2, ..GroupSettings::default() };
+    let (_broker, groups) = host_with(dir.path(), "", settings).await;
+    groups.commit_text(&sized(20), false).await.unwrap();
+    assert_eq!(groups.converge_once("workers").await.unwrap(), Pass::Changed);
+    assert_eq!(member_ids(&groups).await.len(), 8, "one batch of 4 × 2");
+    converge(&groups, "workers").await;
+    assert_eq!(member_ids(&groups).await.len(), 20);
+    assert!(groups.describe("workers").await.unwrap().converged);
 }

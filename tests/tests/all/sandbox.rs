@@ -372,7 +372,17 @@ async fn a_provider_cannot_return_an_unprintable_id_or_another_providers_id() {
     assert_eq!(broker.provider_of(&theirs).unwrap(), "fake", "stopping it is not made ambiguous");
 
     kv.set("hostile", "start-id", b"hostile-1").unwrap();
-    assert_eq!(broker.start_instance("hostile", &empty_params(), &hooks).await.unwrap().id, "hostile-1");
+    let group_tag = std::collections::BTreeMap::from([("infrakit.group".to_owned(), "workers".to_owned())]);
+    let tagged =
+        broker_host::groups::spec::start_params("Properties", &serde_json::Value::Null, &[], group_tag, true).unwrap();
+    assert_eq!(broker.start_instance("hostile", &tagged, &hooks).await.unwrap().id, "hostile-1");
+    // A second start answered with the same id: refused, the first record kept
+    // as it was (a group member cannot be taken over or retagged this way).
+    let err = broker.start_instance("hostile", &empty_params(), &hooks).await.unwrap_err();
+    assert!(matches!(err, BrokerServiceError::InstanceIdReused { .. }), "{err}");
+    assert!(err.to_string().contains("already recorded as one of its instances"), "{err}");
+    let kept = broker.store().instance("hostile", "hostile-1").unwrap().unwrap();
+    assert_eq!(kept.instance_tags.get("infrakit.group").map(String::as_str), Some("workers"), "{kept:?}");
 
     kv.set("hostile", "mode", b"ids").unwrap();
     // Out of order, one id twice: listed in order, once.
