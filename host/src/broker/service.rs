@@ -415,7 +415,16 @@ impl Broker {
                         unclaim();
                         return invalid(format!("the id {} is recorded for provider {owner}", id_for_message(&id)));
                     }
-                    Ok(_) => {}
+                    // Refused before the guest acts on it, as its answer would be
+                    // (InstanceIdReused): a start never takes over a recorded instance.
+                    Ok(Some(_)) => {
+                        unclaim();
+                        return invalid(format!(
+                            "the id {} is already recorded as one of this provider's instances; a start claims a new id",
+                            id_for_message(&id)
+                        ));
+                    }
+                    Ok(None) => {}
                     Err(failed) => {
                         unclaim();
                         return Err(BrokerError::Provider(format!("the host cannot check the claimed id: {failed}")));

@@ -193,6 +193,10 @@ pub(crate) fn router_with(
 
 impl From<GroupError> for ApiError {
     fn from(err: GroupError) -> Self {
+        let err = match err {
+            GroupError::Broker(inner) => return inner.into(),
+            other => other,
+        };
         let status = match &err {
             GroupError::Spec(_) | GroupError::UnknownProvider(_) => StatusCode::BAD_REQUEST,
             GroupError::UnknownGroup(_) => StatusCode::NOT_FOUND,
@@ -202,15 +206,13 @@ impl From<GroupError> for ApiError {
             | GroupError::QuorumSize(_)
             | GroupError::TooManyGroups(_)
             | GroupError::ProviderGone { .. } => StatusCode::CONFLICT,
-            GroupError::Store(_) | GroupError::StoredSpec { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            GroupError::Store(_) | GroupError::StoredSpec { .. } | GroupError::PassPanicked(_) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
             // The group is gone; its members' stop failed, mostly at the provider.
             GroupError::StopsUnfinished { .. } => StatusCode::BAD_GATEWAY,
-            GroupError::Broker(_) => {
-                return match err {
-                    GroupError::Broker(inner) => inner.into(),
-                    _ => unreachable!("matched above"),
-                };
-            }
+            // Answered above, as the broker's own errors are.
+            GroupError::Broker(_) => StatusCode::BAD_GATEWAY,
         };
         ApiError(status, error_text(&err))
     }

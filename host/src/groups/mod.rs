@@ -106,6 +106,9 @@ pub enum GroupError {
         "group {0:?} is a quorum group (LogicalIDs): its size is its logical ids; commit a new spec to change them"
     )]
     QuorumSize(String),
+    /// A convergence pass panicked (a host bug): the loop goes on after its backoff.
+    #[error("group {0:?}: a convergence pass panicked (a bug in the host); the next pass tries again")]
+    PassPanicked(String),
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -349,8 +352,22 @@ impl Groups {
         let mut loops = lock(&self.loops);
         let idle = loops.get(id).is_some_and(|entry| !entry.running && Arc::ptr_eq(&entry.slot.state, &slot.state));
         if idle && matches!(self.broker.store().group(id), Ok(None)) {
-            loops.remove(id);
+            Self::remove_unheld(&mut loops, id, slot);
         }
+    }
+
+    /// Remove `id`'s entry if it is `slot` and nobody holds its pass lock:
+    /// a holder works on, sure that no other pass runs, so its slot stays
+    /// until it lets go. One waiting for the lock finds it gone and looks
+    /// the slot up again ([`Groups::locked`]). Whether it was removed.
+    fn remove_unheld(loops: &mut HashMap<String, GroupLoop>, id: &str, slot: &Slot) -> bool {
+        if !loops.get(id).is_some_and(|entry| Arc::ptr_eq(&entry.slot.state, &slot.state)) {
+            return false;
+        }
+        // Held across the removal: the map's lock keeps a new holder from checking it meanwhile.
+        let Ok(_unheld) = slot.state.try_lock() else { return false };
+        loops.remove(id);
+        true
     }
 
     /// Start a convergence loop for every committed group, and for each
@@ -377,24 +394,34 @@ impl Groups {
             entry.running = true;
             entry.slot.clone()
         };
-        let (groups, group_id) = (self.clone(), id.to_owned());
+        let (groups, group_id, own) = (self.clone(), id.to_owned(), slot.clone());
         let task = tokio::spawn(async move {
             let id = group_id;
             let mut failures = 0u32;
             loop {
                 let span = tracing::info_span!("group pass", group = %id);
-                let outcome = tracing::Instrument::instrument(groups.converge_once(&id), span).await;
+                let pass = tracing::Instrument::instrument(groups.converge_once(&id), span);
+                // A pass that panics is a failed pass: the loop goes on (with
+                // its backoff), never leaving the group marked running unconverged.
+                let outcome = match futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(pass)).await {
+                    Ok(outcome) => outcome,
+                    Err(_) => Err(GroupError::PassPanicked(id.clone())),
+                };
                 let wait = match outcome {
                     Ok(Pass::Gone) => {
                         // Unless a commit made the group again meanwhile (its
-                        // wake-up found this loop running), the loop ends.
+                        // wake-up found this loop running), the loop ends. A
+                        // slot in use (a destroy still stopping) stays, and the
+                        // next pass waits for it.
                         let mut loops = lock(&groups.loops);
                         if matches!(groups.broker.store().group(&id), Ok(Some(_))) {
                             Duration::ZERO
+                        } else if Self::remove_unheld(&mut loops, &id, &slot) {
+                            break;
+                        } else if loops.get(&id).is_some_and(|entry| Arc::ptr_eq(&entry.slot.state, &slot.state)) {
+                            Duration::ZERO
                         } else {
-                            if loops.get(&id).is_some_and(|entry| Arc::ptr_eq(&entry.slot.state, &slot.state)) {
-                                loops.remove(&id);
-                            }
+                            // Not this loop's slot any more (never expected): end, leaving it be.
                             break;
                         }
                     }
@@ -417,10 +444,12 @@ impl Groups {
             }
         });
         let mut loops = lock(&self.loops);
-        if let Some(slot) = loops.get_mut(id)
+        // Only on this loop's own entry: one that ended at once may have been replaced.
+        if let Some(entry) = loops.get_mut(id)
+            && Arc::ptr_eq(&entry.slot.state, &own.state)
             && !task.is_finished()
         {
-            slot.task = Some(task.abort_handle());
+            entry.task = Some(task.abort_handle());
         }
     }
 

@@ -205,9 +205,17 @@ impl Group {
     }
 
     /// Check a spec already in its shape (from the store, or an API body).
-    pub fn check(spec: GroupSpec) -> Result<Group, SpecError> {
+    pub fn check(mut spec: GroupSpec) -> Result<Group, SpecError> {
         if let Some(why) = id_problem(&spec.id) {
             return Err(field("ID", why));
+        }
+        // InfraKit's Go clients write both fields of an allocation: a zero
+        // size beside logical ids, an empty list beside a size. Read as meant.
+        let allocation = &mut spec.properties.allocation;
+        match (allocation.size, allocation.logical_ids.as_deref()) {
+            (Some(0), Some([_, ..])) => allocation.size = None,
+            (Some(_), Some([])) => allocation.logical_ids = None,
+            _ => {}
         }
         let properties = &spec.properties;
         let members = match (&properties.allocation.size, &properties.allocation.logical_ids) {
@@ -533,5 +541,13 @@ mod tests {
         assert_eq!(quorum.members, Members::LogicalIds(vec!["m1".into(), "m2".into()]));
         assert_eq!(quorum.size(), 2);
         assert_eq!(Group::parse(&WORKERS.replace(r#""Size": 3"#, r#""Size": 0"#)).unwrap().size(), 0);
+        // As Go's encoding of InfraKit's allocation gives them: both fields, one of them empty.
+        let go_quorum = Group::parse(&WORKERS.replace(r#""Size": 3"#, r#""Size": 0, "LogicalIDs": ["m1"]"#)).unwrap();
+        assert_eq!(go_quorum.members, Members::LogicalIds(vec!["m1".into()]));
+        assert_eq!(go_quorum.spec.properties.allocation.size, None, "stored as meant");
+        let go_scaled = Group::parse(&WORKERS.replace(r#""Size": 3"#, r#""Size": 3, "LogicalIDs": []"#)).unwrap();
+        assert_eq!((go_scaled.size(), go_scaled.spec.properties.allocation.logical_ids), (3, None));
+        let both = Group::parse(&WORKERS.replace(r#""Size": 3"#, r#""Size": 2, "LogicalIDs": ["m1"]"#));
+        assert!(both.unwrap_err().to_string().contains("both given"));
     }
 }

@@ -77,21 +77,25 @@ impl Plugin {
         }
     }
 
-    async fn call(&self, method: &str, params: Value) -> Result<Value, rpc::RpcError> {
+    /// The answer to a handshake method: what the plugin is, known without work.
+    fn handshake(&self, method: &str) -> Option<Value> {
         let (name, version) = self.api();
-        let outcome = match method {
+        match method {
             // The objects this plugin serves: one, the plugin itself (".").
             "Handshake.Hello" => {
-                Some(Ok(json!({"Objects": {format!("{name}/{version}"): [{"Name": ".", "ProxyFor": ""}]}})))
+                Some(json!({"Objects": {format!("{name}/{version}"): [{"Name": ".", "ProxyFor": ""}]}}))
             }
             // Older clients ask this instead.
-            "Handshake.Implements" | "Plugin.Implements" => {
-                Some(Ok(json!({"APIs": [{"Name": name, "Version": version}]})))
-            }
-            _ => match self {
-                Plugin::Group(groups) => group::call(groups, method, params).await,
-                Plugin::Instance { broker, provider } => instance::call(broker, provider, method, params).await,
-            },
+            "Handshake.Implements" | "Plugin.Implements" => Some(json!({"APIs": [{"Name": name, "Version": version}]})),
+            _ => None,
+        }
+    }
+
+    async fn call(&self, method: &str, params: Value) -> Result<Value, rpc::RpcError> {
+        let (name, version) = self.api();
+        let outcome = match self {
+            Plugin::Group(groups) => group::call(groups, method, params).await,
+            Plugin::Instance { broker, provider } => instance::call(broker, provider, method, params).await,
         };
         outcome.unwrap_or_else(|| {
             Err(rpc::RpcError {
@@ -148,6 +152,10 @@ async fn rpc_call(State(state): State<SocketState>, body: Bytes) -> axum::Json<r
         Ok(request) => request,
         Err(answer) => return axum::Json(answer),
     };
+    // Answered at once, outside the bound: a client busy calls still finds out what the plugin is.
+    if let Some(answer) = state.plugin.handshake(&request.method) {
+        return axum::Json(rpc::Response::of(request.id, Ok(answer)));
+    }
     let span = tracing::info_span!("infrakit call", plugin = %state.plugin.name(), method = %request.method);
     let Ok(permit) = state.calls.clone().try_acquire_owned() else {
         let busy = rpc::RpcError {
@@ -239,8 +247,8 @@ pub async fn serve(
     let group = sockets.serve(GROUP_SOCKET, Plugin::Group(groups)).await?;
     Ok(tokio::spawn(async move {
         let mut providers: HashMap<String, Served> = HashMap::new();
-        // Names that could not be served, said once each.
-        let mut refused: std::collections::HashSet<String> = std::collections::HashSet::new();
+        // Names that could not be served, and when to try each again.
+        let mut refused: HashMap<String, Retry> = HashMap::new();
         // Sockets of removed providers draining, each on its own.
         let mut ending = tokio::task::JoinSet::new();
         loop {
@@ -263,7 +271,7 @@ async fn follow_registry(
     sockets: &Sockets,
     broker: &Arc<Broker>,
     providers: &mut HashMap<String, Served>,
-    refused: &mut std::collections::HashSet<String>,
+    refused: &mut HashMap<String, Retry>,
     ending: &mut tokio::task::JoinSet<()>,
 ) {
     let registered: Vec<String> = match broker.registry().list() {
@@ -279,26 +287,57 @@ async fn follow_registry(
             ending.spawn(served.end());
         }
     }
-    refused.retain(|name| registered.contains(name));
+    refused.retain(|name, _| registered.contains(name));
+    let now = tokio::time::Instant::now();
     for name in registered {
-        if providers.contains_key(&name) || refused.contains(&name) {
+        if providers.contains_key(&name) || refused.get(&name).is_some_and(|retry| retry.at.is_none_or(|at| at > now)) {
             continue;
         }
         if name == GROUP_SOCKET {
-            tracing::warn!(provider = %name, "a provider named like the group plugin gets no InfraKit socket");
-            refused.insert(name);
+            if refused.insert(name.clone(), Retry::never()).is_none() {
+                tracing::warn!(provider = %name, "a provider named like the group plugin gets no InfraKit socket");
+            }
             continue;
         }
         let plugin = Plugin::Instance { broker: broker.clone(), provider: name.clone() };
         match sockets.serve(&name, plugin).await {
             Ok(served) => {
+                refused.remove(&name);
                 providers.insert(name, served);
             }
             Err(error) => {
-                tracing::warn!(provider = %name, error = %format!("{error:#}"), "no InfraKit socket for this provider");
-                refused.insert(name);
+                // Tried again later (the path may be freed), ever less often.
+                let retry = refused.get(&name).map_or_else(|| Retry::first(now), |retry| retry.next(now));
+                tracing::warn!(provider = %name, error = %format!("{error:#}"), retry_in = ?retry.wait, "no InfraKit socket for this provider");
+                refused.insert(name, retry);
             }
         }
+    }
+}
+
+/// When a provider's socket that could not be served is tried again.
+struct Retry {
+    /// None: not while the name stays registered.
+    at: Option<tokio::time::Instant>,
+    wait: Duration,
+}
+
+impl Retry {
+    /// The longest wait between tries.
+    const MAX_WAIT: Duration = Duration::from_secs(300);
+
+    fn first(now: tokio::time::Instant) -> Retry {
+        Retry { at: Some(now + FOLLOW_REGISTRY * 2), wait: FOLLOW_REGISTRY * 2 }
+    }
+
+    fn next(&self, now: tokio::time::Instant) -> Retry {
+        let wait = (self.wait * 2).min(Self::MAX_WAIT);
+        Retry { at: Some(now + wait), wait }
+    }
+
+    /// Not tried while the name stays registered.
+    fn never() -> Retry {
+        Retry { at: None, wait: Self::MAX_WAIT }
     }
 }
 
@@ -318,10 +357,23 @@ fn check_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Room for a path in `sockaddr_un`, its NUL included.
+const SUN_PATH_BYTES: usize = 108;
+/// What [`bind`] adds to the dir for the path it binds first: `/.b-XXXXXX/s`.
+const BIND_SUFFIX_BYTES: usize = 12;
+
 /// Bind `dir/name` at mode 0600, replacing a socket that refuses connections
 /// (its process is gone).
 async fn bind(dir: &Path, name: &str) -> Result<(tokio::net::UnixListener, PathBuf, (u64, u64))> {
     let path = dir.join(name);
+    // sun_path holds 108 bytes with its NUL; the bind path below is the dir's plus 12.
+    let longest = path.as_os_str().len().max(dir.as_os_str().len() + BIND_SUFFIX_BYTES);
+    anyhow::ensure!(
+        longest < SUN_PATH_BYTES,
+        "the socket path {} would be {longest} bytes long; a Unix socket's path must be under {SUN_PATH_BYTES} bytes: \
+         choose a shorter --infrakit-dir",
+        path.display()
+    );
     match std::fs::symlink_metadata(&path) {
         Ok(meta) if meta.file_type().is_socket() => {
             let probe = tokio::time::timeout(Duration::from_secs(1), tokio::net::UnixStream::connect(&path)).await;
@@ -347,16 +399,23 @@ async fn bind(dir: &Path, name: &str) -> Result<(tokio::net::UnixListener, PathB
     // Bound in a fresh directory only this user can enter, restricted, then
     // moved into place, never over a file that appeared meanwhile.
     let private = tempfile::Builder::new()
-        .prefix(".broker-bind-")
+        .prefix(".b-")
+        .rand_bytes(6)
         .tempdir_in(dir)
         .with_context(|| format!("cannot make a private directory in {}", dir.display()))?;
-    let bound = private.path().join("socket");
+    let bound = private.path().join("s");
     let listener =
         tokio::net::UnixListener::bind(&bound).with_context(|| format!("cannot listen on {}", bound.display()))?;
     std::fs::set_permissions(&bound, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("cannot restrict {}", bound.display()))?;
     let cwd = rustix::fs::CWD;
-    rustix::fs::renameat_with(cwd, &bound, cwd, &path, rustix::fs::RenameFlags::NOREPLACE).with_context(|| {
+    let placed = match rustix::fs::renameat_with(cwd, &bound, cwd, &path, rustix::fs::RenameFlags::NOREPLACE) {
+        // A filesystem without RENAME_NOREPLACE (NFS, some FUSE): a hard link
+        // also never replaces what is there; the private dir's name goes with it.
+        Err(rustix::io::Errno::INVAL) => rustix::fs::linkat(cwd, &bound, cwd, &path, rustix::fs::AtFlags::empty()),
+        placed => placed,
+    };
+    placed.with_context(|| {
         format!("cannot put the socket in place at {} (not replacing what is there)", path.display())
     })?;
     let meta = std::fs::symlink_metadata(&path).with_context(|| format!("cannot look at {}", path.display()))?;

@@ -61,13 +61,36 @@ impl Event {
     }
 }
 
+/// How many events the log keeps: the oldest go as new ones come (a group
+/// replacing members forever must not fill the disk).
+pub const MAX_EVENTS: u64 = 100_000;
+
+/// Most old events one append removes: a log longer than the bound (a lower
+/// bound than the one it was written under) shrinks over appends, each cheap.
+const PRUNED_PER_APPEND: usize = 8;
+
 /// Append `event` in `txn`, numbered after the last; its sequence number.
 pub(super) fn append(txn: &super::Txn<'_>, event: &Event) -> Result<u64, StoreError> {
+    append_keeping(txn, event, MAX_EVENTS)
+}
+
+fn append_keeping(txn: &super::Txn<'_>, event: &Event, keep: u64) -> Result<u64, StoreError> {
     let mut table = txn.open_table(EVENTS).map_err(db_error)?;
     let next = table.last().map_err(db_error)?.map_or(1, |(k, _)| k.value() + 1);
     let stored = Event { seq: next, ..event.clone() };
     let bytes = super::encoded("event", &stored)?;
     table.insert(next, bytes.as_slice()).map_err(db_error)?;
+    // Numbers are never reused: a reader paging with `after` sees a gap, never another event.
+    let oldest_kept = next.saturating_sub(keep) + 1;
+    for _ in 0..PRUNED_PER_APPEND {
+        let oldest = table.first().map_err(db_error)?.map(|(k, _)| k.value());
+        match oldest {
+            Some(seq) if seq < oldest_kept => {
+                table.remove(seq).map_err(db_error)?;
+            }
+            _ => break,
+        }
+    }
     Ok(next)
 }
 
@@ -115,5 +138,27 @@ mod tests {
         );
         assert_eq!(all[1].new_sha256.as_deref(), Some("02"));
         assert_eq!(store.events(1, 1).unwrap()[0].seq, 2);
+    }
+
+    #[test]
+    fn the_log_keeps_its_newest_events_and_shrinks_to_a_lower_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let seqs = |store: &Store| store.events(0, 1000).unwrap().iter().map(|e| e.seq).collect::<Vec<_>>();
+        let append = |keep: u64| {
+            store.write(move |txn| append_keeping(txn, &Event::new("added", "a"), keep)).wait().unwrap()
+        };
+        for _ in 0..30 {
+            append(20);
+        }
+        assert_eq!(seqs(&store), (11..=30).collect::<Vec<_>>(), "the newest 20, numbered as written");
+        // A lower bound: each append removes a few more, until the log fits.
+        append(5);
+        assert_eq!(seqs(&store).len(), 21 - PRUNED_PER_APPEND);
+        for _ in 0..3 {
+            append(5);
+        }
+        assert_eq!(seqs(&store), (30..=34).collect::<Vec<_>>());
+        assert_eq!(store.events(31, 10).unwrap()[0].seq, 32, "paging reads on");
     }
 }

@@ -95,6 +95,12 @@ fn infrakits_group_and_instance_plugins_are_served_on_their_sockets() {
     std::fs::set_permissions(&open_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
     let said = refused_serve(&dir.path().join("data3"), open_dir.to_str().unwrap());
     assert!(said.contains("writable by it alone"), "{said}");
+    // A dir whose socket paths would not fit sun_path: said plainly, before binding.
+    let deep = dir.path().join("d".repeat(100));
+    std::fs::create_dir(&deep).unwrap();
+    std::fs::set_permissions(&deep, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let said = refused_serve(&dir.path().join("data4"), deep.to_str().unwrap());
+    assert!(said.contains("a Unix socket's path must be under 108 bytes"), "{said}");
 
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(async {
@@ -209,7 +215,21 @@ fn infrakits_group_and_instance_plugins_are_served_on_their_sockets() {
         assert_eq!(all["Descriptions"].as_array().unwrap().len(), 2, "{all}");
     });
 
+    // A provider whose socket path is taken gets its socket once the path is free.
+    let held = plugins.join("held");
+    std::fs::write(&held, "not a socket").unwrap();
+    let text = guest_artifacts::manifest_text("fake").replacen("name = \"fake\"", "name = \"held\"", 1);
+    assert!(text.contains("name = \"held\""), "{text}");
+    let manifest = dir.path().join("held.toml");
+    std::fs::write(&manifest, text).unwrap();
+    assert!(broker(&data, &["provider", "add", manifest.to_str().unwrap()]).status.success());
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(std::fs::symlink_metadata(&held).unwrap().is_file(), "what was there is not replaced");
+    std::fs::remove_file(&held).unwrap();
+    wait_for(&held);
+    assert!(std::os::unix::fs::FileTypeExt::is_socket(&std::fs::symlink_metadata(&held).unwrap().file_type()));
+
     // The sockets go with the daemon.
     assert!(daemon.terminate().success());
-    assert!(!plugins.join("group").exists() && !plugins.join("fake").exists());
+    assert!(!plugins.join("group").exists() && !plugins.join("fake").exists() && !held.exists());
 }

@@ -245,6 +245,9 @@ async fn hostile_claims_are_refused_and_leave_nothing_pending() {
     // The same id twice is one claim; another id returned than claimed is recorded as returned.
     assert_eq!(hostile_start(&broker, &["h-1", "h-1"], "h-1").await.unwrap(), "h-1");
     assert_eq!(hostile_start(&broker, &["h-2"], "h-3").await.unwrap(), "h-3");
+    // A claim of its own recorded instance's id is refused as well, before the guest goes on.
+    let err = hostile_start(&broker, &["h-1"], "h-4").await.expect_err("a recorded id is not claimed again");
+    assert!(err.contains("claim-instance-id") && err.contains("already recorded as one of this provider's"), "{err}");
     drop(broker);
     let broker = Broker::open(&data).unwrap();
     assert!(broker.store().interrupted_starts("hostile").unwrap().is_empty(), "every refused start was forgotten");
