@@ -414,7 +414,9 @@ impl Groups {
                         // slot in use (a destroy still stopping) stays, and the
                         // next pass waits for it.
                         let mut loops = lock(&groups.loops);
-                        if matches!(groups.broker.store().group(&id), Ok(Some(_))) {
+                        let gone = matches!(groups.broker.store().group(&id), Ok(None));
+                        if !gone {
+                            // Made again, or the store cannot tell: the loop goes on.
                             Duration::ZERO
                         } else if Self::remove_unheld(&mut loops, &id, &slot) {
                             break;
@@ -444,6 +446,11 @@ impl Groups {
             }
         });
         let mut loops = lock(&self.loops);
+        // Loops stopped between the spawn and here: this one too.
+        if !self.converging() {
+            task.abort();
+            return;
+        }
         // Only on this loop's own entry: one that ended at once may have been replaced.
         if let Some(entry) = loops.get_mut(id)
             && Arc::ptr_eq(&entry.slot.state, &own.state)
@@ -599,7 +606,8 @@ impl Groups {
     pub async fn describe(&self, id: &str) -> Result<GroupDescription, GroupError> {
         let group = self.committed(id)?;
         let members = self.members(&group).await?;
-        let update_stopped = lock(&self.slot(id).halted).clone();
+        // Read where it is, never made: a group destroyed meanwhile leaves no slot behind.
+        let update_stopped = lock(&self.loops).get(id).and_then(|entry| lock(&entry.slot.halted).clone());
         let converged = update_stopped.is_none() && is_converged(&group, &members);
         let instances = members
             .into_iter()

@@ -240,6 +240,8 @@ pub async fn serve(
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
             .with_context(|| format!("cannot restrict {}", dir.display()))?;
     }
+    // Absolute: the length of every socket path is checked as it is bound.
+    let dir = &std::path::absolute(dir).with_context(|| format!("cannot resolve {}", dir.display()))?;
     check_dir(dir)?;
     let limits = ServeLimits { max_connections: limits.max_connections.min(MAX_CONNECTIONS), ..limits };
     let calls = Arc::new(tokio::sync::Semaphore::new(MAX_CALLS));
@@ -297,6 +299,12 @@ async fn follow_registry(
             if refused.insert(name.clone(), Retry::never()).is_none() {
                 tracing::warn!(provider = %name, "a provider named like the group plugin gets no InfraKit socket");
             }
+            continue;
+        }
+        if let Some(problem) = path_problem(&sockets.dir, &name) {
+            // Never fits while the dir is this one: said once, not tried again.
+            tracing::warn!(provider = %name, %problem, "no InfraKit socket for this provider");
+            refused.insert(name, Retry::never());
             continue;
         }
         let plugin = Plugin::Instance { broker: broker.clone(), provider: name.clone() };
@@ -362,18 +370,28 @@ const SUN_PATH_BYTES: usize = 108;
 /// What [`bind`] adds to the dir for the path it binds first: `/.b-XXXXXX/s`.
 const BIND_SUFFIX_BYTES: usize = 12;
 
+/// Why `dir/name` cannot be a socket's path, if it cannot: sun_path holds
+/// 108 bytes with its NUL, and [`bind`] first binds in the dir plus 12.
+/// `dir` is absolute (a relative one is made so before any bind).
+fn path_problem(dir: &Path, name: &str) -> Option<String> {
+    let path = dir.join(name);
+    let longest = path.as_os_str().len().max(dir.as_os_str().len() + BIND_SUFFIX_BYTES);
+    (longest >= SUN_PATH_BYTES).then(|| {
+        format!(
+            "the socket path {} would be {longest} bytes long; a Unix socket's path must be under \
+             {SUN_PATH_BYTES} bytes: choose a shorter --infrakit-dir",
+            path.display()
+        )
+    })
+}
+
 /// Bind `dir/name` at mode 0600, replacing a socket that refuses connections
 /// (its process is gone).
 async fn bind(dir: &Path, name: &str) -> Result<(tokio::net::UnixListener, PathBuf, (u64, u64))> {
     let path = dir.join(name);
-    // sun_path holds 108 bytes with its NUL; the bind path below is the dir's plus 12.
-    let longest = path.as_os_str().len().max(dir.as_os_str().len() + BIND_SUFFIX_BYTES);
-    anyhow::ensure!(
-        longest < SUN_PATH_BYTES,
-        "the socket path {} would be {longest} bytes long; a Unix socket's path must be under {SUN_PATH_BYTES} bytes: \
-         choose a shorter --infrakit-dir",
-        path.display()
-    );
+    if let Some(problem) = path_problem(dir, name) {
+        anyhow::bail!(problem);
+    }
     match std::fs::symlink_metadata(&path) {
         Ok(meta) if meta.file_type().is_socket() => {
             let probe = tokio::time::timeout(Duration::from_secs(1), tokio::net::UnixStream::connect(&path)).await;
@@ -412,7 +430,9 @@ async fn bind(dir: &Path, name: &str) -> Result<(tokio::net::UnixListener, PathB
     let placed = match rustix::fs::renameat_with(cwd, &bound, cwd, &path, rustix::fs::RenameFlags::NOREPLACE) {
         // A filesystem without RENAME_NOREPLACE (NFS, some FUSE): a hard link
         // also never replaces what is there; the private dir's name goes with it.
-        Err(rustix::io::Errno::INVAL) => rustix::fs::linkat(cwd, &bound, cwd, &path, rustix::fs::AtFlags::empty()),
+        Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS) => {
+            rustix::fs::linkat(cwd, &bound, cwd, &path, rustix::fs::AtFlags::empty())
+        }
         placed => placed,
     };
     placed.with_context(|| {

@@ -145,9 +145,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         let seqs = |store: &Store| store.events(0, 1000).unwrap().iter().map(|e| e.seq).collect::<Vec<_>>();
-        let append = |keep: u64| {
-            store.write(move |txn| append_keeping(txn, &Event::new("added", "a"), keep)).wait().unwrap()
-        };
+        let append =
+            |keep: u64| store.write(move |txn| append_keeping(txn, &Event::new("added", "a"), keep)).wait().unwrap();
         for _ in 0..30 {
             append(20);
         }

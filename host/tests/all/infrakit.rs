@@ -223,7 +223,8 @@ fn infrakits_group_and_instance_plugins_are_served_on_their_sockets() {
     let manifest = dir.path().join("held.toml");
     std::fs::write(&manifest, text).unwrap();
     assert!(broker(&data, &["provider", "add", manifest.to_str().unwrap()]).status.success());
-    std::thread::sleep(Duration::from_millis(1500));
+    // Past the daemon's first look (it looks each second): refused then, served only on a retry.
+    std::thread::sleep(Duration::from_millis(2500));
     assert!(std::fs::symlink_metadata(&held).unwrap().is_file(), "what was there is not replaced");
     std::fs::remove_file(&held).unwrap();
     wait_for(&held);
