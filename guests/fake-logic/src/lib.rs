@@ -72,6 +72,10 @@ pub struct Config {
     /// running but never healthy).
     #[serde(default)]
     pub unhealthy_tag: Option<String>,
+    /// `stop-instances` fails, stopping nothing (tests of a stop that fails
+    /// after the host marked it).
+    #[serde(default)]
+    pub stops_fail: bool,
 }
 
 fn default_zones() -> Vec<String> {
@@ -95,6 +99,7 @@ impl Default for Config {
             unavailable_zones: Vec::new(),
             failed_zones: Vec::new(),
             unhealthy_tag: None,
+            stops_fail: false,
         }
     }
 }
@@ -120,8 +125,8 @@ impl Config {
     }
 }
 
-/// The test knobs listing and maintenance read ([`Config::failed_zones`],
-/// [`Config::unhealthy_tag`]), leniently: a provider built on the fake
+/// The test knobs listing, maintenance and stops read ([`Config::failed_zones`],
+/// [`Config::unhealthy_tag`], [`Config::stops_fail`]), leniently: a provider built on the fake
 /// (test-broken) adds keys of its own to the config, and a config that does
 /// not parse was already refused by validate-config and start.
 #[derive(Debug, Default, PartialEq, Deserialize)]
@@ -131,6 +136,8 @@ pub struct Knobs {
     pub failed_zones: Vec<String>,
     #[serde(default)]
     pub unhealthy_tag: Option<String>,
+    #[serde(default)]
+    pub stops_fail: bool,
 }
 
 impl Knobs {

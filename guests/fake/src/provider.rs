@@ -202,7 +202,13 @@ impl Guest for Fake {
         })
     }
 
-    fn stop_instances(_ctx: &CallContext, ids: Vec<String>) -> Result<(), BrokerError> {
+    fn stop_instances(ctx: &CallContext, ids: Vec<String>) -> Result<(), BrokerError> {
+        if knobs(ctx).stops_fail {
+            return Err(BrokerError::Provider(format!(
+                "stopping {} instances failed (fake config stops-fail)",
+                ids.len()
+            )));
+        }
         fake_logic::stop(&HostKv, &ids).map_err(to_broker_error)?;
         for id in &ids {
             host_kv::delete(&params_key(id))?;

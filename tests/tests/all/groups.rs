@@ -273,6 +273,37 @@ async fn destroy_instances_free_and_destroy() {
     assert!(groups.inspect().unwrap().is_empty());
 }
 
+#[tokio::test]
+async fn a_failed_stop_in_destroy_instances_shrinks_once_and_stops_no_other_member() {
+    let dir = tempfile::tempdir().unwrap();
+    let (broker, groups) = host(dir.path(), "stops-fail = true").await;
+    groups.commit_text(&sized(3), false).await.unwrap();
+    converge(&groups, "workers").await;
+    let ids = member_ids(&groups).await;
+
+    let error = groups.destroy_instances("workers", &ids[..1]).await.unwrap_err();
+    assert!(error.to_string().contains("fake config stops-fail"), "{error}");
+    // The smaller size, the member's leaving and its stop mark were written before the stop.
+    assert_eq!(groups.size("workers").unwrap(), 2);
+    assert_eq!(member_ids(&groups).await, ids[1..]);
+    // Passes neither make it again nor stop another member in its place.
+    converge(&groups, "workers").await;
+    assert_eq!(member_ids(&groups).await, ids[1..]);
+    assert_eq!(
+        broker.list_instances(Some("fake")).await.unwrap().len(),
+        3,
+        "the failed stop's instance is still recorded"
+    );
+    // Asked again: it is no longer a member, so the group does not shrink twice.
+    let again = groups.destroy_instances("workers", &ids[..1]).await.unwrap_err();
+    assert!(matches!(again, GroupError::NotAMember { .. }), "{again}");
+    assert_eq!(groups.size("workers").unwrap(), 2);
+    // The next host finds its stop unfinished, for its reconcile to end.
+    drop((groups, broker));
+    let broker = Broker::open(&dir.path().join("data")).unwrap();
+    assert_eq!(broker.store().interrupted_stops("fake").unwrap(), ids[..1], "marked for the next stop");
+}
+
 /// The loops as `broker serve` runs them, cut off mid-way (starts in flight
 /// dropped with the host), then a new host: reconcile, loops, and the group
 /// ends at its size with no duplicate and no orphan.
