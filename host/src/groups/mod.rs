@@ -1208,3 +1208,21 @@ fn plan_text(previous: &Group, next: &Group, members: &[InstanceRecord]) -> Stri
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_is_removed_only_if_it_is_the_ids_own_and_its_pass_lock_is_free() {
+        let mut loops = HashMap::from([("g".to_owned(), GroupLoop::default())]);
+        let slot = loops["g"].slot.clone();
+        assert!(!Groups::remove_unheld(&mut loops, "g", &Slot::default()), "another slot is not removed for it");
+        let held = slot.state.try_lock().unwrap();
+        assert!(!Groups::remove_unheld(&mut loops, "g", &slot), "a holder keeps its slot");
+        assert!(loops.contains_key("g"));
+        drop(held);
+        assert!(Groups::remove_unheld(&mut loops, "g", &slot));
+        assert!(loops.is_empty());
+    }
+}
