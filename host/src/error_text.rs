@@ -75,6 +75,63 @@ pub fn error_text(err: &(dyn Error + 'static)) -> String {
     chain_text(std::iter::successors(Some(err), |e: &&(dyn Error + 'static)| (*e).source()))
 }
 
+/// How the host's log writes an event's and its spans' fields: as
+/// `tracing-subscriber`'s default does (`message name=value …`, strings
+/// quoted), but with every value [escaped](escape_unprintable) — `%`
+/// (Display) fields and the message included, which the default writes raw.
+/// A provider's log message, error text, status, name or id therefore can
+/// never start a line of its own (one without `provider=`) or drive the
+/// terminal the log is read on, whichever call site forgot to escape it.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct EscapedFields;
+
+impl<'writer> tracing_subscriber::fmt::FormatFields<'writer> for EscapedFields {
+    fn format_fields<R: tracing_subscriber::field::RecordFields>(
+        &self,
+        writer: tracing_subscriber::fmt::format::Writer<'writer>,
+        fields: R,
+    ) -> std::fmt::Result {
+        let mut visitor = EscapingVisitor { writer, written: false, result: Ok(()) };
+        fields.record(&mut visitor);
+        visitor.result
+    }
+}
+
+struct EscapingVisitor<'writer> {
+    writer: tracing_subscriber::fmt::format::Writer<'writer>,
+    written: bool,
+    result: std::fmt::Result,
+}
+
+impl EscapingVisitor<'_> {
+    fn write(&mut self, text: &str) {
+        if self.result.is_err() {
+            return;
+        }
+        let separator = if self.written { " " } else { "" };
+        self.written = true;
+        self.result = write!(self.writer, "{separator}{}", escape_unprintable(text));
+    }
+}
+
+impl tracing::field::Visit for EscapingVisitor<'_> {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        match field.name() {
+            "message" => self.write(value),
+            name => self.write(&format!("{name}={value:?}")),
+        }
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        match field.name() {
+            "message" => self.write(&format!("{value:?}")),
+            // `log` crate records forwarded by tracing-log carry these; the formatter shows them.
+            name if name.starts_with("log.") => {}
+            name => self.write(&format!("{name}={value:?}")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -106,5 +163,42 @@ mod tests {
         assert_eq!(escape_unprintable("a\u{200b}b\u{feff}"), "a\\u{200b}b\\u{feff}", "invisible, so lookalikes");
         let escaped = escape_unprintable("\x1b]0;title\x07\x1b[31m");
         assert!(!escaped.chars().any(is_unprintable), "{escaped}");
+    }
+
+    #[test]
+    fn a_log_line_carries_no_control_character_a_field_brought() {
+        #[derive(Clone, Default)]
+        struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Sink {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let sink = Sink::default();
+        let writer = sink.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .fmt_fields(EscapedFields)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let forged = "ok\n2026-12-04T00:00:00Z  INFO forged: no provider\r\x1b[2K";
+            let span = tracing::info_span!("call", provider = "hostile", id = %forged);
+            let _in = span.enter();
+            tracing::info!(provider = "hostile", message = forged, "guest log");
+            tracing::warn!(provider = "hostile", line = %forged, "guest output");
+            tracing::error!("{forged}");
+        });
+        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(text.lines().count(), 3, "{text}");
+        for line in text.lines() {
+            assert!(!line.chars().any(is_unprintable), "{line:?}");
+            assert!(line.contains("forged: no provider"), "the text is kept, escaped: {line}");
+            assert!(line.contains("provider=\"hostile\""), "{line}");
+        }
     }
 }

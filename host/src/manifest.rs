@@ -22,6 +22,9 @@
 //! kv-keys = 100000               # its kv namespace: keys, and keys and values in MiB
 //! kv-mib = 64
 //! data-mib = 1024               # its data dir: a filesystem of its own this size (0 = none)
+//! program-memory-mib = 1024      # all its programs together (a cgroup), their /tmp and /dev/shm included
+//! program-pids = 512             # processes and threads of all its programs together
+//! tmp-mib = 64                   # its programs' /tmp and /dev/shm (one tmpfs, noexec)
 //! [limits.deadlines]
 //! default = "30s"
 //! start-instance = "10m"
@@ -52,6 +55,12 @@ pub const MAX_GUEST_MEMORY_BYTES: u64 = 4 << 30;
 pub const MAX_CALL_DATA_MIB: u64 = 1024;
 /// Most a provider's kv namespace may hold (`kv-mib`): it is mirrored in memory.
 pub const MAX_KV_MIB: u64 = 1024;
+/// Most memory a provider's programs may be given together (`program-memory-mib`): 1 TiB.
+const MAX_PROGRAM_MEMORY_MIB: u64 = 1 << 20;
+/// Most processes a provider's programs may be given together (`program-pids`).
+const MAX_PROGRAM_PIDS: u64 = 65_536;
+/// Largest `/tmp` of a provider's programs (`tmp-mib`): 64 GiB (it is memory).
+const MAX_TMP_MIB: u64 = 1 << 16;
 /// Largest data dir filesystem (`data-mib`): 1 TiB, sparse.
 pub const MAX_DATA_MIB: u64 = 1 << 20;
 pub use crate::providers::data_fs::MIN_DATA_MIB;
@@ -156,6 +165,26 @@ pub(crate) struct Limits {
     /// Size of its data dir's own filesystem, in MiB (0: none, on the host's filesystem).
     #[serde(default = "default_data_mib")]
     pub data_mib: u64,
+    /// Memory of all its programs together, in MiB (a cgroup of the provider's;
+    /// pages of their /tmp count as theirs).
+    #[serde(default = "default_program_memory_mib")]
+    pub program_memory_mib: u64,
+    /// Processes and threads of all its programs together.
+    #[serde(default = "default_program_pids")]
+    pub program_pids: u64,
+    /// Size of the one tmpfs its programs share as `/tmp` and `/dev/shm`, in MiB.
+    #[serde(default = "default_tmp_mib")]
+    pub tmp_mib: u64,
+}
+
+fn default_program_memory_mib() -> u64 {
+    1024
+}
+fn default_program_pids() -> u64 {
+    512
+}
+fn default_tmp_mib() -> u64 {
+    64
 }
 
 fn default_kv_keys() -> usize {
@@ -222,6 +251,9 @@ impl Default for Limits {
             kv_keys: default_kv_keys(),
             kv_mib: default_kv_mib(),
             data_mib: default_data_mib(),
+            program_memory_mib: default_program_memory_mib(),
+            program_pids: default_program_pids(),
+            tmp_mib: default_tmp_mib(),
         }
     }
 }
@@ -348,6 +380,9 @@ impl Limits {
             ("kv-keys", self.kv_keys as u64, approved.kv_keys as u64),
             ("kv-mib", self.kv_mib, approved.kv_mib),
             ("data-mib", data(self.data_mib), data(approved.data_mib)),
+            ("program-memory-mib", self.program_memory_mib, approved.program_memory_mib),
+            ("program-pids", self.program_pids, approved.program_pids),
+            ("tmp-mib", self.tmp_mib, approved.tmp_mib),
         ];
         let shown = |n: u64| if n == u64::MAX { "0 (unbounded)".to_owned() } else { n.to_string() };
         let loosened: Vec<String> = bounds
@@ -465,6 +500,15 @@ impl Manifest {
             return Err(invalid(format!(
                 "limits.data-mib must be 0 (no filesystem of its own) or between {MIN_DATA_MIB} and {MAX_DATA_MIB}"
             )));
+        }
+        if !(16..=MAX_PROGRAM_MEMORY_MIB).contains(&raw.limits.program_memory_mib) {
+            return Err(invalid(format!("limits.program-memory-mib must be between 16 and {MAX_PROGRAM_MEMORY_MIB}")));
+        }
+        if !(8..=MAX_PROGRAM_PIDS).contains(&raw.limits.program_pids) {
+            return Err(invalid(format!("limits.program-pids must be between 8 and {MAX_PROGRAM_PIDS}")));
+        }
+        if !(1..=MAX_TMP_MIB).contains(&raw.limits.tmp_mib) {
+            return Err(invalid(format!("limits.tmp-mib must be between 1 and {MAX_TMP_MIB}")));
         }
         if raw.limits.max_records == 0 {
             return Err(invalid("limits.max-records must be at least 1".into()));

@@ -19,7 +19,18 @@ fn bench(c: &mut Criterion) {
     std::fs::create_dir_all(&data).unwrap();
     let qemu_img = Path::new("/usr/bin/qemu-img");
     let confinement = Sandbox::default()
-        .confine("kvm", &Grants { data_dir: &data, paths: &[], paths_rw: &[], devices: &[], share_net: false })
+        .confine(
+            "kvm",
+            &Grants {
+                data_dir: &data,
+                paths: &[],
+                paths_rw: &[],
+                devices: &[],
+                programs: &[],
+                limits: Default::default(),
+                share_net: false,
+            },
+        )
         .unwrap();
     let version = ["--version".to_string()];
     let mut group = c.benchmark_group("granted program");

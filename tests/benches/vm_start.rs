@@ -30,7 +30,7 @@ const MARKER: &str = "BROKER-VM-UP";
 fn manifest(dir: &Path, payload: &VmPayload) -> PathBuf {
     let p = payload.dir.display();
     let text = format!(
-        "name = \"kvm\"\ncomponent = \"{}\"\n[limits]\nmemory-mib = 64\n[limits.deadlines]\ndefault = \"60s\"\n\
+        "name = \"kvm\"\ncomponent = \"{}\"\n[limits]\nmemory-mib = 64\nprogram-memory-mib = 16384\nprogram-pids = 4096\n[limits.deadlines]\ndefault = \"60s\"\n\
          [grants]\nkv = true\nlog = true\nlocal-sockets = true\n\
          process = [\"qemu-system-x86_64\", \"qemu-img\", \"genisoimage\"]\npaths = [\"{p}\"]\n\
          [config]\nnamespace = \"bench\"\nkernel = \"{p}/vmlinuz\"\ninitrd = \"{p}/initrd.gz\"\n\

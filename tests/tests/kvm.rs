@@ -34,6 +34,8 @@ fn kvm_manifest(dir: &Path, payload: &VmPayload, namespace: &str, grant_process:
 component = "{component}"
 [limits]
 memory-mib = 64
+program-memory-mib = 16384
+program-pids = 4096
 [limits.deadlines]
 default = "60s"
 start-instance = "120s"

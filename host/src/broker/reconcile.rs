@@ -172,6 +172,12 @@ impl Broker {
     ///
     /// [`reap_unrecorded`]: crate::capabilities::process::reap_unrecorded
     pub fn reap_unrecorded_children(&self) -> Vec<(String, u32)> {
+        self.reap_unrecorded_older_than(std::time::Duration::ZERO)
+    }
+
+    /// As [`Broker::reap_unrecorded_children`], while the host runs: processes
+    /// younger than `min_age` are spared (a child is recorded just after it starts).
+    pub fn reap_unrecorded_older_than(&self, min_age: std::time::Duration) -> Vec<(String, u32)> {
         if !rustix::process::geteuid().is_root() {
             return Vec::new();
         }
@@ -208,7 +214,7 @@ impl Broker {
             }
         }
         let ours = self.store().data_dir().display().to_string();
-        let killed = crate::capabilities::process::reap_unrecorded(&uids, &recorded, &ours);
+        let killed = crate::capabilities::process::reap_unrecorded(&uids, &recorded, &ours, min_age);
         for (provider, pid) in &killed {
             tracing::warn!(provider, pid, "killed a process a killed host left running without a child record");
         }

@@ -444,6 +444,29 @@ async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: Se
     let until_stopping = |mut stopping: tokio::sync::watch::Receiver<bool>| async move {
         let _ = stopping.wait_for(|stop| *stop).await;
     };
+    // And while it runs: what a program left behind outside every record (its
+    // record was forgotten, its sandbox escaped the group) does not live on.
+    let reaping = broker.clone();
+    let reap_stop = until_stopping(stopping.clone());
+    let reaper = tokio::spawn(async move {
+        tokio::pin!(reap_stop);
+        let mut every = tokio::time::interval(REAP_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        every.tick().await;
+        loop {
+            tokio::select! {
+                _ = every.tick() => {}
+                _ = &mut reap_stop => return,
+            }
+            let broker = reaping.clone();
+            let reaped = tokio::task::spawn_blocking(move || broker.reap_unrecorded_older_than(REAP_EVERY))
+                .await
+                .unwrap_or_default();
+            if !reaped.is_empty() {
+                tracing::warn!(count = reaped.len(), "killed processes running without a child record");
+            }
+        }
+    });
     let watching = broker.clone();
     let watch_stop = until_stopping(stopping.clone());
     let watcher = tokio::spawn(async move {
@@ -466,6 +489,8 @@ async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: Se
     if tokio::time::timeout(limits.drain, watcher).await.is_err() {
         tracing::warn!("the providers directory's rescan was still running when the drain ran out");
     }
+    // A reap in progress holds the broker: it ends (it is bounded by /proc's size) before the state closes.
+    let _ = reaper.await;
     served
 }
 
@@ -726,6 +751,10 @@ async fn store_command(
     Ok(if report.is_sound() { 0 } else { 1 })
 }
 
+/// How often `broker serve` ends processes of its providers' users that no
+/// child record holds (and how old such a process must be).
+const REAP_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The `broker` command: parse the arguments, log to stderr, run, and turn
 /// the outcome into the exit code (2 for usage errors). The `broker` binary
 /// is this; the tests' own copy of it (`broker-daemon`) is this too.
@@ -743,6 +772,7 @@ pub fn main() -> std::process::ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
         )
         .with_writer(std::io::stderr)
+        .fmt_fields(crate::error_text::EscapedFields)
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,

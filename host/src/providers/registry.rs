@@ -262,6 +262,7 @@ impl Registry {
     /// Compile, link and validate the config of a manifest's component.
     pub async fn load(&self, manifest: Manifest) -> Result<Arc<ProviderVersion>, RegistryError> {
         let name = manifest.name.clone();
+        self.check_grant_placement(&manifest)?;
         let config = manifest.config_json.clone();
         let capabilities = self.capabilities.clone();
         let runtime = self.runtime.clone();
@@ -274,6 +275,29 @@ impl Registry {
             .await
             .map_err(|source| RegistryError::ConfigRejected { name: name.clone(), source })?;
         Ok(Arc::new(provider))
+    }
+
+    /// Refuse host paths granted where another party could replace them with
+    /// a link, or that reach the host's own data dir ([`crate::sandbox::granted::check_placement`]),
+    /// against every provider loaded now.
+    fn check_grant_placement(&self, manifest: &Manifest) -> Result<(), RegistryError> {
+        let of = |manifest: &Manifest| {
+            let grant = manifest.grants.rooms.of::<Process>();
+            let programs = crate::capabilities::process::ProcessPolicy::resolve(&grant.process, &[], Path::new("/"))
+                .map(|policy| policy.resolved_programs())
+                .unwrap_or_default();
+            crate::sandbox::granted::GrantedPaths {
+                provider: manifest.name.clone(),
+                read: grant.paths.iter().cloned().chain(programs).collect(),
+                write: grant.paths_rw.clone(),
+            }
+        };
+        let others: Vec<_> = self.loaded().iter().map(|version| of(version.manifest())).collect();
+        let data_dir = self.store.data_dir();
+        let data_dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_owned());
+        crate::sandbox::granted::check_placement(&of(manifest), &others, &data_dir)
+            .map_err(|source| LoadError::Prepare { provider: manifest.name.clone(), source: Box::new(source) })?;
+        Ok(())
     }
 
     /// Unregister a provider that has no recorded instances. New calls are
@@ -347,6 +371,10 @@ impl Registry {
         if let Some(provider) = &unloaded {
             self.retire(provider);
         }
+        // What its user was given on host paths and devices is taken back.
+        let sandbox = self.capabilities.sandbox.clone();
+        let released = name.to_owned();
+        let _ = tokio::task::spawn_blocking(move || sandbox.release(&released)).await;
         tracing::info!(provider = name, in_flight, "provider removed");
         Ok(())
     }

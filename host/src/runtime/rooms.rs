@@ -71,6 +71,8 @@ pub struct LoadSetup<'a> {
     pub sandbox: &'a crate::sandbox::Sandbox,
     /// What the rooms' calls will reach.
     pub backends: &'a Backends,
+    /// The manifest's limits (what its programs may take together among them).
+    pub(crate) limits: &'a crate::manifest::Limits,
 }
 
 /// What the rooms made ready when a provider version loaded, by room.

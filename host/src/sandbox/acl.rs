@@ -132,6 +132,30 @@ pub fn grant(fd: impl AsFd, uid: u32, perm: u16) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Make the object behind `fd` its owner's and its named users' alone: no
+/// rights for its group or for others (named groups dropped), the mask (which
+/// a minimal ACL's mode shows as the group bits) left as it is, so the
+/// provider's own entry keeps working.
+pub fn make_private(fd: impl AsFd) -> std::io::Result<()> {
+    let _one = one_change_at_a_time();
+    let stat = rustix::fs::fstat(&fd)?;
+    let entries = read_acl(&fd, ACCESS, stat.st_mode)?;
+    let exposed = entries.iter().any(|e| matches!(e.tag, GROUP_OBJ | GROUP | OTHER) && e.perm != 0);
+    if !exposed {
+        return Ok(());
+    }
+    if !entries.iter().any(|e| matches!(e.tag, USER | GROUP)) {
+        // A minimal ACL is the mode itself.
+        return Ok(rustix::fs::fchmod(&fd, Mode::from_raw_mode(stat.st_mode & 0o7700))?);
+    }
+    let mut entries: Vec<Entry> = entries.into_iter().filter(|e| e.tag != GROUP).collect();
+    for entry in entries.iter_mut().filter(|e| matches!(e.tag, GROUP_OBJ | OTHER)) {
+        entry.perm = 0;
+    }
+    rustix::fs::fsetxattr(&fd, ACCESS, &encode(&entries), XattrFlags::empty())?;
+    Ok(())
+}
+
 /// Give `uid` read and write on a granted device node (by path: device
 /// nodes under /dev are the host's own).
 pub fn grant_device(path: &Path, uid: u32) -> std::io::Result<()> {
@@ -151,23 +175,23 @@ pub fn grant_device(path: &Path, uid: u32) -> std::io::Result<()> {
 }
 
 /// Let `uid` search (not list) every directory above `path` that others
-/// cannot search, so that bubblewrap, running as `uid`, can reach `path` to
-/// bind it. Nothing of those directories becomes visible to the sandboxed
-/// program, whose mount namespace has only what is bound.
-pub fn grant_search_to_ancestors(path: &Path, uid: u32) -> std::io::Result<()> {
+/// cannot search: bubblewrap, running as `uid`, must be able to reach what it
+/// binds even by descriptor (the kernel checks the way to a mount's source).
+/// Nothing of those directories becomes visible to the sandboxed program,
+/// whose mount namespace has only what is bound. Each directory is opened
+/// from `/` without following a link.
+pub fn grant_search_to_ancestors(path: &std::path::Path, uid: u32) -> std::io::Result<()> {
     for dir in path.ancestors().skip(1) {
-        if dir.as_os_str().is_empty() {
-            continue;
-        }
-        let fd = match rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty()) {
-            Ok(fd) => fd,
-            // A granted path the host lacks: bubblewrap skips it (`--ro-bind-try`).
-            Err(rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR) => continue,
-            Err(e) => return Err(e.into()),
+        let fd = match super::granted::open_unlinked(dir) {
+            Ok(Some(fd)) => fd,
+            Ok(None) => continue,
+            Err(e) => return Err(std::io::Error::other(e.to_string())),
         };
         let stat = rustix::fs::fstat(&fd)?;
-        if stat.st_mode & 0o001 == 0 {
-            grant(&fd, uid, SEARCH)?;
+        if rustix::fs::FileType::from_raw_mode(stat.st_mode) == rustix::fs::FileType::Directory
+            && stat.st_mode & 0o001 == 0
+        {
+            grant(reopen(&fd)?, uid, SEARCH)?;
         }
     }
     Ok(())
@@ -198,46 +222,134 @@ fn share_dir(fd: impl AsFd, uid: u32) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Share a provider's data dir with its sandbox user: the dir itself and, the
-/// first time (a data dir made before confinement, or moved), everything
-/// already in it. Nothing below it is followed through a link.
-pub fn share_data_dir(dir: &Path, uid: u32) -> std::io::Result<()> {
-    let root =
-        rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?;
+/// A usable descriptor of the object behind the `O_PATH` descriptor `opath`
+/// (through `/proc/self/fd`, which names that object, not a path).
+pub fn reopen(opath: impl AsFd) -> std::io::Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+    Ok(rustix::fs::open(format!("/proc/self/fd/{}", opath.as_fd().as_raw_fd()), flags, Mode::empty())?)
+}
+
+/// Share a provider's data dir (`dir`, an `O_PATH` descriptor) with its
+/// sandbox user: the dir itself and, the first time (a data dir made before
+/// confinement, or moved), everything already in it. Nothing below it is
+/// followed through a link.
+pub fn share_data_dir(dir: impl AsFd, uid: u32) -> std::io::Result<()> {
+    let root = reopen(dir)?;
     if has_default(&root, uid)? {
         return grant(&root, uid, READ | WRITE | SEARCH);
     }
     share_tree(root, uid, 0)
 }
 
-/// Give `uid` what a grant of the operator's `path` says its programs may do:
+/// Give `uid` what a grant of the operator's path (`top`, an `O_PATH`
+/// descriptor opened without following links) says its programs may do:
 /// read it (and what is below it), and for `paths-rw` write it too, with
 /// default entries on its directories so what the programs make there stays
 /// theirs to use. Done the first time: a path whose top already has the entry
 /// is left as it is (under `paths`, files the operator adds later are as
-/// readable as their mode makes them). The top may be a link the operator
-/// made; nothing below it is followed. A path the host lacks is skipped, as
-/// bubblewrap skips it.
-pub fn share_granted(path: &Path, uid: u32, writable: bool) -> std::io::Result<()> {
-    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
-    let top = match rustix::fs::open(path, flags, Mode::empty()) {
-        Ok(fd) => fd,
-        Err(rustix::io::Errno::NOENT) => return Ok(()),
-        Err(e) => return Err(e.into()),
-    };
+/// readable as their mode makes them). Nothing below it is followed.
+pub fn share_granted(top: impl AsFd, uid: u32, writable: bool) -> std::io::Result<()> {
     let stat = rustix::fs::fstat(&top)?;
     let (walk, perm) = match rustix::fs::FileType::from_raw_mode(stat.st_mode) {
         rustix::fs::FileType::Directory if writable => (Walk::Writable, READ | WRITE | SEARCH),
         rustix::fs::FileType::Directory => (Walk::Readable, READ | SEARCH),
-        rustix::fs::FileType::RegularFile => return grant(&top, uid, if writable { READ | WRITE } else { READ }),
+        rustix::fs::FileType::RegularFile => {
+            return grant(reopen(&top)?, uid, if writable { READ | WRITE } else { READ });
+        }
         // Devices are granted as devices; sockets and FIFOs by their mode.
         _ => return Ok(()),
     };
+    let top = reopen(&top)?;
     let done = read_acl(&top, ACCESS, stat.st_mode)?;
     if user_perm(&done, uid).is_some_and(|has| has & perm == perm) && (!writable || has_default(&top, uid)?) {
         return Ok(());
     }
     walk_tree(top, uid, walk, 0)
+}
+
+/// Take back every entry `uid` has on the object `fd` (access and default).
+/// Without named entries left, the access ACL is the mode again.
+fn revoke(fd: impl AsFd, uid: u32) -> std::io::Result<()> {
+    let _one = one_change_at_a_time();
+    for name in [ACCESS, DEFAULT] {
+        let mut buf = vec![0u8; 1024];
+        let entries = match rustix::fs::fgetxattr(&fd, name, &mut buf[..]) {
+            Ok(n) => decode(&buf[..n]).ok_or_else(|| std::io::Error::other(format!("unreadable {name}")))?,
+            Err(rustix::io::Errno::NODATA | rustix::io::Errno::NOTSUP) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if !entries.iter().any(|e| e.tag == USER && e.id == uid) {
+            continue;
+        }
+        let mut kept: Vec<Entry> = entries.into_iter().filter(|e| !(e.tag == USER && e.id == uid)).collect();
+        if !kept.iter().any(|e| matches!(e.tag, USER | GROUP)) {
+            if name == DEFAULT && kept.iter().all(|e| e.tag != USER_OBJ || e.perm == 7) {
+                // Only what sharing made (the owner's rwx and the mode's bits) is left.
+                rustix::fs::fremovexattr(&fd, DEFAULT)?;
+                continue;
+            }
+            // The mask was the group bits; without it the group's own entry is.
+            let mask = kept.iter().find(|e| e.tag == MASK).map(|e| e.perm);
+            kept.retain(|e| e.tag != MASK);
+            if let (Some(mask), Some(group)) = (mask, kept.iter_mut().find(|e| e.tag == GROUP_OBJ)) {
+                group.perm &= mask;
+            }
+        }
+        rustix::fs::fsetxattr(&fd, name, &encode(&kept), XattrFlags::empty())?;
+    }
+    Ok(())
+}
+
+/// Take back what sharing gave `uid` on the tree at `top` (an `O_PATH`
+/// descriptor) and on the directories above it (searches an older host
+/// gave): a grant narrowed, or its provider removed. Follows no link.
+pub fn unshare(top: impl AsFd, uid: u32, path: &std::path::Path) -> std::io::Result<()> {
+    let stat = rustix::fs::fstat(&top)?;
+    match rustix::fs::FileType::from_raw_mode(stat.st_mode) {
+        rustix::fs::FileType::Directory => revoke_tree(reopen(&top)?, uid, 0)?,
+        rustix::fs::FileType::RegularFile | rustix::fs::FileType::CharacterDevice => revoke(reopen(&top)?, uid)?,
+        _ => {}
+    }
+    for dir in path.ancestors().skip(1) {
+        if let Ok(Some(fd)) = super::granted::open_unlinked(dir) {
+            revoke(reopen(fd)?, uid)?;
+        }
+    }
+    Ok(())
+}
+
+fn revoke_tree(dir: OwnedFd, uid: u32, depth: usize) -> std::io::Result<()> {
+    revoke(&dir, uid)?;
+    if depth >= MAX_DEPTH {
+        return Ok(());
+    }
+    for name in entries_of(&dir)? {
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+        let fd = match rustix::fs::openat(&dir, &name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOENT | rustix::io::Errno::NXIO) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        match rustix::fs::FileType::from_raw_mode(rustix::fs::fstat(&fd)?.st_mode) {
+            rustix::fs::FileType::Directory => revoke_tree(fd, uid, depth + 1)?,
+            rustix::fs::FileType::RegularFile => revoke(&fd, uid)?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn entries_of(dir: &OwnedFd) -> std::io::Result<Vec<std::ffi::CString>> {
+    let mut names = Vec::new();
+    for entry in rustix::fs::Dir::read_from(dir)? {
+        let entry = entry?;
+        let name = entry.file_name().to_bytes();
+        if name != b"." && name != b".." {
+            names.push(entry.file_name().to_owned());
+        }
+    }
+    Ok(names)
 }
 
 /// How a shared tree is given to the sandbox user.
@@ -264,15 +376,7 @@ fn walk_tree(dir: OwnedFd, uid: u32, walk: Walk, depth: usize) -> std::io::Resul
     if depth >= MAX_DEPTH {
         return Ok(());
     }
-    let mut names = Vec::new();
-    for entry in rustix::fs::Dir::read_from(&dir)? {
-        let entry = entry?;
-        let name = entry.file_name().to_bytes();
-        if name != b"." && name != b".." {
-            names.push(entry.file_name().to_owned());
-        }
-    }
-    for name in names {
+    for name in entries_of(&dir)? {
         // NONBLOCK: a FIFO is opened without waiting for a writer; NOFOLLOW: a link fails (ELOOP).
         let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
         let fd = match rustix::fs::openat(&dir, &name, flags, Mode::empty()) {
@@ -294,6 +398,38 @@ fn walk_tree(dir: OwnedFd, uid: u32, walk: Walk, depth: usize) -> std::io::Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn opened(path: &Path) -> OwnedFd {
+        super::super::granted::open_unlinked(path).unwrap().unwrap()
+    }
+
+    #[test]
+    fn unsharing_takes_back_every_entry_of_the_user_and_no_one_elses() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = dir.path().join("images");
+        std::fs::create_dir_all(shared.join("sub")).unwrap();
+        std::fs::write(shared.join("sub/file"), "x").unwrap();
+        let mode_of = |path: &Path| std::fs::metadata(path).unwrap().permissions();
+        let before = mode_of(&shared.join("sub/file"));
+        share_granted(opened(&shared), 4242, true).unwrap();
+        share_granted(opened(&shared), 4343, false).unwrap();
+        let perm = |path: &Path, uid| {
+            let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::NOFOLLOW, Mode::empty()).unwrap();
+            let stat = rustix::fs::fstat(&fd).unwrap();
+            user_perm(&read_acl(&fd, ACCESS, stat.st_mode).unwrap(), uid)
+        };
+        assert_eq!(perm(&shared.join("sub/file"), 4242), Some(READ | WRITE));
+        unshare(opened(&shared), 4242, &shared).unwrap();
+        for path in [shared.clone(), shared.join("sub"), shared.join("sub/file")] {
+            assert_eq!(perm(&path, 4242), None, "{}", path.display());
+            assert!(perm(&path, 4343).is_some(), "the other provider keeps its entry: {}", path.display());
+        }
+        unshare(opened(&shared), 4343, &shared).unwrap();
+        assert_eq!(perm(&shared.join("sub/file"), 4343), None);
+        assert_eq!(mode_of(&shared.join("sub/file")), before, "the mode is what it was");
+        let fd = rustix::fs::open(&shared, OFlags::RDONLY, Mode::empty()).unwrap();
+        assert!(!has_default(&fd, 4242).unwrap() && !has_default(&fd, 4343).unwrap());
+    }
 
     #[test]
     fn entries_round_trip_and_the_mask_covers_the_group_class() {
@@ -338,7 +474,7 @@ mod tests {
         std::fs::create_dir_all(data.join("old")).unwrap();
         std::fs::write(data.join("old/file"), "y").unwrap();
         std::os::unix::fs::symlink(&outside, data.join("link")).unwrap();
-        share_data_dir(&data, 4242).unwrap();
+        share_data_dir(opened(&data), 4242).unwrap();
 
         let perm_of = |path: &Path| {
             let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::NOFOLLOW, Mode::empty()).unwrap();
@@ -386,8 +522,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let shared = dir.path().join("images");
         std::fs::create_dir(&shared).unwrap();
-        share_granted(&shared, 4242, true).unwrap();
-        share_granted(&shared, 4343, true).unwrap();
+        share_granted(opened(&shared), 4242, true).unwrap();
+        share_granted(opened(&shared), 4343, true).unwrap();
         let fd = rustix::fs::open(&shared, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty()).unwrap();
         assert!(has_default(&fd, 4242).unwrap(), "the first provider's default entry was replaced");
         assert!(has_default(&fd, 4343).unwrap());
@@ -397,5 +533,25 @@ mod tests {
         let stat = rustix::fs::fstat(&file).unwrap();
         let entries = read_acl(&file, ACCESS, stat.st_mode).unwrap();
         assert!(user_perm(&entries, 4242).is_some() && user_perm(&entries, 4343).is_some(), "{entries:?}");
+    }
+
+    #[test]
+    fn a_private_dir_keeps_the_providers_entry_and_shuts_out_everyone_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        let open = || rustix::fs::open(&data, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty()).unwrap();
+        rustix::fs::fchmod(open(), Mode::from_raw_mode(0o755)).unwrap();
+        make_private(open()).unwrap();
+        assert_eq!(rustix::fs::fstat(open()).unwrap().st_mode & 0o777, 0o700, "a minimal ACL is the mode");
+        share_data_dir(opened(&data), 4242).unwrap();
+        rustix::fs::fchmod(open(), Mode::from_raw_mode(0o775)).unwrap();
+        make_private(open()).unwrap();
+        let stat = rustix::fs::fstat(open()).unwrap();
+        let entries = read_acl(open(), ACCESS, stat.st_mode).unwrap();
+        assert_eq!(user_perm(&entries, 4242), Some(7), "the provider's entry still works: {entries:?}");
+        for tag in [GROUP_OBJ, OTHER] {
+            assert_eq!(entries.iter().find(|e| e.tag == tag).unwrap().perm, 0, "{entries:?}");
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! What the forked child does to itself between `fork` and `exec` of
 //! bubblewrap. `pre_exec` is unsafe because the closure runs in a child of a
 //! multi-threaded process: it may only make async-signal-safe calls. This
-//! one makes four system calls and allocates nothing, so this module is, with
+//! one makes a few system calls and allocates nothing, so this module is, with
 //! `tap.rs`, one of the two places in the host that allow `unsafe`.
 #![allow(unsafe_code)]
 
@@ -19,15 +19,42 @@ pub const LIMITS: [(Resource, u64); 3] = [
 
 const CLOSE_RANGE_CLOEXEC: nix::libc::c_uint = 1 << 2;
 
+/// What the child does to itself besides the fixed steps.
+#[derive(Debug, Default)]
+pub struct BeforeExec {
+    /// Descriptors bubblewrap is handed (binds, its info pipe): kept open on exec.
+    pub keep: Vec<i32>,
+    /// `cgroup.procs` descriptors to write `0` to: the child joins those groups.
+    pub join: Vec<i32>,
+    /// `RLIMIT_AS` where no group bounds the memory (bytes; 0: none).
+    pub address_space: u64,
+}
+
 /// In the child, before bubblewrap runs (std has already switched to the
-/// sandbox user): a session of its own (no controlling terminal to inject
-/// keystrokes into, and one process group the host can signal whole), the
-/// limits, `no_new_privs`, and every descriptor but 0-2 closed on exec.
-pub fn confine_before_exec(command: &mut std::process::Command) {
-    // SAFETY: the closure makes only async-signal-safe system calls (setsid,
-    // setrlimit, prctl, close_range) on values it owns, and does not allocate.
+/// sandbox user): its groups joined (a bound it cannot leave), first to die
+/// when memory runs out (`oom_score_adj` 1000), a session of its own (no
+/// controlling terminal to inject keystrokes into, and one process group the
+/// host can signal whole), the limits, `no_new_privs`, and every descriptor
+/// but 0-2 and `keep` closed on exec.
+pub fn confine_before_exec(command: &mut std::process::Command, before: BeforeExec) {
+    // SAFETY: the closure makes only async-signal-safe system calls (write,
+    // open, close, setsid, setrlimit, prctl, close_range, fcntl) on values it
+    // owns, and does not allocate (`before` was made before the fork).
     unsafe {
-        command.pre_exec(|| {
+        command.pre_exec(move || {
+            for &fd in &before.join {
+                if nix::libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            let oom = nix::libc::open(c"/proc/self/oom_score_adj".as_ptr(), nix::libc::O_WRONLY | nix::libc::O_CLOEXEC);
+            if oom >= 0 {
+                nix::libc::write(oom, b"1000".as_ptr().cast(), 4);
+                nix::libc::close(oom);
+            }
+            if before.address_space > 0 {
+                setrlimit(Resource::RLIMIT_AS, before.address_space, before.address_space)?;
+            }
             nix::unistd::setsid()?;
             for (resource, limit) in LIMITS {
                 setrlimit(resource, limit, limit)?;
@@ -36,6 +63,11 @@ pub fn confine_before_exec(command: &mut std::process::Command) {
             let rc = nix::libc::syscall(nix::libc::SYS_close_range, 3, u32::MAX, CLOSE_RANGE_CLOEXEC);
             if rc != 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            for &fd in &before.keep {
+                if nix::libc::fcntl(fd, nix::libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });

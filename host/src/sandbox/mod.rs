@@ -20,9 +20,31 @@
 
 pub mod acl;
 pub mod beneath;
+pub mod cgroups;
+pub mod claims;
 mod exec;
+pub mod granted;
+pub mod scratch;
 
 pub use exec::LIMITS;
+
+/// What all of one provider's programs may take together (`[limits]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProgramLimits {
+    /// Memory of all of them, their `/tmp` included, in MiB.
+    pub memory_mib: u64,
+    /// Their processes and threads.
+    pub pids: u64,
+    /// Their shared `/tmp` and `/dev/shm`, in MiB.
+    pub tmp_mib: u64,
+}
+
+impl Default for ProgramLimits {
+    fn default() -> Self {
+        let limits = crate::manifest::Limits::default();
+        ProgramLimits { memory_mib: limits.program_memory_mib, pids: limits.program_pids, tmp_mib: limits.tmp_mib }
+    }
+}
 
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -61,6 +83,24 @@ pub enum SandboxError {
         /// The sandbox user.
         uid: u32,
         /// Why the ACL could not be set.
+        source: std::io::Error,
+    },
+    /// A granted path the host will not act on: a link in it, or where another can replace it.
+    #[error("granted path {path} is refused: {reason}")]
+    GrantedPath {
+        /// The path as granted.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// The programs' bounds (their cgroup, their `/tmp`) could not be set up.
+    #[error("cannot bound provider {provider:?}'s programs ({what}): {source}")]
+    Bounds {
+        /// The provider.
+        provider: String,
+        /// Which bound.
+        what: &'static str,
+        /// Why.
         source: std::io::Error,
     },
     /// No uid could be allocated or recorded for the provider.
@@ -140,6 +180,9 @@ pub struct SandboxConfig {
     pub user: Option<u32>,
     /// First uid of the per-provider range (default 2000000000).
     pub uid_base: Option<u32>,
+    /// The machine's directory of uid claims, shared by every broker host on
+    /// it (default `/var/lib/wasm-broker/uids`).
+    pub uid_claims: Option<PathBuf>,
 }
 
 pub(crate) const DEFAULT_UID_BASE: u32 = 2_000_000_000;
@@ -149,8 +192,20 @@ pub const UID_RANGE: u32 = 1 << 24;
 
 /// Where per-provider uids are kept, so that one is never reused for another provider.
 pub trait UidAllocations: Send + Sync {
-    /// The uid of `provider`, allocating the next free one from `base` if it has none.
-    fn uid_for(&self, provider: &str, base: u32) -> Result<u32, String>;
+    /// The data dir of the host these allocations belong to (what its claims name).
+    fn host_dir(&self) -> &Path;
+    /// The uid recorded for `provider`, if it has one.
+    fn recorded(&self, provider: &str) -> Result<Option<u32>, String>;
+    /// The first uid this host has not handed out, at least `base`.
+    fn next_free(&self, base: u32) -> Result<u32, String>;
+    /// Record `uid` as `provider`'s (and none below it handed out again); the
+    /// uid recorded for it, which is another if a load at the same time won.
+    fn record(&self, provider: &str, uid: u32) -> Result<u32, String>;
+    /// The host paths (granted paths, devices, the data dir) shared with `provider`'s user.
+    fn shared(&self, provider: &str) -> Result<Vec<PathBuf>, String>;
+    /// Record what is shared with `provider`'s user (before sharing it: a crash
+    /// midway leaves the record wider than the ACLs, never narrower).
+    fn record_shared(&self, provider: &str, paths: &[PathBuf]) -> Result<(), String>;
 }
 
 /// A failure to find bubblewrap, kept to be said again on each load.
@@ -243,15 +298,50 @@ impl Sandbox {
         }
         match &self.allocations {
             Some(allocations) => {
-                let uid = allocations.uid_for(provider, base).map_err(refuse)?;
-                // Kept from an earlier `uid-base`: its range may hold root or the kit's uids.
-                if !(base..base + UID_RANGE).contains(&uid) {
-                    return Err(refuse(format!(
-                        "its uid {uid} was allocated outside `[sandbox] uid-base = {base}`'s range \
-                         {base}..{}: was uid-base changed? Set it back",
-                        base + UID_RANGE
-                    )));
-                }
+                let end = base + UID_RANGE;
+                // Without root no user is switched to: there is nothing to claim.
+                let claims = match running_as_root() {
+                    true => Some(
+                        claims::UidClaims::new(
+                            self.config.uid_claims.clone().unwrap_or_else(|| claims::DEFAULT_CLAIMS_DIR.into()),
+                            allocations.host_dir(),
+                        )
+                        .map_err(|e| refuse(e.to_string()))?,
+                    ),
+                    false => None,
+                };
+                let uid = match allocations.recorded(provider).map_err(refuse)? {
+                    Some(uid) => {
+                        // Kept from an earlier `uid-base`: its range may hold root or the kit's uids.
+                        if !(base..end).contains(&uid) {
+                            return Err(refuse(format!(
+                                "its uid {uid} was allocated outside `[sandbox] uid-base = {base}`'s range \
+                                 {base}..{end}: was uid-base changed? Set it back"
+                            )));
+                        }
+                        if let Some(claims) = &claims {
+                            claims.confirm(provider, uid).map_err(|e| refuse(e.to_string()))?;
+                        }
+                        uid
+                    }
+                    None => {
+                        let from = allocations.next_free(base).map_err(refuse)?;
+                        let used_up = || refuse(format!("the sandbox uid range from {base} is used up"));
+                        let uid = match &claims {
+                            Some(claims) => claims
+                                .claim_from(provider, from.max(base), end)
+                                .map_err(|e| refuse(e.to_string()))?
+                                .ok_or_else(used_up)?,
+                            None if from < end => from,
+                            None => return Err(used_up()),
+                        };
+                        let recorded = allocations.record(provider, uid).map_err(refuse)?;
+                        if let (Some(claims), true) = (&claims, recorded != uid) {
+                            claims.release(provider, uid).map_err(|e| refuse(e.to_string()))?;
+                        }
+                        recorded
+                    }
+                };
                 Ok(uid)
             }
             None => {
@@ -261,24 +351,35 @@ impl Sandbox {
         }
     }
 
-    /// The confinement of one provider's programs. Shares its data dir with
-    /// its user and gives it the granted devices.
+    /// The confinement of one provider's programs. Opens its data dir, its
+    /// granted paths and programs once, following no link (see [`granted`]),
+    /// shares them with its user through those descriptors, and gives it the
+    /// granted devices. What an earlier load shared and this one no longer
+    /// grants is taken back.
     pub fn confine(&self, provider: &str, grants: &Grants<'_>) -> Result<Confinement, SandboxError> {
         let bwrap = self.bwrap()?;
         let uid = self.uid_for(provider)?;
         let share = |path: &Path, source| SandboxError::Share { path: path.display().to_string(), uid, source };
-        // Without root the host cannot switch users: its programs run as the host's
-        // own (unprivileged) user, in the same namespaces, and nothing needs sharing.
-        if running_as_root() {
-            // bubblewrap runs as the sandbox user and must reach what it binds.
-            acl::grant_search_to_ancestors(grants.data_dir, uid).map_err(|e| share(grants.data_dir, e))?;
-            acl::share_data_dir(grants.data_dir, uid).map_err(|e| share(grants.data_dir, e))?;
-            for (path, writable) in
-                grants.paths.iter().map(|p| (p, false)).chain(grants.paths_rw.iter().map(|p| (p, true)))
-            {
-                acl::grant_search_to_ancestors(path, uid).map_err(|e| share(path, e))?;
-                acl::share_granted(path, uid, writable).map_err(|e| share(path, e))?;
+        let data_dir = granted::open_unlinked(grants.data_dir)?.ok_or_else(|| {
+            share(grants.data_dir, std::io::Error::new(std::io::ErrorKind::NotFound, "the data dir is missing"))
+        })?;
+        let mut binds = vec![granted::Bound { fd: data_dir, at: grants.data_dir.to_owned(), writable: true }];
+        let asked = grants.paths.iter().map(|p| (p, false)).chain(grants.paths_rw.iter().map(|p| (p, true)));
+        for (path, writable) in asked {
+            // bubblewrap's /dev has these already; other device nodes need `devices`.
+            if STANDARD_DEVICES.iter().any(|d| path == Path::new(d)) {
+                continue;
             }
+            // A granted path the host lacks (yet) is absent in the sandbox too.
+            if let Some(fd) = granted::open_unlinked(path)? {
+                binds.push(granted::Bound { fd, at: path.clone(), writable });
+            }
+        }
+        for program in grants.programs.iter().filter(|p| !p.starts_with("/usr")) {
+            let fd = granted::open_unlinked(program)?.ok_or_else(|| {
+                share(program, std::io::Error::new(std::io::ErrorKind::NotFound, "the granted program is missing"))
+            })?;
+            binds.push(granted::Bound { fd, at: program.clone(), writable: false });
         }
         let mut devices = Vec::new();
         for device in grants.devices {
@@ -291,31 +392,129 @@ impl Sandbox {
                 return Err(SandboxError::BadDevice(device.display().to_string()));
             }
             // The node itself, never what a link names (`/dev/disk/by-id/...`): the grant names one device.
-            match std::fs::symlink_metadata(device) {
-                Ok(meta) => {
+            match granted::open_unlinked(device) {
+                Ok(Some(fd)) => {
                     use std::os::unix::fs::FileTypeExt;
-                    if !meta.file_type().is_char_device() && !meta.file_type().is_block_device() {
+                    let meta = std::fs::symlink_metadata(device).map_err(|e| share(device, e))?;
+                    let stat = rustix::fs::fstat(&fd).map_err(|e| share(device, e.into()))?;
+                    let kind = rustix::fs::FileType::from_raw_mode(stat.st_mode);
+                    let is_node =
+                        matches!(kind, rustix::fs::FileType::CharacterDevice | rustix::fs::FileType::BlockDevice);
+                    if !is_node || !(meta.file_type().is_char_device() || meta.file_type().is_block_device()) {
                         return Err(SandboxError::BadDevice(device.display().to_string()));
-                    }
-                    if running_as_root() {
-                        acl::grant_device(device, uid).map_err(|e| share(device, e))?;
                     }
                     devices.push(device.clone());
                 }
                 // A device this machine lacks (no /dev/kvm): the program finds it missing, as it would anyway.
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(share(device, e)),
+                Ok(None) => {}
+                Err(SandboxError::GrantedPath { .. }) => {
+                    return Err(SandboxError::BadDevice(device.display().to_string()));
+                }
+                Err(e) => return Err(e),
             }
         }
+        // Without root the host cannot switch users: its programs run as the host's
+        // own (unprivileged) user, in the same namespaces, and nothing needs sharing.
+        if running_as_root() {
+            let now: Vec<PathBuf> = binds.iter().map(|b| b.at.clone()).chain(devices.iter().cloned()).collect();
+            self.take_back(provider, uid, &now)?;
+            for (n, bound) in binds.iter().enumerate() {
+                acl::grant_search_to_ancestors(&bound.at, uid).map_err(|e| share(&bound.at, e))?;
+                match n {
+                    0 => acl::share_data_dir(&bound.fd, uid),
+                    _ => acl::share_granted(&bound.fd, uid, bound.writable),
+                }
+                .map_err(|e| share(&bound.at, e))?;
+            }
+            for device in &devices {
+                acl::grant_device(device, uid).map_err(|e| share(device, e))?;
+            }
+        }
+        granted::bind_order(&mut binds);
+        let bounds = |what, source| SandboxError::Bounds { provider: provider.to_owned(), what, source };
+        let limits = grants.limits;
+        // Without root there is nothing to mount or group: bubblewrap's own sized
+        // tmpfs and RLIMIT_AS are what is left (README: confinement by host kind).
+        let (group, scratch) = match running_as_root() {
+            true => {
+                let group = match cgroups::hierarchy() {
+                    Some(hierarchy) => Some(Arc::new(
+                        cgroups::ProviderGroup::new(hierarchy, uid, limits.memory_mib, limits.pids)
+                            .map_err(|e| bounds("memory and pids cgroup", e))?,
+                    )),
+                    None => None,
+                };
+                let scratch = scratch::prepare(uid, limits.tmp_mib).map_err(|e| bounds("/tmp tmpfs", e))?;
+                // bubblewrap closes a descriptor once it bound it: one each for /tmp and /dev/shm.
+                let again = scratch.try_clone().map_err(|e| bounds("/tmp tmpfs", e))?;
+                (group, Some(Arc::new([scratch, again])))
+            }
+            false => (None, None),
+        };
+        let data_dir = grants.data_dir.to_owned();
         Ok(Confinement {
             bwrap,
             uid,
-            data_dir: grants.data_dir.to_owned(),
-            paths: grants.paths.to_vec(),
-            paths_rw: grants.paths_rw.to_vec(),
+            binds: Arc::new(binds),
+            data_dir,
             devices,
             share_net: grants.share_net,
+            limits,
+            group,
+            scratch,
         })
+    }
+
+    /// Take back from `provider`'s user what was shared with it before and is
+    /// not in `now`, and record `now` (kept: uids are the store's).
+    fn take_back(&self, provider: &str, uid: u32, now: &[PathBuf]) -> Result<(), SandboxError> {
+        let Some(records) = &self.allocations else { return Ok(()) };
+        let refuse = |reason: String| SandboxError::User { provider: provider.to_owned(), reason };
+        let before = records.shared(provider).map_err(refuse)?;
+        let mut recorded: Vec<PathBuf> = before.iter().chain(now).cloned().collect();
+        recorded.sort();
+        recorded.dedup();
+        records.record_shared(provider, &recorded).map_err(refuse)?;
+        for gone in before.iter().filter(|p| !now.contains(p)) {
+            unshare_path(gone, uid);
+        }
+        records.record_shared(provider, now).map_err(refuse)
+    }
+
+    /// Take back everything shared with `provider`'s user: it is being removed.
+    /// What cannot be taken back is logged and stays recorded.
+    pub fn release(&self, provider: &str) {
+        let Some(records) = &self.allocations else { return };
+        if !running_as_root() {
+            return;
+        }
+        let (Ok(Some(uid)), Ok(shared)) = (records.recorded(provider), records.shared(provider)) else { return };
+        // Nothing of it runs on: whatever its programs left (daemonized ones too) is killed.
+        let killed = cgroups::remove(uid);
+        if killed > 0 {
+            tracing::warn!(provider, killed, "killed the processes a removed provider's programs left running");
+        }
+        scratch::remove(uid);
+        let kept: Vec<PathBuf> = shared.into_iter().filter(|path| !unshare_path(path, uid)).collect();
+        if let Err(error) = records.record_shared(provider, &kept) {
+            tracing::warn!(provider, %error, "cannot record what was taken back from the provider's user");
+        }
+    }
+}
+
+/// Take back `uid`'s entries on `path` (followed through no link); whether done.
+fn unshare_path(path: &Path, uid: u32) -> bool {
+    let result = match granted::open_unlinked(path) {
+        Ok(Some(fd)) => acl::unshare(&fd, uid, path).map_err(|e| e.to_string()),
+        Ok(None) => Ok(()),
+        Err(e) => Err(e.to_string()),
+    };
+    match result {
+        Ok(()) => true,
+        Err(error) => {
+            tracing::warn!(path = %path.display(), uid, %error, "cannot take back a sandbox user's access");
+            false
+        }
     }
 }
 
@@ -342,6 +541,10 @@ pub struct Grants<'a> {
     pub paths_rw: &'a [PathBuf],
     /// Device nodes under `/dev` to bind in.
     pub devices: &'a [PathBuf],
+    /// The granted programs, resolved (those outside `/usr` are bound).
+    pub programs: &'a [PathBuf],
+    /// What its programs may take together.
+    pub limits: ProgramLimits,
     /// Stay in the host's network namespace (bridging and taps are granted).
     pub share_net: bool,
 }
@@ -360,11 +563,17 @@ pub enum Lifetime {
 pub struct Confinement {
     bwrap: PathBuf,
     uid: u32,
+    /// The data dir first, then granted paths and programs, each opened once
+    /// without following a link; bound in [`granted::bind_order`].
+    binds: Arc<Vec<granted::Bound>>,
     data_dir: PathBuf,
-    paths: Vec<PathBuf>,
-    paths_rw: Vec<PathBuf>,
     devices: Vec<PathBuf>,
     share_net: bool,
+    limits: ProgramLimits,
+    /// The provider's cgroup (`None`: none could be made; `RLIMIT_AS` instead).
+    group: Option<Arc<cgroups::ProviderGroup>>,
+    /// `O_PATH` descriptor of its scratch tmpfs (`None`: bubblewrap's own, sized).
+    scratch: Option<Arc<[std::os::fd::OwnedFd; 2]>>,
 }
 
 /// The device nodes bubblewrap's minimal `/dev` has.
@@ -386,6 +595,25 @@ impl Confinement {
         args: &[String],
         env: &[(String, String)],
         lifetime: Lifetime,
+    ) -> std::process::Command {
+        self.command_reporting(program, args, env, lifetime, None)
+    }
+
+    /// The processes in the provider's cgroup now (empty without one).
+    pub fn group_pids(&self) -> Vec<u32> {
+        self.group.as_ref().map(|g| g.pids()).unwrap_or_default()
+    }
+
+    /// As [`Confinement::command`], bubblewrap writing what it made (the pid
+    /// of the sandbox's first process, which lives as long as anything in the
+    /// sandbox does) to the descriptor `info_fd` (`--info-fd`).
+    pub fn command_reporting(
+        &self,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        lifetime: Lifetime,
+        info_fd: Option<i32>,
     ) -> std::process::Command {
         use std::os::unix::process::CommandExt;
         let mut command = std::process::Command::new(&self.bwrap);
@@ -411,25 +639,37 @@ impl Confinement {
             }
         }
         command.args(["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]);
-        if !program.starts_with("/usr") {
-            command.arg("--ro-bind").arg(program).arg(program);
-        }
-        command.args(["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]);
-        command.arg("--bind").arg(&self.data_dir).arg(&self.data_dir);
-        for path in &self.paths {
-            // bubblewrap's /dev has these already; other device nodes need `devices`
-            // (a path bind is mounted nodev).
-            if STANDARD_DEVICES.iter().any(|d| path == Path::new(d)) {
-                continue;
+        command.args(["--proc", "/proc", "--dev", "/dev"]);
+        let mut keep: Vec<i32> = self.binds.iter().map(|b| b.raw()).collect();
+        match &self.scratch {
+            Some(scratch) => {
+                use std::os::fd::AsRawFd;
+                for (fd, at) in scratch.iter().zip(["/tmp", "/dev/shm"]) {
+                    keep.push(fd.as_raw_fd());
+                    command.arg("--bind-fd").arg(fd.as_raw_fd().to_string()).arg(at);
+                }
             }
-            // A granted path the host lacks (yet) is absent in the sandbox too.
-            command.arg("--ro-bind-try").arg(path).arg(path);
+            None => {
+                let bytes = self.limits.tmp_mib.saturating_mul(1 << 20).to_string();
+                for at in ["/tmp", "/dev/shm"] {
+                    command.arg("--size").arg(&bytes).arg("--tmpfs").arg(at);
+                }
+            }
         }
-        for path in &self.paths_rw {
-            command.arg("--bind-try").arg(path).arg(path);
+        // By descriptor: what the host opened (and checked) at load is what is bound.
+        for bound in self.binds.iter() {
+            command.arg(if bound.writable { "--bind-fd" } else { "--ro-bind-fd" });
+            command.arg(bound.raw().to_string()).arg(&bound.at);
         }
         for device in &self.devices {
             command.arg("--dev-bind").arg(device).arg(device);
+        }
+        // bubblewrap's /dev is a tmpfs of no size the program could fill: read-only
+        // once its nodes are made (the nodes, /dev/pts and /dev/shm are mounts of their own).
+        command.args(["--remount-ro", "/dev"]);
+        if let Some(fd) = info_fd {
+            command.arg("--info-fd").arg(fd.to_string());
+            keep.push(fd);
         }
         command.args(["--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]);
         // No nested user namespaces: they would give the program capabilities over
@@ -441,14 +681,21 @@ impl Confinement {
         if lifetime == Lifetime::Call {
             command.arg("--die-with-parent");
         }
-        command.arg("--chdir").arg(&self.data_dir).arg("--clearenv");
+        let data_dir = &self.data_dir;
+        command.arg("--chdir").arg(data_dir).arg("--clearenv");
         command.args(["--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"]);
-        command.arg("--setenv").arg("HOME").arg(&self.data_dir);
+        command.arg("--setenv").arg("HOME").arg(data_dir);
         for (name, value) in env {
             command.arg("--setenv").arg(name).arg(value);
         }
         command.arg("--").arg(program).args(args);
-        exec::confine_before_exec(&mut command);
+        let join = self.group.as_ref().map(|g| g.join_fds()).unwrap_or_default();
+        // Without a group, the address space is what is left to bound memory with.
+        let address_space = match (&self.group, running_as_root()) {
+            (None, true) => self.limits.memory_mib.saturating_mul(1 << 20),
+            _ => 0,
+        };
+        exec::confine_before_exec(&mut command, exec::BeforeExec { keep, join, address_space });
         command
     }
 }
@@ -495,11 +742,28 @@ mod tests {
         assert!(matches!(root.uid_for("kvm"), Err(SandboxError::User { .. })));
         struct Kept(u32);
         impl UidAllocations for Kept {
-            fn uid_for(&self, _: &str, _: u32) -> Result<u32, String> {
-                Ok(self.0)
+            fn host_dir(&self) -> &Path {
+                Path::new("/")
+            }
+            fn recorded(&self, _: &str) -> Result<Option<u32>, String> {
+                Ok(Some(self.0))
+            }
+            fn next_free(&self, base: u32) -> Result<u32, String> {
+                Ok(base)
+            }
+            fn record(&self, _: &str, uid: u32) -> Result<u32, String> {
+                Ok(uid)
+            }
+            fn shared(&self, _: &str) -> Result<Vec<PathBuf>, String> {
+                Ok(Vec::new())
+            }
+            fn record_shared(&self, _: &str, _: &[PathBuf]) -> Result<(), String> {
+                Ok(())
             }
         }
-        let kept = |uid| Sandbox::new(SandboxConfig::default(), Some(Arc::new(Kept(uid)))).uid_for("kvm");
+        let claims = tempfile::tempdir().unwrap();
+        let config = SandboxConfig { uid_claims: Some(claims.path().join("uids")), ..Default::default() };
+        let kept = |uid| Sandbox::new(config.clone(), Some(Arc::new(Kept(uid)))).uid_for("kvm");
         assert_eq!(kept(DEFAULT_UID_BASE + 5).unwrap(), DEFAULT_UID_BASE + 5);
         // One kept from an earlier uid-base (0, or the kit's range) is refused, not used.
         for uid in [0, DEFAULT_UID_BASE - 1, DEFAULT_UID_BASE + UID_RANGE] {
@@ -517,8 +781,15 @@ mod tests {
         let sandbox = Sandbox::default();
         let confine = |device: &str| {
             let devices = [PathBuf::from(device)];
-            let grants =
-                Grants { data_dir: dir.path(), paths: &[], paths_rw: &[], devices: &devices, share_net: false };
+            let grants = Grants {
+                data_dir: dir.path(),
+                paths: &[],
+                paths_rw: &[],
+                devices: &devices,
+                programs: &[],
+                limits: Default::default(),
+                share_net: false,
+            };
             sandbox.confine("p", &grants)
         };
         let bad =

@@ -67,6 +67,17 @@ pub enum StoreError {
         #[source]
         source: Arc<redb::Error>,
     },
+    /// The data dir may be written by others than its owner: whoever can
+    /// write it can replace the state, the machine lock or a provider's data dir.
+    #[error(
+        "data dir {path} is writable by its group or by every user (mode {mode:o}): it holds every provider's state and data dirs; make it the host's alone (chmod go-w {path})"
+    )]
+    Exposed {
+        /// The data dir.
+        path: String,
+        /// Its permission bits.
+        mode: u32,
+    },
     /// A read, write or commit failed.
     #[error("state database: {0}")]
     Db(#[source] Arc<redb::Error>),
@@ -236,6 +247,7 @@ impl Store {
         std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
             .create(data_dir)
             .map_err(|e| open_error(redb::Error::Io(e)))?;
+        check_not_exposed(data_dir)?;
         let db = Database::builder()
             .set_cache_size(STATE_CACHE_BYTES)
             .create(state_file(data_dir))
@@ -254,6 +266,7 @@ impl Store {
         txn.open_table(starts::STARTS).map_err(db_error)?;
         txn.open_table(starts::STOPPING).map_err(db_error)?;
         txn.open_table(sandbox_users::SANDBOX_USERS).map_err(db_error)?;
+        txn.open_table(sandbox_users::SANDBOX_SHARED).map_err(db_error)?;
         index_instance_ids(&txn)?;
         txn.commit().map_err(db_error)?;
         if replayed > 0 {
@@ -561,6 +574,20 @@ impl Store {
 }
 
 /// The state file in `data_dir` (its write-ahead log is `state.wal` beside it).
+/// Refuse a data dir that others than its owner may write (its mode, not
+/// a link: the dir itself is looked at).
+fn check_not_exposed(data_dir: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::PermissionsExt;
+    let shown = data_dir.display().to_string();
+    let meta = std::fs::metadata(data_dir)
+        .map_err(|e| StoreError::Open { path: shown.clone(), source: Arc::new(redb::Error::Io(e)) })?;
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(StoreError::Exposed { path: shown, mode });
+    }
+    Ok(())
+}
+
 fn state_file(data_dir: &Path) -> PathBuf {
     data_dir.join("state.redb")
 }
@@ -614,6 +641,9 @@ fn replay_change(txn: &redb::WriteTransaction, table: &str, key: &[u8], value: O
         t if t == events::EVENTS.name() => wal::replay_into(txn, events::EVENTS, key, value),
         t if t == sandbox_users::SANDBOX_USERS.name() => {
             wal::replay_into(txn, sandbox_users::SANDBOX_USERS, key, value)
+        }
+        t if t == sandbox_users::SANDBOX_SHARED.name() => {
+            wal::replay_into(txn, sandbox_users::SANDBOX_SHARED, key, value)
         }
         other => Err(format!("a change to table {other:?}, which this host does not have")),
     }
@@ -726,6 +756,23 @@ mod tests {
         assert_eq!((mode(&data.join("state.redb")), mode(&data.join("state.wal"))), (0o600, 0o600));
     }
 
+    /// Whoever can write the data dir can replace the state or a provider's
+    /// data dir: a group- or world-writable one is refused, a readable one is not.
+    #[test]
+    fn a_data_dir_others_may_write_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        for mode in [0o777, 0o775, 0o1777, 0o757] {
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(mode)).unwrap();
+            let refused = Store::open(dir.path()).err().unwrap_or_else(|| panic!("{mode:o} was opened"));
+            assert!(matches!(refused, StoreError::Exposed { .. }), "{mode:o}: {refused}");
+            assert!(refused.to_string().contains("chmod go-w"), "{refused}");
+            assert!(!dir.path().join("state.redb").exists(), "nothing made in it");
+        }
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        drop(Store::open(dir.path()).unwrap());
+    }
+
     #[test]
     fn a_new_instance_cannot_take_an_id_recorded_for_another_provider() {
         let dir = tempfile::tempdir().unwrap();
@@ -815,7 +862,6 @@ mod tests {
     #[test]
     fn writes_answered_before_a_crash_survive_it_through_the_log() {
         use crate::capabilities::kv::KvBackend;
-        use crate::sandbox::UidAllocations;
         let dir = tempfile::tempdir().unwrap();
         let store = open_uncheckpointed(dir.path());
         let provider = ProviderRecord {
@@ -842,6 +888,7 @@ mod tests {
             program: "qemu".into(),
             args: vec![],
             log: String::new(),
+            sandbox: None,
         };
         let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
         runtime.block_on(store.child_records().put(&child)).unwrap();

@@ -179,6 +179,7 @@ fn each_table(from: &impl ReadableDatabase, into: Option<&Database>) -> Result<V
     copy!(super::groups::GROUPS, as_json::<super::GroupRecord>);
     copy!(super::starts::STARTS, as_json::<super::PendingStart>);
     copy!(super::starts::STOPPING, as_json::<super::StopMark>);
+    copy!(super::sandbox_users::SANDBOX_SHARED, as_json::<Vec<std::path::PathBuf>>);
     // Last: its report is amended below.
     copy!(SANDBOX_USERS, any_uid);
     if let Some(txn) = &write {
@@ -374,7 +375,6 @@ mod tests {
     /// the next one handed out is still new.
     #[test]
     fn recovery_keeps_the_sandbox_uids() {
-        use crate::sandbox::UidAllocations;
         let dir = tempfile::tempdir().unwrap();
         {
             let store = Store::open(dir.path()).unwrap();

@@ -817,11 +817,9 @@ struct TooManyRecords {
 fn narrow(host: HostCapabilities, manifest: &Manifest, quotas: Arc<Quotas>) -> Result<ProviderCapabilities, LoadError> {
     let provider = manifest.name.clone();
     let data_dir = host.data_dirs.join(&manifest.name);
-    std::fs::create_dir_all(&data_dir).map_err(|source| LoadError::DataDir {
-        provider: provider.clone(),
-        path: data_dir.display().to_string(),
-        source,
-    })?;
+    let data_dir_error =
+        |source| LoadError::DataDir { provider: provider.clone(), path: data_dir.display().to_string(), source };
+    private_dir(&host.data_dirs).and_then(|()| private_dir(&data_dir)).map_err(data_dir_error)?;
     // Before a room sets the dir's owner and ACLs: they belong on the mount.
     if let (Some(filesystems), mib @ 1..) = (&host.data_filesystems, manifest.limits.data_mib) {
         // Its programs that outlived a host may hold the dir: their files do not move under them.
@@ -831,6 +829,8 @@ fn narrow(host: HostCapabilities, manifest: &Manifest, quotas: Arc<Quotas>) -> R
             .and_then(|backend| backend.children(&manifest.name).ok())
             .map_or(0, |names| names.len());
         filesystems.mount(&manifest.name, &data_dir, mib, children)?;
+        // The filesystem's root (mkfs makes it 0755) is the data dir now.
+        private_dir(&data_dir).map_err(data_dir_error)?;
     } else if let Some(filesystems) = &host.data_filesystems {
         filesystems.check_none(&manifest.name)?;
     }
@@ -841,9 +841,22 @@ fn narrow(host: HostCapabilities, manifest: &Manifest, quotas: Arc<Quotas>) -> R
         grants: &manifest.grants,
         sandbox: &host.sandbox,
         backends: &host.backends,
+        limits: &manifest.limits,
     };
     let prepared = rooms.prepare(&load).map_err(|source| LoadError::Prepare { provider, source })?;
     Ok(ProviderCapabilities { host, data_dir, rooms: rooms.clone(), prepared, quotas })
+}
+
+/// Make `dir` (and its parents) if missing, and make it the host's alone
+/// (0700, or the provider's user's ACL entry and no one else's): whatever
+/// mode the operator gave `DATA_DIR`, no local user reads a provider's files.
+/// The dir itself is changed, never a link in its place.
+fn private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use rustix::fs::{Mode, OFlags};
+    std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700).create(dir)?;
+    let fd =
+        rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?;
+    crate::sandbox::acl::make_private(&fd)
 }
 
 #[cfg(test)]

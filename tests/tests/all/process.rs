@@ -40,7 +40,18 @@ impl ProcessHost {
         let paths: Vec<PathBuf> = paths.iter().map(PathBuf::from).collect();
         let paths_rw: Vec<PathBuf> = paths_rw.iter().map(PathBuf::from).collect();
         let confinement = Sandbox::default()
-            .confine("p", &Grants { data_dir, paths: &paths, paths_rw: &paths_rw, devices: &[], share_net: false })
+            .confine(
+                "p",
+                &Grants {
+                    data_dir,
+                    paths: &paths,
+                    paths_rw: &paths_rw,
+                    devices: &[],
+                    programs: &[],
+                    limits: Default::default(),
+                    share_net: false,
+                },
+            )
             .unwrap();
         let every_path: Vec<PathBuf> = paths.iter().chain(&paths_rw).cloned().collect();
         let policy = Arc::new(ProcessPolicy::resolve(&programs, &every_path, data_dir).unwrap().confined(confinement));
@@ -194,6 +205,7 @@ async fn a_recycled_pid_is_never_mistaken_for_the_child() {
             program: "/usr/bin/qemu-system-x86_64".into(),
             args: vec![],
             log: String::new(),
+            sandbox: None,
         })
         .await
         .unwrap();

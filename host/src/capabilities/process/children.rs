@@ -25,6 +25,22 @@ pub struct ChildRecord {
     pub args: Vec<String>,
     /// Where its stdout and stderr go (`logs/<name>.log` in the data dir).
     pub log: String,
+    /// The pid and start time of its sandbox's first process (bubblewrap's
+    /// init of its pid namespace), which lives as long as any process of the
+    /// sandbox does: the child is running while it is, even after the program
+    /// itself exited leaving processes behind (`qemu -daemonize`), and killing
+    /// it kills them all. `None` for records of hosts from before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<(u32, u64)>,
+}
+
+impl ChildRecord {
+    /// Whether the child's sandbox still has a process in it.
+    pub fn sandbox_lives(&self) -> bool {
+        self.sandbox.is_some_and(|(pid, start)| {
+            proc_stat(pid).is_some_and(|(now, state)| now == start && state != 'Z' && state != 'X')
+        })
+    }
 }
 
 /// The child records' storage failed; its cause is kept (the real store's
@@ -125,6 +141,15 @@ pub fn proc_stat(pid: u32) -> Option<(u64, char)> {
     Some((start_time, state))
 }
 
+/// How long ago a process started.
+fn process_age(pid: u32) -> Option<std::time::Duration> {
+    let (start_ticks, _) = proc_stat(pid)?;
+    let ticks_per_second = rustix::param::clock_ticks_per_second().max(1) as f64;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime").ok()?.split_whitespace().next()?.parse().ok()?;
+    let age = uptime - start_ticks as f64 / ticks_per_second;
+    Some(std::time::Duration::from_secs_f64(age.max(0.0)))
+}
+
 /// A process's real uid and parent pid, from `/proc/<pid>/status`.
 fn uid_and_parent(pid: u32) -> Option<(u32, u32)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -150,8 +175,17 @@ const MAX_ANCESTRY: usize = 64;
 /// allocates from the same base), so a process counts as this host's only if
 /// one of its ancestors' command lines names `ours` (the host's data dir, in
 /// bubblewrap's binds); the others are left alone.
-pub fn reap_unrecorded(uids: &HashMap<u32, String>, recorded: &[ChildRecord], ours: &str) -> Vec<(String, u32)> {
-    let kept: std::collections::HashSet<(u32, u64)> = recorded.iter().map(|r| (r.pid, r.start_time)).collect();
+/// Processes younger than `min_age` are left alone: a periodic reap runs
+/// while providers spawn, and a child is recorded just after it starts.
+pub fn reap_unrecorded(
+    uids: &HashMap<u32, String>,
+    recorded: &[ChildRecord],
+    ours: &str,
+    min_age: std::time::Duration,
+) -> Vec<(String, u32)> {
+    let young = |pid: u32| min_age > std::time::Duration::ZERO && process_age(pid).is_none_or(|age| age < min_age);
+    let kept: std::collections::HashSet<(u32, u64)> =
+        recorded.iter().flat_map(|r| std::iter::once((r.pid, r.start_time)).chain(r.sandbox)).collect();
     let own = rustix::process::getuid().as_raw();
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
     let pids: Vec<u32> = entries.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect();
@@ -178,7 +212,7 @@ pub fn reap_unrecorded(uids: &HashMap<u32, String>, recorded: &[ChildRecord], ou
     for pid in pids {
         let Some((uid, _)) = uid_and_parent(pid) else { continue };
         let Some(owner) = uids.get(&uid).filter(|_| uid != 0 && uid != own) else { continue };
-        if descends_from_a_record(pid) {
+        if young(pid) || descends_from_a_record(pid) {
             continue;
         }
         let target = nix::unistd::Pid::from_raw(pid as i32);
@@ -234,6 +268,15 @@ impl LiveChildren {
     /// The child's state: from its handle if this process spawned it, else
     /// from `/proc`, matched by pid and start time.
     pub fn liveness(&self, record: &ChildRecord) -> Liveness {
+        match self.program_liveness(record) {
+            // The program is done, not what it left in its sandbox.
+            Liveness::Running => Liveness::Running,
+            _ if record.sandbox_lives() => Liveness::Running,
+            done => done,
+        }
+    }
+
+    fn program_liveness(&self, record: &ChildRecord) -> Liveness {
         use std::os::unix::process::ExitStatusExt;
         let key = (record.provider.clone(), record.name.clone());
         if let Some(child) = self.lock().get_mut(&key) {
@@ -286,6 +329,7 @@ mod tests {
             program: "sleep".into(),
             args: Vec::new(),
             log: String::new(),
+            sandbox: None,
         };
         // Once the shell has its child, the recorded one has a descendant to keep.
         let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -301,7 +345,7 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(10));
         };
         let uids = HashMap::from([(UID, "p".to_owned())]);
-        let killed = reap_unrecorded(&uids, &[record(&recorded)], OURS);
+        let killed = reap_unrecorded(&uids, &[record(&recorded)], OURS, std::time::Duration::ZERO);
         // The stray and what it ran (its `sleep`), nothing else.
         assert!(killed.contains(&("p".to_owned(), stray.id())), "{killed:?}");
         let spared = [recorded.id(), others.id(), another_hosts.id(), grandchild];
@@ -341,6 +385,7 @@ mod tests {
             start_time: 0,
             program: "true".into(),
             args: vec![],
+            sandbox: None,
             log: String::new(),
         };
         for _ in 0..500 {

@@ -456,6 +456,7 @@ impl Room for Process {
         if !runs_programs {
             return Ok(Some(Arc::new(policy)));
         }
+        let programs = policy.resolved_programs();
         let confinement = load
             .sandbox
             .confine(
@@ -465,6 +466,12 @@ impl Room for Process {
                     paths: &grant.paths,
                     paths_rw: &grant.paths_rw,
                     devices: &grant.devices,
+                    programs: &programs,
+                    limits: crate::sandbox::ProgramLimits {
+                        memory_mib: load.limits.program_memory_mib,
+                        pids: load.limits.program_pids,
+                        tmp_mib: load.limits.tmp_mib,
+                    },
                     share_net: load.grants.rooms.of::<NetworkBridge>().is_some(),
                 },
             )

@@ -160,16 +160,31 @@ impl HostProcesses {
                 }
             })?;
         let log_err = log.try_clone().map_err(|e| BrokerError::Provider(e.to_string()))?;
+        let confinement =
+            policy.confinement().ok_or_else(|| BrokerError::AccessDenied(PolicyError::Unconfined.to_string()))?;
+        // bubblewrap says which process holds the sandbox (its pid namespace's
+        // first): the child lives as long as it does.
+        let (info, info_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)
+            .map_err(|e| BrokerError::Provider(format!("cannot spawn {}: {e}", path.display())))?;
+        use std::os::fd::AsRawFd;
+        let mut command = confinement.command_reporting(
+            path,
+            launch.args,
+            launch.env,
+            crate::sandbox::Lifetime::Detached,
+            Some(info_write.as_raw_fd()),
+        );
         // A session and process group of its own: signals go to the whole group,
         // and the host's own signals (Ctrl-C) and terminal do not reach it.
-        let child = confined_command(policy, path, launch.args, launch.env, crate::sandbox::Lifetime::Detached)?
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .spawn()
-            .map_err(|e| BrokerError::Provider(format!("cannot spawn {}: {e}", path.display())))?;
+        let spawned = command.stdin(Stdio::null()).stdout(log).stderr(log_err).spawn();
+        drop(info_write);
+        let child = spawned.map_err(|e| BrokerError::Provider(format!("cannot spawn {}: {e}", path.display())))?;
         let pid = child.id();
         let start_time = proc_stat(pid).map(|(start, _)| start).unwrap_or(0);
+        let sandbox = sandbox_init(info).await;
+        if sandbox.is_none() {
+            tracing::warn!(provider, child = name, pid, "bubblewrap did not say which process holds the sandbox");
+        }
         let record = ChildRecord {
             provider: provider.to_owned(),
             name: name.to_owned(),
@@ -178,12 +193,42 @@ impl HostProcesses {
             program: path.display().to_string(),
             args: launch.args.to_vec(),
             log: log_path.display().to_string(),
+            sandbox,
         };
         self.live.insert(provider, name, child);
         self.records.put(&record).await.map_err(records_failed)?;
         tracing::info!(provider, child = name, pid, "spawned child");
         Ok(record)
     }
+}
+
+/// Longest bubblewrap's report of what it made may be.
+const MAX_INFO_BYTES: usize = 4096;
+
+/// The pid and start time of the sandbox's first process, from bubblewrap's
+/// `--info-fd` report (`{"child-pid": N, …}`), within a few seconds.
+async fn sandbox_init(info: std::os::fd::OwnedFd) -> Option<(u32, u64)> {
+    let mut receiver = tokio::net::unix::pipe::Receiver::from_owned_fd(info).ok()?;
+    let mut text = Vec::new();
+    let read = async {
+        let mut buf = [0u8; 512];
+        while text.len() < MAX_INFO_BYTES && !text.contains(&b'}') {
+            match receiver.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => text.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), read).await.ok()?;
+    #[derive(serde::Deserialize)]
+    struct Info {
+        #[serde(rename = "child-pid")]
+        child_pid: u32,
+    }
+    let end = text.iter().position(|&b| b == b'}')? + 1;
+    let pid = serde_json::from_slice::<Info>(&text[..end]).ok()?.child_pid;
+    let (start, _) = proc_stat(pid)?;
+    Some((pid, start))
 }
 
 impl ProcessBackend for HostProcesses {
@@ -242,8 +287,23 @@ impl ProcessBackend for HostProcesses {
     }
 
     fn signal(&self, record: &ChildRecord, signal: Signal) -> Result<(), BrokerError> {
-        killpg(Pid::from_raw(record.pid as i32), signal)
-            .map_err(|e| BrokerError::Provider(format!("signal {signal} to child {:?}: {e}", record.name)))
+        let group = killpg(Pid::from_raw(record.pid as i32), signal);
+        // A KILL takes the whole sandbox: its first process dies, and the
+        // kernel kills what else lives in its pid namespace (processes that
+        // left the group, `-daemonize`d ones). Other signals cannot reach
+        // that process from here: pid 1 of a namespace has no default actions.
+        if signal == Signal::SIGKILL
+            && let Some((pid, _)) = record.sandbox.filter(|_| record.sandbox_lives())
+        {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            return Ok(());
+        }
+        match group {
+            Err(nix::errno::Errno::ESRCH) if record.sandbox_lives() => Ok(()),
+            other => {
+                other.map_err(|e| BrokerError::Provider(format!("signal {signal} to child {:?}: {e}", record.name)))
+            }
+        }
     }
 
     fn forget<'a>(&'a self, record: &'a ChildRecord) -> BoxFuture<'a, ()> {

@@ -128,6 +128,14 @@ impl ProcessPolicy {
         self.confinement.as_deref()
     }
 
+    /// Every granted program's absolute path (what the sandbox binds when it is not under `/usr`).
+    pub fn resolved_programs(&self) -> Vec<PathBuf> {
+        let mut programs: Vec<PathBuf> = self.programs.values().cloned().collect();
+        programs.sort();
+        programs.dedup();
+        programs
+    }
+
     /// The absolute path of a granted program, asked for by its granted name or path.
     pub fn program(&self, asked: &str) -> Result<PathBuf, PolicyError> {
         self.programs.get(asked).cloned().ok_or_else(|| PolicyError::ProgramDenied(asked.to_owned()))

@@ -195,6 +195,7 @@ impl SimProcesses {
             program: program.to_owned(),
             args: args.to_vec(),
             log: format!("/data/logs/{name}.log"),
+            sandbox: None,
         };
         let state = script.exit.map_or(Liveness::Running, Liveness::Exited);
         let child =
@@ -498,6 +499,7 @@ mod tests {
             start_time: 1,
             program: "/usr/bin/qemu".into(),
             args: args.clone(),
+            sandbox: None,
             log: String::new(),
         };
         tape.spawned(&record, "qemu", &args);
