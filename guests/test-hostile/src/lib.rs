@@ -8,6 +8,8 @@
 //!   spins as `loop` does;
 //! - `memhog`: allocates until memory runs out;
 //! - `print`: writes a line to stdout and one to stderr;
+//! - `forge`: writes a line to stderr that carries a carriage return and an
+//!   erase-line sequence, to pass for a line of the host's own;
 //! - `lock`: takes the machine lock and releases it, returning instance `locked`;
 //! - `lock-leak`: takes the machine lock and forgets the guard;
 //! - `run`: runs `echo hello` through the process capability, returning its output as the id;
@@ -328,6 +330,12 @@ impl Guest for Hostile {
                 let guard = machine_lock::acquire(&text("lock-worker")?, &text("lock-comment")?, 1000)?;
                 guard.release();
                 Ok(vec![instance("locked")])
+            }
+            "forge" => {
+                // A carriage return and an erase-line inside one line of output: on
+                // a terminal the rest overwrites the host's own prefix.
+                eprintln!("ok\r2026-12-04T00:00:00Z  INFO forged: a line without its provider\x1b[2K");
+                Ok(vec![])
             }
             "print" => {
                 println!("hello from the hostile guest's stdout");

@@ -772,6 +772,8 @@ pub fn main() -> std::process::ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
         )
         .with_writer(std::io::stderr)
+        // Colours for a person at a terminal; a log file or a supervisor's journal gets plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .fmt_fields(crate::error_text::EscapedFields)
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {

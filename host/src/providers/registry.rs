@@ -262,6 +262,12 @@ impl Registry {
     /// Compile, link and validate the config of a manifest's component.
     pub async fn load(&self, manifest: Manifest) -> Result<Arc<ProviderVersion>, RegistryError> {
         let name = manifest.name.clone();
+        // Where it is loaded from first (the load checks it again): a manifest a
+        // provider planted is refused as that, whatever it grants.
+        for loaded in [&manifest.path, &manifest.component] {
+            crate::manifest::check_loadable(loaded, &self.capabilities.data_dirs)
+                .map_err(|reason| LoadError::InDataDir { provider: name.clone(), reason })?;
+        }
         self.check_grant_placement(&manifest)?;
         let config = manifest.config_json.clone();
         let capabilities = self.capabilities.clone();
@@ -292,7 +298,16 @@ impl Registry {
                 write: grant.paths_rw.clone(),
             }
         };
-        let others: Vec<_> = self.loaded().iter().map(|version| of(version.manifest())).collect();
+        // Every registered provider, loaded or not (a CLI process loads none until asked),
+        // as its approved manifest grants.
+        let others: Vec<_> = self
+            .store
+            .providers()?
+            .into_iter()
+            .filter(|record| record.name != manifest.name)
+            .filter_map(|record| Manifest::parse(Path::new(&record.manifest), &record.approved_manifest?).ok())
+            .map(|other| of(&other))
+            .collect();
         let data_dir = self.store.data_dir();
         let data_dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_owned());
         crate::sandbox::granted::check_placement(&of(manifest), &others, &data_dir)

@@ -147,8 +147,8 @@ impl UidClaims {
     /// Whether a claim's host is gone (its data dir is not the one it claimed
     /// from) and no process runs as `uid`.
     fn stale(claim: &Claim, uid: u32) -> bool {
-        let same_dir = rustix::fs::stat(claim.data_dir.as_str())
-            .is_ok_and(|s| s.st_dev == claim.dev && s.st_ino == claim.ino);
+        let same_dir =
+            rustix::fs::stat(claim.data_dir.as_str()).is_ok_and(|s| s.st_dev == claim.dev && s.st_ino == claim.ino);
         !same_dir && claim.dev != 0 && !runs_processes(uid)
     }
 

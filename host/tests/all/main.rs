@@ -8,6 +8,7 @@ mod cli;
 mod cli_daemon;
 mod common;
 mod daemon;
+mod grants;
 mod groups;
 mod infrakit;
 mod lock;

@@ -539,3 +539,142 @@ async fn a_guest_cannot_have_the_host_write_a_spawn_log_through_a_link() {
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "untouched");
 }
+
+/// A hostile provider granted `sh` (arbitrary code in its sandbox) with
+/// `limits` in `[limits]`, named `name` (its sandbox user, group and /tmp are
+/// the name's own: tests in parallel share none).
+fn shell_provider(name: &str, limits: &str) -> (tempfile::TempDir, Arc<MemoryKv>, ProviderVersion, ProcessBackendRef) {
+    let dir = tempfile::tempdir().unwrap();
+    let kv = Arc::new(MemoryKv::default());
+    let caps = broker_tests::host_capabilities(dir.path(), kv.clone());
+    let backend = caps.backends.of::<broker_host::capabilities::process::Process>().expect("the host's programs");
+    let extra = format!(
+        "[limits]\nmemory-mib = 32\n{limits}\n[limits.deadlines]\ndefault = \"20s\"\n[grants]\nkv = true\nprocess = [\"sh\"]\n"
+    );
+    let provider =
+        broker_tests::load_provider_with(&runtime(), caps, dir.path(), name, "test-hostile", &extra).expect("load");
+    (dir, kv, provider, backend)
+}
+
+type ProcessBackendRef = Arc<dyn broker_host::capabilities::process::ProcessBackend>;
+
+/// Run `script` with the provider's `sh` (through the guest, confined as
+/// every granted program is): its exit code and stderr.
+async fn run_script(kv: &MemoryKv, provider: &ProviderVersion, name: &str, script: &str) -> (String, String) {
+    kv.set(&name, "mode", b"write").unwrap();
+    kv.set(&name, "write-path", b"script.sh").unwrap();
+    kv.set(&name, "write-bytes", script.as_bytes()).unwrap();
+    assert_eq!(provider.all_instances(&CallHooks::default()).await.unwrap()[0].id, "written");
+    kv.set(&name, "mode", b"exec").unwrap();
+    kv.set(&name, "exec", b"sh\0/data/script.sh").unwrap();
+    let id = provider.all_instances(&CallHooks::default()).await.unwrap()[0].id.clone();
+    let stderr = String::from_utf8_lossy(&kv.get(&name, "exec-stderr").unwrap().unwrap_or_default()).into_owned();
+    (id, stderr)
+}
+
+/// The processes running as `uid` now.
+fn processes_of(uid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|status| {
+                status.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some(&uid.to_string()))
+            })
+        })
+        .collect()
+}
+
+fn root_only() -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    if !root {
+        eprintln!("skipped: sandbox users, cgroups and the host's tmpfs need root");
+    }
+    root
+}
+
+/// `/tmp` and `/dev/shm` are one tmpfs of `tmp-mib` that runs nothing; `/dev`
+/// takes no new file; what the programs take of memory is bounded by their
+/// group, and the program over it dies, not the host.
+#[tokio::test]
+async fn a_programs_tmp_dev_and_memory_are_bounded_and_tmp_runs_nothing() {
+    if !root_only() {
+        return;
+    }
+    let (_dir, kv, provider, _) = shell_provider("hostile-bounds", "tmp-mib = 8\nprogram-memory-mib = 48");
+    let script = "head -c 20000000 /dev/zero > /tmp/big; echo \"tmp=$(stat -c %s /tmp/big)\" >&2\n\
+                  head -c 20000000 /dev/zero > /dev/shm/big; echo \"shm=$(stat -c %s /dev/shm/big)\" >&2\n\
+                  rm -f /tmp/big /dev/shm/big\n\
+                  cp /usr/bin/true /tmp/t && /tmp/t; echo \"exec-tmp=$?\" >&2\n\
+                  cp /usr/bin/true /dev/shm/t && /dev/shm/t; echo \"exec-shm=$?\" >&2\n\
+                  echo x > /dev/planted; echo \"dev=$?\" >&2\n\
+                  python3 -c 'x = bytearray(400 << 20); print(\"survived\")' >&2; echo \"hog=$?\" >&2\n";
+    let (_, stderr) = run_script(&kv, &provider, "hostile-bounds", script).await;
+    let value = |key: &str| -> i64 {
+        let line = stderr
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{key}=")))
+            .unwrap_or_else(|| panic!("{key}: {stderr}"));
+        line.trim().parse().unwrap_or_else(|_| panic!("{key}: {stderr}"))
+    };
+    assert!(value("tmp") <= 8 << 20, "/tmp held more than tmp-mib: {stderr}");
+    assert!(value("tmp") + value("shm") <= 8 << 20, "/tmp and /dev/shm are one bound: {stderr}");
+    assert_eq!(value("exec-tmp"), 126, "a program copied to /tmp ran: {stderr}");
+    assert_eq!(value("exec-shm"), 126, "a program copied to /dev/shm ran: {stderr}");
+    assert_ne!(value("dev"), 0, "a file was made in /dev: {stderr}");
+    assert!(!stderr.contains("survived"), "400 MiB fitted in program-memory-mib = 48: {stderr}");
+    assert_eq!(value("hog"), 137, "the hog was killed (SIGKILL) and the shell, in the same group, went on: {stderr}");
+}
+
+/// `sh -c 'sleep & exit'` (as `qemu -daemonize` does): the spawned child's
+/// program exits at once, but its record stays running while its sandbox
+/// has a process, and stopping the provider's children (what a removal
+/// does) leaves no process of its user.
+#[tokio::test]
+async fn a_child_that_leaves_processes_behind_lives_until_its_sandbox_is_empty() {
+    if !root_only() {
+        return;
+    }
+    let (_dir, kv, provider, backend) = shell_provider("hostile-daemonize", "");
+    let name = "hostile-daemonize";
+    let uid = broker_host::sandbox::Sandbox::default().uid_for(&name).unwrap();
+    kv.set(name, "mode", b"write").unwrap();
+    kv.set(name, "write-path", b"bg.sh").unwrap();
+    kv.set(&name, "write-bytes", b"sleep 600 &\nexit 0\n").unwrap();
+    provider.all_instances(&CallHooks::default()).await.unwrap();
+    kv.set(&name, "mode", b"spawn").unwrap();
+    kv.set(&name, "exec", b"sh\0/data/bg.sh").unwrap();
+    kv.set(&name, "spawn-name", b"bg").unwrap();
+    assert_eq!(provider.all_instances(&CallHooks::default()).await.unwrap()[0].id, "spawned");
+
+    let record = backend.adopt(&name, "bg").await.unwrap().expect("recorded");
+    // The shell is gone within moments; its sleep is not.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while broker_host::capabilities::process::proc_stat(record.pid)
+        .is_some_and(|(s, state)| s == record.start_time && state != 'Z')
+    {
+        assert!(std::time::Instant::now() < until, "the spawned shell never exited");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    backend.liveness(&record); // reaps the handle's status
+    assert!(record.sandbox.is_some(), "bubblewrap said which process holds the sandbox");
+    assert_eq!(
+        backend.liveness(&record),
+        broker_host::capabilities::process::Liveness::Running,
+        "the record outlived the processes it stands for"
+    );
+    assert!(!processes_of(uid).is_empty(), "the sleep runs as the provider's user");
+
+    let stopped =
+        broker_host::capabilities::process::stop_children(&*backend, &name, std::time::Duration::from_secs(1))
+            .await
+            .unwrap();
+    assert_eq!(stopped, 1);
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !processes_of(uid).is_empty() {
+        assert!(std::time::Instant::now() < until, "left running: {:?}", processes_of(uid));
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(backend.children(&name).unwrap().is_empty(), "its record went with it");
+}
