@@ -430,24 +430,21 @@ impl BridgeCtx {
         let (_, acting) = self.acting(&[device, bridge], |g| g.device(device).and_then(|_| g.bridge(bridge))).await?;
         let host_act = "unbridging (moving addresses and routes back) is the host's act on what the host made (HostPreparer), never a provider's";
         acting.own(device, host_act)?;
-        match acting.own(bridge, host_act)? {
-            Standing::Ours(_, Some(br)) => {
-                let foreign = acting
-                    .devices
-                    .iter()
-                    .filter(|d| d.controller.as_deref() == Some(br.name.as_str()))
-                    .find(|d| !matches!(acting.standing(&d.name), Ok(Standing::Ours(..))));
-                if let Some(foreign) = foreign {
-                    return Err(denied(format!(
-                        "bridge {bridge} carries {} {}, which is not provider {}'s: it is not unbridged",
-                        kind_word(&foreign.kind),
-                        foreign.name,
-                        escape_unprintable(&acting.provider)
-                    )));
-                }
+        // Recorded but gone, or never there: the backend says which.
+        if let Standing::Ours(_, Some(br)) = acting.own(bridge, host_act)? {
+            let foreign = acting
+                .devices
+                .iter()
+                .filter(|d| d.controller.as_deref() == Some(br.name.as_str()))
+                .find(|d| !matches!(acting.standing(&d.name), Ok(Standing::Ours(..))));
+            if let Some(foreign) = foreign {
+                return Err(denied(format!(
+                    "bridge {bridge} carries {} {}, which is not provider {}'s: it is not unbridged",
+                    kind_word(&foreign.kind),
+                    foreign.name,
+                    escape_unprintable(&acting.provider)
+                )));
             }
-            // Recorded but gone, or never there: the backend says which.
-            _ => {}
         }
         acting.network.unbridge(device, bridge).await.map_err(to_broker_error)?;
         acting.release(vec![bridge.to_owned()]).await
