@@ -1,6 +1,12 @@
 //! A client of a running `broker serve`, over its unix socket. The CLI speaks
 //! through it when a daemon owns the data dir: the state database admits one
 //! process, and a swap means something only where the calls are served.
+//!
+//! It speaks only over that unix socket (0600, in the data dir, made by the
+//! daemon): it never connects over TCP and holds no bearer token, so it can
+//! send a token to no listener at all. `--listen` (TCP and a bearer token)
+//! is for other clients; the daemon refuses to start where another process
+//! holds that address ([`crate::daemon::holder`]).
 
 use crate::capabilities::context::CallEvent;
 use crate::daemon::wire::StartLine;

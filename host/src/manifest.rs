@@ -38,8 +38,9 @@
 //! [grants.http]                  # wasi:http authorities the host routes
 //! lxd = "unix:/var/lib/incus/unix.socket"
 //! [grants.bridge]                # devices and bridges (`*` suffix = prefix)
-//! devices = ["eth0", "vm-*"]
-//! bridges = ["br-*"]
+//! devices = ["vm-*"]             # it may make; then act on those it made
+//! bridges = ["br-vm*"]
+//! attach-to = ["br-eth0"]        # host bridges it may attach its own devices to
 //! [config]                       # passed to validate-config and the call context as JSON
 //! ```
 

@@ -36,8 +36,24 @@ pub fn load_provider(
 }
 
 /// Host capabilities for tests: the given kv, no machine lock, data dirs under `dir/data`.
+/// The network is the host's kernel (in a test's own namespace), its owners recorded in memory.
 pub fn host_capabilities(dir: &Path, kv: Arc<dyn KvBackend>) -> HostCapabilities {
-    HostCapabilities::on_host(kv, dir.join("data"), Default::default(), Arc::new(MemoryChildRecords::default()))
+    host_capabilities_with_owners(dir, kv, Arc::new(broker_host::network::owners::MemoryOwners::default()))
+}
+
+/// As [`host_capabilities`], with the record of device owners given (shared
+/// by providers loaded apart, as one host's store is).
+pub fn host_capabilities_with_owners(
+    dir: &Path,
+    kv: Arc<dyn KvBackend>,
+    owners: Arc<dyn broker_host::network::owners::DeviceOwners>,
+) -> HostCapabilities {
+    use broker_host::network::owners::OwnedNetwork;
+    let mut caps =
+        HostCapabilities::on_host(kv, dir.join("data"), Default::default(), Arc::new(MemoryChildRecords::default()));
+    let network = OwnedNetwork::new(Arc::new(broker_host::network::backend::HostNetwork), owners);
+    caps.backends = caps.backends.with::<broker_host::capabilities::network_bridge::NetworkBridge>(Arc::new(network));
+    caps
 }
 
 /// As [`load_provider`], with every host capability given.

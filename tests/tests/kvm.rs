@@ -49,6 +49,7 @@ devices = ["/dev/kvm", "/dev/net/tun"]
 [grants.bridge]
 devices = ["kt*"]
 bridges = ["br-*"]
+attach-to = ["br-*"]
 [config]
 namespace = "{namespace}"
 kernel = "{p}/vmlinuz"

@@ -9,7 +9,7 @@ use crate::fake::{self, Fake, HostKv};
 use broker_guest::types::{
     BrokerError, Instance, InstanceStatus, ProviderInfo, StartInstanceParams, StartInstanceResult,
 };
-use broker_guest::{CallContext, Guest, host_kv, machine_lock, process};
+use broker_guest::{CallContext, Guest, host_kv, machine_lock, network_bridge, process};
 
 pub struct Broken;
 
@@ -124,6 +124,14 @@ impl Guest for Broken {
         if breaks == "ungranted" {
             // Not granted: the host refuses, and this build carries on as if nothing happened.
             let _ = machine_lock::acquire("broken", "reaching for what it was not granted", 10);
+        }
+        if breaks == "anothers-device" {
+            // Granted by name, made by another provider: refused, and this
+            // build carries on regardless (its own tap it may still make).
+            let _ = network_bridge::attach("kt-other", "br-mine");
+            let _ = network_bridge::delete_link("kt-other");
+            let _ = network_bridge::unbridge("kt-mine", "br-host");
+            let _ = network_bridge::create_tap("kt-mine", "br-host", "");
         }
         if breaks == "ungranted-process" {
             let _ = process::run("sh", &["-c".into(), "id".into()], &[], &[], 0);

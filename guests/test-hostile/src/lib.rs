@@ -25,6 +25,9 @@
 //! - `drop-in`: writes a manifest granting `sh` (and a component) into its data dir;
 //! - `fs`: writes `/data/hello.txt` and reads it back, returning its text as the id;
 //! - `bridge:<dev>`: bridges `<dev>` into its Juju bridge and returns the visible devices, comma-separated;
+//! - `bridge-to:<dev>:<br>`, `tap:<name>:<br>`, `veth:<name>:<peer>:<br>`, `attach:<dev>:<br>`,
+//!   `unbridge:<dev>:<br>`, `delete-link:<name>`: that one network-bridge call, returning
+//!   instance `done` (its error is the call's: a refusal reaches the host as the guest's error);
 //! - `ids`: returns one instance per NUL-separated entry of kv key `ids`, verbatim
 //!   (ids with escape sequences, newlines, another provider's ids);
 //! - `status-flood`: calls `set-status` kv `flood-calls` times, each with kv
@@ -55,6 +58,9 @@ use broker_guest::{CallContext, Guest, host_kv, machine_lock, network_bridge, pr
 use std::sync::atomic::{AtomicU64, Ordering};
 
 static CALLS_SERVED: AtomicU64 = AtomicU64::new(0);
+
+/// The modes that make one network-bridge call.
+const NETWORK_CALLS: &[&str] = &["bridge-to", "tap", "veth", "attach", "unbridge", "delete-link"];
 
 struct Hostile;
 
@@ -276,6 +282,23 @@ impl Guest for Hostile {
                     Ok(_) => Err(BrokerError::Provider("could read /etc/passwd".into())),
                     Err(e) => Err(BrokerError::Provider(format!("data dir: {e}"))),
                 }
+            }
+            mode if mode.split(':').next().is_some_and(|verb| NETWORK_CALLS.contains(&verb)) => {
+                let args: Vec<&str> = mode.split(':').skip(1).collect();
+                let arg = |i: usize| args.get(i).copied().unwrap_or_default();
+                match mode.split(':').next().unwrap_or_default() {
+                    "bridge-to" => network_bridge::bridge(&[network_bridge::DeviceToBridge {
+                        device: arg(0).into(),
+                        bridge: arg(1).into(),
+                        mac: String::new(),
+                    }])?,
+                    "tap" => network_bridge::create_tap(arg(0), arg(1), "")?,
+                    "veth" => network_bridge::create_veth(arg(0), arg(1), arg(2))?,
+                    "attach" => network_bridge::attach(arg(0), arg(1))?,
+                    "unbridge" => network_bridge::unbridge(arg(0), arg(1))?,
+                    _ => network_bridge::delete_link(arg(0))?,
+                }
+                Ok(vec![instance("done")])
             }
             mode if mode.starts_with("bridge:") => {
                 let device = &mode["bridge:".len()..];

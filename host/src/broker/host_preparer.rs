@@ -87,6 +87,23 @@ pub(crate) struct HostPreparer<'a> {
 }
 
 impl HostPreparer<'_> {
+    /// A parent a provider made (a bridge it named like a host bridge) is
+    /// never the host's: the host neither bridges its devices into it nor
+    /// hands it to an instance as the host's network.
+    fn refuse_providers_devices(&self, network_info: &[InterfaceInfo]) -> Result<(), PrepareError> {
+        let Some(owners) = self.network.owners() else { return Ok(()) };
+        for parent in network_info.iter().map(|i| i.parent_interface_name.as_str()).filter(|p| !p.is_empty()) {
+            let owner = owners.owner(parent).map_err(|e| PrepareError::Changes(e.to_string()))?;
+            if let Some(owner) = owner {
+                return Err(PrepareError::Changes(format!(
+                    "{parent:?} was made by provider {}, not by the host: it is not used as a host bridge (delete it or name another)",
+                    crate::error_text::escape_unprintable(&owner.provider)
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Returns the changes made (empty when none were needed).
     pub async fn prepare(
         &self,
@@ -101,6 +118,7 @@ impl HostPreparer<'_> {
         };
         let _held = self.lock.acquire(spec).await.map_err(PrepareError::Lock)?;
         let devices = self.network.devices().await.map_err(|e| PrepareError::Changes(e.to_string()))?;
+        self.refuse_providers_devices(network_info)?;
         let changes = host_changes(network_info, &devices, self.host_bridges).map_err(PrepareError::Changes)?;
         if changes.is_empty() {
             tracing::debug!("no host bridges needed");
@@ -186,6 +204,9 @@ mod tests {
         }
         fn unbridge<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
             NetworkBackend::unbridge(&self.network, device, bridge)
+        }
+        fn owners(&self) -> Option<std::sync::Arc<dyn crate::network::owners::DeviceOwners>> {
+            NetworkBackend::owners(&self.network)
         }
         fn create_veth<'a>(
             &'a self,
@@ -286,6 +307,22 @@ mod tests {
         let bridged = network.network.devices();
         assert_eq!(bridged.iter().find(|d| d.name == "eth0").and_then(|d| d.controller.as_deref()), Some("br-eth0"));
         assert!(lock.report(0).holder.is_none(), "released at the end");
+    }
+
+    /// A bridge a provider made under a host bridge's name is never taken
+    /// for the host's: the start is refused, nothing is bridged into it.
+    #[tokio::test]
+    async fn a_providers_bridge_is_never_the_hosts() {
+        let (_dir, lock) = lock();
+        let mut bridge = device("br-eth0", "02:00:00:00:00:09");
+        bridge.kind = "bridge".into();
+        let owners = BTreeMap::from([("br-eth0".to_owned(), "kvm2".to_owned())]);
+        let simulated = SimNetwork::with_owners(vec![device("eth0", "00:16:3e:00:00:01"), bridge], owners);
+        let network = FakeNetwork { network: simulated, ..FakeNetwork::new(&lock) };
+        let err = prepare(&lock, &network, &nic_on("br-eth0"), None, false).await.unwrap_err();
+        assert!(err.to_string().contains("was made by provider kvm2, not by the host"), "{err}");
+        assert_eq!(network.events(), ["observe"], "nothing bridged");
+        assert!(lock.report(0).holder.is_none());
     }
 
     #[tokio::test]

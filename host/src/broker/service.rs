@@ -249,7 +249,16 @@ impl Broker {
         let sandbox = Sandbox::new(host.sandbox.clone(), Some(store.clone() as Arc<dyn UidAllocations>));
         let on_host =
             HostCapabilities::on_host(store.kv(), store.data_dir().join(DATA_DIRS), sandbox, store.child_records());
-        let backends = on_host.backends.clone().with::<MachineLockRoom>(Arc::new(machine_lock.clone()));
+        // The host's kernel, with the store's record of which provider made which device.
+        let network = crate::network::owners::OwnedNetwork::new(
+            Arc::new(crate::network::backend::HostNetwork),
+            store.device_owners(),
+        );
+        let backends = on_host
+            .backends
+            .clone()
+            .with::<MachineLockRoom>(Arc::new(machine_lock.clone()))
+            .with::<crate::capabilities::network_bridge::NetworkBridge>(Arc::new(network));
         // Mounting needs root; elsewhere (a developer's host) data dirs stay plain, and it says so.
         let data_filesystems = if rustix::process::geteuid().is_root() {
             Some(Arc::new(DataFilesystems::new(store.data_dir().join(DATA_IMAGES))))

@@ -414,7 +414,9 @@ async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: Se
         (Some(addr), Some(file)) => {
             crate::daemon::check_loopback(addr).map_err(|e| UsageError(e.to_string()))?;
             let token = crate::daemon::BearerToken::load(&file).map_err(|e| UsageError(e.to_string()))?;
-            Some(crate::daemon::TcpListen { addr, token })
+            // Bound first, before the state is opened or any provider runs:
+            // a port someone else holds refuses the start, naming them.
+            Some(crate::daemon::TcpListen::bind(addr, token)?)
         }
         _ => None,
     };

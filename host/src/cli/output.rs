@@ -319,7 +319,16 @@ mod tests {
         let view = ProviderView::new(&record, &manifest);
         let json = serde_json::to_value(&view).unwrap();
         let keys: Vec<&str> = json["grants"].as_object().unwrap().keys().map(String::as_str).collect();
-        let expected = ["bridge-bridges", "bridge-devices", "http", "kv", "local-sockets", "log", "machine-lock"];
+        let expected = [
+            "bridge-attach-to",
+            "bridge-bridges",
+            "bridge-devices",
+            "http",
+            "kv",
+            "local-sockets",
+            "log",
+            "machine-lock",
+        ];
         assert_eq!(keys, [&expected[..], &["paths", "process"]].concat(), "the API's keys, as before rooms");
         let shown = printed(|out| provider_details(out, &view));
         for line in [
@@ -329,6 +338,7 @@ mod tests {
             &["http", "lxd", "->", "unix:/run/lxd.sock"],
             &["bridge", "devices", "eth0"],
             &["bridge", "bridges", "denied"],
+            &["bridge", "attach-to", "denied"],
         ] {
             assert!(shown.lines().any(|l| l.split_whitespace().eq(line.iter().copied())), "{line:?}: {shown}");
         }

@@ -9,6 +9,9 @@
 //! - `children`: long-running programs, one per spawn, in order: what they
 //!   greet a connection with and answer to each line sent on their sockets;
 //! - `devices`: the host network devices (and bridges) the provider finds.
+//! - `owners`: which of those other providers made (name -> provider): the
+//!   provider under test may not touch them, nor the host's (the others);
+//!   what it makes in the run is its own.
 
 use crate::capabilities::http_egress::{Exchange, Script, Tape};
 use crate::capabilities::network_bridge::NetworkBridge;
@@ -36,6 +39,9 @@ pub struct ScriptFile {
     /// The host network devices (and bridges) the provider finds.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<Device>,
+    /// Devices other providers made: name -> provider.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub owners: std::collections::BTreeMap<String, String>,
 }
 
 impl ScriptFile {
@@ -57,7 +63,7 @@ impl Scripted {
         Scripted {
             http: Arc::new(Script::new(file.http)),
             processes: Arc::new(SimProcesses::new(file.runs, file.children)),
-            network: Arc::new(SimNetwork::new(file.devices)),
+            network: Arc::new(SimNetwork::with_owners(file.devices, file.owners)),
         }
     }
 
@@ -105,7 +111,7 @@ impl Recording {
     pub fn script(&self) -> ScriptFile {
         let (runs, children) = self.processes.script();
         let devices = self.devices.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        ScriptFile { http: self.http.exchanges(), runs, children, devices }
+        ScriptFile { http: self.http.exchanges(), runs, children, devices, owners: Default::default() }
     }
 
     /// [`Recording::script`] as a script file's JSON.

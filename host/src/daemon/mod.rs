@@ -7,6 +7,7 @@
 
 mod api;
 mod auth;
+pub mod holder;
 pub mod listen;
 mod progress;
 pub mod wire;
@@ -29,12 +30,38 @@ pub fn default_socket(data_dir: &Path) -> PathBuf {
     data_dir.join("broker.sock")
 }
 
-/// Where the API listens besides its unix socket.
+/// Where the API listens besides its unix socket: bound when made, before
+/// the daemon does anything else, so a port another process holds stops the
+/// start at once, naming that process.
 pub struct TcpListen {
     /// A loopback address; any other is refused.
     pub addr: std::net::SocketAddr,
     /// What every request but `/healthz` must present as `Authorization: Bearer`.
     pub token: BearerToken,
+    listener: std::net::TcpListener,
+}
+
+impl TcpListen {
+    /// Bind `addr` (loopback only). An address another socket listens on is
+    /// refused, saying by whom when this host can tell: clients would send
+    /// that program the bearer token meant for the daemon.
+    pub fn bind(addr: std::net::SocketAddr, token: BearerToken) -> Result<TcpListen> {
+        check_loopback(addr)?;
+        let listener = std::net::TcpListener::bind(addr).map_err(|error| match error.kind() {
+            std::io::ErrorKind::AddrInUse => {
+                let by = holder::find(addr).map_or_else(
+                    || "another socket (its holder could not be found: another network namespace, or gone meanwhile)".to_owned(),
+                    |holder| holder.to_string(),
+                );
+                anyhow::anyhow!(
+                    "cannot listen on {addr}: it is held by {by}. The daemon does not start beside it: clients sending their bearer token to {addr} would hand it to that program. Stop it (or choose another --listen) and start again"
+                )
+            }
+            _ => anyhow::Error::new(error).context(format!("cannot listen on {addr}")),
+        })?;
+        listener.set_nonblocking(true).with_context(|| format!("cannot listen on {addr}"))?;
+        Ok(TcpListen { addr, token, listener })
+    }
 }
 
 /// What `broker serve` serves besides its unix socket, and how its groups converge.
@@ -101,10 +128,9 @@ pub async fn serve(
     };
     let over_tcp = match tcp {
         None => None,
-        Some(TcpListen { addr, token }) => {
-            check_loopback(addr)?;
+        Some(TcpListen { addr, token, listener }) => {
             let listener =
-                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+                tokio::net::TcpListener::from_std(listener).with_context(|| format!("cannot listen on {addr}"))?;
             let app = api::router_with(broker.clone(), groups.clone(), detached.clone(), limits.body_timeout)
                 .layer(axum::middleware::from_fn_with_state(token, auth::require_bearer));
             tracing::info!(addr = %addr, "broker daemon serving on TCP (bearer token required)");

@@ -4,9 +4,11 @@
 //! bridge capability and HostPreparer both act through it.
 
 use super::netlink::Netlink;
+use super::owners::DeviceOwners;
 use super::simulated::SimNetwork;
 use super::{BridgeError, Device, DeviceToBridge};
 use futures_util::future::BoxFuture;
+use std::sync::Arc;
 
 /// A host network's devices, and the changes bridging makes to them.
 pub trait NetworkBackend: Send + Sync + 'static {
@@ -41,6 +43,12 @@ pub trait NetworkBackend: Send + Sync + 'static {
     /// The device named `name`, if there is one.
     fn device<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<Device>, BridgeError>> {
         Box::pin(async move { Ok(self.devices().await?.into_iter().find(|d| d.name == name)) })
+    }
+
+    /// The record of which provider made which device (`None`: none is kept
+    /// here, and the bridge capability lets a provider make or change nothing).
+    fn owners(&self) -> Option<Arc<dyn DeviceOwners>> {
+        None
     }
 }
 
@@ -94,7 +102,8 @@ impl NetworkBackend for HostNetwork {
     }
 }
 
-/// The simulation answers at once; a tap's owner is not modelled.
+/// The simulation answers at once; a tap's owner uid is not modelled, the
+/// record of which provider made which device is (in memory).
 impl NetworkBackend for SimNetwork {
     fn devices(&self) -> BoxFuture<'_, Result<Vec<Device>, BridgeError>> {
         Box::pin(async { Ok(SimNetwork::devices(self)) })
@@ -137,5 +146,9 @@ impl NetworkBackend for SimNetwork {
 
     fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
         Box::pin(async move { SimNetwork::delete(self, name) })
+    }
+
+    fn owners(&self) -> Option<Arc<dyn DeviceOwners>> {
+        Some(self.owners.clone())
     }
 }

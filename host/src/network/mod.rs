@@ -4,11 +4,13 @@
 //! capability: HostPreparer, the `network-bridge` capability and the tests all
 //! act through [`backend::NetworkBackend`]: the kernel over netlink
 //! ([`netlink::Netlink`], taps in [`tap`]), or in the conformance kit a
-//! simulated network ([`simulated::SimNetwork`]); [`names`] has Juju's bridge names.
+//! simulated network ([`simulated::SimNetwork`]); [`names`] has Juju's bridge names;
+//! [`owners`] records which provider made which device.
 
 pub mod backend;
 pub mod names;
 pub mod netlink;
+pub mod owners;
 pub mod simulated;
 pub mod tap;
 

@@ -2,9 +2,10 @@
 //! and taps that behave as [`super::netlink::Netlink`] makes them behave on a
 //! real host (the same checks, the same errors), seeded from a script.
 
+use super::owners::{MemoryOwners, OwnedDevice};
 use super::{BridgeError, Device, DeviceToBridge, already_bridged, check_name, format_mac, parse_mac};
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 #[derive(Debug, Default)]
 struct State {
@@ -40,10 +41,12 @@ impl State {
     }
 }
 
-/// The simulated network: one per kit run, shared by its stores.
+/// The simulated network: one per kit run, shared by its stores, with its
+/// record of which provider made which device.
 #[derive(Debug, Default)]
 pub struct SimNetwork {
     state: Mutex<State>,
+    pub(super) owners: Arc<MemoryOwners>,
 }
 
 impl SimNetwork {
@@ -54,7 +57,28 @@ impl SimNetwork {
             state.last_index += 1;
             state.devices.insert(device.name.clone(), Device { index: state.last_index, ..device });
         }
-        SimNetwork { state: Mutex::new(state) }
+        SimNetwork { state: Mutex::new(state), owners: Arc::default() }
+    }
+
+    /// As [`SimNetwork::new`], some devices recorded as other providers'
+    /// (name, provider): a kit script's `owners`.
+    pub fn with_owners(devices: Vec<Device>, owners: BTreeMap<String, String>) -> SimNetwork {
+        let kind = |name: &String| {
+            let kind = devices.iter().find(|d| &d.name == name).map_or("", |d| d.kind.as_str());
+            match kind {
+                "tun" => "tap",
+                "veth" | "bridge" => kind,
+                _ => "device",
+            }
+            .to_owned()
+        };
+        let records: Vec<(String, OwnedDevice)> = owners
+            .iter()
+            .map(|(name, provider)| {
+                (name.clone(), OwnedDevice { provider: provider.clone(), kind: kind(name), peer: None })
+            })
+            .collect();
+        SimNetwork { owners: Arc::new(MemoryOwners::seeded(records)), ..SimNetwork::new(devices) }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

@@ -368,6 +368,8 @@ impl Registry {
             restore(unloaded);
             return Err(RegistryError::HasInstances { name: name.to_owned(), count });
         }
+        // The taps, veths and bridges it made go with it, and their records.
+        let devices = self.release_devices(name).await;
         let mut event = Event::new("removed", name);
         let mut detail = Vec::new();
         if in_flight > 0 {
@@ -376,6 +378,7 @@ impl Registry {
         if children > 0 {
             detail.push(format!("{children} child process(es) it left running stopped"));
         }
+        detail.extend(devices);
         event.detail = detail.join("; ");
         if let Some(provider) = &unloaded {
             event.old_sha256 = Some(provider.sha256().to_owned());
@@ -392,6 +395,32 @@ impl Registry {
         let _ = tokio::task::spawn_blocking(move || sandbox.release(&released)).await;
         tracing::info!(provider = name, in_flight, "provider removed");
         Ok(())
+    }
+
+    /// Delete the network devices `name` made and drop their records, for its
+    /// removal; what was done, for its event (each device it left, with why).
+    async fn release_devices(&self, name: &str) -> Vec<String> {
+        let Some(network) = self.capabilities.backends.of::<crate::capabilities::network_bridge::NetworkBridge>()
+        else {
+            return Vec::new();
+        };
+        match crate::network::owners::release_provider(&*network, name).await {
+            Ok(released) => {
+                let mut said = Vec::new();
+                if !released.deleted.is_empty() {
+                    said.push(format!("network devices it made deleted: {}", released.deleted.join(", ")));
+                }
+                for left in released.left {
+                    tracing::warn!(provider = name, device = %left, "a removed provider's network device was left");
+                    said.push(format!("network device left: {left}"));
+                }
+                said
+            }
+            Err(error) => {
+                tracing::warn!(provider = name, %error, "cannot delete the network devices of a removed provider");
+                vec![format!("its network devices could not be deleted: {error}")]
+            }
+        }
     }
 
     /// Replace a provider's component while it serves: compile, link and

@@ -7,6 +7,7 @@
 //! `state.wal` makes each batch of writes durable with one small append
 //! ([`wal`]); redb's own sync runs only at checkpoints.
 
+mod devices;
 mod events;
 mod groups;
 mod kv;
@@ -267,6 +268,7 @@ impl Store {
         txn.open_table(starts::STOPPING).map_err(db_error)?;
         txn.open_table(sandbox_users::SANDBOX_USERS).map_err(db_error)?;
         txn.open_table(sandbox_users::SANDBOX_SHARED).map_err(db_error)?;
+        txn.open_table(devices::DEVICE_OWNERS).map_err(db_error)?;
         index_instance_ids(&txn)?;
         txn.commit().map_err(db_error)?;
         if replayed > 0 {
@@ -639,6 +641,7 @@ fn replay_change(txn: &redb::WriteTransaction, table: &str, key: &[u8], value: O
         t if t == starts::STARTS.name() => wal::replay_into(txn, starts::STARTS, key, value),
         t if t == starts::STOPPING.name() => wal::replay_into(txn, starts::STOPPING, key, value),
         t if t == events::EVENTS.name() => wal::replay_into(txn, events::EVENTS, key, value),
+        t if t == devices::DEVICE_OWNERS.name() => wal::replay_into(txn, devices::DEVICE_OWNERS, key, value),
         t if t == sandbox_users::SANDBOX_USERS.name() => {
             wal::replay_into(txn, sandbox_users::SANDBOX_USERS, key, value)
         }

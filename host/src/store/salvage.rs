@@ -180,6 +180,7 @@ fn each_table(from: &impl ReadableDatabase, into: Option<&Database>) -> Result<V
     copy!(super::starts::STARTS, as_json::<super::PendingStart>);
     copy!(super::starts::STOPPING, as_json::<super::StopMark>);
     copy!(super::sandbox_users::SANDBOX_SHARED, as_json::<Vec<std::path::PathBuf>>);
+    copy!(super::devices::DEVICE_OWNERS, as_json::<crate::network::owners::OwnedDevice>);
     // Last: its report is amended below.
     copy!(SANDBOX_USERS, any_uid);
     if let Some(txn) = &write {

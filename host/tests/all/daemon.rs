@@ -255,6 +255,35 @@ fn tcp_needs_loopback_a_private_token_file_and_the_token_on_every_request() {
     assert_eq!(daemon.request("GET", "/v1/providers", None), (200, "[]".to_owned()));
 }
 
+/// Issue 36, class 3: a program that took the `--listen` port while the
+/// daemon was down would be handed the clients' bearer tokens. The daemon
+/// refuses to start beside it, at once (before the state is opened), naming
+/// the process that holds the port: here this test's own.
+#[test]
+fn a_held_listen_address_refuses_the_start_naming_its_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret-token-for-the-test\n").unwrap();
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = squatter.local_addr().unwrap().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_broker"))
+        .arg("--data-dir")
+        .arg(dir.path())
+        .args(["serve", "--listen", &addr, "--token-file"])
+        .arg(&token_file)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{out:?}");
+    let holder = format!("it is held by pid {} (uid ", std::process::id());
+    assert!(stderr.contains(&format!("cannot listen on {addr}")) && stderr.contains(&holder), "{stderr}");
+    assert!(stderr.contains("bearer token"), "{stderr}");
+    assert!(!dir.path().join("state.redb").exists(), "refused before the state was opened");
+    assert!(!dir.path().join("broker.sock").exists(), "and before the unix socket");
+    drop(squatter);
+}
+
 #[test]
 fn openapi_names_every_route_the_daemon_serves() {
     let dir = tempfile::tempdir().unwrap();

@@ -201,9 +201,11 @@ fn start_instance_prepares_the_host_bridge_first() {
     });
 }
 
-/// A guest bridges through the capability only what its grant names.
+/// A guest bridges through the capability only what its grant names, and of
+/// that only what it made: a host device, granted by name, is still the
+/// host's (HostPreparer's to bridge).
 #[test]
-fn a_guest_bridges_only_granted_devices() {
+fn a_guest_bridges_only_granted_devices_it_made() {
     in_netns(|| async {
         use broker_host::bindings::BrokerError;
         use broker_host::capabilities::kv::{KvBackend, MemoryKv};
@@ -218,20 +220,128 @@ fn a_guest_bridges_only_granted_devices() {
             broker_tests::load_provider(&rt, kv.clone(), dir.path(), "hostile", "test-hostile", extra).unwrap()
         };
         let ungranted = load("[grants]\nkv = true\n");
-        let granted = load("[grants]\nkv = true\n[grants.bridge]\ndevices = [\"eth3\"]\nbridges = [\"br-*\"]\n");
+        let granted =
+            load("[grants]\nkv = true\n[grants.bridge]\ndevices = [\"eth3\", \"vh*\"]\nbridges = [\"br-*\"]\n");
 
         kv.set("hostile", "mode", b"bridge:eth3").unwrap();
         let err = ungranted.all_instances(&CallHooks::default()).await.unwrap_err();
         assert!(matches!(err.broker_error(), Some(BrokerError::AccessDenied(_))), "{err}");
-        let visible = granted.all_instances(&CallHooks::default()).await.unwrap()[0].id.clone();
-        assert_eq!(visible, "eth3,br-eth3", "the guest sees only granted devices");
+        let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
+        assert!(
+            matches!(err.broker_error(), Some(BrokerError::AccessDenied(m)) if m.contains("eth3 is the host's")),
+            "{err}"
+        );
         let nl = Netlink::connect().unwrap();
-        assert_eq!(addresses(&nl.device("br-eth3").await.unwrap().unwrap()), ["10.30.0.2/24"]);
+        assert!(nl.device("br-eth3").await.unwrap().is_none(), "nothing was made for the host's device");
+        assert_eq!(addresses(&nl.device("eth3").await.unwrap().unwrap()), ["10.30.0.2/24"]);
 
         kv.set("hostile", "mode", b"bridge:eth4").unwrap();
         let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
         assert!(matches!(err.broker_error(), Some(BrokerError::AccessDenied(m)) if m.contains("eth4")), "{err}");
         assert!(nl.device("br-eth4").await.unwrap().is_none(), "nothing was done for the ungranted device");
+
+        // Its own veth: made, bridged into a bridge of its own (made now, its own too).
+        kv.set("hostile", "mode", b"veth:vh1:vh1p:br-eth3").unwrap();
+        let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
+        assert!(matches!(err.broker_error(), Some(BrokerError::NotFound(_))), "no such bridge: {err}");
+        assert!(nl.device("vh1").await.unwrap().is_none());
+        kv.set("hostile", "mode", b"bridge-to:vh1:br-own").unwrap();
+        let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
+        assert!(matches!(err.broker_error(), Some(BrokerError::NotFound(_))), "{err}");
+        assert!(nl.device("br-own").await.unwrap().is_none(), "a bridge not made is not left");
+    });
+}
+
+/// Issue 36, class 2, through real netlink and the real broker (its store
+/// keeps the record): two providers with the KVM grant. The attacker cannot
+/// attach the victim's tap to its own bridge, delete the victim's veth, or
+/// unbridge the host's bridge (which carries the host's address and default
+/// route) — each refusal names the owner and nothing changes; the record
+/// survives a restart; removing a provider deletes what it made.
+#[test]
+fn a_provider_touches_only_the_devices_it_made() {
+    in_netns(|| async {
+        use broker_host::bindings::BrokerError;
+        use broker_host::capabilities::kv::KvBackend;
+
+        make_nic("eth5", [0x00, 0x16, 0x3e, 0x05, 0x05, 0x05], "10.50.0.2/24").await;
+        let nl = Netlink::connect().unwrap();
+        add_default_route("10.50.0.1", nl.device("eth5").await.unwrap().unwrap().index).await;
+        // The host's bridge, as HostPreparer makes it: eth5's address and default route move onto it.
+        let host_bridge = DeviceToBridge { device: "eth5".into(), bridge: "br-eth5".into(), mac: String::new() };
+        nl.bridge(&host_bridge).await.unwrap();
+        let br_index = nl.device("br-eth5").await.unwrap().unwrap().index;
+        assert_eq!(default_route_oif().await, Some(br_index));
+
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let grant = "[grants]\nkv = true\n[grants.bridge]\ndevices = [\"kt*\", \"vh*\"]\nbridges = [\"br-*\"]\n\
+                     attach-to = [\"br-eth5\"]\n";
+        let manifests = |name: &str| broker_tests::write_manifest(dir.path(), name, "test-hostile", grant);
+        let broker = Broker::open(&data).unwrap();
+        for name in ["victim", "attacker"] {
+            broker.registry().add(&manifests(name)).await.unwrap();
+        }
+        let call = async |broker: &Broker, provider: &str, mode: &str| {
+            broker.store().kv().set(provider, "mode", mode.as_bytes()).unwrap();
+            let wasm = broker.registry().get(provider).await.unwrap();
+            match wasm.all_instances(&CallHooks::default()).await {
+                Ok(instances) => Ok(instances[0].id.clone()),
+                Err(err) => Err(err.broker_error().cloned().unwrap_or_else(|| panic!("not the guest's error: {err}"))),
+            }
+        };
+        let refused = |outcome: Result<String, BrokerError>, says: &str| match outcome {
+            Err(BrokerError::AccessDenied(message)) => assert!(message.contains(says), "{message:?} lacks {says:?}"),
+            other => panic!("not refused ({says}): {other:?}"),
+        };
+
+        // The victim: a VM's tap on the host bridge, a veth pair.
+        assert_eq!(call(&broker, "victim", "tap:kt1:br-eth5").await.unwrap(), "done");
+        assert_eq!(call(&broker, "victim", "veth:vh1:vh1p:br-eth5").await.unwrap(), "done");
+        // The attacker: a veth and a bridge of its own.
+        call(&broker, "attacker", "veth:vh2:vh2p:br-eth5").await.unwrap();
+        call(&broker, "attacker", "bridge-to:vh2p:br-evil").await.unwrap();
+        assert_eq!(nl.device("br-evil").await.unwrap().unwrap().kind, "bridge");
+
+        let host_state = async || {
+            let br = nl.device("br-eth5").await.unwrap().expect("the host bridge is there");
+            let eth5 = nl.device("eth5").await.unwrap().unwrap();
+            (addresses(&br), eth5.controller, default_route_oif().await == Some(br.index))
+        };
+        let host_before = host_state().await;
+        assert_eq!(host_before, (vec!["10.50.0.2/24".to_owned()], Some("br-eth5".to_owned()), true));
+
+        refused(call(&broker, "attacker", "attach:kt1:br-evil").await, "tap kt1 belongs to provider victim");
+        assert_eq!(nl.device("kt1").await.unwrap().unwrap().controller.as_deref(), Some("br-eth5"), "kt1 stays");
+        refused(call(&broker, "attacker", "delete-link:vh1").await, "veth vh1 belongs to provider victim");
+        refused(call(&broker, "attacker", "delete-link:vh1p").await, "veth vh1p belongs to provider victim");
+        assert!(nl.device("vh1").await.unwrap().is_some() && nl.device("vh1p").await.unwrap().is_some());
+        refused(call(&broker, "attacker", "unbridge:vh2p:br-eth5").await, "bridge br-eth5 is the host's");
+        refused(call(&broker, "attacker", "unbridge:kt1:br-eth5").await, "tap kt1 belongs to provider victim");
+        refused(call(&broker, "attacker", "bridge-to:vh2:br-eth5").await, "bridge br-eth5 is the host's");
+        refused(call(&broker, "attacker", "tap:kt1:br-evil").await, "tap kt1 belongs to provider victim");
+        refused(call(&broker, "victim", "attach:kt1:br-evil").await, "bridge br-evil belongs to provider attacker");
+        assert_eq!(host_state().await, host_before, "the host bridge keeps its address and default route");
+
+        // The record is the store's: it survives a restart.
+        drop(broker);
+        let broker = Broker::open(&data).unwrap();
+        refused(call(&broker, "attacker", "attach:kt1:br-evil").await, "tap kt1 belongs to provider victim");
+        assert_eq!(nl.device("kt1").await.unwrap().unwrap().controller.as_deref(), Some("br-eth5"));
+
+        // Its own, it may: the attacker unbridges its bridge and deletes its veth.
+        call(&broker, "attacker", "unbridge:vh2p:br-evil").await.unwrap();
+        assert!(nl.device("br-evil").await.unwrap().is_none());
+        // Removing the victim deletes what it made and drops its records.
+        broker.registry().remove("victim").await.unwrap();
+        for gone in ["kt1", "vh1", "vh1p"] {
+            assert!(nl.device(gone).await.unwrap().is_none(), "{gone} was deleted with its provider");
+        }
+        assert!(broker.store().device_owners().owned_by("victim").unwrap().is_empty());
+        assert_eq!(broker.store().device_owners().owned_by("attacker").unwrap().len(), 2, "vh2, vh2p");
+        assert_eq!(host_state().await, host_before, "and the host's bridge is untouched");
+        let removed = broker.store().events(0, 1000).unwrap().into_iter().rev().find(|e| e.kind == "removed").unwrap();
+        assert!(removed.detail.contains("network devices it made deleted: kt1, vh1"), "{}", removed.detail);
     });
 }
 

@@ -250,6 +250,41 @@ async fn a_granted_program_misused_fails_the_ungranted_case() {
     }
 }
 
+/// Issue 36, class 2, in the kit: on the simulated network, whose script
+/// says which devices another provider made, a provider that touches one (or
+/// unbridges the host's bridge) and swallows the refusal fails "no call
+/// touches an ungranted capability", the refusal naming the owner; its own
+/// tap on the host bridge (`attach-to`) is no finding.
+#[tokio::test(flavor = "multi_thread")]
+async fn touching_another_providers_device_fails_the_ungranted_case() {
+    use broker_host::conformance::{Answers, KitOptions, Scripted};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let extra = "[limits.deadlines]\ndefault = \"2s\"\n[grants]\nkv = true\n[grants.bridge]\n\
+                 devices = [\"kt*\"]\nbridges = [\"br-*\"]\nattach-to = [\"br-host\"]\n\
+                 [config]\nzones = [\"zone-a\", \"zone-b\"]\nbreaks = \"anothers-device\"\n";
+    let manifest = Manifest::load(&write_manifest(dir.path(), "broken", "test-broken", extra)).unwrap();
+    let device = |name: &str, kind: &str, controller: Option<&str>| {
+        serde_json::json!({"name": name, "mac": "02:00:00:00:00:01", "mtu": 1500, "kind": kind,
+                           "controller": controller, "up": true})
+    };
+    let script = serde_json::json!({
+        "devices": [device("br-host", "bridge", None), device("br-mine", "bridge", None),
+                    device("kt-other", "tun", Some("br-host"))],
+        "owners": {"kt-other": "kvm2", "br-mine": "broken"},
+    });
+    let scripted = Arc::new(Scripted::parse(&script.to_string()).unwrap());
+    let options = KitOptions { answers: Answers::Script(scripted), strict: false, sandbox: Default::default() };
+    let report = conformance::run_with(&manifest, options).await.unwrap();
+    let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed).collect();
+    let names: Vec<&str> = failed.iter().map(|c| c.name).collect();
+    assert_eq!(names, ["no call touches an ungranted capability"], "{}", report.text());
+    for words in ["tap kt-other belongs to provider kvm2", "bridge br-host is the host's"] {
+        assert!(failed[0].detail.contains(words), "{:?} lacks {words:?}", failed[0].detail);
+    }
+    assert!(!failed[0].detail.contains("kt-mine exists"), "its own tap is no finding: {}", failed[0].detail);
+}
+
 #[tokio::test]
 async fn importing_what_the_manifest_does_not_grant_is_a_finding_not_a_crash() {
     let dir = tempfile::tempdir().unwrap();
