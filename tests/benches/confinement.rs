@@ -28,7 +28,6 @@ fn bench(c: &mut Criterion) {
                 devices: &[],
                 programs: &[],
                 limits: Default::default(),
-                share_net: false,
             },
         )
         .unwrap();

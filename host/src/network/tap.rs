@@ -12,18 +12,39 @@ use std::os::fd::AsRawFd;
 /// `struct ifreq` as TUNSETIFF reads it: the name, the flags, and the rest of
 /// the 24-byte union (40 bytes in all on 64-bit Linux).
 #[repr(C)]
-struct TunRequest {
+#[derive(Clone, Copy)]
+pub(crate) struct TunRequest {
     name: [u8; 16],
     flags: i16,
     rest: [u8; 22],
 }
 
-const TUNSETIFF: c_ulong = 0x4004_54ca;
+impl std::fmt::Debug for TunRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let end = self.name.iter().position(|&b| b == 0).unwrap_or(self.name.len());
+        write!(f, "TunRequest({:?})", String::from_utf8_lossy(&self.name[..end]))
+    }
+}
+
+pub(crate) const TUNSETIFF: c_ulong = 0x4004_54ca;
 const TUNSETPERSIST: c_ulong = 0x4004_54cb;
 const TUNSETOWNER: c_ulong = 0x4004_54cc;
 const IFF_TAP: i16 = 0x0002;
 const IFF_NO_PI: i16 = 0x1000;
 const IFF_TUN_EXCL: i16 = 0x8000u16 as i16;
+const IFF_VNET_HDR: i16 = 0x4000;
+
+/// The request that attaches to the existing tap `name` as qemu's own tap
+/// backend would (`IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`), made before a fork
+/// so the child only hands it to the kernel. The kernel lets a caller
+/// without `CAP_NET_ADMIN` attach only to a tap owned by its uid: made in the
+/// child after it became the provider's user, the attach is the ownership check.
+pub(crate) fn attach_request(name: &str) -> Result<TunRequest, BridgeError> {
+    check_name(name)?;
+    let mut request = TunRequest { name: [0; 16], flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR, rest: [0; 22] };
+    request.name[..name.len()].copy_from_slice(name.as_bytes());
+    Ok(request)
+}
 
 fn os_error(what: &str) -> BridgeError {
     BridgeError::Io { what: what.to_owned(), source: std::io::Error::last_os_error() }

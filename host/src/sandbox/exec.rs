@@ -28,6 +28,9 @@ pub struct BeforeExec {
     pub join: Vec<i32>,
     /// `RLIMIT_AS` where no group bounds the memory (bytes; 0: none).
     pub address_space: u64,
+    /// Taps to attach to, as the provider's user, in the host's network
+    /// namespace, each left open at its descriptor number for the program.
+    pub taps: Vec<(crate::network::tap::TunRequest, i32)>,
 }
 
 /// In the child, before bubblewrap runs (std has already switched to the
@@ -68,6 +71,23 @@ pub fn confine_before_exec(command: &mut std::process::Command, before: BeforeEx
                 if nix::libc::fcntl(fd, nix::libc::F_SETFD, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+            }
+            // Already the provider's user, still in the host's network namespace:
+            // the kernel attaches only to taps that user owns.
+            for (request, at) in &before.taps {
+                let tun = nix::libc::open(c"/dev/net/tun".as_ptr(), nix::libc::O_RDWR | nix::libc::O_CLOEXEC);
+                if tun < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let mut request = *request;
+                if nix::libc::ioctl(tun, crate::network::tap::TUNSETIFF, &mut request as *mut _) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // dup2 leaves the new descriptor open across exec.
+                if nix::libc::dup2(tun, *at) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                nix::libc::close(tun);
             }
             Ok(())
         });

@@ -452,17 +452,7 @@ impl Sandbox {
             false => (None, None),
         };
         let data_dir = grants.data_dir.to_owned();
-        Ok(Confinement {
-            bwrap,
-            uid,
-            binds: Arc::new(binds),
-            data_dir,
-            devices,
-            share_net: grants.share_net,
-            limits,
-            group,
-            scratch,
-        })
+        Ok(Confinement { bwrap, uid, binds: Arc::new(binds), data_dir, devices, limits, group, scratch })
     }
 
     /// Take back from `provider`'s user what was shared with it before and is
@@ -545,8 +535,6 @@ pub struct Grants<'a> {
     pub programs: &'a [PathBuf],
     /// What its programs may take together.
     pub limits: ProgramLimits,
-    /// Stay in the host's network namespace (bridging and taps are granted).
-    pub share_net: bool,
 }
 
 /// How a program is to live.
@@ -568,7 +556,6 @@ pub struct Confinement {
     binds: Arc<Vec<granted::Bound>>,
     data_dir: PathBuf,
     devices: Vec<PathBuf>,
-    share_net: bool,
     limits: ProgramLimits,
     /// The provider's cgroup (`None`: none could be made; `RLIMIT_AS` instead).
     group: Option<Arc<cgroups::ProviderGroup>>,
@@ -596,7 +583,16 @@ impl Confinement {
         env: &[(String, String)],
         lifetime: Lifetime,
     ) -> std::process::Command {
-        self.command_reporting(program, args, env, lifetime, None)
+        self.command_reporting(program, args, env, lifetime, None, Vec::new())
+    }
+
+    /// The first descriptor number past every one a command of this
+    /// confinement hands bubblewrap (with `info_fd`): where passed taps go.
+    pub fn next_free_fd(&self, info_fd: Option<i32>) -> i32 {
+        use std::os::fd::AsRawFd;
+        let scratch = self.scratch.iter().flat_map(|s| s.iter().map(|fd| fd.as_raw_fd()));
+        let used = self.binds.iter().map(|b| b.raw()).chain(scratch).chain(info_fd);
+        used.max().unwrap_or(2).max(2) + 1
     }
 
     /// The processes in the provider's cgroup now (empty without one).
@@ -607,13 +603,14 @@ impl Confinement {
     /// As [`Confinement::command`], bubblewrap writing what it made (the pid
     /// of the sandbox's first process, which lives as long as anything in the
     /// sandbox does) to the descriptor `info_fd` (`--info-fd`).
-    pub fn command_reporting(
+    pub(crate) fn command_reporting(
         &self,
         program: &Path,
         args: &[String],
         env: &[(String, String)],
         lifetime: Lifetime,
         info_fd: Option<i32>,
+        taps: Vec<(crate::network::tap::TunRequest, i32)>,
     ) -> std::process::Command {
         use std::os::unix::process::CommandExt;
         let mut command = std::process::Command::new(&self.bwrap);
@@ -675,9 +672,9 @@ impl Confinement {
         // No nested user namespaces: they would give the program capabilities over
         // namespaces of its own, the kernel's widest attack surface for an unprivileged user.
         command.arg("--disable-userns");
-        if !self.share_net {
-            command.arg("--unshare-net");
-        }
+        // Always a network namespace of its own (loopback only): what a VM needs of
+        // the host's network (its taps) reaches it as descriptors the host opened.
+        command.arg("--unshare-net");
         if lifetime == Lifetime::Call {
             command.arg("--die-with-parent");
         }
@@ -695,7 +692,7 @@ impl Confinement {
             (None, true) => self.limits.memory_mib.saturating_mul(1 << 20),
             _ => 0,
         };
-        exec::confine_before_exec(&mut command, exec::BeforeExec { keep, join, address_space });
+        exec::confine_before_exec(&mut command, exec::BeforeExec { keep, join, address_space, taps });
         command
     }
 }
@@ -788,7 +785,6 @@ mod tests {
                 devices: &devices,
                 programs: &[],
                 limits: Default::default(),
-                share_net: false,
             };
             sandbox.confine("p", &grants)
         };

@@ -48,7 +48,7 @@ fn start_list_stop_maintain_through_the_fake_provider() {
         shown["grants"],
         serde_json::json!({
             "kv": true, "log": true, "machine-lock": false, "local-sockets": false, "process": [],
-            "paths": [], "bridge-devices": [], "bridge-bridges": [], "http": []
+            "paths": [], "bridge-devices": [], "bridge-bridges": [], "bridge-attach-to": [], "http": []
         })
     );
     assert_eq!(shown["deadlines"][2], serde_json::json!(["start-instance", "10m"]));

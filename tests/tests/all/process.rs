@@ -49,7 +49,6 @@ impl ProcessHost {
                     devices: &[],
                     programs: &[],
                     limits: Default::default(),
-                    share_net: false,
                 },
             )
             .unwrap();

@@ -29,7 +29,6 @@ pub use tape::{ProcessTape, RecordedSockets};
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::process::{self as wit, ChildStatus, Output};
 use crate::capabilities::denials::Denials;
-use crate::capabilities::network_bridge::NetworkBridge;
 use crate::capabilities::view::{View, ViewOf};
 use crate::runtime::rooms::{GrantLine, GrantValue, Linking, LoadSetup, Room, StoreSetup};
 use crate::runtime::{BoxError, HostState};
@@ -472,7 +471,6 @@ impl Room for Process {
                         pids: load.limits.program_pids,
                         tmp_mib: load.limits.tmp_mib,
                     },
-                    share_net: load.grants.rooms.of::<NetworkBridge>().is_some(),
                 },
             )
             .map_err(ProcessPrepareError::Sandbox)?;

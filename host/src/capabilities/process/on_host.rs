@@ -5,7 +5,7 @@
 
 use super::backend::{Launch, ProcessBackend};
 use super::children::{ChildRecord, ChildRecords, LiveChildren, Liveness, RecordsError, proc_stat};
-use super::policy::{PolicyError, ProcessPolicy};
+use super::policy::PolicyError;
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::process::Output;
 use futures_util::future::BoxFuture;
@@ -39,17 +39,65 @@ fn records_failed(err: RecordsError) -> BrokerError {
     BrokerError::Provider(err.cause().to_string())
 }
 
-/// The confined command for a granted program: a program never runs on the host unconfined.
-fn confined_command(
-    policy: &ProcessPolicy,
-    path: &std::path::Path,
+/// Taps to attach in the child, each at its descriptor number.
+type PassedTaps = Vec<(crate::network::tap::TunRequest, i32)>;
+
+/// qemu's `-netdev tap,…,ifname=NAME,…` with the tap passed as a descriptor
+/// instead (`fd=N`, from `first_fd` on): programs live in a network namespace
+/// of their own, where no host tap exists. The tap is attached in the child
+/// as the provider's user, so the kernel attaches only to a tap that user
+/// owns (the host made it so with `TUNSETOWNER`). Options that would have
+/// qemu open or configure a device itself are refused.
+fn pass_taps(
     args: &[String],
-    env: &[(String, String)],
-    lifetime: crate::sandbox::Lifetime,
-) -> Result<std::process::Command, BrokerError> {
-    let confinement =
-        policy.confinement().ok_or_else(|| BrokerError::AccessDenied(PolicyError::Unconfined.to_string()))?;
-    Ok(confinement.command(path, args, env, lifetime))
+    first_fd: i32,
+) -> Result<(Vec<String>, PassedTaps), BrokerError> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut taps = Vec::new();
+    for (n, arg) in args.iter().enumerate() {
+        let is_netdev = n > 0 && matches!(args[n - 1].as_str(), "-netdev" | "--netdev");
+        let Some(options) = arg.strip_prefix("tap,").filter(|_| is_netdev) else {
+            out.push(arg.clone());
+            continue;
+        };
+        let mut kept = vec!["tap".to_owned()];
+        let mut name = None;
+        for option in options.split(',') {
+            let (key, value) = option.split_once('=').unwrap_or((option, ""));
+            match key {
+                "ifname" => name = Some(value.to_owned()),
+                "script" | "downscript" if value == "no" => {}
+                "id" | "vhost" | "sndbuf" | "vnet_hdr" => kept.push(option.to_owned()),
+                _ => {
+                    return Err(BrokerError::InvalidParams(format!(
+                        "tap option {key:?} is not passed: the host hands qemu the tap named by ifname= \
+                         (its own, made through network-bridge), with id=, vhost=, sndbuf=, vnet_hdr="
+                    )));
+                }
+            }
+        }
+        let name = name.ok_or_else(|| {
+            BrokerError::InvalidParams("a tap netdev needs ifname= naming one of the provider's taps".into())
+        })?;
+        let request = crate::network::tap::attach_request(&name)
+            .map_err(|e| BrokerError::InvalidParams(format!("tap {name:?}: {e}")))?;
+        let at = first_fd + taps.len() as i32;
+        kept.push(format!("fd={at}"));
+        taps.push((request, at));
+        out.push(kept.join(","));
+    }
+    Ok((out, taps))
+}
+
+/// What a failed spawn of a program that was passed taps says.
+fn spawn_error(path: &std::path::Path, taps: usize, e: std::io::Error) -> BrokerError {
+    if taps > 0 && e.raw_os_error() == Some(nix::libc::EPERM) {
+        return BrokerError::AccessDenied(format!(
+            "cannot start {}: a tap it names is not this provider's (taps are attached as its own user)",
+            path.display()
+        ));
+    }
+    BrokerError::Provider(format!("cannot start {}: {e}", path.display()))
 }
 
 /// Kills a process group when dropped, unless disarmed: a timed-out or
@@ -84,12 +132,18 @@ async fn read_capped(mut stream: impl AsyncRead + Unpin, cap: usize) -> (Vec<u8>
 impl HostProcesses {
     async fn run_confined(&self, launch: Launch<'_>, stdin: Vec<u8>, timeout_ms: u64) -> Result<Output, BrokerError> {
         let path = launch.path;
+        let confinement = launch
+            .policy
+            .confinement()
+            .ok_or_else(|| BrokerError::AccessDenied(PolicyError::Unconfined.to_string()))?;
+        let (args, taps) = pass_taps(launch.args, confinement.next_free_fd(None))?;
+        let tap_count = taps.len();
         // A session and process group of its own (set up before exec): the group killer reaches it all.
-        let command = confined_command(launch.policy, path, launch.args, launch.env, crate::sandbox::Lifetime::Call)?;
+        let command =
+            confinement.command_reporting(path, &args, launch.env, crate::sandbox::Lifetime::Call, None, taps);
         let mut command = tokio::process::Command::from(command);
         command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
-        let mut child =
-            command.spawn().map_err(|e| BrokerError::Provider(format!("cannot run {}: {e}", path.display())))?;
+        let mut child = command.spawn().map_err(|e| spawn_error(path, tap_count, e))?;
         let mut group = GroupKiller(child.id().map(|pid| pid as i32));
         tracing::debug!(provider = launch.provider, program = %path.display(), pid = ?child.id(), "run");
 
@@ -167,18 +221,21 @@ impl HostProcesses {
         let (info, info_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)
             .map_err(|e| BrokerError::Provider(format!("cannot spawn {}: {e}", path.display())))?;
         use std::os::fd::AsRawFd;
+        let (args, taps) = pass_taps(launch.args, confinement.next_free_fd(Some(info_write.as_raw_fd())))?;
+        let tap_count = taps.len();
         let mut command = confinement.command_reporting(
             path,
-            launch.args,
+            &args,
             launch.env,
             crate::sandbox::Lifetime::Detached,
             Some(info_write.as_raw_fd()),
+            taps,
         );
         // A session and process group of its own: signals go to the whole group,
         // and the host's own signals (Ctrl-C) and terminal do not reach it.
         let spawned = command.stdin(Stdio::null()).stdout(log).stderr(log_err).spawn();
         drop(info_write);
-        let child = spawned.map_err(|e| BrokerError::Provider(format!("cannot spawn {}: {e}", path.display())))?;
+        let child = spawned.map_err(|e| spawn_error(path, tap_count, e))?;
         let pid = child.id();
         let start_time = proc_stat(pid).map(|(start, _)| start).unwrap_or(0);
         let sandbox = sandbox_init(info).await;
@@ -316,5 +373,39 @@ impl ProcessBackend for HostProcesses {
     fn children(&self, provider: &str) -> Result<Vec<String>, RecordsError> {
         self.live.reap();
         Ok(self.records.list(provider)?.into_iter().map(|r| r.name).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(words: &[&str]) -> Vec<String> {
+        words.iter().map(|w| w.to_string()).collect()
+    }
+
+    #[test]
+    fn a_tap_netdev_becomes_a_passed_descriptor_and_other_ways_to_a_device_are_refused() {
+        let args = strings(&["-netdev", "tap,id=net0,ifname=kt1n0,script=no,downscript=no", "-device", "tap,x"]);
+        let (out, taps) = pass_taps(&args, 7).unwrap();
+        assert_eq!(out, strings(&["-netdev", "tap,id=net0,fd=7", "-device", "tap,x"]), "only a -netdev value is a tap");
+        assert_eq!(taps.len(), 1);
+        assert_eq!(taps[0].1, 7);
+        assert_eq!(format!("{:?}", taps[0].0), "TunRequest(\"kt1n0\")");
+        for bad in [
+            "tap,id=n,ifname=kt1,script=/data/up.sh",
+            "tap,id=n,fd=3",
+            "tap,id=n,ifname=kt1,helper=/usr/lib/qemu/qemu-bridge-helper",
+            "tap,id=n,ifname=kt1,vhostfd=4",
+            "tap,id=n",
+            "tap,id=n,ifname=../../x",
+            "tap,id=n,ifname=a-name-far-too-long",
+        ] {
+            assert!(pass_taps(&strings(&["-netdev", bad]), 7).is_err(), "{bad}");
+        }
+        let two = strings(&["-netdev", "tap,id=a,ifname=kt1", "-netdev", "tap,id=b,ifname=kt2,vhost=on"]);
+        let (out, taps) = pass_taps(&two, 20).unwrap();
+        assert_eq!(out, strings(&["-netdev", "tap,id=a,fd=20", "-netdev", "tap,id=b,vhost=on,fd=21"]));
+        assert_eq!(taps.iter().map(|t| t.1).collect::<Vec<_>>(), [20, 21]);
     }
 }
