@@ -141,15 +141,15 @@ fn three_vms_boot_with_their_hardware_stop_cleanly_and_survive_a_host_restart() 
         make_nic("ethk", [0x00, 0x16, 0x3e, 0x10, 0x20, 0x30], "10.60.0.2/24").await;
         let dir = tempfile::tempdir().unwrap();
         let _reaper = KillQemusUnder(dir.path().to_owned());
-        let data = dir.path();
-        let broker = Broker::open(data).unwrap();
-        broker.registry().add(&kvm_manifest(data, &payload, "t1", true)).await.unwrap();
-
-        // A base image for the third VM's overlay.
-        let base = data.join("images/base.qcow2");
+        let data = &dir.path().join("state");
+        // A base image for the third VM's overlay, where the grant names it (a
+        // granted path is resolved when the provider loads: it must be there).
+        let base = dir.path().join("images/base.qcow2");
         std::fs::create_dir_all(base.parent().unwrap()).unwrap();
         let made =
             std::process::Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&base).arg("1G").status();
+        let broker = Broker::open(data).unwrap();
+        broker.registry().add(&kvm_manifest(dir.path(), &payload, "t1", true)).await.unwrap();
         assert!(made.unwrap().success());
 
         let asked = [
@@ -257,7 +257,7 @@ fn state_comes_from_qmp_and_maintain_recreates_a_missing_tap() {
         make_nic("ethm", [0x00, 0x16, 0x3e, 0x10, 0x20, 0x40], "10.61.0.2/24").await;
         let dir = tempfile::tempdir().unwrap();
         let _reaper = KillQemusUnder(dir.path().to_owned());
-        let broker = Broker::open(dir.path()).unwrap();
+        let broker = Broker::open(&dir.path().join("state")).unwrap();
         broker.registry().add(&kvm_manifest(dir.path(), &payload, "t2", true)).await.unwrap();
         let mut params = params_with(constraints::parse("mem=512M").unwrap());
         params.network_info = vec![interface_on("br-ethm", "52:54:00:aa:bb:02")];
@@ -274,7 +274,7 @@ fn state_comes_from_qmp_and_maintain_recreates_a_missing_tap() {
         assert!(err.to_string().contains("no VM juju-t2-nonesuch"), "{err}");
 
         // Paused through its monitor: all-instances says so; then it runs again.
-        let run_dir = dir.path().join("data/kvm/run");
+        let run_dir = dir.path().join("state/data/kvm/run");
         let socket = std::fs::read_dir(&run_dir).unwrap().flatten().next().unwrap().path();
         let state = async || {
             let listed = broker.list_instances(Some("kvm")).await.unwrap();
@@ -285,12 +285,17 @@ fn state_comes_from_qmp_and_maintain_recreates_a_missing_tap() {
         qmp(&socket, &["cont"]);
         assert_eq!(state().await.0, "running");
 
-        // Killed behind the host's back: unknown, and maintain says it cannot re-adopt it.
+        // Killed behind the host's back — its whole sandbox: qemu lives as long as
+        // bubblewrap's first process in it does, whatever becomes of the process the
+        // host started — unknown, and maintain says it cannot re-adopt it.
         let pid = qemu_pid(&broker, &record.id);
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::SIGKILL).unwrap();
+        let child = broker.store().child_records().get("kvm", &record.id).unwrap().unwrap();
+        let (init, _) = child.sandbox.expect("the sandbox's first process is recorded");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(init as i32), nix::sys::signal::SIGKILL).unwrap();
         // A multi-threaded process shows as a zombie before it can be reaped:
-        // until then the host may still see it running (and QMP fail).
-        let killed = ("unknown".to_owned(), "qemu was killed by signal 9".to_owned());
+        // until then the host may still see it running (and QMP fail). bubblewrap
+        // reports a program killed by signal N as exit code 128 + N.
+        let killed = ("unknown".to_owned(), "qemu exited with code 137".to_owned());
         let since = Instant::now();
         while state().await != killed {
             assert!(since.elapsed() < Duration::from_secs(10), "never reported killed: {:?}", state().await);
@@ -298,7 +303,7 @@ fn state_comes_from_qmp_and_maintain_recreates_a_missing_tap() {
         }
         assert!(!alive(pid));
         let err = broker.maintain_instance("kvm", &record.id).await.unwrap_err();
-        assert!(err.to_string().contains("cannot be re-adopted: qemu was killed by signal 9"), "{err}");
+        assert!(err.to_string().contains("cannot be re-adopted: qemu exited with code 137"), "{err}");
         // Stopping it still cleans up what it left.
         broker.stop_instances("kvm", &[record.id]).await.unwrap();
         assert!(nl.device(&tap.name).await.unwrap().is_none());
@@ -320,9 +325,9 @@ async fn unmeetable_constraints_and_failed_boots_leave_nothing_behind() {
     let payload = vm_payload();
     let dir = tempfile::tempdir().unwrap();
     let _reaper = KillQemusUnder(dir.path().to_owned());
-    let data = dir.path();
+    let data = &dir.path().join("state");
     let broker = Broker::open(data).unwrap();
-    broker.registry().add(&kvm_manifest(data, &payload, "t3", true)).await.unwrap();
+    broker.registry().add(&kvm_manifest(dir.path(), &payload, "t3", true)).await.unwrap();
 
     for (text, needle) in [
         ("cores=64", "cores=64 cannot be met: this host gives a VM at most 4 (provider config max-cores)"),
@@ -355,9 +360,9 @@ async fn unmeetable_constraints_and_failed_boots_leave_nothing_behind() {
 async fn without_its_process_grant_the_provider_gets_access_denied() {
     let payload = vm_payload();
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path();
+    let data = &dir.path().join("state");
     let broker = Broker::open(data).unwrap();
-    broker.registry().add(&kvm_manifest(data, &payload, "t4", false)).await.unwrap();
+    broker.registry().add(&kvm_manifest(dir.path(), &payload, "t4", false)).await.unwrap();
     let err =
         broker.start_instance("kvm", &params_with(constraints::empty()), &CallHooks::default()).await.unwrap_err();
     let text = err.to_string();
@@ -557,7 +562,8 @@ fn the_daemon_killed_under_concurrent_starts_and_stops_leaves_no_orphan_and_no_v
     let mut details = Vec::new();
     let mut daemon = KilledOnDrop(serve(&data, modes[0], &dir.path().join("daemon-0.log")));
     let body = format!("{{\"manifest\":\"{}\"}}", manifest.display());
-    assert_eq!(daemon_request(&socket, "POST", "/v1/providers", &body).map(|(s, _)| s), Some(201));
+    let added = daemon_request(&socket, "POST", "/v1/providers", &body);
+    assert_eq!(added.as_ref().map(|(s, _)| *s), Some(201), "{added:?}");
     for (round, kill_after) in kills.into_iter().enumerate() {
         let clients: Vec<_> = (0..3)
             .map(|_| {

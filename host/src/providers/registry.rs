@@ -294,7 +294,7 @@ impl Registry {
                 .unwrap_or_default();
             crate::sandbox::granted::GrantedPaths {
                 provider: manifest.name.clone(),
-                read: grant.paths.iter().cloned().chain(programs).collect(),
+                read: grant.paths.iter().cloned().chain(programs).chain(grant.devices.iter().cloned()).collect(),
                 write: grant.paths_rw.clone(),
             }
         };

@@ -11,7 +11,6 @@
 
 use rustix::fs::{Mode, OFlags, XattrFlags};
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::Path;
 
 const ACCESS: &str = "system.posix_acl_access";
 const DEFAULT: &str = "system.posix_acl_default";
@@ -156,11 +155,15 @@ pub fn make_private(fd: impl AsFd) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Give `uid` read and write on a granted device node (by path: device
-/// nodes under /dev are the host's own).
-pub fn grant_device(path: &Path, uid: u32) -> std::io::Result<()> {
+/// Give `uid` read and write on a granted device node.
+pub fn grant_device(node: impl AsFd, uid: u32) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
     let _one = one_change_at_a_time();
-    let stat = rustix::fs::stat(path)?;
+    // The node the host opened (O_PATH) and checked, named through its
+    // descriptor: no path is walked again, and the device is never opened.
+    let path = format!("/proc/self/fd/{}", node.as_fd().as_raw_fd());
+    let path = path.as_str();
+    let stat = rustix::fs::fstat(&node)?;
     let mut buf = vec![0u8; 1024];
     let entries = match rustix::fs::getxattr(path, ACCESS, &mut buf[..]) {
         Ok(n) => decode(&buf[..n]).ok_or_else(|| std::io::Error::other(format!("unreadable {ACCESS}")))?,
@@ -172,6 +175,12 @@ pub fn grant_device(path: &Path, uid: u32) -> std::io::Result<()> {
     }
     rustix::fs::setxattr(path, ACCESS, &encode(&with_user(entries, uid, READ | WRITE)), XattrFlags::empty())?;
     Ok(())
+}
+
+/// Give `uid` what it needs to run a granted program bound from outside
+/// `/usr` (`file`, an `O_PATH` descriptor): read and execute.
+pub fn grant_program(file: impl AsFd, uid: u32) -> std::io::Result<()> {
+    grant(reopen(file)?, uid, READ | SEARCH)
 }
 
 /// Let `uid` search (not list) every directory above `path` that others
@@ -369,6 +378,16 @@ fn share_tree(dir: OwnedFd, uid: u32, depth: usize) -> std::io::Result<()> {
 }
 
 fn walk_tree(dir: OwnedFd, uid: u32, walk: Walk, depth: usize) -> std::io::Result<()> {
+    let device = rustix::fs::fstat(&dir)?.st_dev;
+    walk_within(dir, uid, walk, depth, device)
+}
+
+/// The walk stays on the filesystem it started on (a mount below a grant is
+/// not the grant), and leaves alone a file with more than one name: a hard
+/// link a provider made there may name a file of anyone's elsewhere (where
+/// `fs.protected_hardlinks` is off, even one it cannot read), and sharing it
+/// would share that file.
+fn walk_within(dir: OwnedFd, uid: u32, walk: Walk, depth: usize, device: u64) -> std::io::Result<()> {
     match walk {
         Walk::Writable => share_dir(&dir, uid)?,
         Walk::Readable => grant(&dir, uid, READ | SEARCH)?,
@@ -385,8 +404,12 @@ fn walk_tree(dir: OwnedFd, uid: u32, walk: Walk, depth: usize) -> std::io::Resul
             Err(e) => return Err(e.into()),
         };
         let stat = rustix::fs::fstat(&fd)?;
+        if stat.st_dev != device {
+            continue;
+        }
         match (rustix::fs::FileType::from_raw_mode(stat.st_mode), walk) {
-            (rustix::fs::FileType::Directory, _) => walk_tree(fd, uid, walk, depth + 1)?,
+            (rustix::fs::FileType::Directory, _) => walk_within(fd, uid, walk, depth + 1, device)?,
+            (rustix::fs::FileType::RegularFile, _) if stat.st_nlink > 1 => {}
             (rustix::fs::FileType::RegularFile, Walk::Writable) => grant(&fd, uid, READ | WRITE)?,
             (rustix::fs::FileType::RegularFile, Walk::Readable) => grant(&fd, uid, READ)?,
             _ => {}
@@ -401,6 +424,25 @@ mod tests {
 
     fn opened(path: &Path) -> OwnedFd {
         super::super::granted::open_unlinked(path).unwrap().unwrap()
+    }
+
+    #[test]
+    fn a_hard_link_in_a_shared_tree_is_not_shared() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, "root's").unwrap();
+        let shared = dir.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::hard_link(&secret, shared.join("linked")).unwrap();
+        std::fs::write(shared.join("own"), "x").unwrap();
+        share_granted(opened(&shared), 4242, true).unwrap();
+        let perm = |path: &Path| {
+            let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::NOFOLLOW, Mode::empty()).unwrap();
+            let stat = rustix::fs::fstat(&fd).unwrap();
+            user_perm(&read_acl(&fd, ACCESS, stat.st_mode).unwrap(), 4242)
+        };
+        assert_eq!(perm(&secret), None, "the file another name stands for was shared");
+        assert_eq!(perm(&shared.join("own")), Some(READ | WRITE));
     }
 
     #[test]

@@ -80,6 +80,9 @@ impl ProviderGroup {
             Hierarchy::V1 => {
                 let memory_dir = Path::new(ROOT).join("memory").join(GROUP).join(uid.to_string());
                 std::fs::create_dir_all(&memory_dir)?;
+                // memsw (memory + swap, where swap is accounted) may never be below the memory
+                // bound: lifted first, so a raised bound is not refused, then set to it.
+                let _ = write_file(&memory_dir, "memory.memsw.limit_in_bytes", "-1");
                 write_file(&memory_dir, "memory.limit_in_bytes", &memory)?;
                 let _ = write_file(&memory_dir, "memory.memsw.limit_in_bytes", &memory);
                 let pids_dir = Path::new(ROOT).join("pids").join(GROUP).join(uid.to_string());
@@ -208,6 +211,9 @@ mod tests {
         assert!(!out.status.success());
         assert!(group.pids().is_empty());
         drop(group);
+        // Raised and lowered again on the group as it stands (a manifest changed).
+        drop(ProviderGroup::new(hierarchy, uid, 4096, 64).unwrap());
+        drop(ProviderGroup::new(hierarchy, uid, 64, 64).unwrap());
         assert_eq!(remove(uid), 0);
         assert!(dirs_of(uid).is_empty(), "removed");
     }

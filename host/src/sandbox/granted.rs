@@ -87,15 +87,18 @@ pub struct GrantedPaths {
 /// providers is allowed: neither can replace it, only what is in it.
 pub fn check_placement(new: &GrantedPaths, others: &[GrantedPaths], data_dir: &Path) -> Result<(), SandboxError> {
     let refuse = |path: &Path, reason: String| SandboxError::GrantedPath { path: path.display().to_string(), reason };
+    let claims = std::path::PathBuf::from(super::claims::DEFAULT_CLAIMS_DIR);
+    let reserved: [(&Path, &str); 4] = [
+        (data_dir, "the host's data dir (every provider's data dir and the host's state)"),
+        (Path::new(super::scratch::RUN), "where the host mounts every provider's /tmp"),
+        (&claims, "the machine's sandbox uid claims"),
+        (Path::new("/sys/fs/cgroup"), "the cgroup hierarchies the host bounds programs with"),
+    ];
     for path in new.read.iter().chain(&new.write) {
-        if path.starts_with(data_dir) || data_dir.starts_with(path) {
+        if let Some((root, what)) = reserved.iter().find(|(root, _)| path.starts_with(root) || root.starts_with(path)) {
             return Err(refuse(
                 path,
-                format!(
-                    "it {} the host's data dir {} (every provider's data dir and the host's state)",
-                    if path.starts_with(data_dir) { "lies in" } else { "holds" },
-                    data_dir.display()
-                ),
+                format!("it {} {} {what}", if path.starts_with(root) { "lies in" } else { "holds" }, root.display()),
             ));
         }
         for other in others.iter().filter(|o| o.provider != new.provider) {
@@ -165,6 +168,10 @@ mod tests {
         for bad in ["/var/lib/broker/data/a", "/var/lib/broker", "/var/lib", "/"] {
             let err = check(&granted("b", &[bad], &[])).unwrap_err();
             assert!(err.contains("data dir"), "{bad}: {err}");
+        }
+        for bad in ["/run", "/run/wasm-broker/2000000000", "/var/lib/wasm-broker/uids", "/sys/fs/cgroup/memory"] {
+            let err = check(&granted("b", &[], &[bad])).unwrap_err();
+            assert!(err.contains("the host") || err.contains("the machine"), "{bad}: {err}");
         }
     }
 

@@ -375,7 +375,8 @@ impl Sandbox {
                 binds.push(granted::Bound { fd, at: path.clone(), writable });
             }
         }
-        for program in grants.programs.iter().filter(|p| !p.starts_with("/usr")) {
+        let programs: Vec<&PathBuf> = grants.programs.iter().filter(|p| !p.starts_with("/usr")).collect();
+        for &program in &programs {
             let fd = granted::open_unlinked(program)?.ok_or_else(|| {
                 share(program, std::io::Error::new(std::io::ErrorKind::NotFound, "the granted program is missing"))
             })?;
@@ -403,7 +404,7 @@ impl Sandbox {
                     if !is_node || !(meta.file_type().is_char_device() || meta.file_type().is_block_device()) {
                         return Err(SandboxError::BadDevice(device.display().to_string()));
                     }
-                    devices.push(device.clone());
+                    devices.push((device.clone(), fd));
                 }
                 // A device this machine lacks (no /dev/kvm): the program finds it missing, as it would anyway.
                 Ok(None) => {}
@@ -416,18 +417,20 @@ impl Sandbox {
         // Without root the host cannot switch users: its programs run as the host's
         // own (unprivileged) user, in the same namespaces, and nothing needs sharing.
         if running_as_root() {
-            let now: Vec<PathBuf> = binds.iter().map(|b| b.at.clone()).chain(devices.iter().cloned()).collect();
+            let now: Vec<PathBuf> =
+                binds.iter().map(|b| b.at.clone()).chain(devices.iter().map(|d| d.0.clone())).collect();
             self.take_back(provider, uid, &now)?;
             for (n, bound) in binds.iter().enumerate() {
                 acl::grant_search_to_ancestors(&bound.at, uid).map_err(|e| share(&bound.at, e))?;
                 match n {
                     0 => acl::share_data_dir(&bound.fd, uid),
+                    _ if programs.iter().any(|p| **p == bound.at) => acl::grant_program(&bound.fd, uid),
                     _ => acl::share_granted(&bound.fd, uid, bound.writable),
                 }
                 .map_err(|e| share(&bound.at, e))?;
             }
-            for device in &devices {
-                acl::grant_device(device, uid).map_err(|e| share(device, e))?;
+            for (device, node) in &devices {
+                acl::grant_device(node, uid).map_err(|e| share(device, e))?;
             }
         }
         granted::bind_order(&mut binds);
@@ -451,6 +454,7 @@ impl Sandbox {
             }
             false => (None, None),
         };
+        let devices = devices.into_iter().map(|(device, _)| device).collect();
         let data_dir = grants.data_dir.to_owned();
         Ok(Confinement { bwrap, uid, binds: Arc::new(binds), data_dir, devices, limits, group, scratch })
     }

@@ -10,7 +10,7 @@ use rustix::fs::{Mode, OFlags};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
-const RUN: &str = "/run/wasm-broker";
+pub(crate) const RUN: &str = "/run/wasm-broker";
 
 /// Where the scratch tmpfs of the provider running as `uid` is mounted.
 pub fn mount_point(uid: u32) -> PathBuf {

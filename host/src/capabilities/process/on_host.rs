@@ -48,10 +48,7 @@ type PassedTaps = Vec<(crate::network::tap::TunRequest, i32)>;
 /// as the provider's user, so the kernel attaches only to a tap that user
 /// owns (the host made it so with `TUNSETOWNER`). Options that would have
 /// qemu open or configure a device itself are refused.
-fn pass_taps(
-    args: &[String],
-    first_fd: i32,
-) -> Result<(Vec<String>, PassedTaps), BrokerError> {
+fn pass_taps(args: &[String], first_fd: i32) -> Result<(Vec<String>, PassedTaps), BrokerError> {
     let mut out = Vec::with_capacity(args.len());
     let mut taps = Vec::new();
     for (n, arg) in args.iter().enumerate() {
