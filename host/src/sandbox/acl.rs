@@ -334,12 +334,7 @@ fn revoke_tree(dir: OwnedFd, uid: u32, depth: usize) -> std::io::Result<()> {
         return Ok(());
     }
     for name in entries_of(&dir)? {
-        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
-        let fd = match rustix::fs::openat(&dir, &name, flags, Mode::empty()) {
-            Ok(fd) => fd,
-            Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOENT | rustix::io::Errno::NXIO) => continue,
-            Err(e) => return Err(e.into()),
-        };
+        let Some(fd) = open_entry(&dir, &name)? else { continue };
         match rustix::fs::FileType::from_raw_mode(rustix::fs::fstat(&fd)?.st_mode) {
             rustix::fs::FileType::Directory => revoke_tree(fd, uid, depth + 1)?,
             rustix::fs::FileType::RegularFile => revoke(&fd, uid)?,
@@ -347,6 +342,18 @@ fn revoke_tree(dir: OwnedFd, uid: u32, depth: usize) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The entry `name` of `dir` itself, never what a link names; `None` for a
+/// link, an entry gone meanwhile, or a FIFO or socket nobody serves.
+fn open_entry(dir: &OwnedFd, name: &std::ffi::CStr) -> std::io::Result<Option<OwnedFd>> {
+    // NONBLOCK: a FIFO is opened without waiting for a writer; NOFOLLOW: a link fails (ELOOP).
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+    match rustix::fs::openat(dir, name, flags, Mode::empty()) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOENT | rustix::io::Errno::NXIO) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
 }
 
 fn entries_of(dir: &OwnedFd) -> std::io::Result<Vec<std::ffi::CString>> {
@@ -396,13 +403,7 @@ fn walk_within(dir: OwnedFd, uid: u32, walk: Walk, depth: usize, device: u64) ->
         return Ok(());
     }
     for name in entries_of(&dir)? {
-        // NONBLOCK: a FIFO is opened without waiting for a writer; NOFOLLOW: a link fails (ELOOP).
-        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
-        let fd = match rustix::fs::openat(&dir, &name, flags, Mode::empty()) {
-            Ok(fd) => fd,
-            Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOENT | rustix::io::Errno::NXIO) => continue,
-            Err(e) => return Err(e.into()),
-        };
+        let Some(fd) = open_entry(&dir, &name)? else { continue };
         let stat = rustix::fs::fstat(&fd)?;
         if stat.st_dev != device {
             continue;
@@ -421,6 +422,7 @@ fn walk_within(dir: OwnedFd, uid: u32, walk: Walk, depth: usize, device: u64) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     fn opened(path: &Path) -> OwnedFd {
         super::super::granted::open_unlinked(path).unwrap().unwrap()

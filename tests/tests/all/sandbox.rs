@@ -561,14 +561,14 @@ type ProcessBackendRef = Arc<dyn broker_host::capabilities::process::ProcessBack
 /// Run `script` with the provider's `sh` (through the guest, confined as
 /// every granted program is): its exit code and stderr.
 async fn run_script(kv: &MemoryKv, provider: &ProviderVersion, name: &str, script: &str) -> (String, String) {
-    kv.set(&name, "mode", b"write").unwrap();
-    kv.set(&name, "write-path", b"script.sh").unwrap();
-    kv.set(&name, "write-bytes", script.as_bytes()).unwrap();
+    kv.set(name, "mode", b"write").unwrap();
+    kv.set(name, "write-path", b"script.sh").unwrap();
+    kv.set(name, "write-bytes", script.as_bytes()).unwrap();
     assert_eq!(provider.all_instances(&CallHooks::default()).await.unwrap()[0].id, "written");
-    kv.set(&name, "mode", b"exec").unwrap();
-    kv.set(&name, "exec", b"sh\0/data/script.sh").unwrap();
+    kv.set(name, "mode", b"exec").unwrap();
+    kv.set(name, "exec", b"sh\0/data/script.sh").unwrap();
     let id = provider.all_instances(&CallHooks::default()).await.unwrap()[0].id.clone();
-    let stderr = String::from_utf8_lossy(&kv.get(&name, "exec-stderr").unwrap().unwrap_or_default()).into_owned();
+    let stderr = String::from_utf8_lossy(&kv.get(name, "exec-stderr").unwrap().unwrap_or_default()).into_owned();
     (id, stderr)
 }
 
@@ -638,17 +638,17 @@ async fn a_child_that_leaves_processes_behind_lives_until_its_sandbox_is_empty()
     }
     let (_dir, kv, provider, backend) = shell_provider("hostile-daemonize", "");
     let name = "hostile-daemonize";
-    let uid = broker_host::sandbox::Sandbox::default().uid_for(&name).unwrap();
+    let uid = broker_host::sandbox::Sandbox::default().uid_for(name).unwrap();
     kv.set(name, "mode", b"write").unwrap();
     kv.set(name, "write-path", b"bg.sh").unwrap();
-    kv.set(&name, "write-bytes", b"sleep 600 &\nexit 0\n").unwrap();
+    kv.set(name, "write-bytes", b"sleep 600 &\nexit 0\n").unwrap();
     provider.all_instances(&CallHooks::default()).await.unwrap();
-    kv.set(&name, "mode", b"spawn").unwrap();
-    kv.set(&name, "exec", b"sh\0/data/bg.sh").unwrap();
-    kv.set(&name, "spawn-name", b"bg").unwrap();
+    kv.set(name, "mode", b"spawn").unwrap();
+    kv.set(name, "exec", b"sh\0/data/bg.sh").unwrap();
+    kv.set(name, "spawn-name", b"bg").unwrap();
     assert_eq!(provider.all_instances(&CallHooks::default()).await.unwrap()[0].id, "spawned");
 
-    let record = backend.adopt(&name, "bg").await.unwrap().expect("recorded");
+    let record = backend.adopt(name, "bg").await.unwrap().expect("recorded");
     // The shell is gone within moments; its sleep is not.
     let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while broker_host::capabilities::process::proc_stat(record.pid)
@@ -666,15 +666,14 @@ async fn a_child_that_leaves_processes_behind_lives_until_its_sandbox_is_empty()
     );
     assert!(!processes_of(uid).is_empty(), "the sleep runs as the provider's user");
 
-    let stopped =
-        broker_host::capabilities::process::stop_children(&*backend, &name, std::time::Duration::from_secs(1))
-            .await
-            .unwrap();
+    let stopped = broker_host::capabilities::process::stop_children(&*backend, name, std::time::Duration::from_secs(1))
+        .await
+        .unwrap();
     assert_eq!(stopped, 1);
     let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
     while !processes_of(uid).is_empty() {
         assert!(std::time::Instant::now() < until, "left running: {:?}", processes_of(uid));
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    assert!(backend.children(&name).unwrap().is_empty(), "its record went with it");
+    assert!(backend.children(name).unwrap().is_empty(), "its record went with it");
 }
