@@ -604,8 +604,8 @@ async fn a_programs_tmp_dev_and_memory_are_bounded_and_tmp_runs_nothing() {
     }
     let (_dir, kv, provider, _) = shell_provider("hostile-bounds", "tmp-mib = 8\nprogram-memory-mib = 48");
     let script = "head -c 20000000 /dev/zero > /tmp/big; echo \"tmp=$(stat -c %s /tmp/big)\" >&2\n\
-                  head -c 20000000 /dev/zero > /dev/shm/big; echo \"shm=$(stat -c %s /dev/shm/big)\" >&2\n\
-                  rm -f /tmp/big /dev/shm/big\n\
+                  head -c 20000000 /dev/zero > /dev/shm/more; echo \"shm=$(stat -c %s /dev/shm/more)\" >&2\n\
+                  rm -f /tmp/big /dev/shm/more\n\
                   cp /usr/bin/true /tmp/t && /tmp/t; echo \"exec-tmp=$?\" >&2\n\
                   cp /usr/bin/true /dev/shm/t && /dev/shm/t; echo \"exec-shm=$?\" >&2\n\
                   echo x > /dev/planted; echo \"dev=$?\" >&2\n\
