@@ -246,6 +246,17 @@ impl Registry {
             if self.slots().draining.contains(&record.name) {
                 return Err(RegistryError::Removing(record.name));
             }
+            // Again, now that no other add can record a provider meanwhile: two adds at
+            // once (the API, the watcher) each checked against the other's absence.
+            if let Err(refused) = self.check_grant_placement(provider.manifest()) {
+                if existing.is_none() {
+                    // A provider never registered: what its load shared is taken back.
+                    let sandbox = self.capabilities.sandbox.clone();
+                    let name = record.name.clone();
+                    let _ = tokio::task::spawn_blocking(move || sandbox.release(&name)).await;
+                }
+                return Err(refused);
+            }
             self.store.put_provider(&record, &event).await?;
             self.slots().loaded.insert(record.name.clone(), provider)
         };

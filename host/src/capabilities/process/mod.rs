@@ -153,6 +153,8 @@ impl ProcessCtx {
         let policy = self.policy()?;
         let path = policy.program(program).map_err(denied)?;
         let args = translate_all(policy, args)?;
+        // Checked here, for the host and the kit's simulation alike; the host passes the taps when it runs.
+        on_host::pass_taps(&args, 3)?;
         let env = translate_env(policy, env)?;
         Ok((policy, Checked { path, args, env }))
     }

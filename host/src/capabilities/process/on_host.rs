@@ -48,7 +48,7 @@ type PassedTaps = Vec<(crate::network::tap::TunRequest, i32)>;
 /// as the provider's user, so the kernel attaches only to a tap that user
 /// owns (the host made it so with `TUNSETOWNER`). Options that would have
 /// qemu open or configure a device itself are refused.
-fn pass_taps(args: &[String], first_fd: i32) -> Result<(Vec<String>, PassedTaps), BrokerError> {
+pub(super) fn pass_taps(args: &[String], first_fd: i32) -> Result<(Vec<String>, PassedTaps), BrokerError> {
     let mut out = Vec::with_capacity(args.len());
     let mut taps = Vec::new();
     for (n, arg) in args.iter().enumerate() {
@@ -65,8 +65,10 @@ fn pass_taps(args: &[String], first_fd: i32) -> Result<(Vec<String>, PassedTaps)
                 "ifname" => name = Some(value.to_owned()),
                 "script" | "downscript" if value == "no" => {}
                 "id" | "vhost" | "sndbuf" | "vnet_hdr" => kept.push(option.to_owned()),
+                // A script, a helper, a descriptor of its choosing: a way to the host's network
+                // that is not the provider's own tap, refused as any ungranted reach is.
                 _ => {
-                    return Err(BrokerError::InvalidParams(format!(
+                    return Err(BrokerError::AccessDenied(format!(
                         "tap option {key:?} is not passed: the host hands qemu the tap named by ifname= \
                          (its own, made through network-bridge), with id=, vhost=, sndbuf=, vnet_hdr="
                     )));
@@ -400,6 +402,9 @@ mod tests {
         ] {
             assert!(pass_taps(&strings(&["-netdev", bad]), 7).is_err(), "{bad}");
         }
+        // What reaches past the provider's own tap is a refusal the kit counts, not a bad parameter.
+        let scripted = pass_taps(&strings(&["-netdev", "tap,id=n,ifname=kt1,script=/data/up"]), 7);
+        assert!(matches!(scripted, Err(BrokerError::AccessDenied(_))), "{scripted:?}");
         let two = strings(&["-netdev", "tap,id=a,ifname=kt1", "-netdev", "tap,id=b,ifname=kt2,vhost=on"]);
         let (out, taps) = pass_taps(&two, 20).unwrap();
         assert_eq!(out, strings(&["-netdev", "tap,id=a,fd=20", "-netdev", "tap,id=b,vhost=on,fd=21"]));
