@@ -296,7 +296,7 @@ impl Registry {
 
     /// Refuse host paths granted where another party could replace them with
     /// a link, or that reach the host's own data dir ([`crate::sandbox::granted::check_placement`]),
-    /// against every provider loaded now.
+    /// against every registered provider's approved grants.
     fn check_grant_placement(&self, manifest: &Manifest) -> Result<(), RegistryError> {
         let of = |manifest: &Manifest| {
             let grant = manifest.grants.rooms.of::<Process>();
