@@ -214,7 +214,9 @@ impl Broker {
             }
         }
         let ours = self.store().data_dir().display().to_string();
-        let killed = crate::capabilities::process::reap_unrecorded(&uids, &recorded, &ours, min_age);
+        // While this process runs programs (a periodic reap), its own children are spared.
+        let host = (min_age > std::time::Duration::ZERO).then(std::process::id);
+        let killed = crate::capabilities::process::reap_unrecorded(&uids, &recorded, &ours, min_age, host);
         for (provider, pid) in &killed {
             tracing::warn!(provider, pid, "killed a process a killed host left running without a child record");
         }

@@ -176,12 +176,15 @@ const MAX_ANCESTRY: usize = 64;
 /// one of its ancestors' command lines names `ours` (the host's data dir, in
 /// bubblewrap's binds); the others are left alone.
 /// Processes younger than `min_age` are left alone: a periodic reap runs
-/// while providers spawn, and a child is recorded just after it starts.
+/// while providers spawn, and a child is recorded just after it starts. So
+/// are the descendants of `host` (this host process, while it runs: a `run`
+/// in progress is its child and has no record).
 pub fn reap_unrecorded(
     uids: &HashMap<u32, String>,
     recorded: &[ChildRecord],
     ours: &str,
     min_age: std::time::Duration,
+    host: Option<u32>,
 ) -> Vec<(String, u32)> {
     let young = |pid: u32| min_age > std::time::Duration::ZERO && process_age(pid).is_none_or(|age| age < min_age);
     let kept: std::collections::HashSet<(u32, u64)> =
@@ -197,7 +200,7 @@ pub fn reap_unrecorded(
     let descends_from_a_record = |pid: u32| {
         let (mut at, mut seen_ours) = (pid, false);
         for _ in 0..MAX_ANCESTRY {
-            if proc_stat(at).is_some_and(|(start, _)| kept.contains(&(at, start))) {
+            if proc_stat(at).is_some_and(|(start, _)| kept.contains(&(at, start))) || Some(at) == host {
                 return true;
             }
             seen_ours |= names_ours(at);
@@ -345,7 +348,10 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(10));
         };
         let uids = HashMap::from([(UID, "p".to_owned())]);
-        let killed = reap_unrecorded(&uids, &[record(&recorded)], OURS, std::time::Duration::ZERO);
+        // Its own children are what a running host spares (a `run` in progress): these are the test's.
+        let spared_as_ours = reap_unrecorded(&uids, &[], OURS, std::time::Duration::ZERO, Some(std::process::id()));
+        assert!(spared_as_ours.is_empty(), "{spared_as_ours:?}");
+        let killed = reap_unrecorded(&uids, &[record(&recorded)], OURS, std::time::Duration::ZERO, None);
         // The stray and what it ran (its `sleep`), nothing else.
         assert!(killed.contains(&("p".to_owned(), stray.id())), "{killed:?}");
         let spared = [recorded.id(), others.id(), another_hosts.id(), grandchild];
