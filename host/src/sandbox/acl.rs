@@ -279,11 +279,16 @@ pub fn share_granted(top: impl AsFd, uid: u32, writable: bool) -> std::io::Resul
 
 /// Take back every entry `uid` has on the object `fd` (access and default).
 /// Without named entries left, the access ACL is the mode again.
+/// Through `/proc/self/fd`, so `fd` may be an `O_PATH` descriptor: a device
+/// node's entries are taken back without the host opening the device.
 fn revoke(fd: impl AsFd, uid: u32) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let object = format!("/proc/self/fd/{}", fd.as_fd().as_raw_fd());
+    let object = object.as_str();
     let _one = one_change_at_a_time();
     for name in [ACCESS, DEFAULT] {
         let mut buf = vec![0u8; 1024];
-        let entries = match rustix::fs::fgetxattr(&fd, name, &mut buf[..]) {
+        let entries = match rustix::fs::getxattr(object, name, &mut buf[..]) {
             Ok(n) => decode(&buf[..n]).ok_or_else(|| std::io::Error::other(format!("unreadable {name}")))?,
             Err(rustix::io::Errno::NODATA | rustix::io::Errno::NOTSUP) => continue,
             Err(e) => return Err(e.into()),
@@ -295,7 +300,7 @@ fn revoke(fd: impl AsFd, uid: u32) -> std::io::Result<()> {
         if !kept.iter().any(|e| matches!(e.tag, USER | GROUP)) {
             if name == DEFAULT && kept.iter().all(|e| e.tag != USER_OBJ || e.perm == 7) {
                 // Only what sharing made (the owner's rwx and the mode's bits) is left.
-                rustix::fs::fremovexattr(&fd, DEFAULT)?;
+                rustix::fs::removexattr(object, DEFAULT)?;
                 continue;
             }
             // The mask was the group bits; without it the group's own entry is.
@@ -305,7 +310,7 @@ fn revoke(fd: impl AsFd, uid: u32) -> std::io::Result<()> {
                 group.perm &= mask;
             }
         }
-        rustix::fs::fsetxattr(&fd, name, &encode(&kept), XattrFlags::empty())?;
+        rustix::fs::setxattr(object, name, &encode(&kept), XattrFlags::empty())?;
     }
     Ok(())
 }
@@ -317,12 +322,14 @@ pub fn unshare(top: impl AsFd, uid: u32, path: &std::path::Path) -> std::io::Res
     let stat = rustix::fs::fstat(&top)?;
     match rustix::fs::FileType::from_raw_mode(stat.st_mode) {
         rustix::fs::FileType::Directory => revoke_tree(reopen(&top)?, uid, 0)?,
-        rustix::fs::FileType::RegularFile | rustix::fs::FileType::CharacterDevice => revoke(reopen(&top)?, uid)?,
+        rustix::fs::FileType::RegularFile
+        | rustix::fs::FileType::CharacterDevice
+        | rustix::fs::FileType::BlockDevice => revoke(&top, uid)?,
         _ => {}
     }
     for dir in path.ancestors().skip(1) {
         if let Ok(Some(fd)) = super::granted::open_unlinked(dir) {
-            revoke(reopen(fd)?, uid)?;
+            revoke(&fd, uid)?;
         }
     }
     Ok(())
