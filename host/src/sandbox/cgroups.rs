@@ -5,7 +5,9 @@
 //! daemon's (a daemon under systemd's `MemoryMax` no longer pays for them).
 //!
 //! The group is named after the provider's uid, which is the machine's (see
-//! [`super::claims`]): `wasm-broker/<uid>` under cgroup v2's one hierarchy, or
+//! [`super::claims`]), or after the uid and the provider's name where
+//! providers share one user (`[sandbox] user`), so each keeps bounds of its
+//! own: `wasm-broker/<key>` under cgroup v2's one hierarchy, or
 //! under v1's `memory` and `pids` hierarchies. A program joins it between
 //! `fork` and `exec` by writing `0` to `cgroup.procs` through a descriptor
 //! the host opened, so nothing it runs escapes the bound, not even
@@ -57,9 +59,9 @@ fn write_file(dir: &Path, name: &str, value: &str) -> std::io::Result<()> {
 }
 
 impl ProviderGroup {
-    /// Make (or find) the group of the provider running as `uid` and set its
-    /// bounds: `memory_mib` of memory, `pids` processes and threads.
-    pub fn new(hierarchy: Hierarchy, uid: u32, memory_mib: u64, pids: u64) -> std::io::Result<ProviderGroup> {
+    /// Make (or find) the group `key` of one provider (see [`super::Sandbox::bounds_key`])
+    /// and set its bounds: `memory_mib` of memory, `pids` processes and threads.
+    pub fn new(hierarchy: Hierarchy, key: &str, memory_mib: u64, pids: u64) -> std::io::Result<ProviderGroup> {
         let memory = memory_mib.saturating_mul(1 << 20).to_string();
         let dirs = match hierarchy {
             Hierarchy::V2 => {
@@ -69,7 +71,7 @@ impl ProviderGroup {
                 for dir in [Path::new(ROOT), parent.as_path()] {
                     write_file(dir, "cgroup.subtree_control", "+memory +pids")?;
                 }
-                let dir = parent.join(uid.to_string());
+                let dir = parent.join(key);
                 std::fs::create_dir_all(&dir)?;
                 write_file(&dir, "memory.max", &memory)?;
                 // No swap to spill into: the bound is the bound.
@@ -78,14 +80,14 @@ impl ProviderGroup {
                 vec![dir]
             }
             Hierarchy::V1 => {
-                let memory_dir = Path::new(ROOT).join("memory").join(GROUP).join(uid.to_string());
+                let memory_dir = Path::new(ROOT).join("memory").join(GROUP).join(key);
                 std::fs::create_dir_all(&memory_dir)?;
                 // memsw (memory + swap, where swap is accounted) may never be below the memory
                 // bound: lifted first, so a raised bound is not refused, then set to it.
                 let _ = write_file(&memory_dir, "memory.memsw.limit_in_bytes", "-1");
                 write_file(&memory_dir, "memory.limit_in_bytes", &memory)?;
                 let _ = write_file(&memory_dir, "memory.memsw.limit_in_bytes", &memory);
-                let pids_dir = Path::new(ROOT).join("pids").join(GROUP).join(uid.to_string());
+                let pids_dir = Path::new(ROOT).join("pids").join(GROUP).join(key);
                 std::fs::create_dir_all(&pids_dir)?;
                 write_file(&pids_dir, "pids.max", &pids.to_string())?;
                 vec![memory_dir, pids_dir]
@@ -150,14 +152,14 @@ fn kill_all_in(dirs: &[PathBuf]) -> usize {
     killed.len()
 }
 
-/// The group dirs of the provider running as `uid`, whether or not this
-/// process made them (a provider removed after a restart).
-pub fn dirs_of(uid: u32) -> Vec<PathBuf> {
+/// The dirs of group `key`, whether or not this process made them (a
+/// provider removed after a restart).
+pub fn dirs_of(key: &str) -> Vec<PathBuf> {
     match hierarchy() {
-        Some(Hierarchy::V2) => vec![Path::new(ROOT).join(GROUP).join(uid.to_string())],
+        Some(Hierarchy::V2) => vec![Path::new(ROOT).join(GROUP).join(key)],
         Some(Hierarchy::V1) => ["memory", "pids"]
             .iter()
-            .map(|controller| Path::new(ROOT).join(controller).join(GROUP).join(uid.to_string()))
+            .map(|controller| Path::new(ROOT).join(controller).join(GROUP).join(key))
             .collect(),
         None => Vec::new(),
     }
@@ -166,10 +168,10 @@ pub fn dirs_of(uid: u32) -> Vec<PathBuf> {
     .collect()
 }
 
-/// Kill everything in the group of the provider running as `uid` and remove
-/// the group (a provider being removed); how many processes were killed.
-pub fn remove(uid: u32) -> usize {
-    let dirs = dirs_of(uid);
+/// Kill everything in group `key` and remove the group (a provider being
+/// removed); how many processes were killed.
+pub fn remove(key: &str) -> usize {
+    let dirs = dirs_of(key);
     let killed = kill_all_in(&dirs);
     for dir in &dirs {
         // An empty group is removed with rmdir; one still emptying is left for the next removal.
@@ -198,8 +200,8 @@ mod tests {
             eprintln!("skipped: making cgroups needs root and a cgroupfs");
             return;
         };
-        let uid = 3_900_100_000 + std::process::id() % 1000;
-        let group = ProviderGroup::new(hierarchy, uid, 32, 64).unwrap();
+        let key = (3_900_100_000 + std::process::id() % 1000).to_string();
+        let group = ProviderGroup::new(hierarchy, &key, 32, 64).unwrap();
         let mut command = std::process::Command::new("/usr/bin/python3");
         command.args(["-c", "x = bytearray(256 << 20); print('survived')"]);
         super::super::exec::confine_before_exec(
@@ -212,9 +214,9 @@ mod tests {
         assert!(group.pids().is_empty());
         drop(group);
         // Raised and lowered again on the group as it stands (a manifest changed).
-        drop(ProviderGroup::new(hierarchy, uid, 4096, 64).unwrap());
-        drop(ProviderGroup::new(hierarchy, uid, 64, 64).unwrap());
-        assert_eq!(remove(uid), 0);
-        assert!(dirs_of(uid).is_empty(), "removed");
+        drop(ProviderGroup::new(hierarchy, &key, 4096, 64).unwrap());
+        drop(ProviderGroup::new(hierarchy, &key, 64, 64).unwrap());
+        assert_eq!(remove(&key), 0);
+        assert!(dirs_of(&key).is_empty(), "removed");
     }
 }

@@ -344,10 +344,7 @@ impl Sandbox {
                 };
                 Ok(uid)
             }
-            None => {
-                let hash = provider.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193));
-                Ok(base + UID_RANGE + hash % UID_RANGE)
-            }
+            None => Ok(base + UID_RANGE + name_hash(provider) % UID_RANGE),
         }
     }
 
@@ -440,14 +437,15 @@ impl Sandbox {
         // tmpfs and RLIMIT_AS are what is left (README: confinement by host kind).
         let (group, scratch) = match running_as_root() {
             true => {
+                let key = self.bounds_key(provider, uid);
                 let group = match cgroups::hierarchy() {
                     Some(hierarchy) => Some(Arc::new(
-                        cgroups::ProviderGroup::new(hierarchy, uid, limits.memory_mib, limits.pids)
+                        cgroups::ProviderGroup::new(hierarchy, &key, limits.memory_mib, limits.pids)
                             .map_err(|e| bounds("memory and pids cgroup", e))?,
                     )),
                     None => None,
                 };
-                let scratch = scratch::prepare(uid, limits.tmp_mib).map_err(|e| bounds("/tmp tmpfs", e))?;
+                let scratch = scratch::prepare(&key, uid, limits.tmp_mib).map_err(|e| bounds("/tmp tmpfs", e))?;
                 // bubblewrap closes a descriptor once it bound it: one each for /tmp and /dev/shm.
                 let again = scratch.try_clone().map_err(|e| bounds("/tmp tmpfs", e))?;
                 (group, Some(Arc::new([scratch, again])))
@@ -475,25 +473,52 @@ impl Sandbox {
         records.record_shared(provider, now).map_err(refuse)
     }
 
-    /// Take back everything shared with `provider`'s user: it is being removed.
-    /// What cannot be taken back is logged and stays recorded.
-    pub fn release(&self, provider: &str) {
-        let Some(records) = &self.allocations else { return };
-        if !running_as_root() {
-            return;
+    /// The name of `provider`'s cgroup and scratch tmpfs: its uid, which is
+    /// its alone; where every provider runs as one `[sandbox] user`, the uid
+    /// and a hash of the provider's name, so each still has bounds and a
+    /// `/tmp` of its own (the uid's files and processes stay shared: README).
+    pub(crate) fn bounds_key(&self, provider: &str, uid: u32) -> String {
+        match self.config.user {
+            Some(_) => format!("{uid}-{:08x}", name_hash(provider)),
+            None => uid.to_string(),
         }
-        let (Ok(Some(uid)), Ok(shared)) = (records.recorded(provider), records.shared(provider)) else { return };
+    }
+
+    /// Kill what `provider`'s programs left running and drop its scratch tmpfs.
+    fn release_bounds(&self, provider: &str, uid: u32) {
+        let key = self.bounds_key(provider, uid);
         // Nothing of it runs on: whatever its programs left (daemonized ones too) is killed.
-        let killed = cgroups::remove(uid);
+        let killed = cgroups::remove(&key);
         if killed > 0 {
             tracing::warn!(provider, killed, "killed the processes a removed provider's programs left running");
         }
-        scratch::remove(uid);
+        scratch::remove(&key);
+    }
+
+    /// Take back everything shared with `provider`'s user: it is being removed.
+    /// What cannot be taken back is logged and stays recorded.
+    pub fn release(&self, provider: &str) {
+        if !running_as_root() {
+            return;
+        }
+        if let Some(uid) = self.config.user.filter(|uid| *uid != 0) {
+            // A user every provider shares: its own bounds go, what is shared with the user stays.
+            self.release_bounds(provider, uid);
+            return;
+        }
+        let Some(records) = &self.allocations else { return };
+        let (Ok(Some(uid)), Ok(shared)) = (records.recorded(provider), records.shared(provider)) else { return };
+        self.release_bounds(provider, uid);
         let kept: Vec<PathBuf> = shared.into_iter().filter(|path| !unshare_path(path, uid)).collect();
         if let Err(error) = records.record_shared(provider, &kept) {
             tracing::warn!(provider, %error, "cannot record what was taken back from the provider's user");
         }
     }
+}
+
+/// FNV-1a of a provider's name: stable across releases (uids and bounds are named with it).
+fn name_hash(provider: &str) -> u32 {
+    provider.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193))
 }
 
 /// Take back `uid`'s entries on `path` (followed through no link); whether done.
@@ -774,6 +799,45 @@ mod tests {
             let sandbox = Sandbox::new(SandboxConfig { uid_base: Some(base), ..Default::default() }, None);
             assert!(matches!(sandbox.uid_for("kvm"), Err(SandboxError::User { .. })), "{base}");
         }
+    }
+
+    /// Providers that share one `[sandbox] user` still get a cgroup and a
+    /// `/tmp` each, bounded by their own `[limits]`; removing one leaves the other's.
+    #[test]
+    fn providers_sharing_a_user_keep_bounds_and_a_tmp_of_their_own() {
+        let Some(_) = cgroups::hierarchy() else {
+            eprintln!("skipped: making cgroups needs root and a cgroupfs");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let uid = 3_900_300_000 + std::process::id() % 1000;
+        let sandbox = Sandbox::new(SandboxConfig { user: Some(uid), ..Default::default() }, None);
+        let confine = |provider: &str, memory_mib: u64, tmp_mib: u64| {
+            let limits = ProgramLimits { memory_mib, pids: 64, tmp_mib };
+            let grants =
+                Grants { data_dir: dir.path(), paths: &[], paths_rw: &[], devices: &[], programs: &[], limits };
+            sandbox.confine(provider, &grants).unwrap()
+        };
+        let (a, b) = (confine("shared-a", 64, 2), confine("shared-b", 128, 4));
+        let (key_a, key_b) = (sandbox.bounds_key("shared-a", uid), sandbox.bounds_key("shared-b", uid));
+        assert_ne!(key_a, key_b);
+        let memory = |key: &str| {
+            let dir = cgroups::dirs_of(key).into_iter().next().expect("the group exists");
+            let file = if dir.join("memory.max").exists() { "memory.max" } else { "memory.limit_in_bytes" };
+            std::fs::read_to_string(dir.join(file)).unwrap().trim().parse::<u64>().unwrap() >> 20
+        };
+        assert_eq!((memory(&key_a), memory(&key_b)), (64, 128), "each its own bound, not the last loaded's");
+        let size = |key: &str| {
+            let stat = nix::sys::statvfs::statvfs(&scratch::mount_point(key)).unwrap();
+            (stat.blocks() * stat.fragment_size()) >> 20
+        };
+        assert_eq!((size(&key_a), size(&key_b)), (2, 4));
+        drop((a, b));
+        sandbox.release("shared-a");
+        assert!(cgroups::dirs_of(&key_a).is_empty() && !scratch::mount_point(&key_a).exists(), "a's are gone");
+        assert_eq!(memory(&key_b), 128, "b's stay");
+        sandbox.release("shared-b");
+        assert!(cgroups::dirs_of(&key_b).is_empty() && !scratch::mount_point(&key_b).exists());
     }
 
     #[test]
