@@ -90,10 +90,21 @@ impl HostPreparer<'_> {
     /// A parent a provider made (a bridge it named like a host bridge) is
     /// never the host's: the host neither bridges its devices into it nor
     /// hands it to an instance as the host's network.
-    fn refuse_providers_devices(&self, network_info: &[InterfaceInfo]) -> Result<(), PrepareError> {
+    /// A record of another boot, or of a device since replaced, names no
+    /// provider's device: it is forgotten, and the bridge is the host's.
+    async fn refuse_providers_devices(&self, network_info: &[InterfaceInfo]) -> Result<(), PrepareError> {
         let Some(owners) = self.network.owners() else { return Ok(()) };
-        for parent in network_info.iter().map(|i| i.parent_interface_name.as_str()).filter(|p| !p.is_empty()) {
-            let owner = owners.owner(parent).map_err(|e| PrepareError::Changes(e.to_string()))?;
+        let parents: Vec<&str> =
+            network_info.iter().map(|i| i.parent_interface_name.as_str()).filter(|p| !p.is_empty()).collect();
+        if parents.iter().all(|p| matches!(owners.owner(p), Ok(None))) {
+            return Ok(());
+        }
+        let devices = self.network.devices().await.map_err(|e| PrepareError::Changes(e.to_string()))?;
+        for parent in parents {
+            let device = devices.iter().find(|d| d.name == parent);
+            let owner = crate::network::owners::settled_owner(&*owners, parent, device)
+                .await
+                .map_err(|e| PrepareError::Changes(e.to_string()))?;
             if let Some(owner) = owner {
                 return Err(PrepareError::Changes(format!(
                     "{parent:?} was made by provider {}, not by the host: it is not used as a host bridge (delete it or name another)",
@@ -118,7 +129,7 @@ impl HostPreparer<'_> {
         };
         let _held = self.lock.acquire(spec).await.map_err(PrepareError::Lock)?;
         let devices = self.network.devices().await.map_err(|e| PrepareError::Changes(e.to_string()))?;
-        self.refuse_providers_devices(network_info)?;
+        self.refuse_providers_devices(network_info).await?;
         let changes = host_changes(network_info, &devices, self.host_bridges).map_err(PrepareError::Changes)?;
         if changes.is_empty() {
             tracing::debug!("no host bridges needed");
@@ -255,6 +266,7 @@ mod tests {
             controller: None,
             up: true,
             addresses: vec![],
+            tun_owner: None,
         }
     }
 
@@ -321,7 +333,11 @@ mod tests {
         let network = FakeNetwork { network: simulated, ..FakeNetwork::new(&lock) };
         let err = prepare(&lock, &network, &nic_on("br-eth0"), None, false).await.unwrap_err();
         assert!(err.to_string().contains("was made by provider kvm2, not by the host"), "{err}");
-        assert_eq!(network.events(), ["observe"], "nothing bridged");
+        assert_eq!(
+            network.events(),
+            ["observe", "observe"],
+            "nothing bridged (the devices are read to check the record)"
+        );
         assert!(lock.report(0).holder.is_none());
     }
 

@@ -164,6 +164,23 @@ impl Broker {
         }
     }
 
+    /// Forget the records of devices that providers made in an earlier boot
+    /// (or whose names are other devices' now): before any provider is
+    /// called, so none can touch a device of the host's through one.
+    pub async fn prune_stale_device_records(&self) {
+        let network = crate::network::owners::OwnedNetwork::new(
+            std::sync::Arc::new(crate::network::backend::HostNetwork),
+            self.store().device_owners(),
+        );
+        match crate::network::owners::prune_stale(&network).await {
+            Ok(0) => {}
+            Ok(forgotten) => tracing::info!(forgotten, "forgot the records of devices made in an earlier boot"),
+            Err(error) => {
+                tracing::warn!(%error, "cannot prune the records of devices: stale ones are forgotten as met")
+            }
+        }
+    }
+
     /// Kill the processes left running as a provider's sandbox user that no
     /// child record holds: spawned by a host killed before it recorded them
     /// (see [`reap_unrecorded`]). Run before any provider is called after a

@@ -439,6 +439,7 @@ async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: Se
     if !reaped.is_empty() {
         tracing::warn!(count = reaped.len(), "killed processes left running without a child record");
     }
+    broker.prune_stale_device_records().await;
     let reconciling = broker.clone();
     tokio::spawn(async move { reconciling.reconcile_after_restart(harvest).await });
 

@@ -131,9 +131,9 @@ impl NetworkBackend for SimNetwork {
         name: &'a str,
         bridge: &'a str,
         mac: &'a str,
-        _owner: Option<u32>,
+        owner: Option<u32>,
     ) -> BoxFuture<'a, Result<(), BridgeError>> {
-        Box::pin(async move { SimNetwork::create_tap(self, name, bridge, mac) })
+        Box::pin(async move { SimNetwork::create_tap(self, name, bridge, mac, owner) })
     }
 
     fn attach<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {

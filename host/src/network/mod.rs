@@ -65,6 +65,18 @@ pub struct Device {
     /// Every address on it, IPv6 link-local ones included.
     #[serde(default)]
     pub addresses: Vec<DeviceAddress>,
+    /// A tap's owner (`TUNSETOWNER`): the one user who may attach to it
+    /// without privileges; `None` for other kinds and taps open to all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tun_owner: Option<u32>,
+}
+
+/// This boot's id (`/proc/sys/kernel/random/boot_id`): the devices the host
+/// makes do not outlive a boot, so neither do the records of who made them.
+pub fn boot_id() -> Option<&'static str> {
+    static BOOT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    BOOT.get_or_init(|| std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok().map(|id| id.trim().to_owned()))
+        .as_deref()
 }
 
 /// Why a bridging call failed, on the kernel or in the simulation.

@@ -170,6 +170,10 @@ impl Netlink {
                 controller: link.controller().and_then(|c| names.get(&c).cloned()),
                 up: link.up(),
                 addresses,
+                tun_owner: match link.tun_owner_and_group() {
+                    (Some(owner), None) => Some(owner),
+                    _ => None,
+                },
             });
         }
         devices.sort_by_key(|d| d.index);

@@ -7,6 +7,12 @@
 //! restarts, written before the device is made); in the conformance kit and
 //! in tests it is [`MemoryOwners`]. A backend without one
 //! ([`super::backend::HostNetwork`] alone) lets a provider make nothing.
+//!
+//! A name is not a device: a record also holds the boot the device was made
+//! in and, once made, the kernel's index of it. A record of another boot, or
+//! one whose name now belongs to a device of another index, names nothing the
+//! provider made: it is forgotten where it is met ([`settled_owner`]), and the
+//! device under the name is the host's.
 
 use super::backend::NetworkBackend;
 use super::{BridgeError, Device, DeviceToBridge};
@@ -25,13 +31,102 @@ pub struct OwnedDevice {
     /// A veth's other end (recorded too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer: Option<String>,
+    /// The boot it was made in ([`super::boot_id`]); `None` in records
+    /// written before boots were, taken as this boot's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<String>,
+    /// The kernel's index of it once made; `None` while it is being made (and
+    /// in records written before indexes were).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
 }
 
 impl OwnedDevice {
-    /// A record of `provider`'s `kind` of device.
+    /// A record of `provider`'s `kind` of device, about to be made in this boot.
     pub fn new(provider: &str, kind: &str, peer: Option<&str>) -> OwnedDevice {
-        OwnedDevice { provider: provider.to_owned(), kind: kind.to_owned(), peer: peer.map(str::to_owned) }
+        OwnedDevice {
+            provider: provider.to_owned(),
+            kind: kind.to_owned(),
+            peer: peer.map(str::to_owned),
+            boot: super::boot_id().map(str::to_owned),
+            index: None,
+        }
     }
+
+    /// Whether the record still names `device`, what is under its name now
+    /// (`None`: nothing): not when it was made in another boot (no device the
+    /// host makes outlives one), nor when the device there has another index
+    /// (it was deleted and the name taken again). Indexes are not reused
+    /// within a boot; a simulated device without one (0) is not compared.
+    pub fn names(&self, device: Option<&Device>) -> bool {
+        let same_boot = match (self.boot.as_deref(), super::boot_id()) {
+            (Some(made), Some(now)) => made == now,
+            _ => true,
+        };
+        let same_device = match (self.index, device) {
+            (Some(index), Some(device)) => device.index == 0 || device.index == index,
+            _ => true,
+        };
+        same_boot && same_device
+    }
+}
+
+/// The record of `name` if it names `device`, what is under the name now
+/// (see [`OwnedDevice::names`]). A record that names something else is
+/// forgotten, so the device there is the host's; a record of a device made
+/// since it was written gets the device's index and this boot.
+pub async fn settled_owner(
+    owners: &dyn DeviceOwners,
+    name: &str,
+    device: Option<&Device>,
+) -> Result<Option<OwnedDevice>, OwnersError> {
+    let Some(record) = owners.owner(name)? else { return Ok(None) };
+    if !record.names(device) {
+        owners.replace(name, &record, None).await?;
+        tracing::info!(
+            device = name,
+            provider = %crate::error_text::escape_unprintable(&record.provider),
+            "forgot a stale record of a device: it was made in another boot, or the name is another device's now"
+        );
+        return Ok(None);
+    }
+    match device.filter(|d| d.index != 0) {
+        Some(device) if record.index != Some(device.index) || record.boot.is_none() => {
+            let settled =
+                OwnedDevice { index: Some(device.index), boot: super::boot_id().map(str::to_owned), ..record.clone() };
+            owners.replace(name, &record, Some(settled.clone())).await?;
+            Ok(Some(settled))
+        }
+        _ => Ok(Some(record)),
+    }
+}
+
+/// Take as `provider`'s a tap that no record names and that only `user`, its
+/// programs' user, may attach to: one the host made for it before the host
+/// recorded owners (only a privileged process sets a tap's owner, and a
+/// provider's user is its alone unless `[sandbox] user` makes one user of
+/// all). Whether it was taken.
+pub async fn adopt_tap(
+    owners: &dyn DeviceOwners,
+    provider: &str,
+    device: &Device,
+    user: Option<u32>,
+) -> Result<bool, OwnersError> {
+    let Some(user) = user.filter(|uid| *uid != 0) else { return Ok(false) };
+    if device.kind != "tun" || device.tun_owner != Some(user) || owners.owner(&device.name)?.is_some() {
+        return Ok(false);
+    }
+    let record =
+        OwnedDevice { index: (device.index != 0).then_some(device.index), ..OwnedDevice::new(provider, "tap", None) };
+    let taken = owners.claim(vec![(device.name.clone(), record)]).await?.is_none();
+    if taken {
+        tracing::info!(
+            provider = %crate::error_text::escape_unprintable(provider),
+            device = %device.name,
+            "adopted a tap made for the provider's user before the host recorded who made devices"
+        );
+    }
+    Ok(taken)
 }
 
 /// The record could not be read or written.
@@ -54,6 +149,16 @@ pub trait DeviceOwners: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<Option<(String, String)>, OwnersError>>;
     /// Drop the records of `names` that are `provider`'s (others are left).
     fn release(&self, provider: &str, names: Vec<String>) -> BoxFuture<'static, Result<(), OwnersError>>;
+    /// Replace the record of `name` with `now` (`None`: drop it) if it is
+    /// still `was`; whether it was.
+    fn replace(
+        &self,
+        name: &str,
+        was: &OwnedDevice,
+        now: Option<OwnedDevice>,
+    ) -> BoxFuture<'static, Result<bool, OwnersError>>;
+    /// Every record (for pruning the stale ones).
+    fn all(&self) -> Result<Vec<(String, OwnedDevice)>, OwnersError>;
 }
 
 /// The record in memory: for the conformance kit and tests.
@@ -109,6 +214,47 @@ impl DeviceOwners for MemoryOwners {
         }
         Box::pin(std::future::ready(Ok(())))
     }
+
+    fn replace(
+        &self,
+        name: &str,
+        was: &OwnedDevice,
+        now: Option<OwnedDevice>,
+    ) -> BoxFuture<'static, Result<bool, OwnersError>> {
+        let mut table = self.lock();
+        let still = table.get(name) == Some(was);
+        if still {
+            match now {
+                Some(now) => table.insert(name.to_owned(), now),
+                None => table.remove(name),
+            };
+        }
+        Box::pin(std::future::ready(Ok(still)))
+    }
+
+    fn all(&self) -> Result<Vec<(String, OwnedDevice)>, OwnersError> {
+        Ok(self.lock().iter().map(|(n, o)| (n.clone(), o.clone())).collect())
+    }
+}
+
+/// Forget every record that names no device the provider made (made in
+/// another boot, or its name now another device's): at the daemon's start.
+/// How many were forgotten.
+pub async fn prune_stale(network: &dyn NetworkBackend) -> Result<usize, OwnersError> {
+    let Some(owners) = network.owners() else { return Ok(0) };
+    let records = owners.all()?;
+    if records.is_empty() {
+        return Ok(0);
+    }
+    let devices = network.devices().await.map_err(|e| OwnersError(format!("cannot list devices: {e}")))?;
+    let mut forgotten = 0;
+    for (name, record) in records {
+        let device = devices.iter().find(|d| d.name == name);
+        if !record.names(device) && owners.replace(&name, &record, None).await? {
+            forgotten += 1;
+        }
+    }
+    Ok(forgotten)
 }
 
 /// A network with its record of owners: what the bridge capability acts on
@@ -202,8 +348,10 @@ pub async fn release_provider(network: &dyn NetworkBackend, provider: &str) -> R
     let mut gone: Vec<String> = Vec::new();
     // Bridges last: what hangs off them goes first.
     let (bridges, others): (Vec<_>, Vec<_>) = owned.iter().partition(|(_, o)| o.kind == "bridge");
-    for (name, _) in others.into_iter().chain(bridges) {
-        if gone.contains(name) || !devices.iter().any(|d| &d.name == name) {
+    for (name, record) in others.into_iter().chain(bridges) {
+        let device = devices.iter().find(|d| &d.name == name);
+        // Gone, or what is there now is not what it made (another boot's record): only forgotten.
+        if gone.contains(name) || device.is_none() || !record.names(device) {
             continue;
         }
         let foreign = devices

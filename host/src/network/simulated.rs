@@ -22,7 +22,17 @@ impl State {
         let index = self.last_index;
         let mac = if mac.is_empty() { format_mac(&[0x02, 0, 0, 0, (index >> 8) as u8, index as u8]) } else { mac };
         let kind = kind.to_owned();
-        Device { name: name.to_owned(), index, mac, mtu, kind, controller: None, up: false, addresses: Vec::new() }
+        Device {
+            name: name.to_owned(),
+            index,
+            mac,
+            mtu,
+            kind,
+            controller: None,
+            up: false,
+            addresses: Vec::new(),
+            tun_owner: None,
+        }
     }
 
     fn bridge(&self, bridge: &str) -> Result<&Device, BridgeError> {
@@ -74,9 +84,7 @@ impl SimNetwork {
         };
         let records: Vec<(String, OwnedDevice)> = owners
             .iter()
-            .map(|(name, provider)| {
-                (name.clone(), OwnedDevice { provider: provider.clone(), kind: kind(name), peer: None })
-            })
+            .map(|(name, provider)| (name.clone(), OwnedDevice::new(provider, &kind(name), None)))
             .collect();
         SimNetwork { owners: Arc::new(MemoryOwners::seeded(records)), ..SimNetwork::new(devices) }
     }
@@ -156,7 +164,7 @@ impl SimNetwork {
 
     /// As the kernel does it: the tap is made (or reused) first, so a `bridge`
     /// that is not a bridge leaves it made, unattached and down.
-    pub fn create_tap(&self, name: &str, bridge: &str, mac: &str) -> Result<(), BridgeError> {
+    pub fn create_tap(&self, name: &str, bridge: &str, mac: &str, owner: Option<u32>) -> Result<(), BridgeError> {
         let mut state = self.lock();
         // The bridge must exist before a tap is made for it.
         let mtu = state.devices.get(bridge).ok_or_else(|| BridgeError::NoDevice(bridge.to_owned()))?.mtu;
@@ -170,6 +178,7 @@ impl SimNetwork {
         if !mac.is_empty() {
             tap.mac = mac;
         }
+        tap.tun_owner = owner.filter(|uid| *uid != 0);
         state.devices.insert(name.to_owned(), tap);
         state.bridge(bridge)?;
         state.enslave(name, bridge);

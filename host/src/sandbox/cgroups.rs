@@ -157,10 +157,9 @@ fn kill_all_in(dirs: &[PathBuf]) -> usize {
 pub fn dirs_of(key: &str) -> Vec<PathBuf> {
     match hierarchy() {
         Some(Hierarchy::V2) => vec![Path::new(ROOT).join(GROUP).join(key)],
-        Some(Hierarchy::V1) => ["memory", "pids"]
-            .iter()
-            .map(|controller| Path::new(ROOT).join(controller).join(GROUP).join(key))
-            .collect(),
+        Some(Hierarchy::V1) => {
+            ["memory", "pids"].iter().map(|controller| Path::new(ROOT).join(controller).join(GROUP).join(key)).collect()
+        }
         None => Vec::new(),
     }
     .into_iter()

@@ -109,6 +109,54 @@ impl DeviceOwners for RedbDeviceOwners {
         });
         Box::pin(async move { pending.await.map_err(owners_error) })
     }
+
+    fn replace(
+        &self,
+        name: &str,
+        was: &OwnedDevice,
+        now: Option<OwnedDevice>,
+    ) -> BoxFuture<'static, Result<bool, OwnersError>> {
+        let name = name.to_owned();
+        let was = was.clone();
+        let now = now.map(|now| super::encoded("device owner", &now)).transpose();
+        let pending = super::Pending::new(&self.writer, move |txn| {
+            let now = now.as_ref().map_err(Clone::clone)?;
+            let mut table = txn.open_table(DEVICE_OWNERS).map_err(db_error)?;
+            let still = match table.get(name.as_str()).map_err(db_error)? {
+                Some(had) => decode(had.value()).is_ok_and(|had| had == was),
+                None => false,
+            };
+            if still {
+                match now {
+                    Some(bytes) => {
+                        table.insert(name.as_str(), bytes.as_slice()).map_err(db_error)?;
+                    }
+                    None => {
+                        table.remove(name.as_str()).map_err(db_error)?;
+                    }
+                }
+            }
+            Ok(still)
+        });
+        Box::pin(async move { pending.await.map_err(owners_error) })
+    }
+
+    fn all(&self) -> Result<Vec<(String, OwnedDevice)>, OwnersError> {
+        self.read(
+            |table| {
+                let mut all = Vec::new();
+                for entry in table.iter().map_err(owners_error)? {
+                    let (name, value) = entry.map_err(owners_error)?;
+                    // A corrupt record is kept (and refuses what it names) rather than dropped unseen.
+                    if let Ok(record) = decode(value.value()) {
+                        all.push((name.value().to_owned(), record));
+                    }
+                }
+                Ok(all)
+            },
+            Vec::new(),
+        )
+    }
 }
 
 impl Store {

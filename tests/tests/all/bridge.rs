@@ -252,6 +252,32 @@ fn a_guest_bridges_only_granted_devices_it_made() {
     });
 }
 
+/// Set `provider`'s test-hostile mode and call it (`all-instances`): the
+/// first id it answers, or the guest's error.
+async fn hostile_call(
+    broker: &Broker,
+    provider: &str,
+    mode: &str,
+) -> Result<String, broker_host::bindings::BrokerError> {
+    use broker_host::capabilities::kv::KvBackend;
+    broker.store().kv().set(provider, "mode", mode.as_bytes()).unwrap();
+    let wasm = broker.registry().get(provider).await.unwrap();
+    match wasm.all_instances(&CallHooks::default()).await {
+        Ok(instances) => Ok(instances[0].id.clone()),
+        Err(err) => Err(err.broker_error().cloned().unwrap_or_else(|| panic!("not the guest's error: {err}"))),
+    }
+}
+
+/// `outcome` is an `access-denied` that says `says`.
+fn refused(outcome: Result<String, broker_host::bindings::BrokerError>, says: &str) {
+    match outcome {
+        Err(broker_host::bindings::BrokerError::AccessDenied(message)) => {
+            assert!(message.contains(says), "{message:?} lacks {says:?}")
+        }
+        other => panic!("not refused ({says}): {other:?}"),
+    }
+}
+
 /// Issue 36, class 2, through real netlink and the real broker (its store
 /// keeps the record): two providers with the KVM grant. The attacker cannot
 /// attach the victim's tap to its own bridge, delete the victim's veth, or
@@ -261,9 +287,6 @@ fn a_guest_bridges_only_granted_devices_it_made() {
 #[test]
 fn a_provider_touches_only_the_devices_it_made() {
     in_netns(|| async {
-        use broker_host::bindings::BrokerError;
-        use broker_host::capabilities::kv::KvBackend;
-
         make_nic("eth5", [0x00, 0x16, 0x3e, 0x05, 0x05, 0x05], "10.50.0.2/24").await;
         let nl = Netlink::connect().unwrap();
         add_default_route("10.50.0.1", nl.device("eth5").await.unwrap().unwrap().index).await;
@@ -282,18 +305,7 @@ fn a_provider_touches_only_the_devices_it_made() {
         for name in ["victim", "attacker"] {
             broker.registry().add(&manifests(name)).await.unwrap();
         }
-        let call = async |broker: &Broker, provider: &str, mode: &str| {
-            broker.store().kv().set(provider, "mode", mode.as_bytes()).unwrap();
-            let wasm = broker.registry().get(provider).await.unwrap();
-            match wasm.all_instances(&CallHooks::default()).await {
-                Ok(instances) => Ok(instances[0].id.clone()),
-                Err(err) => Err(err.broker_error().cloned().unwrap_or_else(|| panic!("not the guest's error: {err}"))),
-            }
-        };
-        let refused = |outcome: Result<String, BrokerError>, says: &str| match outcome {
-            Err(BrokerError::AccessDenied(message)) => assert!(message.contains(says), "{message:?} lacks {says:?}"),
-            other => panic!("not refused ({says}): {other:?}"),
-        };
+        let call = hostile_call;
 
         // The victim: a VM's tap on the host bridge, a veth pair.
         assert_eq!(call(&broker, "victim", "tap:kt1:br-eth5").await.unwrap(), "done");
@@ -342,6 +354,65 @@ fn a_provider_touches_only_the_devices_it_made() {
         assert_eq!(host_state().await, host_before, "and the host's bridge is untouched");
         let removed = broker.store().events(0, 1000).unwrap().into_iter().rev().find(|e| e.kind == "removed").unwrap();
         assert!(removed.detail.contains("network devices it made deleted: kt1, vh1"), "{}", removed.detail);
+    });
+}
+
+/// Issue 36, what the second round left: a record names a device, not a
+/// name. Through real netlink and the real broker: a tap the host made for a
+/// provider's user before owners were recorded (an upgrade with VMs running)
+/// is that provider's to attach and delete, one of another user's is not; a
+/// veth the provider made, deleted and made again under its name by someone
+/// else, is not the provider's; the name HostPreparer gives a host device's
+/// bridge cannot be taken first.
+#[test]
+fn a_record_names_a_device_and_an_old_tap_of_the_providers_user_is_its_own() {
+    in_netns(|| async {
+        make_nic("eth6", [0x00, 0x16, 0x3e, 0x06, 0x06, 0x06], "10.60.0.2/24").await;
+        make_nic("eth7", [0x00, 0x16, 0x3e, 0x07, 0x07, 0x07], "10.70.0.2/24").await;
+        let nl = Netlink::connect().unwrap();
+        let host_bridge = DeviceToBridge { device: "eth6".into(), bridge: "br-eth6".into(), mac: String::new() };
+        nl.bridge(&host_bridge).await.unwrap();
+
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        // A granted program: the provider has a sandbox user, which its taps are made for.
+        let grant = "[grants]\nkv = true\nprocess = [\"true\"]\n[grants.bridge]\ndevices = [\"kt*\", \"vh*\"]\n\
+                     bridges = [\"br-*\"]\nattach-to = [\"br-eth6\"]\n";
+        let broker = Broker::open(&data).unwrap();
+        broker.registry().add(&broker_tests::write_manifest(dir.path(), "kvm", "test-hostile", grant)).await.unwrap();
+        let call = async |mode: &str| hostile_call(&broker, "kvm", mode).await;
+        let owners = broker.store().device_owners();
+
+        // (in_netns needs root: the host switches to sandbox users and sets tap owners here.)
+        let uid = broker.store().sandbox_users().unwrap().into_iter().find(|(p, _)| p == "kvm").unwrap().1;
+        // As the last release made a VM's tap: owned by the provider's user, no record.
+        broker_host::network::tap::create_persistent_tap("kt-old", uid, true).unwrap();
+        broker_host::network::tap::create_persistent_tap("kt-else", uid + 1, true).unwrap();
+        assert_eq!(owners.owner("kt-old").unwrap(), None);
+        assert_eq!(call("attach:kt-old:br-eth6").await.unwrap(), "done");
+        assert_eq!(nl.device("kt-old").await.unwrap().unwrap().controller.as_deref(), Some("br-eth6"));
+        assert_eq!(call("delete-link:kt-old").await.unwrap(), "done", "a VM started before the upgrade stops");
+        assert!(nl.device("kt-old").await.unwrap().is_none());
+        refused(call("attach:kt-else:br-eth6").await, "tap kt-else is the host's");
+        refused(call("delete-link:kt-else").await, "tap kt-else is the host's");
+        assert!(nl.device("kt-else").await.unwrap().is_some());
+        assert_eq!(owners.owner("kt-else").unwrap(), None);
+
+        // Made, recorded with its index; deleted and its name taken by a device of the host's.
+        assert_eq!(call("veth:vh1:vh1p:br-eth6").await.unwrap(), "done");
+        let made = owners.owner("vh1").unwrap().expect("recorded");
+        assert_eq!(made.index, Some(nl.device("vh1").await.unwrap().unwrap().index));
+        nl.delete("vh1").await.unwrap();
+        make_nic("vh1", [0x00, 0x16, 0x3e, 0x08, 0x08, 0x08], "10.80.0.2/24").await;
+        refused(call("delete-link:vh1").await, "is the host's");
+        assert!(nl.device("vh1").await.unwrap().is_some(), "the host's device stays");
+        assert_eq!(owners.owner("vh1").unwrap(), None, "the stale record is forgotten");
+
+        // eth7's bridge is HostPreparer's to make.
+        assert_eq!(call("veth:vh2:vh2p:br-eth6").await.unwrap(), "done");
+        refused(call("bridge-to:vh2p:br-eth7").await, "the bridge of eth7 (HostPreparer)");
+        assert!(nl.device("br-eth7").await.unwrap().is_none());
+        assert_eq!(call("bridge-to:vh2p:br-vms").await.unwrap(), "done", "a name of its own is fine");
     });
 }
 

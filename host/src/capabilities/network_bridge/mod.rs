@@ -18,7 +18,7 @@ use crate::capabilities::denials::Denials;
 use crate::error_text::escape_unprintable;
 use crate::network::backend::HostNetwork;
 use crate::network::backend::NetworkBackend;
-use crate::network::owners::{DeviceOwners, OwnedDevice};
+use crate::network::owners::{DeviceOwners, OwnedDevice, adopt_tap, settled_owner};
 use crate::network::{BridgeError, Device, DeviceToBridge, check_name, names};
 use crate::runtime::HostState;
 use crate::runtime::rooms::{GrantLine, GrantValue, Linking, Room, StoreSetup};
@@ -203,12 +203,54 @@ impl Acting {
     fn makeable(&self, name: &str) -> Result<bool, BrokerError> {
         match self.standing(name)? {
             Standing::Ours(_, device) => Ok(device.is_some()),
-            Standing::Absent => Ok(false),
+            Standing::Absent => self.not_reserved(name).map(|()| false),
             Standing::Theirs(owner) => Err(self.theirs(name, &owner)),
             Standing::Host(device) => Err(denied(format!(
                 "{} {name} exists and is the host's: a provider makes only devices of its own",
                 kind_word(&device.kind)
             ))),
+        }
+    }
+
+    /// `name` is not the one HostPreparer gives the bridge of a device that
+    /// is not the provider's (Juju's `br-<device>`): a provider that took it
+    /// first would stand in for the host's bridge.
+    fn not_reserved(&self, name: &str) -> Result<(), BrokerError> {
+        let hosts = self.devices.iter().filter(|d| crate::network::names::bridge_name(&d.name) == name);
+        for device in hosts {
+            if !matches!(self.standing(&device.name)?, Standing::Ours(..)) {
+                return Err(denied(format!(
+                    "{name} is the name the host gives the bridge of {} (HostPreparer): a provider cannot take it",
+                    device.name
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Settle what the host knows of `names` before a call reads it: a
+    /// record of another boot, or of a device since replaced, is forgotten;
+    /// a device made since its record gets its index; and a tap made for
+    /// the provider's user before owners were recorded is taken as its own.
+    async fn settle(&self, names: &[&str], tap_owner: Option<u32>) -> Result<(), BrokerError> {
+        for name in names {
+            let device = self.devices.iter().find(|d| d.name == *name);
+            let owner = settled_owner(&*self.owners, name, device).await.map_err(owners_failed)?;
+            if let (None, Some(device)) = (owner, device) {
+                adopt_tap(&*self.owners, &self.provider, device, tap_owner).await.map_err(owners_failed)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After a make: the records of `names` get the indexes of what was made.
+    async fn made(&self, names: &[&str]) {
+        let Ok(devices) = self.network.devices().await else { return };
+        for name in names {
+            let device = devices.iter().find(|d| d.name == *name);
+            if let Err(error) = settled_owner(&*self.owners, name, device).await {
+                tracing::warn!(provider = &*self.provider, device = name, %error, "cannot record a made device's index");
+            }
         }
     }
 
@@ -218,7 +260,7 @@ impl Acting {
             None => Ok(()),
             Some((name, provider)) => {
                 let kind = self.owners.owner(&name).ok().flatten().map_or_else(|| "device".to_owned(), |o| o.kind);
-                Err(self.theirs(&name, &OwnedDevice { provider, kind, peer: None }))
+                Err(self.theirs(&name, &OwnedDevice::new(&provider, &kind, None)))
             }
         }
     }
@@ -299,7 +341,9 @@ impl BridgeCtx {
             )
         })?;
         let devices = network.devices().await.map_err(to_broker_error)?;
-        Ok((grant, Acting { network, owners, provider: self.provider.clone(), devices }))
+        let acting = Acting { network, owners, provider: self.provider.clone(), devices };
+        acting.settle(names, self.tap_owner).await?;
+        Ok((grant, acting))
     }
 }
 
@@ -399,7 +443,8 @@ impl BridgeCtx {
             )?;
             let made_now = match acting.standing(&c.bridge)? {
                 Standing::Ours(_, Some(_)) => false,
-                Standing::Ours(_, None) | Standing::Absent => true,
+                Standing::Ours(_, None) => true,
+                Standing::Absent => acting.not_reserved(&c.bridge).map(|()| true)?,
                 Standing::Theirs(owner) => return Err(acting.theirs(&c.bridge, &owner)),
                 Standing::Host(device) => {
                     return Err(denied(format!(
@@ -418,6 +463,9 @@ impl BridgeCtx {
                     acting.unclaim_missing(&[&change.bridge]).await;
                 }
                 return Err(to_broker_error(e));
+            }
+            if made_now {
+                acting.made(&[&change.bridge]).await;
             }
         }
         Ok(())
@@ -468,6 +516,7 @@ impl BridgeCtx {
             acting.unclaim_missing(&[name, peer]).await;
             return Err(to_broker_error(e));
         }
+        acting.made(&[name, peer]).await;
         Ok(())
     }
 
@@ -484,6 +533,9 @@ impl BridgeCtx {
                 acting.unclaim_missing(&[name]).await;
             }
             return Err(to_broker_error(e));
+        }
+        if !existed {
+            acting.made(&[name]).await;
         }
         Ok(())
     }
@@ -736,6 +788,7 @@ mod tests {
             controller: None,
             up: true,
             addresses,
+            tun_owner: None,
         }
     }
 
@@ -872,5 +925,85 @@ mod tests {
         assert!(device(&network, "kt1").await.is_none() && device(&network, "vh1p").await.is_none());
         assert!(device(&network, "br-a").await.is_some() && device(&network, "br-eth0").await.is_some());
         assert!(network.owners().unwrap().owned_by("kvm1").unwrap().is_empty());
+    }
+
+    /// A record names a device, not a name: one of another boot, or whose
+    /// name now belongs to a device of another index, gives the provider
+    /// nothing (and is forgotten); one written before records held indexes
+    /// is kept and completed. A tap made for the provider's user before
+    /// owners were recorded is adopted; one of another user's is not. The
+    /// name HostPreparer gives a host device's bridge is not a provider's.
+    #[tokio::test]
+    async fn a_record_names_a_device_not_a_name() {
+        let tap = |name: &str, owner: Option<u32>| Device { tun_owner: owner, ..nic(name, "tun", None) };
+        let devices = vec![
+            nic("eth0", "", Some("10.0.0.2/24")),
+            nic("eth5", "", None),
+            tap("kt7", None),
+            tap("kt8", None),
+            tap("kt9", None),
+            tap("kt-old", Some(4242)),
+            tap("kt-other", Some(4343)),
+        ];
+        let network = Arc::new(SimNetwork::new(devices));
+        let host_bridge = DeviceToBridge { device: "eth0".into(), bridge: "br-eth0".into(), mac: String::new() };
+        NetworkBackend::bridge(&*network, &host_bridge).await.unwrap();
+        let owners = network.owners().unwrap();
+        let record = |boot: Option<&str>, index: Option<u32>| OwnedDevice {
+            boot: boot.map(str::to_owned),
+            index,
+            ..OwnedDevice::new("kvm1", "tap", None)
+        };
+        let this_boot = crate::network::boot_id().map(str::to_owned);
+        let kt8_index = device(&network, "kt8").await.unwrap().index;
+        let kt7_index = device(&network, "kt7").await.unwrap().index;
+        let seeded = vec![
+            ("kt9".to_owned(), record(Some("an-earlier-boot"), None)),
+            ("kt8".to_owned(), record(this_boot.as_deref(), Some(kt8_index + 100))),
+            ("kt7".to_owned(), record(None, None)),
+        ];
+        assert_eq!(owners.claim(seeded).await.unwrap(), None);
+        let backend: Arc<dyn NetworkBackend> = network.clone();
+        let mut kvm1 = BridgeCtx::new("kvm1".into(), kvm_grant(), Some(backend), Some(4242), Denials::default());
+
+        if this_boot.is_some() {
+            refused(kvm1.delete_link("kt9".into()).await.unwrap(), "tap kt9 is the host's");
+            assert!(device(&network, "kt9").await.is_some());
+            assert_eq!(owners.owner("kt9").unwrap(), None, "another boot's record is forgotten");
+        }
+        refused(kvm1.attach("kt8".into(), "br-eth0".into()).await.unwrap(), "tap kt8 is the host's");
+        assert!(device(&network, "kt8").await.unwrap().controller.is_none());
+        assert_eq!(owners.owner("kt8").unwrap(), None, "a replaced device's record is forgotten");
+        kvm1.attach("kt7".into(), "br-eth0".into()).await.unwrap().unwrap();
+        let kept = owners.owner("kt7").unwrap().expect("an old record is kept");
+        assert_eq!((kept.index, kept.boot), (Some(kt7_index), this_boot.clone()), "and completed");
+
+        // Taps of its user made before owners were recorded: adopted; another user's: the host's.
+        kvm1.attach("kt-old".into(), "br-eth0".into()).await.unwrap().unwrap();
+        assert_eq!(owners.owner("kt-old").unwrap().map(|o| o.provider), Some("kvm1".to_owned()));
+        kvm1.delete_link("kt-old".into()).await.unwrap().unwrap();
+        assert!(device(&network, "kt-old").await.is_none());
+        refused(kvm1.attach("kt-other".into(), "br-eth0".into()).await.unwrap(), "tap kt-other is the host's");
+        assert_eq!(owners.owner("kt-other").unwrap(), None);
+
+        // HostPreparer's name for eth5's bridge; a name of its own is fine.
+        kvm1.create_veth("vh1".into(), "vh1p".into(), "br-eth0".into()).await.unwrap().unwrap();
+        let made = owners.owner("vh1").unwrap().unwrap();
+        assert_eq!(made.index, device(&network, "vh1").await.map(|d| d.index), "a made device's index is recorded");
+        let squat = wit::DeviceToBridge { device: "vh1p".into(), bridge: "br-eth5".into(), mac: String::new() };
+        refused(kvm1.bridge(vec![squat]).await.unwrap(), "the bridge of eth5 (HostPreparer)");
+        assert!(device(&network, "br-eth5").await.is_none() && owners.owner("br-eth5").unwrap().is_none());
+        let own = wit::DeviceToBridge { device: "vh1p".into(), bridge: "br-vms".into(), mac: String::new() };
+        kvm1.bridge(vec![own]).await.unwrap().unwrap();
+
+        // At a start: every stale record goes at once.
+        let stale = vec![("kt-gone".to_owned(), record(Some("an-earlier-boot"), Some(3)))];
+        assert_eq!(owners.claim(stale).await.unwrap(), None);
+        let pruned = crate::network::owners::prune_stale(&*network).await.unwrap();
+        assert_eq!(pruned, usize::from(this_boot.is_some()));
+        assert!(
+            owners.owner("vh1").unwrap().is_some() && owners.owner("br-vms").unwrap().is_some(),
+            "current ones stay"
+        );
     }
 }
