@@ -21,6 +21,7 @@ pub use broker::provider::{
 };
 pub use exports::broker::provider::instance_broker::Guest;
 
+pub mod http;
 pub mod kv;
 
 /// Log through the host's tracing, tagged with this provider's name.

@@ -41,7 +41,14 @@
 //!   `flood-bytes` bytes until the host refuses one, returning instance
 //!   `refused-after-<n>` whose message is the refusal;
 //! - `log-flood`: writes kv `flood-entries` lines to stderr (no grant needed:
-//!   they reach the host's log as guest output), returning `logged`.
+//!   they reach the host's log as guest output), returning `logged`;
+//! - `http:<METHOD>:<authority>:<path>`: one request through the SDK's client,
+//!   its body kv `http-body` (a form when kv `http-form` is `yes`), writing
+//!   status, headers and body to kv `http-response`, returning `answered-<status>`
+//!   (a refusal is the guest's error, its text the SDK's);
+//! - `snoop`: looks everywhere a guest can for a secret: its environment,
+//!   arguments, config, and every file under `/data` and `/`, writing what it
+//!   saw to kv `snooped`, returning `snooped`.
 //!
 //! Numbers in kv are decimal text.
 //!
@@ -283,6 +290,51 @@ impl Guest for Hostile {
                     Err(e) => Err(BrokerError::Provider(format!("data dir: {e}"))),
                 }
             }
+            mode if mode.starts_with("http:") => {
+                let mut parts = mode.splitn(4, ':').skip(1);
+                let (method, authority, path) = (parts.next(), parts.next(), parts.next());
+                let (Some(method), Some(authority), Some(path)) = (method, authority, path) else {
+                    return Err(BrokerError::InvalidParams("http:<METHOD>:<authority>:<path>".into()));
+                };
+                let method = match method {
+                    "GET" => broker_guest::http::Method::Get,
+                    "POST" => broker_guest::http::Method::Post,
+                    other => broker_guest::http::Method::Other(other.into()),
+                };
+                let mut request = broker_guest::http::Request::new(method, authority, path);
+                if let Ok(Some(body)) = host_kv::get("http-body") {
+                    request = match host_kv::get("http-form").ok().flatten().as_deref() == Some(b"yes") {
+                        true => request.header("content-type", "application/x-www-form-urlencoded").body(body),
+                        false => request.body(body),
+                    };
+                }
+                let response = request.send().map_err(|e| BrokerError::Provider(e.to_string()))?;
+                let mut seen = format!("{}\n", response.status).into_bytes();
+                for (name, value) in &response.headers {
+                    seen.extend_from_slice(format!("{name}: ").as_bytes());
+                    seen.extend_from_slice(value);
+                    seen.push(b'\n');
+                }
+                seen.push(b'\n');
+                seen.extend_from_slice(&response.body);
+                host_kv::set("http-response", &seen)?;
+                Ok(vec![instance(&format!("answered-{}", response.status))])
+            }
+            "snoop" => {
+                let mut seen = String::new();
+                for (key, value) in std::env::vars() {
+                    seen.push_str(&format!("env {key}={value}\n"));
+                }
+                for arg in std::env::args() {
+                    seen.push_str(&format!("arg {arg}\n"));
+                }
+                seen.push_str(&format!("config {}\n", ctx.provider_config()));
+                for root in ["/data", "/"] {
+                    snoop_files(std::path::Path::new(root), 0, &mut seen);
+                }
+                host_kv::set("snooped", seen.as_bytes())?;
+                Ok(vec![instance("snooped")])
+            }
             mode if mode.split(':').next().is_some_and(|verb| NETWORK_CALLS.contains(&verb)) => {
                 let args: Vec<&str> = mode.split(':').skip(1).collect();
                 let arg = |i: usize| args.get(i).copied().unwrap_or_default();
@@ -383,6 +435,25 @@ impl Guest for Hostile {
 type Command = (String, Vec<String>, Vec<(String, String)>);
 
 /// What the test put in kv: `exec` = program NUL args…, `exec-env` = NAME=VALUE NUL …
+/// Every file under `dir` (a few levels, a bounded amount), its content.
+fn snoop_files(dir: &std::path::Path, depth: usize, seen: &mut String) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten().take(200) {
+        let path = entry.path();
+        seen.push_str(&format!("file {}\n", path.display()));
+        match entry.file_type() {
+            Ok(kind) if kind.is_dir() && depth < 4 => snoop_files(&path, depth + 1, seen),
+            Ok(kind) if kind.is_file() && seen.len() < (128 << 10) => {
+                if let Ok(bytes) = std::fs::read(&path) {
+                    seen.push_str(&String::from_utf8_lossy(&bytes[..bytes.len().min(64 << 10)]));
+                    seen.push('\n');
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
 fn command() -> Result<Command, BrokerError> {
     let words = host_kv::get("exec")?.unwrap_or_default();
     let mut words =

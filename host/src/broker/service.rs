@@ -4,6 +4,7 @@ use super::host_preparer::{HostPreparer, PrepareError};
 use crate::bindings::BrokerError;
 use crate::bindings::{Instance, StartInstanceParams};
 use crate::capabilities::context::{CallHooks, ClaimFn};
+use crate::capabilities::http_egress::signing::CREDENTIALS_DIR;
 use crate::capabilities::kv::KvWrites;
 use crate::capabilities::machine_lock::MachineLockRoom;
 use crate::contract::empty_params;
@@ -258,7 +259,11 @@ impl Broker {
             .backends
             .clone()
             .with::<MachineLockRoom>(Arc::new(machine_lock.clone()))
-            .with::<crate::capabilities::network_bridge::NetworkBridge>(Arc::new(network));
+            .with::<crate::capabilities::network_bridge::NetworkBridge>(Arc::new(network))
+            // Signed egress with the operator's credentials (DATA_DIR/credentials), the host's alone.
+            .with::<crate::capabilities::http_egress::HttpEgress>(Arc::new(
+                crate::capabilities::http_egress::HostEgress::with_credentials(store.data_dir().join(CREDENTIALS_DIR)),
+            ));
         // Mounting needs root; elsewhere (a developer's host) data dirs stay plain, and it says so.
         let data_filesystems = if rustix::process::geteuid().is_root() {
             Some(Arc::new(DataFilesystems::new(store.data_dir().join(DATA_IMAGES))))

@@ -229,7 +229,10 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                     .with::<MachineLockRoom>(Arc::new(lock))
                     .with::<LocalSocket>(Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone())))
                     .with::<Process>(Arc::new(Recorded::new(host_processes, recording.processes.clone())))
-                    .with::<HttpEgress>(Arc::new(RecordedEgress::new(Arc::new(HostEgress), recording.http.clone())))
+                    .with::<HttpEgress>(Arc::new(RecordedEgress::new(
+                        Arc::new(HostEgress::default()),
+                        recording.http.clone(),
+                    )))
                     // The host's kernel; what the provider makes in the run is its own, recorded in memory.
                     .with::<NetworkBridge>(Arc::new(crate::network::owners::OwnedNetwork::new(
                         Arc::new(HostNetwork),

@@ -1,14 +1,25 @@
 //! Egress through plain `wasi:http`: a provider reaches exactly the
 //! authorities its manifest grants, each mapped by the host to a unix socket
-//! (the LXD/Incus API) or a TCP address. The guest never names a socket path
-//! or an address; it asks for `http://lxd/1.0/…` and the host decides where
-//! `lxd` is. Everything else is denied.
+//! (the LXD/Incus API), a TCP address or an `https://` endpoint. The guest
+//! never names a socket path or an address; it asks for `http://lxd/1.0/…`
+//! and the host decides where `lxd` is. Everything else is denied.
 //!
 //! ```toml
 //! [grants.http]
 //! lxd = "unix:/var/lib/incus/unix.socket"
-//! ec2 = "http://127.0.0.1:5000"
+//! [grants.http.ec2]
+//! url = "https://ec2.eu-west-1.amazonaws.com"
+//! sign = "aws-sigv4"           # signed by the host (see signing)
+//! service = "ec2"
+//! region = "eu-west-1"
+//! credentials = "prod"         # DATA_DIR/credentials/prod.toml
+//! actions = ["RunInstances", "DescribeInstances"]
+//! max-count = 10
+//! require-tag = "broker-namespace=host0"
 //! ```
+//!
+//! TLS is [`tls`]'s (rustls, the machine's roots and a grant's `ca-file`),
+//! signing [`signing`]'s, and what a signed request may ask [`rules`]'.
 //!
 //! The room is [`HttpEgress`]: `wasi:http` is linked for every provider, and
 //! each request goes through the store's [`EgressHooks`] (`send_request`),
@@ -18,6 +29,7 @@
 
 use crate::runtime::HostState;
 use crate::runtime::rooms::{GrantLine, GrantValue, Linking, Room, StoreSetup};
+use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::uri::Scheme;
 use http_body_util::BodyExt;
@@ -34,7 +46,10 @@ use wasmtime::component::Linker;
 use wasmtime_wasi_http::io::TokioIo;
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpHooks, WasiHttpView};
 
+pub mod rules;
 pub mod script;
+pub mod signing;
+pub mod tls;
 pub use script::{Exchange, RecordedEgress, Script, Tape};
 
 /// How long to wait for a connection and for the first response byte when the
@@ -54,24 +69,46 @@ pub enum EgressTarget {
         /// 80 unless the grant gives one.
         port: u16,
     },
+    /// `https://host[:port]`: HTTP over TLS, the certificate checked for `host`.
+    Https {
+        /// A name or an IP address, as the grant writes it.
+        host: String,
+        /// 443 unless the grant gives one.
+        port: u16,
+    },
+}
+
+impl EgressTarget {
+    /// What the upstream is told it is (`Host`): `host`, with `:port` unless the scheme's own.
+    fn host_header(&self) -> Option<String> {
+        match self {
+            EgressTarget::Unix(_) => None,
+            EgressTarget::Tcp { host, port: 80 } | EgressTarget::Https { host, port: 443 } => Some(host.clone()),
+            EgressTarget::Tcp { host, port } | EgressTarget::Https { host, port } => Some(format!("{host}:{port}")),
+        }
+    }
 }
 
 impl std::str::FromStr for EgressTarget {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, String> {
-        let wrong = || format!("http grant target {text:?} must be `unix:/absolute/path` or `http://host[:port]`");
+        let wrong = || {
+            format!(
+                "http grant target {text:?} must be `unix:/absolute/path`, `http://host[:port]` or `https://host[:port]`"
+            )
+        };
         if let Some(path) = text.strip_prefix("unix:") {
             let path = PathBuf::from(path);
             let clean = path.is_absolute() && path.components().all(|c| !matches!(c, Component::ParentDir));
             return if clean { Ok(EgressTarget::Unix(path)) } else { Err(wrong()) };
         }
-        if text.starts_with("https://") {
-            return Err(format!(
-                "http grant target {text:?}: https is not supported yet; grant a plain http:// target"
-            ));
-        }
-        let rest = text.strip_prefix("http://").ok_or_else(wrong)?.trim_end_matches('/');
+        let (tls, rest) = match (text.strip_prefix("http://"), text.strip_prefix("https://")) {
+            (Some(rest), _) => (false, rest),
+            (_, Some(rest)) => (true, rest),
+            _ => return Err(wrong()),
+        };
+        let rest = rest.trim_end_matches('/');
         if rest.is_empty() || rest.contains('/') || rest.contains('@') {
             return Err(wrong());
         }
@@ -79,12 +116,12 @@ impl std::str::FromStr for EgressTarget {
             Some((host, port)) if !host.ends_with(']') || host.starts_with('[') => {
                 (host.to_owned(), port.parse::<u16>().map_err(|_| wrong())?)
             }
-            _ => (rest.to_owned(), 80),
+            _ => (rest.to_owned(), if tls { 443 } else { 80 }),
         };
         if host.is_empty() || port == 0 {
             return Err(wrong());
         }
-        Ok(EgressTarget::Tcp { host, port })
+        Ok(if tls { EgressTarget::Https { host, port } } else { EgressTarget::Tcp { host, port } })
     }
 }
 
@@ -93,19 +130,125 @@ impl fmt::Display for EgressTarget {
         match self {
             EgressTarget::Unix(path) => write!(f, "unix:{}", path.display()),
             EgressTarget::Tcp { host, port } => write!(f, "http://{host}:{port}"),
+            EgressTarget::Https { host, port } => write!(f, "https://{host}:{port}"),
         }
     }
 }
 
-/// The `[grants.http]` table: authority (as the guest writes it in its URLs) → target.
+/// One granted authority: where it goes and, for a signed one, how the host
+/// signs it and what it may ask.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// Where the host sends it.
+    pub target: EgressTarget,
+    /// PEM CAs an `https` target's certificate may chain to, besides the machine's.
+    pub ca_file: Option<PathBuf>,
+    /// Signed by the host with a credential the guest never sees.
+    pub signing: Option<signing::AwsSigning>,
+    /// What a signed request may ask, checked before it is sent.
+    pub rules: rules::Rules,
+}
+
+impl Route {
+    /// A plain route: the target, nothing else.
+    pub fn to(target: EgressTarget) -> Route {
+        Route { target, ca_file: None, signing: None, rules: rules::Rules::default() }
+    }
+
+    fn is_plain(&self) -> bool {
+        self.ca_file.is_none() && self.signing.is_none() && !self.rules.any()
+    }
+}
+
+/// `[grants.http.NAME]` as a table.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RouteTable {
+    url: String,
+    ca_file: Option<PathBuf>,
+    sign: Option<String>,
+    service: Option<String>,
+    region: Option<String>,
+    credentials: Option<String>,
+    #[serde(default)]
+    actions: Vec<String>,
+    max_count: Option<u32>,
+    require_tag: Option<String>,
+}
+
+/// An AWS service or region name: lowercase letters, digits and '-'.
+fn aws_name(what: &str, name: &str) -> Result<String, String> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+    if ok { Ok(name.to_owned()) } else { Err(format!("{what} {name:?} must be lowercase letters, digits and '-'")) }
+}
+
+impl RouteTable {
+    fn route(self, authority: &str) -> Result<Route, String> {
+        let at = |message: String| format!("[grants.http.{authority}]: {message}");
+        let target: EgressTarget = self.url.parse().map_err(at)?;
+        if let Some(ca_file) = &self.ca_file
+            && (!ca_file.is_absolute() || !matches!(target, EgressTarget::Https { .. }))
+        {
+            return Err(at(format!("ca-file {} needs an absolute path and an https:// url", ca_file.display())));
+        }
+        let signing = match self.sign.as_deref() {
+            Some("aws-sigv4") => {
+                let need = |key: &str, value: Option<String>| {
+                    value.ok_or_else(|| at(format!("sign = \"aws-sigv4\" needs {key}")))
+                };
+                let credentials = need("credentials", self.credentials)?;
+                signing::check_name(&credentials).map_err(at)?;
+                Some(signing::AwsSigning {
+                    service: aws_name("service", &need("service", self.service)?).map_err(at)?,
+                    region: aws_name("region", &need("region", self.region)?).map_err(at)?,
+                    credentials,
+                })
+            }
+            Some(other) => return Err(at(format!("sign = {other:?}: the host signs only \"aws-sigv4\""))),
+            None if self.service.is_some() || self.region.is_some() || self.credentials.is_some() => {
+                return Err(at("service, region and credentials go with sign = \"aws-sigv4\"".into()));
+            }
+            None => None,
+        };
+        let rules = rules::Rules {
+            actions: self.actions,
+            max_count: self.max_count,
+            require_tag: self.require_tag.as_deref().map(rules::parse_tag).transpose().map_err(at)?,
+        };
+        if rules.any() && signing.is_none() {
+            return Err(at("actions, max-count and require-tag limit what a credential may do: they need sign".into()));
+        }
+        let ec2_only = rules.max_count.is_some() || rules.require_tag.is_some();
+        if ec2_only && signing.as_ref().is_some_and(|s| s.service != "ec2") {
+            return Err(at(
+                "max-count and require-tag are EC2's RunInstances rules: they need service = \"ec2\"".into()
+            ));
+        }
+        if let Some(action) =
+            rules.actions.iter().find(|a| a.is_empty() || !a.chars().all(|c| c.is_ascii_alphanumeric()))
+        {
+            return Err(at(format!("action {action:?} is not an AWS action name")));
+        }
+        Ok(Route { target, ca_file: self.ca_file, signing, rules })
+    }
+}
+
+/// The `[grants.http]` table: authority (as the guest writes it in its URLs) → route.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HttpGrant {
-    authorities: BTreeMap<String, EgressTarget>,
+    authorities: BTreeMap<String, Route>,
 }
 
 impl HttpGrant {
-    /// Fails on an authority that is not lowercase letters, digits, `-`, `.` and an optional `:port`.
+    /// Plain routes. Fails on an authority that is not lowercase letters, digits, `-`, `.` and an optional `:port`.
     pub fn new(authorities: impl IntoIterator<Item = (String, EgressTarget)>) -> Result<Self, String> {
+        HttpGrant::routes(authorities.into_iter().map(|(name, target)| (name, Route::to(target))))
+    }
+
+    /// Routes of any kind; the authorities checked as [`HttpGrant::new`] does.
+    pub fn routes(authorities: impl IntoIterator<Item = (String, Route)>) -> Result<Self, String> {
         let authorities: BTreeMap<_, _> = authorities.into_iter().collect();
         for name in authorities.keys() {
             let ok = !name.is_empty()
@@ -120,7 +263,7 @@ impl HttpGrant {
         Ok(HttpGrant { authorities })
     }
 
-    pub(crate) fn target(&self, authority: &str) -> Option<&EgressTarget> {
+    pub(crate) fn route(&self, authority: &str) -> Option<&Route> {
         self.authorities.get(authority)
     }
 
@@ -128,25 +271,52 @@ impl HttpGrant {
         self.authorities.is_empty()
     }
 
-    /// Authorities and their targets, in authority order.
-    pub fn iter(&self) -> impl Iterator<Item = (&String, &EgressTarget)> {
+    /// Authorities and their routes, in authority order.
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Route)> {
         self.authorities.iter()
     }
 
-    /// An authority this grant has, or routes elsewhere, that `approved` does not.
+    /// An authority this grant has, or routes, signs or limits otherwise, that `approved` does not.
     pub fn widening(&self, approved: &HttpGrant) -> Option<String> {
         self.authorities
             .iter()
-            .find(|(name, target)| approved.authorities.get(*name) != Some(*target))
+            .find(|(name, route)| approved.authorities.get(*name) != Some(*route))
             .map(|(name, _)| format!("http authority {name:?}"))
     }
 }
 
-/// As the manifest writes it: authority -> target.
+/// As the manifest writes it: authority -> target, or a table.
 impl Serialize for HttpGrant {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_map(self.authorities.iter().map(|(name, target)| (name, target.to_string())))
+        s.collect_map(self.authorities.iter().map(|(name, route)| (name, route_value(route))))
     }
+}
+
+fn route_value(route: &Route) -> Value {
+    if route.is_plain() {
+        return Value::from(route.target.to_string());
+    }
+    let mut table = Map::new();
+    table.insert("url".into(), Value::from(route.target.to_string()));
+    if let Some(ca_file) = &route.ca_file {
+        table.insert("ca-file".into(), Value::from(ca_file.display().to_string()));
+    }
+    if let Some(signing) = &route.signing {
+        table.insert("sign".into(), Value::from("aws-sigv4"));
+        table.insert("service".into(), Value::from(signing.service.clone()));
+        table.insert("region".into(), Value::from(signing.region.clone()));
+        table.insert("credentials".into(), Value::from(signing.credentials.clone()));
+    }
+    if !route.rules.actions.is_empty() {
+        table.insert("actions".into(), Value::from(route.rules.actions.clone()));
+    }
+    if let Some(max) = route.rules.max_count {
+        table.insert("max-count".into(), Value::from(max));
+    }
+    if let Some((key, value)) = &route.rules.require_tag {
+        table.insert("require-tag".into(), Value::from(format!("{key}={value}")));
+    }
+    Value::Object(table)
 }
 
 impl GrantValue for HttpGrant {
@@ -164,9 +334,37 @@ impl GrantValue for HttpGrant {
 }
 
 impl HttpGrant {
-    /// `authority -> target`, as `provider show` and the API list them.
+    /// `authority -> target (how)`, as `provider show` and the API list them:
+    /// a credential by its name, never its content.
     fn listed(&self) -> Vec<String> {
-        self.authorities.iter().map(|(authority, target)| format!("{authority} -> {target}")).collect()
+        self.authorities
+            .iter()
+            .map(|(authority, route)| {
+                let mut how = Vec::new();
+                if let Some(ca_file) = &route.ca_file {
+                    how.push(format!("ca-file {}", ca_file.display()));
+                }
+                if let Some(signing) = &route.signing {
+                    how.push(format!(
+                        "signed aws-sigv4 for {}/{} with credentials {}",
+                        signing.service, signing.region, signing.credentials
+                    ));
+                }
+                if !route.rules.actions.is_empty() {
+                    how.push(format!("actions {}", route.rules.actions.join(" ")));
+                }
+                if let Some(max) = route.rules.max_count {
+                    how.push(format!("max-count {max}"));
+                }
+                if let Some((key, value)) = &route.rules.require_tag {
+                    how.push(format!("require-tag {key}={value}"));
+                }
+                match how.is_empty() {
+                    true => format!("{authority} -> {}", route.target),
+                    false => format!("{authority} -> {} ({})", route.target, how.join("; ")),
+                }
+            })
+            .collect()
     }
 }
 
@@ -176,13 +374,24 @@ fn shown_list(items: Vec<String>) -> String {
 
 impl<'de> Deserialize<'de> for HttpGrant {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let raw = BTreeMap::<String, String>::deserialize(d)?;
+        let raw = BTreeMap::<String, Value>::deserialize(d)?;
         let mut authorities = Vec::with_capacity(raw.len());
-        for (name, target) in raw {
-            let target = target.parse().map_err(serde::de::Error::custom)?;
-            authorities.push((name, target));
+        for (name, value) in raw {
+            let route = match value {
+                Value::String(target) => Route::to(target.parse().map_err(serde::de::Error::custom)?),
+                table @ Value::Object(_) => RouteTable::deserialize(table)
+                    .map_err(|e| serde::de::Error::custom(format!("[grants.http.{name}]: {e}")))?
+                    .route(&name)
+                    .map_err(serde::de::Error::custom)?,
+                other => {
+                    return Err(serde::de::Error::custom(format!(
+                        "[grants.http] {name}: a target string or a table with url, not {other}"
+                    )));
+                }
+            };
+            authorities.push((name, route));
         }
-        HttpGrant::new(authorities).map_err(serde::de::Error::custom)
+        HttpGrant::routes(authorities).map_err(serde::de::Error::custom)
     }
 }
 
@@ -201,8 +410,8 @@ pub enum EgressError {
     /// Refused: the URI has no authority to look up.
     #[error("the request names no authority")]
     NoAuthority,
-    /// Refused: only plain `http` goes out.
-    #[error("{scheme} is not supported: granted authorities are reached over plain http")]
+    /// Refused: the guest names `http` or `https`; the grant decides what is spoken.
+    #[error("{scheme} is not supported: name a granted authority as http://NAME/ (the grant decides TLS)")]
     Scheme {
         /// The scheme the request asked for.
         scheme: String,
@@ -225,6 +434,32 @@ pub enum EgressError {
         /// Where the grant sends it.
         target: String,
     },
+    /// TLS to an `https` target failed: an unknown CA, a certificate for another name, …
+    #[error("TLS to {target} for authority `{authority}` failed: {source}")]
+    Tls {
+        /// The granted authority.
+        authority: String,
+        /// Where the grant sends it.
+        target: String,
+        /// What failed.
+        source: tls::TlsError,
+    },
+    /// The host could not sign: its credentials are missing or unusable. Nothing was sent.
+    #[error("cannot sign the request for authority `{authority}`: {source}")]
+    Signing {
+        /// The granted authority.
+        authority: String,
+        /// What failed (never the secret).
+        source: signing::SigningError,
+    },
+    /// The grant's rules refuse the request. Nothing was sent.
+    #[error("request for authority `{authority}` {refused}")]
+    Refused {
+        /// The granted authority.
+        authority: String,
+        /// The rule and why.
+        refused: rules::Refused,
+    },
     /// A script had no answer for the request (conformance kit).
     #[error("{0}")]
     Unscripted(String),
@@ -239,7 +474,14 @@ pub enum EgressError {
 impl EgressError {
     fn code(&self) -> HttpError {
         match self {
-            EgressError::NotGranted { .. } | EgressError::NoBackend => HttpError::HttpRequestDenied,
+            EgressError::NotGranted { .. } | EgressError::NoBackend | EgressError::Refused { .. } => {
+                HttpError::HttpRequestDenied
+            }
+            EgressError::Tls { source, .. } if source.is_certificate() => HttpError::TlsCertificateError,
+            EgressError::Tls { .. } => HttpError::TlsProtocolError,
+            EgressError::Signing { authority, .. } => HttpError::InternalError(Some(format!(
+                "the host cannot sign requests for `{authority}` now: its log says why"
+            ))),
             EgressError::NoAuthority => HttpError::HttpRequestUriInvalid,
             EgressError::Scheme { .. } => HttpError::HttpProtocolError,
             EgressError::Connect { source, .. } => match source.kind() {
@@ -269,9 +511,19 @@ pub trait EgressBackend: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<SendResult, EgressError>>;
 }
 
-/// The granted targets, over a fresh connection per request.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct HostEgress;
+/// The granted targets, over a fresh connection per request; signed
+/// routes with the credentials in its dir (none: signed routes fail).
+#[derive(Clone, Debug, Default)]
+pub struct HostEgress {
+    credentials: Option<Arc<signing::CredentialsDir>>,
+}
+
+impl HostEgress {
+    /// Signing with the credentials in `dir` (`DATA_DIR/credentials`).
+    pub fn with_credentials(dir: PathBuf) -> HostEgress {
+        HostEgress { credentials: Some(Arc::new(signing::CredentialsDir::new(dir))) }
+    }
+}
 
 impl EgressBackend for HostEgress {
     fn send(
@@ -280,7 +532,7 @@ impl EgressBackend for HostEgress {
         request: http::Request<WasiBody>,
         options: Option<RequestOptions>,
     ) -> BoxFuture<'static, Result<SendResult, EgressError>> {
-        Box::pin(async move { send(&grant, request, options).await })
+        Box::pin(async move { send_with(&grant, self.credentials.as_deref(), request, options).await })
     }
 }
 
@@ -317,7 +569,7 @@ type SendResult = Result<(http::Response<WasiBody>, IoFuture), HttpError>;
 
 impl WasiHttpHooks for EgressHooks {
     fn is_supported_scheme(&mut self, scheme: &Scheme) -> bool {
-        *scheme == Scheme::HTTP
+        *scheme == Scheme::HTTP || *scheme == Scheme::HTTPS
     }
 
     fn default_scheme(&mut self) -> Option<Scheme> {
@@ -351,7 +603,9 @@ impl WasiHttpHooks for EgressHooks {
                 match sending.await {
                     Ok(sent) => sent,
                     Err(err) => {
-                        if let EgressError::NotGranted { .. } | EgressError::NoBackend = &err {
+                        if let EgressError::NotGranted { .. } | EgressError::NoBackend | EgressError::Refused { .. } =
+                            &err
+                        {
                             denials.note("wasi:http", &err.to_string());
                         } else if denials.log_allowed() {
                             tracing::warn!(provider = &*provider, error = %err, "http egress failed");
@@ -368,35 +622,129 @@ impl WasiHttpHooks for EgressHooks {
 trait Stream: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Stream for T {}
 
-async fn connect(target: &EgressTarget) -> std::io::Result<Box<dyn Stream>> {
-    Ok(match target {
-        EgressTarget::Unix(path) => Box::new(tokio::net::UnixStream::connect(path).await?),
-        EgressTarget::Tcp { host, port } => Box::new(tokio::net::TcpStream::connect((host.as_str(), *port)).await?),
+/// Why a connection could not be made: the transport's error, or TLS's.
+enum ConnectFailure {
+    Io(std::io::Error),
+    Tls(tls::TlsError),
+}
+
+async fn connect(route: &Route) -> Result<Box<dyn Stream>, ConnectFailure> {
+    Ok(match &route.target {
+        EgressTarget::Unix(path) => Box::new(tokio::net::UnixStream::connect(path).await.map_err(ConnectFailure::Io)?),
+        EgressTarget::Tcp { host, port } => {
+            Box::new(tokio::net::TcpStream::connect((host.as_str(), *port)).await.map_err(ConnectFailure::Io)?)
+        }
+        EgressTarget::Https { host, port } => {
+            let config = tls::client_config(route.ca_file.as_deref()).map_err(ConnectFailure::Tls)?;
+            let tcp = tokio::net::TcpStream::connect((host.as_str(), *port)).await.map_err(ConnectFailure::Io)?;
+            Box::new(tls::connect(tcp, host, config).await.map_err(ConnectFailure::Tls)?)
+        }
     })
 }
 
-/// The request's authority and its granted target, or why it may not go out.
-fn granted<'g>(
-    grant: &'g HttpGrant,
-    request: &http::Request<WasiBody>,
-) -> Result<(String, &'g EgressTarget), EgressError> {
+/// The request's authority and its granted route, or why it may not go out.
+fn granted<'g>(grant: &'g HttpGrant, request: &http::Request<WasiBody>) -> Result<(String, &'g Route), EgressError> {
     let authority = request.uri().authority().map(|a| a.as_str().to_owned()).ok_or(EgressError::NoAuthority)?;
-    let target = grant.target(&authority).ok_or_else(|| EgressError::NotGranted { authority: authority.clone() })?;
+    let route = grant.route(&authority).ok_or_else(|| EgressError::NotGranted { authority: authority.clone() })?;
     if let Some(scheme) = request.uri().scheme()
         && *scheme != Scheme::HTTP
+        && *scheme != Scheme::HTTPS
     {
         return Err(EgressError::Scheme { scheme: scheme.to_string() });
     }
-    Ok((authority, target))
+    Ok((authority, route))
 }
 
-/// Send one request to the target its authority is granted, over a fresh connection.
+/// Read a body the host must see whole (to check and sign it), at most `limit` bytes.
+async fn whole_body(body: WasiBody, limit: usize) -> Result<Bytes, EgressError> {
+    match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(EgressError::Body(format!("a request the host signs is at most {limit} bytes")))
+        }
+        Err(e) => Err(EgressError::Body(e.to_string())),
+    }
+}
+
+/// For a signed route: check the rules, then sign with the grant's
+/// credential. The guest's own signing headers are dropped first.
+async fn signed(
+    authority: &str,
+    route: &Route,
+    signing: &signing::AwsSigning,
+    credentials: Option<&signing::CredentialsDir>,
+    request: http::Request<WasiBody>,
+) -> Result<http::Request<WasiBody>, EgressError> {
+    let (mut parts, body) = request.into_parts();
+    let body = whole_body(body, rules::MAX_SIGNED_BODY).await?;
+    let content_type = parts.headers.get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
+    route
+        .rules
+        .check(parts.uri.query(), content_type, &body)
+        .map_err(|refused| EgressError::Refused { authority: authority.to_owned(), refused })?;
+    let failed = |source| EgressError::Signing { authority: authority.to_owned(), source };
+    let credentials = credentials
+        .ok_or_else(|| failed(signing::SigningError::NoCredentialsDir { name: signing.credentials.clone() }))?
+        .get(&signing.credentials)
+        .map_err(failed)?;
+    for name in signing::SIGNING_HEADERS {
+        parts.headers.remove(name);
+    }
+    // Signed as the upstream will see it: its own scheme, host and port.
+    let (scheme, host) = match &route.target {
+        EgressTarget::Https { .. } => ("https", route.target.host_header()),
+        _ => ("http", route.target.host_header()),
+    };
+    let host = host.unwrap_or_else(|| authority.to_owned());
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let absolute: http::Uri = format!("{scheme}://{host}{path}")
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| failed(signing::SigningError::Sign(e.to_string())))?;
+    let mut to_sign = http::Request::builder()
+        .method(parts.method.clone())
+        .uri(absolute)
+        .body(())
+        .map_err(|e| failed(signing::SigningError::Sign(e.to_string())))?;
+    *to_sign.headers_mut() = parts.headers.clone();
+    let host_value =
+        http::HeaderValue::from_str(&host).map_err(|e| failed(signing::SigningError::Sign(e.to_string())))?;
+    to_sign.headers_mut().insert(http::header::HOST, host_value);
+    signing::sign(&mut to_sign, &body, signing, credentials).map_err(failed)?;
+    parts.headers = to_sign.headers().clone();
+    let body = http_body_util::Full::new(body).map_err(|never| match never {}).boxed_unsync();
+    Ok(http::Request::from_parts(parts, body))
+}
+
+/// Send one request to the target its authority is granted, over a fresh
+/// connection: signed first where the grant says so (`credentials`: the
+/// host's credentials dir; `None` where the host keeps none).
 pub async fn send(
     grant: &HttpGrant,
-    mut request: http::Request<WasiBody>,
+    request: http::Request<WasiBody>,
     options: Option<RequestOptions>,
 ) -> Result<SendResult, EgressError> {
-    let (authority, target) = granted(grant, &request)?;
+    send_with(grant, None, request, options).await
+}
+
+async fn send_with(
+    grant: &HttpGrant,
+    credentials: Option<&signing::CredentialsDir>,
+    request: http::Request<WasiBody>,
+    options: Option<RequestOptions>,
+) -> Result<SendResult, EgressError> {
+    let (authority, route) = granted(grant, &request)?;
+    let target = &route.target;
+    let mut request = match &route.signing {
+        Some(signing) => signed(&authority, route, signing, credentials, request).await?,
+        None => request,
+    };
+    // An https upstream is told its own name (virtual hosts, certificates);
+    // a plain one still hears the grant's name, as it always has.
+    if let (EgressTarget::Https { .. }, Some(host)) = (target, target.host_header())
+        && let Ok(value) = http::HeaderValue::from_str(&host)
+    {
+        request.headers_mut().insert(http::header::HOST, value);
+    }
     let options = options.unwrap_or_default();
     let connect_timeout = options.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
     let first_byte_timeout = options.first_byte_timeout.unwrap_or(DEFAULT_FIRST_BYTE_TIMEOUT);
@@ -404,10 +752,13 @@ pub async fn send(
         |source| EgressError::Connect { authority: authority.clone(), target: target.to_string(), source };
     let timed_out = || EgressError::ConnectTimeout { authority: authority.clone(), target: target.to_string() };
 
-    let stream = tokio::time::timeout(connect_timeout, connect(target))
-        .await
-        .map_err(|_| timed_out())?
-        .map_err(connect_error)?;
+    let stream = match tokio::time::timeout(connect_timeout, connect(route)).await.map_err(|_| timed_out())? {
+        Ok(stream) => stream,
+        Err(ConnectFailure::Io(source)) => return Err(connect_error(source)),
+        Err(ConnectFailure::Tls(source)) => {
+            return Err(EgressError::Tls { authority: authority.clone(), target: target.to_string(), source });
+        }
+    };
     let handshake = hyper::client::conn::http1::handshake::<_, WasiBody>(TokioIo::new(stream));
     let (mut sender, connection) = match tokio::time::timeout(connect_timeout, handshake).await {
         Err(_) => return Err(timed_out()),
@@ -420,11 +771,18 @@ pub async fn send(
     let path = request.uri().path_and_query().map_or("/", |p| p.as_str()).to_owned();
     *request.uri_mut() =
         http::Uri::builder().path_and_query(path).build().map_err(|e| connect_error(std::io::Error::other(e)))?;
+    let signed = route.signing.is_some();
 
     Ok(async move {
-        let response = tokio::time::timeout(first_byte_timeout, sender.send_request(request))
+        let mut response = tokio::time::timeout(first_byte_timeout, sender.send_request(request))
             .await
             .map_err(|_| HttpError::ConnectionReadTimeout)??;
+        if signed {
+            // Whatever an upstream echoes of a signature stays with the host.
+            for name in signing::SIGNING_HEADERS {
+                response.headers_mut().remove(name);
+            }
+        }
         let response = response.map(|body| body.map_err(HttpError::from).boxed_unsync());
         let io: IoFuture = Box::new(async move {
             match connection.await {
@@ -464,7 +822,7 @@ impl Room for HttpEgress {
     type Prepared = ();
 
     fn host_backend() -> Option<Arc<dyn EgressBackend>> {
-        Some(Arc::new(HostEgress))
+        Some(Arc::new(HostEgress::default()))
     }
 
     fn ctx(grant: &HttpGrant, backend: Option<Arc<dyn EgressBackend>>, store: &StoreSetup<'_>) -> EgressCtx {
@@ -599,8 +957,8 @@ mod tests {
         for bad in ["unix:relative.sock", "unix:/a/../b", "ftp://x", "http://", "http://h:99999", "http://h/p", "x"] {
             assert!(bad.parse::<EgressTarget>().is_err(), "{bad} should be refused");
         }
-        let https = "https://x".parse::<EgressTarget>().unwrap_err();
-        assert!(https.contains("https is not supported"), "{https}");
+        assert_eq!("https://x".parse(), Ok(EgressTarget::Https { host: "x".into(), port: 443 }));
+        assert_eq!("https://x:8443/".parse(), Ok(EgressTarget::Https { host: "x".into(), port: 8443 }));
         assert!(HttpGrant::new([("LXD".to_owned(), EgressTarget::Unix("/x".into()))]).is_err());
     }
 
@@ -625,8 +983,8 @@ mod tests {
         // The same authority with a port is a different authority.
         let other_port = refused(send(&grant, request("http://lxd:8443/1.0", ""), None).await);
         assert!(matches!(other_port, EgressError::NotGranted { .. }));
-        let https = refused(send(&grant, request("https://lxd/1.0", ""), None).await);
-        assert!(matches!(https, EgressError::Scheme { .. }), "{https}");
+        let ftp = refused(send(&grant, request("ftp://lxd/1.0", ""), None).await);
+        assert!(matches!(ftp, EgressError::Scheme { .. }), "{ftp}");
     }
 
     #[tokio::test]
@@ -648,5 +1006,218 @@ mod tests {
         let missing = refused(send(&grant, request("http://gone/x", ""), None).await);
         assert!(matches!(missing.code(), HttpError::DestinationNotFound), "{missing}");
         assert!(missing.to_string().contains("/nonexistent/broker-test.socket"), "{missing}");
+    }
+
+    fn grant_from(toml_text: &str) -> Result<HttpGrant, String> {
+        #[derive(Deserialize)]
+        struct Grants {
+            http: HttpGrant,
+        }
+        toml::from_str::<Grants>(toml_text).map(|g| g.http).map_err(|e| e.to_string())
+    }
+
+    /// A table grant parses, lists its credential by name only, round-trips,
+    /// and each wrong key is refused with what is wrong.
+    #[test]
+    fn a_signed_grant_parses_strictly_and_lists_its_credential_by_name() {
+        let grant = grant_from(
+            "[http]\nlxd = \"unix:/run/lxd.sock\"\n[http.ec2]\nurl = \"https://ec2.eu-west-1.amazonaws.com\"\n\
+             sign = \"aws-sigv4\"\nservice = \"ec2\"\nregion = \"eu-west-1\"\ncredentials = \"prod\"\n\
+             actions = [\"RunInstances\"]\nmax-count = 4\nrequire-tag = \"broker-namespace=ns1\"\n",
+        )
+        .unwrap();
+        let route = grant.route("ec2").unwrap();
+        assert_eq!(route.target, EgressTarget::Https { host: "ec2.eu-west-1.amazonaws.com".into(), port: 443 });
+        assert_eq!(route.rules.require_tag, Some(("broker-namespace".into(), "ns1".into())));
+        let listed = grant.listed().join("; ");
+        assert!(listed.contains("signed aws-sigv4 for ec2/eu-west-1 with credentials prod"), "{listed}");
+        let again: HttpGrant = serde_json::from_value(serde_json::to_value(&grant).unwrap()).unwrap();
+        assert_eq!(again, grant, "what is stored reads back the same");
+        let mut narrower = grant.clone();
+        narrower.authorities.get_mut("ec2").unwrap().rules.max_count = Some(40);
+        assert!(narrower.widening(&grant).is_some(), "a raised cap needs approval");
+
+        let wrong =
+            |extra: &str| grant_from(&format!("[http.ec2]\nurl = \"https://ec2.example\"\n{extra}")).unwrap_err();
+        assert!(wrong("sign = \"aws-sigv4\"\nservice = \"ec2\"\nregion = \"r1\"\n").contains("needs credentials"));
+        assert!(wrong("sign = \"hmac\"\n").contains("only \"aws-sigv4\""));
+        assert!(wrong("credentials = \"prod\"\n").contains("go with sign"));
+        assert!(wrong("max-count = 3\n").contains("need sign"));
+        assert!(wrong("secret = \"x\"\n").contains("unknown field"));
+        assert!(wrong("ca-file = \"relative.pem\"\n").contains("absolute"));
+        let s3 = "sign = \"aws-sigv4\"\nservice = \"s3\"\nregion = \"r1\"\ncredentials = \"c\"\nmax-count = 1\n";
+        assert!(wrong(s3).contains("service = \"ec2\""));
+        let walk = "sign = \"aws-sigv4\"\nservice = \"ec2\"\nregion = \"r1\"\ncredentials = \"../c\"\n";
+        assert!(wrong(walk).contains("credentials name"));
+    }
+
+    /// The tests' own CA and a certificate for `localhost` from it (PEM, and the server's config).
+    fn test_ca() -> (String, Arc<rustls::ServerConfig>) {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let issuer = rcgen::Issuer::new(ca, ca_key);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let leaf =
+            rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap().signed_by(&key, &issuer).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![leaf.der().clone()],
+                rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap(),
+            )
+            .unwrap();
+        (ca_cert.pem(), Arc::new(config))
+    }
+
+    /// Serve TLS on a free port: each request answered 200 with its own head
+    /// (every header line) and body, and headers an upstream might echo.
+    async fn tls_server(config: Arc<rustls::ServerConfig>) -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = served.clone();
+        tokio::spawn(async move {
+            let acceptor = tokio_rustls::TlsAcceptor::from(config);
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                let Ok(tls) = acceptor.accept(tcp).await else { continue };
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut reader = BufReader::new(tls);
+                let mut head = String::new();
+                let mut length = 0usize;
+                loop {
+                    let mut line = String::new();
+                    reader.read_line(&mut line).await.unwrap();
+                    if line.trim_end().is_empty() {
+                        break;
+                    }
+                    if let Some(n) = line.to_ascii_lowercase().strip_prefix("content-length: ") {
+                        length = n.trim().parse().unwrap();
+                    }
+                    head.push_str(&line);
+                }
+                let mut body = vec![0; length];
+                reader.read_exact(&mut body).await.unwrap();
+                let reply = format!("{head}\n{}", String::from_utf8_lossy(&body));
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nx-amz-security-token: echoed\r\nx-upstream: yes\r\n\
+                     connection: close\r\n\r\n{reply}",
+                    reply.len()
+                );
+                let mut stream = reader.into_inner();
+                stream.write_all(answer.as_bytes()).await.unwrap();
+                stream.shutdown().await.ok();
+            }
+        });
+        (port, served)
+    }
+
+    /// Through real TLS: a target whose certificate chains to the grant's
+    /// `ca-file` is reached and told its own name; without the CA, or under
+    /// another name, the error is a certificate error naming the target.
+    #[tokio::test]
+    async fn https_targets_check_the_certificate_against_the_grants_ca() {
+        let (ca_pem, server) = test_ca();
+        let (port, served) = tls_server(server).await;
+        let dir = tempfile::tempdir().unwrap();
+        let ca_file = dir.path().join("ca.pem");
+        std::fs::write(&ca_file, ca_pem).unwrap();
+        let route = |host: &str, ca: bool| Route {
+            ca_file: ca.then(|| ca_file.clone()),
+            ..Route::to(EgressTarget::Https { host: host.into(), port })
+        };
+        let grant = HttpGrant::routes([
+            ("api".to_owned(), route("localhost", true)),
+            ("untrusted".to_owned(), route("localhost", false)),
+            ("misnamed".to_owned(), route("127.0.0.1", true)),
+        ])
+        .unwrap();
+        let (status, body) = body_text(send(&grant, request("http://api/v1?x=1", "hi"), None).await.unwrap()).await;
+        assert_eq!(status, 200);
+        assert!(body.starts_with("POST /v1?x=1 HTTP/1.1"), "{body}");
+        assert!(body.to_ascii_lowercase().contains(&format!("host: localhost:{port}")), "told its own name: {body}");
+        assert!(body.ends_with("\nhi"), "{body}");
+        for (authority, says) in [("untrusted", "UnknownIssuer"), ("misnamed", "not valid for name")] {
+            let failed = refused(send(&grant, request(&format!("http://{authority}/"), ""), None).await);
+            assert!(matches!(failed.code(), HttpError::TlsCertificateError), "{failed}");
+            let text = failed.to_string();
+            assert!(text.contains(&format!(":{port}")) && text.contains(says), "names the target and why: {text}");
+        }
+        assert_eq!(served.load(std::sync::atomic::Ordering::SeqCst), 1, "only the trusted handshake completed");
+    }
+
+    /// A signed grant: the host drops the guest's own signature headers,
+    /// signs with the credentials file, keeps what the upstream echoes of a
+    /// signature from the guest; a request the rules refuse, or one the host
+    /// has no credentials for, never reaches the upstream.
+    #[tokio::test]
+    async fn a_signed_grant_is_signed_by_the_host_and_its_rules_hold_before_sending() {
+        use std::os::unix::fs::PermissionsExt;
+        let (ca_pem, server) = test_ca();
+        let (port, served) = tls_server(server).await;
+        let dir = tempfile::tempdir().unwrap();
+        let ca_file = dir.path().join("ca.pem");
+        std::fs::write(&ca_file, ca_pem).unwrap();
+        let credentials = dir.path().join("credentials");
+        std::fs::create_dir(&credentials).unwrap();
+        let file = credentials.join("prod.toml");
+        std::fs::write(&file, "access-key-id = \"AKIATEST\"\nsecret-access-key = \"very-secret-key\"\n").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let grant = HttpGrant::routes([(
+            "ec2".to_owned(),
+            Route {
+                ca_file: Some(ca_file),
+                signing: Some(signing::AwsSigning {
+                    service: "ec2".into(),
+                    region: "eu-west-1".into(),
+                    credentials: "prod".into(),
+                }),
+                rules: rules::Rules { actions: vec!["DescribeRegions".into()], ..Default::default() },
+                ..Route::to(EgressTarget::Https { host: "localhost".into(), port })
+            },
+        )])
+        .unwrap();
+        let form = |body: &'static str| {
+            let mut request = request("http://ec2/", body);
+            request.headers_mut().insert("content-type", "application/x-www-form-urlencoded".parse().unwrap());
+            request.headers_mut().insert("authorization", "AWS4-HMAC-SHA256 Credential=FORGED/x".parse().unwrap());
+            request
+        };
+        let host = HostEgress::with_credentials(credentials.clone());
+        let signed = Arc::new(host.clone()).send(Arc::new(grant.clone()), form("Action=DescribeRegions"), None);
+        let (response, io) = signed.await.unwrap().unwrap();
+        assert!(!response.headers().contains_key("x-amz-security-token"), "an echoed signature header is dropped");
+        assert_eq!(response.headers()["x-upstream"], "yes");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        Box::into_pin(io).await.unwrap();
+        let seen = String::from_utf8_lossy(&body).to_ascii_lowercase();
+        assert!(seen.contains("authorization: aws4-hmac-sha256 credential=akiatest/"), "{seen}");
+        assert!(!seen.contains("forged") && !seen.contains("very-secret-key"), "{seen}");
+        assert!(seen.contains(&format!("host: localhost:{port}")) && seen.contains("x-amz-date: "), "{seen}");
+        assert_eq!(served.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+        let refused_by_rule = Arc::new(host.clone()).send(Arc::new(grant.clone()), form("Action=RunInstances"), None);
+        let refused_by_rule = refused(refused_by_rule.await);
+        assert!(matches!(&refused_by_rule, EgressError::Refused { refused, .. } if refused.rule == "actions"));
+        assert!(matches!(refused_by_rule.code(), HttpError::HttpRequestDenied));
+        // The kit holds the rules too, with nothing sent.
+        let script = Arc::new(Script::new(Vec::new()));
+        let in_kit = refused(script.send(Arc::new(grant.clone()), form("Action=RunInstances"), None).await);
+        assert!(matches!(in_kit, EgressError::Refused { .. }), "{in_kit}");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let exposed = refused(Arc::new(host).send(Arc::new(grant.clone()), form("Action=DescribeRegions"), None).await);
+        assert!(
+            matches!(exposed, EgressError::Signing { .. }) && exposed.to_string().contains("chmod 600"),
+            "{exposed}"
+        );
+        let nowhere =
+            refused(Arc::new(HostEgress::default()).send(Arc::new(grant), form("Action=DescribeRegions"), None).await);
+        assert!(nowhere.to_string().contains("keeps no credentials"), "{nowhere}");
+        assert_eq!(served.load(std::sync::atomic::Ordering::SeqCst), 1, "nothing refused reached the upstream");
     }
 }

@@ -186,10 +186,18 @@ pub(super) async fn replay(
     grant: &HttpGrant,
     request: http::Request<WasiBody>,
 ) -> Result<SendResult, EgressError> {
-    let (authority, _) = granted(grant, &request)?;
+    let (authority, route) = granted(grant, &request)?;
     let (method, path) = (request.method().to_string(), path_of(&request));
+    let query = request.uri().query().map(str::to_owned);
+    let content_type =
+        request.headers().get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_owned);
     // Read the body even so: the guest writes it after sending and would wait forever.
-    body_text(request.into_body()).await?;
+    let body = body_text(request.into_body()).await?;
+    // A signed grant's rules hold in the kit as on the host.
+    route
+        .rules
+        .check(query.as_deref(), content_type.as_deref(), &body)
+        .map_err(|refused| EgressError::Refused { authority: authority.clone(), refused })?;
     let next = script.answer(&authority, &method, &path)?;
     let response = http::Response::builder()
         .status(next.status)
@@ -233,7 +241,7 @@ mod tests {
         });
         let grant = Arc::new(HttpGrant::new([("lxd".to_owned(), EgressTarget::Unix(socket))]).unwrap());
         let tape = Arc::new(Tape::default());
-        let recorded = Arc::new(RecordedEgress::new(Arc::new(super::super::HostEgress), tape.clone()));
+        let recorded = Arc::new(RecordedEgress::new(Arc::new(super::super::HostEgress::default()), tape.clone()));
         let record = |request| recorded.clone().send(grant.clone(), request, None);
         assert_eq!(text(record(get("http://lxd/1.0")).await).await, (200, "{\"n\":1}".into()));
         assert_eq!(text(record(get("http://lxd/1.0/x?p=1")).await).await, (200, "{\"n\":2}".into()));
