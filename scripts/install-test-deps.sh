@@ -7,6 +7,15 @@
 # address is written here.
 set -euo pipefail
 
+# moto (an EC2-compatible server, run by the cloud tests with signature
+# checking on) in a virtual environment under target/, pinned.
+root="$(cd "$(dirname "$0")/.." && pwd)"
+venv="$root/target/moto-venv"
+if ! "$venv/bin/python" -c 'import moto, boto3' 2>/dev/null; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q 'moto[server]==5.2.5'
+fi
+
 wanted=(qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils genisoimage:genisoimage cpio:cpio busybox:busybox-static bwrap:bubblewrap)
 missing=()
 for pair in "${wanted[@]}"; do

@@ -12,6 +12,7 @@ use std::sync::Arc;
 pub use guest_artifacts::{manifest as bundled_manifest, manifest_text as bundled_manifest_text, wasm};
 
 pub mod incus;
+pub mod moto;
 pub mod netns;
 
 /// Write `provider.toml` for a built guest into `dir`; `extra` is appended

@@ -8,6 +8,7 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
 mod bridge;
+mod cloud;
 mod conformance;
 mod contract;
 mod fake_provider;
