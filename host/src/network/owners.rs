@@ -238,7 +238,8 @@ impl DeviceOwners for MemoryOwners {
 }
 
 /// Forget every record that names no device the provider made (made in
-/// another boot, or its name now another device's): at the daemon's start.
+/// another boot, its name now another device's, or a claim whose device was
+/// never made): at the daemon's start.
 /// How many were forgotten.
 pub async fn prune_stale(network: &dyn NetworkBackend) -> Result<usize, OwnersError> {
     let Some(owners) = network.owners() else { return Ok(0) };
@@ -250,8 +251,14 @@ pub async fn prune_stale(network: &dyn NetworkBackend) -> Result<usize, OwnersEr
     let mut forgotten = 0;
     for (name, record) in records {
         let device = devices.iter().find(|d| d.name == name);
-        if !record.names(device) && owners.replace(&name, &record, None).await? {
+        // A claim never completed (a crash between it and the make) names
+        // nothing: dropped, or a device made later under the name would be taken for it.
+        let unmade = record.index.is_none() && device.is_none();
+        if (!record.names(device) || unmade) && owners.replace(&name, &record, None).await? {
             forgotten += 1;
+        } else if device.is_some() {
+            // Written before records held indexes: the device there now gets its index.
+            settled_owner(&*owners, &name, device).await?;
         }
     }
     Ok(forgotten)

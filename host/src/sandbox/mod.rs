@@ -475,10 +475,14 @@ impl Sandbox {
 
     /// The name of `provider`'s cgroup and scratch tmpfs: its uid, which is
     /// its alone; where every provider runs as one `[sandbox] user`, the uid
-    /// and a hash of the provider's name, so each still has bounds and a
+    /// and the provider's name, so each still has bounds and a
     /// `/tmp` of its own (the uid's files and processes stay shared: README).
     pub(crate) fn bounds_key(&self, provider: &str, uid: u32) -> String {
         match self.config.user {
+            // A manifest's name ([a-z0-9-]): no hash, so no two providers can collide.
+            Some(_) if provider.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') => {
+                format!("{uid}-{provider}")
+            }
             Some(_) => format!("{uid}-{:08x}", name_hash(provider)),
             None => uid.to_string(),
         }

@@ -176,6 +176,21 @@ struct RouteTable {
     require_tag: Option<String>,
 }
 
+/// Where a signature may travel: over TLS, or in plain text only to this machine.
+fn signs_safely(target: &EgressTarget) -> bool {
+    match target {
+        EgressTarget::Https { .. } => true,
+        EgressTarget::Tcp { host, .. } => {
+            host == "localhost"
+                || host
+                    .trim_matches(|c| c == '[' || c == ']')
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback())
+        }
+        EgressTarget::Unix(_) => false,
+    }
+}
+
 /// An AWS service or region name: lowercase letters, digits and '-'.
 fn aws_name(what: &str, name: &str) -> Result<String, String> {
     let ok = !name.is_empty()
@@ -212,6 +227,11 @@ impl RouteTable {
             }
             None => None,
         };
+        if signing.is_some() && !signs_safely(&target) {
+            return Err(at(format!(
+                "sign sends a signature and perhaps a session token: the url must be https:// (plain http only to loopback), not {target}"
+            )));
+        }
         let rules = rules::Rules {
             actions: self.actions,
             max_count: self.max_count,
@@ -221,6 +241,9 @@ impl RouteTable {
             return Err(at("actions, max-count and require-tag limit what a credential may do: they need sign".into()));
         }
         let ec2_only = rules.max_count.is_some() || rules.require_tag.is_some();
+        if ec2_only && rules.actions.is_empty() {
+            return Err(at("max-count and require-tag bound RunInstances only: list the allowed actions too".into()));
+        }
         if ec2_only && signing.as_ref().is_some_and(|s| s.service != "ec2") {
             return Err(at(
                 "max-count and require-tag are EC2's RunInstances rules: they need service = \"ec2\"".into()
@@ -678,10 +701,11 @@ async fn signed(
     let (mut parts, body) = request.into_parts();
     let body = whole_body(body, rules::MAX_SIGNED_BODY).await?;
     let content_type = parts.headers.get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
-    route
-        .rules
-        .check(parts.uri.query(), content_type, &body)
-        .map_err(|refused| EgressError::Refused { authority: authority.to_owned(), refused })?;
+    let refuse = |refused| EgressError::Refused { authority: authority.to_owned(), refused };
+    if route.rules.any() {
+        rules::check_headers(&parts.headers).map_err(refuse)?;
+    }
+    route.rules.check(parts.uri.query(), content_type, &body).map_err(refuse)?;
     let failed = |source| EgressError::Signing { authority: authority.to_owned(), source };
     let credentials = credentials
         .ok_or_else(|| failed(signing::SigningError::NoCredentialsDir { name: signing.credentials.clone() }))?
@@ -1045,8 +1069,14 @@ mod tests {
         assert!(wrong("max-count = 3\n").contains("need sign"));
         assert!(wrong("secret = \"x\"\n").contains("unknown field"));
         assert!(wrong("ca-file = \"relative.pem\"\n").contains("absolute"));
-        let s3 = "sign = \"aws-sigv4\"\nservice = \"s3\"\nregion = \"r1\"\ncredentials = \"c\"\nmax-count = 1\n";
-        assert!(wrong(s3).contains("service = \"ec2\""));
+        let signed = "sign = \"aws-sigv4\"\nregion = \"r1\"\ncredentials = \"c\"\n";
+        let s3 = format!("{signed}service = \"s3\"\nactions = [\"PutObject\"]\nmax-count = 1\n");
+        assert!(wrong(&s3).contains("service = \"ec2\""));
+        let unlisted = format!("{signed}service = \"ec2\"\nmax-count = 1\n");
+        assert!(wrong(&unlisted).contains("list the allowed actions"), "{}", wrong(&unlisted));
+        let plain = grant_from(&format!("[http.ec2]\nurl = \"http://ec2.example\"\n{signed}service = \"ec2\"\n"));
+        assert!(plain.unwrap_err().contains("must be https://"));
+        assert!(grant_from(&format!("[http.ec2]\nurl = \"http://127.0.0.1:9\"\n{signed}service = \"ec2\"\n")).is_ok());
         let walk = "sign = \"aws-sigv4\"\nservice = \"ec2\"\nregion = \"r1\"\ncredentials = \"../c\"\n";
         assert!(wrong(walk).contains("credentials name"));
     }

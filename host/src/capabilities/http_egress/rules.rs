@@ -38,6 +38,35 @@ fn refused(rule: &'static str, reason: impl Into<String>) -> Refused {
     Refused { rule, reason: reason.into() }
 }
 
+/// The most parameters a checked request may carry.
+const MAX_PARAMETERS: usize = 1000;
+
+/// A guest's value in a refusal: cut, so a 4 MiB value is not a 4 MiB log line.
+fn shown(text: &str) -> String {
+    match text.char_indices().nth(100) {
+        Some((at, _)) => format!("{:?}…", &text[..at]),
+        None => format!("{text:?}"),
+    }
+}
+
+/// Headers that could make the server read a request otherwise than the
+/// host did: an action from a header, a compressed or re-framed body.
+pub fn check_headers(headers: &http::HeaderMap) -> Result<(), Refused> {
+    if headers.contains_key("x-amz-target") {
+        return Err(refused("actions", "x-amz-target names an action the host does not read: refused"));
+    }
+    if headers.get_all(http::header::CONTENT_ENCODING).iter().any(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity")) {
+        return Err(refused("actions", "a content-encoding other than identity hides the body from the host"));
+    }
+    if headers.contains_key(http::header::TRANSFER_ENCODING) {
+        return Err(refused("actions", "transfer-encoding is the host's to set"));
+    }
+    if headers.get_all(http::header::CONTENT_TYPE).iter().count() > 1 {
+        return Err(refused("actions", "content-type is given more than once"));
+    }
+    Ok(())
+}
+
 impl Rules {
     /// Whether any rule is set (then every request is read and checked).
     pub fn any(&self) -> bool {
@@ -45,6 +74,7 @@ impl Rules {
     }
 
     /// Check one request: its query string and its body (a form, or empty).
+    /// Parameters come from one of the two, never both.
     pub fn check(&self, query: Option<&str>, content_type: Option<&str>, body: &[u8]) -> Result<(), Refused> {
         if !self.any() {
             return Ok(());
@@ -55,20 +85,27 @@ impl Rules {
         if !body.is_empty() && !form {
             return Err(refused("actions", "the body is not an AWS Query form (application/x-www-form-urlencoded)"));
         }
+        let query = query.unwrap_or_default();
+        if !query.is_empty() && !body.is_empty() {
+            return Err(refused("actions", "parameters in both the query string and the body: send them in one"));
+        }
+        let source = if body.is_empty() { query.as_bytes() } else { body };
         let mut params: BTreeMap<String, String> = BTreeMap::new();
         let mut seen = std::collections::BTreeSet::new();
-        let pairs = form_urlencoded::parse(query.unwrap_or_default().as_bytes()).chain(form_urlencoded::parse(body));
-        for (key, value) in pairs {
+        for (key, value) in form_urlencoded::parse(source) {
+            if params.len() >= MAX_PARAMETERS {
+                return Err(refused("actions", format!("more than {MAX_PARAMETERS} parameters")));
+            }
             if !seen.insert(key.to_ascii_lowercase()) {
-                return Err(refused("actions", format!("parameter {key:?} is given more than once")));
+                return Err(refused("actions", format!("parameter {} is given more than once", shown(&key))));
             }
             params.insert(key.into_owned(), value.into_owned());
         }
         let action = params.get("Action").ok_or_else(|| refused("actions", "the request names no Action"))?;
         if !self.actions.is_empty() && !self.actions.iter().any(|allowed| allowed == action) {
-            return Err(refused("actions", format!("Action {action:?} is not among {:?}", self.actions)));
+            return Err(refused("actions", format!("Action {} is not among {:?}", shown(action), self.actions)));
         }
-        if action == "RunInstances" {
+        if action.trim().eq_ignore_ascii_case("RunInstances") {
             self.check_run_instances(&params)?;
         }
         Ok(())
@@ -82,44 +119,71 @@ impl Rules {
                 let count: u64 = value
                     .trim()
                     .parse()
-                    .map_err(|_| refused("max-count", format!("{key} {value:?} is not a count")))?;
+                    .map_err(|_| refused("max-count", format!("{key} {} is not a count", shown(value))))?;
                 if count > u64::from(cap) {
                     return Err(refused("max-count", format!("{key} {count} is over the grant's {cap}")));
                 }
             }
         }
-        if let Some((key, value)) = &self.require_tag
-            && !tags_instances_with(params, key, value)
-        {
-            return Err(refused(
-                "require-tag",
-                format!(
-                    "RunInstances must tag its instances {key}={value} in a TagSpecification of ResourceType instance"
-                ),
-            ));
+        if let Some((key, value)) = &self.require_tag {
+            instance_tags_carry(params, key, value)?;
         }
         Ok(())
     }
 }
 
-/// Whether a `TagSpecification.N` of `ResourceType=instance` has a
-/// `Tag.M` with `key` and `value`.
-fn tags_instances_with(params: &BTreeMap<String, String>, key: &str, value: &str) -> bool {
-    params.iter().any(|(name, resource)| {
-        let Some(spec) = name.strip_prefix("TagSpecification.").and_then(|r| r.strip_suffix(".ResourceType")) else {
-            return false;
-        };
-        resource == "instance"
-            && params.iter().any(|(tag, tag_key)| {
-                let Some(n) =
-                    tag.strip_prefix(&format!("TagSpecification.{spec}.Tag.")).and_then(|r| r.strip_suffix(".Key"))
-                else {
-                    return false;
-                };
-                tag_key == key
-                    && params.get(&format!("TagSpecification.{spec}.Tag.{n}.Value")).map(String::as_str) == Some(value)
-            })
-    })
+/// One `TagSpecification.N`: whether it is for instances, and its `Tag.M` (key, value).
+type Spec<'a> = (bool, BTreeMap<&'a str, (Option<&'a str>, Option<&'a str>)>);
+
+/// A list index as AWS writes it: decimal, no leading zero.
+fn canonical_index(text: &str) -> bool {
+    !text.is_empty() && text.len() <= 6 && text.bytes().all(|b| b.is_ascii_digit()) && !text.starts_with('0')
+}
+
+/// Every tag on instances (`TagSpecification.N` of `ResourceType=instance`,
+/// `Tag.M`) whose key is `key` carries `value`, and there is one: the server
+/// keeps whichever comes last, so one right tag beside a wrong one is not enough.
+/// One pass over the parameters (sorted: a spec's keys are together).
+fn instance_tags_carry(params: &BTreeMap<String, String>, key: &str, value: &str) -> Result<(), Refused> {
+    let wrong =
+        |why: String| refused("require-tag", format!("RunInstances must tag its instances {key}={value}: {why}"));
+    let mut specs: BTreeMap<&str, Spec<'_>> = BTreeMap::new();
+    for (name, given) in
+        params.range::<str, _>((std::ops::Bound::Included("TagSpecification."), std::ops::Bound::Unbounded))
+    {
+        let Some(rest) = name.strip_prefix("TagSpecification.") else { break };
+        let (spec, field) = rest.split_once('.').unwrap_or((rest, ""));
+        if !canonical_index(spec) {
+            return Err(wrong(format!("TagSpecification index {} is not plain decimal", shown(spec))));
+        }
+        let entry = specs.entry(spec).or_default();
+        if field == "ResourceType" {
+            entry.0 = given == "instance";
+        } else if let Some(tag) = field.strip_prefix("Tag.") {
+            let (n, part) = tag.split_once('.').unwrap_or((tag, ""));
+            if !canonical_index(n) {
+                return Err(wrong(format!("Tag index {} is not plain decimal", shown(n))));
+            }
+            let slot = entry.1.entry(n).or_default();
+            match part {
+                "Key" => slot.0 = Some(given),
+                "Value" => slot.1 = Some(given),
+                _ => {}
+            }
+        }
+    }
+    let mut carried = false;
+    for (_, tags) in specs.values().filter(|(instances, _)| *instances) {
+        for (tag_key, tag_value) in tags.values() {
+            if *tag_key == Some(key) {
+                if *tag_value != Some(value) {
+                    return Err(wrong(format!("another value {} is given too", shown(tag_value.unwrap_or("")))));
+                }
+                carried = true;
+            }
+        }
+    }
+    if carried { Ok(()) } else { Err(wrong("in a TagSpecification of ResourceType instance".into())) }
 }
 
 /// `k=v` as the grant writes `require-tag`.
@@ -174,7 +238,7 @@ mod tests {
         let twice = run("&Action=TerminateInstances");
         assert!(rules.check(None, FORM, twice.as_bytes()).unwrap_err().reason.contains("more than once"));
         let split = rules.check(Some("Action=TerminateInstances"), FORM, run("").as_bytes()).unwrap_err();
-        assert!(split.reason.contains("more than once"), "{split}");
+        assert!(split.reason.contains("both the query string and the body"), "{split}");
         let cased = rules.check(None, FORM, run("&maxcount=50").as_bytes()).unwrap_err();
         assert!(cased.reason.contains("more than once"), "{cased}");
         let json = rules.check(None, Some("application/json"), b"{\"Action\":\"RunInstances\"}").unwrap_err();
@@ -182,6 +246,27 @@ mod tests {
         // Encoded keys are read as the server reads them.
         let encoded = run("").replace("MaxCount=3", "Max%43ount=60");
         assert_eq!(rules.check(None, FORM, encoded.as_bytes()).unwrap_err().rule, "max-count");
+        // Split between the query and the body, a second tag that overrides, odd indexes, headers.
+        let both = rules.check(Some("Action=DescribeInstances"), FORM, b"MaxCount=900").unwrap_err();
+        assert!(both.reason.contains("both the query string and the body"), "{both}");
+        let second = run("&TagSpecification.2.ResourceType=instance&TagSpecification.2.Tag.1.Key=broker-namespace\
+                          &TagSpecification.2.Tag.1.Value=ns2");
+        assert_eq!(rules.check(None, FORM, second.as_bytes()).unwrap_err().rule, "require-tag");
+        let padded = run("").replace("TagSpecification.1.Tag.1.Value", "TagSpecification.1.Tag.01.Value");
+        assert_eq!(rules.check(None, FORM, padded.as_bytes()).unwrap_err().rule, "require-tag");
+        let mut headers = http::HeaderMap::new();
+        headers.insert("x-amz-target", "x.RunInstances".parse().unwrap());
+        assert!(check_headers(&headers).is_err());
+        let mut headers = http::HeaderMap::new();
+        headers.insert("content-encoding", "gzip".parse().unwrap());
+        assert!(check_headers(&headers).is_err());
+        let mut headers = http::HeaderMap::new();
+        headers.append("content-type", "application/x-www-form-urlencoded".parse().unwrap());
+        headers.append("content-type", "multipart/form-data".parse().unwrap());
+        assert!(check_headers(&headers).is_err());
+        // Many specs are read in one pass, and past a bound not at all.
+        let many: String = (2..2000).map(|i| format!("&TagSpecification.{i}.ResourceType=instance")).collect();
+        assert!(rules.check(None, FORM, run(&many).as_bytes()).unwrap_err().reason.contains("more than 1000"));
         // Without rules, nothing is read.
         assert_eq!(Rules::default().check(None, Some("application/json"), b"{}"), Ok(()));
     }

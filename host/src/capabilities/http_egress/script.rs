@@ -191,9 +191,13 @@ pub(super) async fn replay(
     let query = request.uri().query().map(str::to_owned);
     let content_type =
         request.headers().get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let headers_refused = route.rules.any().then(|| super::rules::check_headers(request.headers()).err()).flatten();
     // Read the body even so: the guest writes it after sending and would wait forever.
     let body = body_text(request.into_body()).await?;
     // A signed grant's rules hold in the kit as on the host.
+    if let Some(refused) = headers_refused {
+        return Err(EgressError::Refused { authority: authority.clone(), refused });
+    }
     route
         .rules
         .check(query.as_deref(), content_type.as_deref(), &body)

@@ -265,12 +265,12 @@ impl Acting {
         }
     }
 
-    /// After a failed make: drop the records of `names` that were not made.
-    async fn unclaim_missing(&self, names: &[&str]) {
-        let present = self.network.devices().await.unwrap_or_else(|_| self.devices.clone());
-        let missing: Vec<String> =
-            names.iter().filter(|n| !present.iter().any(|d| d.name == **n)).map(|n| (*n).to_owned()).collect();
-        if let Err(error) = self.owners.release(&self.provider, missing).await {
+    /// After a failed make: drop the records of `names`. Even of one that is
+    /// there now: what appeared under the name while the make failed is not
+    /// known to be the provider's (a device it did make is then the host's to clean).
+    async fn unclaim(&self, names: &[&str]) {
+        let claimed: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        if let Err(error) = self.owners.release(&self.provider, claimed).await {
             tracing::warn!(provider = &*self.provider, %error, "cannot drop the record of a device that was not made");
         }
     }
@@ -460,7 +460,7 @@ impl BridgeCtx {
             let change = DeviceToBridge { device: c.device, bridge: c.bridge, mac: c.mac };
             if let Err(e) = acting.network.bridge(&change).await {
                 if made_now {
-                    acting.unclaim_missing(&[&change.bridge]).await;
+                    acting.unclaim(&[&change.bridge]).await;
                 }
                 return Err(to_broker_error(e));
             }
@@ -513,7 +513,7 @@ impl BridgeCtx {
         let record = |other: &str| OwnedDevice::new(&acting.provider, "veth", Some(other));
         acting.claim(vec![(name.to_owned(), record(peer)), (peer.to_owned(), record(name))]).await?;
         if let Err(e) = acting.network.create_veth(name, peer, bridge).await {
-            acting.unclaim_missing(&[name, peer]).await;
+            acting.unclaim(&[name, peer]).await;
             return Err(to_broker_error(e));
         }
         acting.made(&[name, peer]).await;
@@ -530,7 +530,7 @@ impl BridgeCtx {
         }
         if let Err(e) = acting.network.create_tap(name, bridge, mac, self.tap_owner).await {
             if !existed {
-                acting.unclaim_missing(&[name]).await;
+                acting.unclaim(&[name]).await;
             }
             return Err(to_broker_error(e));
         }
