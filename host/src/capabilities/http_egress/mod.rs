@@ -700,12 +700,10 @@ async fn signed(
 ) -> Result<http::Request<WasiBody>, EgressError> {
     let (mut parts, body) = request.into_parts();
     let body = whole_body(body, rules::MAX_SIGNED_BODY).await?;
-    let content_type = parts.headers.get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
-    let refuse = |refused| EgressError::Refused { authority: authority.to_owned(), refused };
-    if route.rules.any() {
-        rules::check_headers(&parts.headers).map_err(refuse)?;
-    }
-    route.rules.check(parts.uri.query(), content_type, &body).map_err(refuse)?;
+    route
+        .rules
+        .check_request(&parts.headers, parts.uri.query(), &body)
+        .map_err(|refused| EgressError::Refused { authority: authority.to_owned(), refused })?;
     let failed = |source| EgressError::Signing { authority: authority.to_owned(), source };
     let credentials = credentials
         .ok_or_else(|| failed(signing::SigningError::NoCredentialsDir { name: signing.credentials.clone() }))?
@@ -715,11 +713,8 @@ async fn signed(
         parts.headers.remove(name);
     }
     // Signed as the upstream will see it: its own scheme, host and port.
-    let (scheme, host) = match &route.target {
-        EgressTarget::Https { .. } => ("https", route.target.host_header()),
-        _ => ("http", route.target.host_header()),
-    };
-    let host = host.unwrap_or_else(|| authority.to_owned());
+    let scheme = if matches!(route.target, EgressTarget::Https { .. }) { "https" } else { "http" };
+    let host = route.target.host_header().unwrap_or_else(|| authority.to_owned());
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let absolute: http::Uri = format!("{scheme}://{host}{path}")
         .parse()

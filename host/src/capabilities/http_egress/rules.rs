@@ -73,6 +73,17 @@ impl Rules {
         !self.actions.is_empty() || self.max_count.is_some() || self.require_tag.is_some()
     }
 
+    /// Check one whole request as the server will read it: its headers
+    /// ([`check_headers`]), then its query string and body ([`Rules::check`]).
+    pub fn check_request(&self, headers: &http::HeaderMap, query: Option<&str>, body: &[u8]) -> Result<(), Refused> {
+        if !self.any() {
+            return Ok(());
+        }
+        check_headers(headers)?;
+        let content_type = headers.get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
+        self.check(query, content_type, body)
+    }
+
     /// Check one request: its query string and its body (a form, or empty).
     /// Parameters come from one of the two, never both.
     pub fn check(&self, query: Option<&str>, content_type: Option<&str>, body: &[u8]) -> Result<(), Refused> {

@@ -188,19 +188,13 @@ pub(super) async fn replay(
 ) -> Result<SendResult, EgressError> {
     let (authority, route) = granted(grant, &request)?;
     let (method, path) = (request.method().to_string(), path_of(&request));
-    let query = request.uri().query().map(str::to_owned);
-    let content_type =
-        request.headers().get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let headers_refused = route.rules.any().then(|| super::rules::check_headers(request.headers()).err()).flatten();
+    let (parts, body) = request.into_parts();
     // Read the body even so: the guest writes it after sending and would wait forever.
-    let body = body_text(request.into_body()).await?;
+    let body = body_text(body).await?;
     // A signed grant's rules hold in the kit as on the host.
-    if let Some(refused) = headers_refused {
-        return Err(EgressError::Refused { authority: authority.clone(), refused });
-    }
     route
         .rules
-        .check(query.as_deref(), content_type.as_deref(), &body)
+        .check_request(&parts.headers, parts.uri.query(), &body)
         .map_err(|refused| EgressError::Refused { authority: authority.clone(), refused })?;
     let next = script.answer(&authority, &method, &path)?;
     let response = http::Response::builder()
