@@ -24,12 +24,13 @@ cargo clippy --release --workspace --all-targets -- -D warnings
 cargo test --release --manifest-path guests/fake-logic/Cargo.toml
 cargo test --release --manifest-path guests/kvm-logic/Cargo.toml
 cargo test --release --manifest-path guests/lxd-logic/Cargo.toml
+cargo test --release --manifest-path guests/ec2-logic/Cargo.toml
 cargo test --release --manifest-path guests/netplan/Cargo.toml
 
 cargo test --release --workspace
 # The conformance kit on the bundled providers, strictly, on their own scripts (no
 # daemon, no qemu, no cloud: every granted capability is simulated).
-for provider in fake kvm lxd; do
+for provider in fake kvm lxd ec2; do
     cargo run --release -q --bin broker -- provider test \
         "guests/target/wasm32-wasip2/release/$provider.wasm" --manifest "guests/$provider/provider.toml" --strict
 done

@@ -35,16 +35,8 @@ fn free_port() -> u16 {
 /// The requests moto answers before it checks signatures: the three that make the tests' IAM user.
 const SETUP_REQUESTS: &str = "3";
 
-const SETUP: &str = r#"
-import boto3, sys
-iam = boto3.client("iam", endpoint_url=sys.argv[1], region_name="us-east-1",
-                   aws_access_key_id="setup", aws_secret_access_key="setup")
-iam.create_user(UserName="broker")
-key = iam.create_access_key(UserName="broker")["AccessKey"]
-iam.put_user_policy(UserName="broker", PolicyName="all",
-    PolicyDocument='{"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":"*","Resource":"*"}]}')
-print(key["AccessKeyId"], key["SecretAccessKey"])
-"#;
+/// Makes the tests' IAM user (shared with scripts/record-ec2-script.sh).
+const SETUP: &str = include_str!("../../scripts/moto-iam-setup.py");
 
 impl Moto {
     /// Start moto with signature checking on (after the setup's requests) and make the tests' key.
@@ -67,7 +59,7 @@ impl Moto {
             std::thread::sleep(Duration::from_millis(100));
         }
         let out = Command::new(venv().join("python"))
-            .args(["-c", SETUP, &format!("http://127.0.0.1:{port}")])
+            .args(["-c", SETUP, &format!("http://127.0.0.1:{port}"), "broker"])
             .output()
             .expect("run the IAM setup");
         assert!(out.status.success(), "IAM setup: {}", String::from_utf8_lossy(&out.stderr));
@@ -75,6 +67,22 @@ impl Moto {
         let (id, secret) = text.trim().split_once(' ').expect("a key id and a secret");
         moto.key = Key { access_key_id: id.to_owned(), secret_access_key: secret.to_owned() };
         moto
+    }
+}
+
+impl Moto {
+    /// Run `script` with boto3 against moto directly (no host, no front), as
+    /// the tests' IAM user: `ec2` is a client for us-east-1. Its stdout.
+    pub fn boto3(&self, script: &str) -> String {
+        let prelude = "import boto3, json, sys\nec2 = boto3.client('ec2', endpoint_url=sys.argv[1], \
+                       region_name='us-east-1', aws_access_key_id=sys.argv[2], aws_secret_access_key=sys.argv[3])\n";
+        let out = Command::new(venv().join("python"))
+            .args(["-c", &format!("{prelude}{script}")])
+            .args([&format!("http://127.0.0.1:{}", self.port), &self.key.access_key_id, &self.key.secret_access_key])
+            .output()
+            .expect("run python");
+        assert!(out.status.success(), "boto3: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
     }
 }
 

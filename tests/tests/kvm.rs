@@ -400,8 +400,12 @@ fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
 
         // Real qemu-img, genisoimage and qemu, every call and QMP line on tape.
         let recording = Arc::new(Recording::default());
-        let options =
-            KitOptions { answers: Answers::Record(recording.clone()), strict: false, sandbox: Default::default() };
+        let options = KitOptions {
+            answers: Answers::Record(recording.clone()),
+            strict: false,
+            sandbox: Default::default(),
+            credentials: None,
+        };
         let recorded = conformance::run_with(&manifest, options).await.unwrap();
         assert!(recorded.passed(), "{}", recorded.text());
         let script = recording.script();
@@ -420,8 +424,12 @@ fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
 
         // The same run on the script alone: the same outcomes, strictly, and no qemu.
         let replay = Arc::new(Scripted::parse(&recording.to_script_json()).unwrap());
-        let options =
-            KitOptions { answers: Answers::Script(replay.clone()), strict: true, sandbox: Default::default() };
+        let options = KitOptions {
+            answers: Answers::Script(replay.clone()),
+            strict: true,
+            sandbox: Default::default(),
+            credentials: None,
+        };
         let replayed = conformance::run_with(&manifest, options).await.unwrap();
         let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
         assert_eq!(outcome(&replayed), outcome(&recorded), "{}", replayed.text());

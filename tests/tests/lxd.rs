@@ -178,19 +178,8 @@ fn machine_params(machine: &str, constraints_text: &str) -> broker_host::binding
         machine_nonce: format!("machine-{machine}:nonce"),
         controller_uuid: "deadbeef-0000-4000-8000-000000000001".into(),
         container_type: Some("lxd".into()),
-        hostname: None,
-        base: None,
-        image_stream: None,
         user_data: Some(b"#cloud-config\nhostname: test\n".to_vec()),
-        authorized_keys: vec![],
-        tags: vec![],
-        profiles: vec![],
-        proxy_settings: None,
-        apt_proxy_settings: None,
-        apt_mirror: None,
-        cloud_init_properties: vec![],
-        enable_os_refresh_update: false,
-        enable_os_upgrade: false,
+        ..broker_host::contract::empty_instance_config()
     });
     params
 }
@@ -274,7 +263,12 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
     let recording = Arc::new(Recording::default());
     let recorded = runtime.block_on(conformance::run_with(
         &manifest,
-        KitOptions { answers: Answers::Record(recording.clone()), strict: false, sandbox: Default::default() },
+        KitOptions {
+            answers: Answers::Record(recording.clone()),
+            strict: false,
+            sandbox: Default::default(),
+            credentials: None,
+        },
     ));
     let recorded = recorded.unwrap();
     assert!(recorded.passed(), "{}", recorded.text());
@@ -288,7 +282,12 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
 
     // The daemon is gone; the script alone gives the same result, strictly.
     let replay = Arc::new(Scripted::parse(&script).unwrap());
-    let options = KitOptions { answers: Answers::Script(replay.clone()), strict: true, sandbox: Default::default() };
+    let options = KitOptions {
+        answers: Answers::Script(replay.clone()),
+        strict: true,
+        sandbox: Default::default(),
+        credentials: None,
+    };
     let replayed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
     let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
     assert_eq!(outcome(&replayed), outcome(&recorded), "{}", replayed.text());
@@ -302,10 +301,12 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
         answers: Answers::Script(Arc::new(Scripted::parse(&short.to_string()).unwrap())),
         strict: true,
         sandbox: Default::default(),
+        credentials: None,
     };
     let failed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
     assert!(!failed.passed());
-    let reasons: Vec<&str> = failed.cases.iter().filter(|c| !c.passed).map(|c| c.detail.as_str()).collect();
+    let reasons: Vec<&str> =
+        failed.cases.iter().filter(|c| !c.passed && !c.skipped).map(|c| c.detail.as_str()).collect();
     assert!(
         reasons.iter().any(|d| d.contains("host calls not in the script") && d.contains("the script is exhausted")),
         "{reasons:?}"

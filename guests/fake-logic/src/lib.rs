@@ -8,6 +8,9 @@ use std::collections::BTreeMap;
 /// Key prefix of the instance records.
 pub const INSTANCE_PREFIX: &str = "instance/";
 const SEQUENCE_KEY: &str = "sequence";
+/// The config's zones as last seen by a start, one a line: what `describe`
+/// (which has no config) lists for the host's placement.
+pub const ZONES_KEY: &str = "zones";
 
 /// The storage the logic needs; the component maps it to the host's `kv`.
 pub trait Kv {
@@ -212,6 +215,7 @@ pub fn start_claiming(
     request: StartRequest,
     claim: impl FnOnce(&str) -> Result<(), FakeError>,
 ) -> Result<FakeInstance, FakeError> {
+    remember_zones(kv, config)?;
     let zone = choose_zone(kv, config, &request)?;
     let sequence = kv.increment(SEQUENCE_KEY, 1)?;
     let id = format!("{}-{}", config.prefix, sequence - 1);
@@ -225,6 +229,21 @@ pub fn start_claiming(
         FakeInstance { id, machine_id: request.machine_id, hardware, addresses: request.addresses, maintained: 0 };
     kv.set(&instance_key(&instance.id), &encode(&instance)?)?;
     Ok(instance)
+}
+
+/// Keep the config's zones for [`listed_zones`] (written only when they change).
+fn remember_zones(kv: &impl Kv, config: &Config) -> Result<(), FakeError> {
+    let listed = config.zones.join("\n");
+    if kv.get(ZONES_KEY)?.as_deref() != Some(listed.as_bytes()) {
+        kv.set(ZONES_KEY, listed.as_bytes())?;
+    }
+    Ok(())
+}
+
+/// The zones the last start saw in the config.
+pub fn listed_zones(kv: &impl Kv) -> Vec<String> {
+    let bytes = kv.get(ZONES_KEY).ok().flatten().unwrap_or_default();
+    String::from_utf8_lossy(&bytes).lines().filter(|z| !z.is_empty()).map(str::to_owned).collect()
 }
 
 /// Zone choice as Juju's provisioner makes it: a placement `zone=X` or an
@@ -281,6 +300,10 @@ fn choose_zone(kv: &impl Kv, config: &Config, request: &StartRequest) -> Result<
         }
     }
     let fewest = allowed.iter().min_by_key(|z| members[z.as_str()]).expect("allowed is not empty");
+    // A full zone turns the start away whoever chose it; the host then tries the others.
+    if config.unavailable_zones.contains(fewest) {
+        return Err(FakeError::ZoneUnavailable(format!("zone {fewest:?} cannot take an instance now")));
+    }
     Ok((*fewest).clone())
 }
 
@@ -381,6 +404,21 @@ mod tests {
         assert!(matches!(start(&kv, &config, bad), Err(FakeError::InvalidParams(_))));
         let none = StartRequest { zones_constraint: Some(vec!["mars".into()]), ..Default::default() };
         assert!(matches!(start(&kv, &config, none), Err(FakeError::ZoneIndependent(_))));
+    }
+
+    /// A start keeps the config's zones for describe, even one a full zone
+    /// turned away; a full zone refuses its own choice as well as a placement.
+    #[test]
+    fn full_zones_turn_starts_away_and_the_zones_are_listed() {
+        let kv = MemoryKv::default();
+        let config = Config { unavailable_zones: vec!["zone-a".into()], ..Config::default() };
+        assert!(listed_zones(&kv).is_empty());
+        assert!(matches!(start(&kv, &config, StartRequest::default()), Err(FakeError::ZoneUnavailable(_))));
+        assert_eq!(listed_zones(&kv), ["zone-a", "zone-b", "zone-c"]);
+        let placed = StartRequest { availability_zone: Some("zone-b".into()), ..Default::default() };
+        assert_eq!(start(&kv, &config, placed).unwrap().hardware.availability_zone.as_deref(), Some("zone-b"));
+        let full = StartRequest { availability_zone: Some("zone-a".into()), ..Default::default() };
+        assert!(matches!(start(&kv, &config, full), Err(FakeError::ZoneUnavailable(_))));
     }
 
     #[test]

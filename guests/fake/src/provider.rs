@@ -126,11 +126,10 @@ pub(crate) fn request(params: &StartInstanceParams, distribution_group: Vec<Stri
 
 impl Guest for Fake {
     fn describe() -> ProviderInfo {
-        ProviderInfo {
-            name: "fake".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            features: vec!["zones".into(), "placement".into(), "volumes".into(), "networking".into()],
-        }
+        let mut features: Vec<String> =
+            ["zones", "placement", "volumes", "networking"].into_iter().map(Into::into).collect();
+        features.extend(fake_logic::listed_zones(&HostKv).into_iter().map(|z| format!("zone={z}")));
+        ProviderInfo { name: "fake".into(), version: env!("CARGO_PKG_VERSION").into(), features }
     }
 
     fn validate_config(config: String) -> Result<(), BrokerError> {

@@ -152,7 +152,19 @@ impl Guest for Broken {
         if breaks == "listed" {
             return Ok(Vec::new());
         }
-        Ok(fake_logic::all(&HostKv).map_err(fake::to_broker_error)?.iter().map(fake::instance).collect())
+        let all: Vec<Instance> =
+            fake_logic::all(&HostKv).map_err(fake::to_broker_error)?.iter().map(fake::instance).collect();
+        if breaks == "takes-over" && all.is_empty() {
+            // Someone's live instance, under the id this build's first start will answer with.
+            let live = Instance {
+                id: "fake-0".into(),
+                status: InstanceStatus::Running,
+                message: String::new(),
+                addresses: Vec::new(),
+            };
+            return Ok(vec![live]);
+        }
+        Ok(all)
     }
 
     fn maintain_instance(ctx: &CallContext, id: String, params: StartInstanceParams) -> Result<(), BrokerError> {

@@ -291,10 +291,89 @@ impl Broker {
         &self.machine_lock
     }
 
+    /// Start an instance. The provider places it (Juju's rule: the allowed
+    /// zone with the fewest of the distribution group). If it answers
+    /// `zone-unavailable` and the caller named no zone, the host goes on as
+    /// Juju's provisioner does: over the zones the provider lists
+    /// (`describe`'s `zone=NAME` features, within a `zones` constraint),
+    /// emptiest first (the distribution group's instances, else the
+    /// provider's, by the host's records; ties by name), until one takes it
+    /// or answers with any other error. The happy path costs nothing more.
+    #[tracing::instrument(skip_all, fields(provider = %provider))]
+    pub async fn start_instance(
+        &self,
+        provider: &str,
+        params: &StartInstanceParams,
+        hooks: &CallHooks,
+    ) -> Result<InstanceRecord, BrokerServiceError> {
+        let failed = match self.start_placed(provider, params, hooks).await {
+            Err(failed) if zone_unavailable(&failed) => failed,
+            done => return done,
+        };
+        let named = params.availability_zone.as_deref().is_some_and(|z| !z.is_empty())
+            || params.placement.as_deref().is_some_and(|p| !p.is_empty());
+        let mut zones = match named {
+            true => Vec::new(),
+            false => self.provider_zones(provider, params.constraints.zones.as_deref()).await,
+        };
+        if zones.is_empty() {
+            return Err(failed);
+        }
+        let per_zone = self.instances_per_zone(provider, hooks).await;
+        zones.sort_by_key(|z| (per_zone.get(z).copied().unwrap_or(0), z.clone()));
+        let mut params = params.clone();
+        let mut last = failed;
+        for zone in zones {
+            tracing::info!(provider, zone, error = %crate::error_text::error_text(&last), "zone unavailable; the host tries the next");
+            params.availability_zone = Some(zone);
+            match self.start_placed(provider, &params, hooks).await {
+                Err(failed) if zone_unavailable(&failed) => last = failed,
+                done => return done,
+            }
+        }
+        Err(last)
+    }
+
+    /// The zones `provider` lists (`describe`'s `zone=NAME` features), in the
+    /// `zones` constraint when there is one. None when it lists none or cannot say.
+    async fn provider_zones(&self, provider: &str, allowed: Option<&[String]>) -> Vec<String> {
+        let Ok(wasm) = self.registry.get(provider).await else { return Vec::new() };
+        let Ok(info) = wasm.describe().await else { return Vec::new() };
+        if !info.features.iter().any(|f| f == "zones") {
+            return Vec::new();
+        }
+        let mut zones: Vec<String> = (info.features.iter())
+            .filter_map(|f| f.strip_prefix("zone="))
+            .filter(|z| instance_id_problem(z).is_none() && z.len() <= MAX_REPORTED_WORD_BYTES)
+            .filter(|z| allowed.is_none_or(|a| a.iter().any(|w| w == z)))
+            .take(MAX_PLACEMENT_ZONES)
+            .map(str::to_owned)
+            .collect();
+        zones.sort();
+        zones.dedup();
+        zones
+    }
+
+    /// How many of the distribution group's instances (without one: the
+    /// provider's) the host's records place in each zone.
+    async fn instances_per_zone(&self, provider: &str, hooks: &CallHooks) -> BTreeMap<String, usize> {
+        let group = hooks.distribution_group.as_ref().and_then(|group| group().ok());
+        let mut per_zone = BTreeMap::new();
+        for record in self.records_of(provider).await.unwrap_or_default() {
+            if group.as_ref().is_some_and(|ids| !ids.contains(&record.id)) {
+                continue;
+            }
+            if let Some(zone) = record.hardware.availability_zone {
+                *per_zone.entry(zone).or_insert(0) += 1;
+            }
+        }
+        per_zone
+    }
+
     /// Bridge the host if the params' network needs it, then start the instance and record it
     /// in one commit with the provider's kv changes.
-    #[tracing::instrument(skip_all, fields(provider = %provider, instance_id = tracing::field::Empty))]
-    pub async fn start_instance(
+    #[tracing::instrument(skip_all, fields(provider = %provider, zone = params.availability_zone.as_deref().unwrap_or_default(), instance_id = tracing::field::Empty))]
+    async fn start_placed(
         &self,
         provider: &str,
         params: &StartInstanceParams,
@@ -728,6 +807,14 @@ fn pending_start(store: &Store, params: &StartInstanceParams) -> crate::store::P
         claimed: None,
         params: params.clone(),
     }
+}
+
+/// The most zones of one provider the host places over.
+const MAX_PLACEMENT_ZONES: usize = 64;
+
+/// The provider answered that this zone cannot take the instance now.
+fn zone_unavailable(failed: &BrokerServiceError) -> bool {
+    matches!(failed, BrokerServiceError::Call(CallError::Guest { error: BrokerError::ZoneUnavailable(_), .. }))
 }
 
 /// The machine's lock in `data_dir`, as this host (agent `broker`) takes it.

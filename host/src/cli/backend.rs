@@ -5,8 +5,6 @@
 use crate::broker::Broker;
 use crate::capabilities::context::{CallEvent, CallHooks};
 use crate::client::{DaemonClient, encode_component};
-use crate::contract::constraints;
-use crate::contract::params_with;
 use crate::providers::registry::SwapReport;
 use crate::providers::view::ProviderView;
 use crate::store::{Event, InstanceRecord, ProviderRecord};
@@ -29,6 +27,23 @@ pub struct StartRequest<'a> {
     /// Juju's syntax, already parsed once by the caller to catch usage errors.
     pub constraints: &'a str,
     pub placement: Option<&'a str>,
+    pub user_data: Option<Vec<u8>>,
+    pub tags: Vec<(String, String)>,
+    /// `StartInstanceParams` as JSON.
+    pub params: Option<serde_json::Value>,
+}
+
+impl StartRequest<'_> {
+    /// What the host builds the start's params from.
+    pub fn input(&self) -> crate::contract::start::StartInput<'_> {
+        crate::contract::start::StartInput {
+            params: self.params.as_ref(),
+            constraints: self.constraints,
+            placement: self.placement,
+            user_data: self.user_data.clone(),
+            tags: &self.tags,
+        }
+    }
 }
 
 impl Backend {
@@ -115,16 +130,27 @@ impl Backend {
     ) -> Result<InstanceRecord> {
         match self {
             Backend::Embedded(broker) => {
-                let mut params = params_with(constraints::parse(request.constraints)?);
-                params.placement = request.placement.map(str::to_owned);
+                let params = crate::contract::start::start_params(request.input())?;
                 let hooks = CallHooks::with_events(on_event);
                 Ok(broker.start_instance(request.provider, &params, &hooks).await?)
             }
             Backend::Daemon(client) => {
+                let user_data = match &request.user_data {
+                    None => None,
+                    Some(bytes) => Some(
+                        String::from_utf8(bytes.clone())
+                            .map_err(|_| anyhow::anyhow!("the daemon takes user data as UTF-8 text"))?,
+                    ),
+                };
+                let tags: serde_json::Map<String, serde_json::Value> =
+                    request.tags.iter().map(|(k, v)| (k.clone(), serde_json::Value::from(v.as_str()))).collect();
                 let body = json!({
                     "provider": request.provider,
                     "constraints": request.constraints,
                     "placement": request.placement,
+                    "user_data": user_data,
+                    "tags": tags,
+                    "params": request.params,
                 });
                 Ok(client.start_instance(body, on_event).await?)
             }

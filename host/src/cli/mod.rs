@@ -266,6 +266,18 @@ pub(crate) struct StartArgs {
     /// A placement directive, e.g. zone=z1.
     #[arg(long)]
     placement: Option<String>,
+    /// cloud-init user data for the instance, read from FILE (at most 1 MiB).
+    #[arg(long, value_name = "FILE")]
+    user_data: Option<PathBuf>,
+    /// An instance tag, KEY=VALUE; give it again for more (the provider puts them
+    /// on the instance: EC2 tags, LXD user.* keys).
+    #[arg(long = "tag", value_name = "KEY=VALUE")]
+    tags: Vec<String>,
+    /// The whole StartInstanceParams as JSON from FILE (the API's `params`; any
+    /// field left out is empty, an unknown one is an error). --constraints,
+    /// --placement, --user-data and --tag apply over it.
+    #[arg(long, value_name = "FILE")]
+    params: Option<PathBuf>,
     /// Print the result as JSON on stdout, and each status update as a JSON line
     /// on stderr (as the API streams them).
     #[arg(long)]
@@ -278,6 +290,24 @@ pub(crate) enum ReportFormat {
     Json,
     /// JUnit XML, for CI systems.
     Junit,
+}
+
+/// The largest `--params` file read.
+const MAX_PARAMS_FILE: usize = 4 << 20;
+
+/// A file the user named, read whole if it is a regular file of at most `max` bytes.
+pub(crate) fn read_bounded(path: &std::path::Path, max: usize) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    let mut bytes = Vec::new();
+    file.take(max as u64 + 1).read_to_end(&mut bytes)?;
+    if bytes.len() > max {
+        return Err(std::io::Error::other(format!("larger than {max} bytes")));
+    }
+    Ok(bytes)
 }
 
 /// A mistake in how the command was called (exit code 2), found after parsing.
@@ -568,11 +598,35 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
             // Checked here, whoever runs it: a typo is a usage error, not a failed start.
             constraints::parse(&args.constraints)
                 .map_err(|e| UsageError(format!("invalid --constraints {:?}: {e}", args.constraints)))?;
+            let read = |flag: &str, path: &std::path::Path, max: usize| -> Result<Vec<u8>> {
+                let bytes = crate::cli::read_bounded(path, max)
+                    .map_err(|e| UsageError(format!("{flag} {}: {e}", path.display())))?;
+                Ok(bytes)
+            };
+            let user_data = match &args.user_data {
+                Some(path) => Some(read("--user-data", path, crate::contract::start::MAX_USER_DATA)?),
+                None => None,
+            };
+            let params = match &args.params {
+                Some(path) => Some(
+                    serde_json::from_slice::<serde_json::Value>(&read("--params", path, MAX_PARAMS_FILE)?)
+                        .map_err(|e| UsageError(format!("--params {}: not JSON: {e}", path.display())))?,
+                ),
+                None => None,
+            };
+            let tags = (args.tags.iter())
+                .map(|t| crate::contract::start::parse_tag(t).map_err(|e| UsageError(format!("--tag: {e}"))))
+                .collect::<Result<Vec<_>, _>>()?;
             let request = backend::StartRequest {
                 provider: &args.provider,
                 constraints: &args.constraints,
                 placement: args.placement.as_deref(),
+                user_data,
+                tags,
+                params,
             };
+            // The same checks the daemon makes, before anything is sent.
+            crate::contract::start::start_params(request.input()).map_err(|e| UsageError(e.to_string()))?;
             let progress = std::sync::Arc::new(output::Progress::new(&args.provider, args.json));
             let shown = progress.clone();
             let started = backend.start_instance(&request, move |event| shown.show(&event)).await;
@@ -676,16 +730,28 @@ async fn provider_test(
     };
     loaded.component = component.to_owned();
     let recording = answers.record.as_ref().map(|_| std::sync::Arc::new(Recording::default()));
+    if answers.record.is_some() {
+        eprintln!(
+            "recording: the scenarios run against the real endpoints, programs and devices the manifest \
+             grants, and make real instances (tagged {}=run-…); the run stops only instances its own starts \
+             made, never one that was there before it",
+            crate::conformance::RECORDING_TAG
+        );
+    }
     let mut options = match (&answers.script, &recording) {
-        (_, Some(recording)) => {
-            KitOptions { answers: Answers::Record(recording.clone()), strict: false, sandbox: Default::default() }
-        }
+        (_, Some(recording)) => KitOptions {
+            answers: Answers::Record(recording.clone()),
+            strict: false,
+            sandbox: Default::default(),
+            credentials: None,
+        },
         (Some(path), None) => {
             let script = crate::conformance::load_script(path).map_err(|e| UsageError(e.to_string()))?;
             KitOptions {
                 answers: Answers::Script(std::sync::Arc::new(script)),
                 strict: false,
                 sandbox: Default::default(),
+                credentials: None,
             }
         }
         (None, None) => KitOptions::beside(&loaded).map_err(|e| UsageError(e.to_string()))?,
@@ -694,6 +760,8 @@ async fn provider_test(
     // The machine's `[sandbox]` (bubblewrap, uid base) applies to a recording's programs too.
     options.sandbox =
         crate::broker::service::HostConfig::load(data_dir).map_err(|e| UsageError(e.to_string()))?.sandbox;
+    // A recording signs with the host's own credentials, as the daemon would.
+    options.credentials = Some(data_dir.join(crate::capabilities::http_egress::signing::CREDENTIALS_DIR));
     let report = crate::conformance::run_with(&loaded, options)
         .await
         .with_context(|| format!("cannot load {} into the sandbox", component.display()))?;

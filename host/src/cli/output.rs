@@ -26,6 +26,9 @@ pub struct InstanceView {
     pub display_name: String,
     pub hardware: Hardware,
     pub tags: Vec<String>,
+    /// The instance config's tags the start was given (`--tag`, a group's).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub instance_tags: std::collections::BTreeMap<String, String>,
     pub addresses: Vec<String>,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub created: String,
@@ -41,6 +44,7 @@ impl From<&InstanceRecord> for InstanceView {
             display_name: r.display_name.clone(),
             hardware: r.hardware.clone(),
             tags: r.tags.clone(),
+            instance_tags: r.instance_tags.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             addresses: r.addresses.clone(),
             created: r.created.clone(),
         }
@@ -264,6 +268,7 @@ mod tests {
             message: String::new(),
             display_name: String::new(),
             hardware: Hardware { availability_zone: Some(HOSTILE.into()), ..Default::default() },
+            instance_tags: Default::default(),
             tags: vec![],
             addresses: vec![],
             created: String::new(),

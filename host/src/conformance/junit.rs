@@ -20,21 +20,26 @@ fn escape(text: &str) -> String {
 }
 
 impl Report {
-    pub(crate) fn junit(&self) -> String {
-        let failures = self.cases.iter().filter(|c| !c.passed).count();
+    /// The report as JUnit XML.
+    pub fn junit(&self) -> String {
+        let (_, failures, skipped) = self.totals();
         let seconds = self.millis as f64 / 1000.0;
         let suite = escape(&format!("broker provider test: {} {}", self.provider, self.version));
         let class = escape(&format!("conformance.{}", self.provider));
         let mut xml = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
         xml.push_str(&format!(
             "<testsuites tests=\"{n}\" failures=\"{failures}\" time=\"{seconds:.3}\">\n  \
-             <testsuite name=\"{suite}\" tests=\"{n}\" failures=\"{failures}\" errors=\"0\" time=\"{seconds:.3}\">\n",
+             <testsuite name=\"{suite}\" tests=\"{n}\" failures=\"{failures}\" errors=\"0\" skipped=\"{skipped}\" time=\"{seconds:.3}\">\n",
             n = self.cases.len()
         ));
         for case in &self.cases {
             let name = escape(case.name);
             let detail = escape(&case.detail);
-            if case.passed {
+            if case.skipped {
+                xml.push_str(&format!(
+                    "    <testcase classname=\"{class}\" name=\"{name}\"><skipped message=\"{detail}\"/></testcase>\n"
+                ));
+            } else if case.passed {
                 xml.push_str(&format!(
                     "    <testcase classname=\"{class}\" name=\"{name}\"><system-out>{detail}</system-out></testcase>\n"
                 ));
@@ -64,25 +69,46 @@ mod tests {
             provider: "p<1>".into(),
             version: "0.1".into(),
             cases: vec![
-                Case { name: "describe", passed: true, detail: "name and version set".into(), trace: Vec::new() },
+                Case {
+                    name: "describe",
+                    passed: true,
+                    detail: "name and version set".into(),
+                    trace: Vec::new(),
+                    skipped: false,
+                },
+                Case {
+                    name: "double stop is ok",
+                    passed: false,
+                    detail: "not run: start-instance failed".into(),
+                    trace: Vec::new(),
+                    skipped: true,
+                },
                 Case {
                     name: "stop-unknown",
                     passed: false,
                     detail: "returned \"not-found\" & <more>\u{1}".into(),
                     trace: vec!["kv.get(key=\"a\") -> Ok(None)".into()],
+                    skipped: false,
                 },
             ],
             millis: 1234,
         };
         let xml = report.junit();
-        assert!(xml.contains("<testsuites tests=\"2\" failures=\"1\" time=\"1.234\">"), "{xml}");
+        assert!(xml.contains("<testsuites tests=\"3\" failures=\"1\" time=\"1.234\">"), "{xml}");
+        assert!(xml.contains("skipped=\"1\""), "{xml}");
+        assert!(
+            xml.contains("name=\"double stop is ok\"><skipped message=\"not run: start-instance failed\"/>"),
+            "{xml}"
+        );
+        assert!(report.text().ends_with("1 passed, 1 failed, 1 skipped (1234 ms)\n"), "{}", report.text());
+        assert!(report.text().contains("skip double stop is ok"), "{}", report.text());
         assert!(xml.contains("name=\"broker provider test: p&lt;1&gt; 0.1\""), "{xml}");
         assert!(xml.contains(
             "name=\"stop-unknown\"><failure message=\"returned &quot;not-found&quot; &amp; &lt;more&gt;\u{FFFD}\""
         ));
         assert!(xml.contains("\nkv.get(key=&quot;a&quot;) -&gt; Ok(None)</failure>"), "the host calls follow: {xml}");
         assert!(xml.contains("name=\"describe\"><system-out>name and version set</system-out>"));
-        assert_eq!(xml.matches("<testcase ").count(), 2);
+        assert_eq!(xml.matches("<testcase ").count(), 3);
         assert!(xml.ends_with("</testsuites>\n"));
     }
 }

@@ -66,6 +66,10 @@ pub struct Case {
     /// The host calls the provider made during the case, in order.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub trace: Vec<String>,
+    /// It could not run (what it needs failed, or a recording must not run
+    /// it): neither passed nor failed, and counted as such.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
 }
 
 /// A run of every scenario against one provider component.
@@ -79,9 +83,16 @@ pub struct Report {
 }
 
 impl Report {
-    /// Whether every case passed.
+    /// Whether no case failed (a skipped case is not a failure).
     pub fn passed(&self) -> bool {
-        self.cases.iter().all(|c| c.passed)
+        self.cases.iter().all(|c| c.passed || c.skipped)
+    }
+
+    /// How many cases passed, failed and were skipped.
+    pub fn totals(&self) -> (usize, usize, usize) {
+        let skipped = self.cases.iter().filter(|c| c.skipped).count();
+        let passed = self.cases.iter().filter(|c| c.passed).count();
+        (passed, self.cases.len() - passed - skipped, skipped)
     }
 
     /// One line per case, each failure followed by its last host calls; what
@@ -91,9 +102,13 @@ impl Report {
         use crate::error_text::escape_unprintable as esc;
         let mut out = format!("provider {} {}\n", esc(&self.provider), esc(&self.version));
         for case in &self.cases {
-            let mark = if case.passed { "ok  " } else { "FAIL" };
+            let mark = match (case.passed, case.skipped) {
+                (true, _) => "ok  ",
+                (false, true) => "skip",
+                (false, false) => "FAIL",
+            };
             out.push_str(&format!("{mark} {:<40} {}\n", case.name, esc(&case.detail)));
-            if !case.passed {
+            if !case.passed && !case.skipped {
                 // What the provider asked of the host on its way to the failure, the last of it.
                 let skipped = case.trace.len().saturating_sub(TRACE_SHOWN);
                 if skipped > 0 {
@@ -104,8 +119,8 @@ impl Report {
                 }
             }
         }
-        let failed = self.cases.iter().filter(|c| !c.passed).count();
-        out.push_str(&format!("{} passed, {} failed ({} ms)\n", self.cases.len() - failed, failed, self.millis));
+        let (passed, failed, skipped) = self.totals();
+        out.push_str(&format!("{passed} passed, {failed} failed, {skipped} skipped ({} ms)\n", self.millis));
         out
     }
 }
@@ -138,6 +153,9 @@ pub struct KitOptions {
     /// `host.toml`'s `[sandbox]`: how a recording's real programs are confined
     /// (their users come from the range above the one the store allocates from).
     pub sandbox: crate::sandbox::SandboxConfig,
+    /// Where a recording's signed grants find their credentials
+    /// (`DATA_DIR/credentials`); `None`: a signed grant's requests fail.
+    pub credentials: Option<std::path::PathBuf>,
 }
 
 impl KitOptions {
@@ -145,8 +163,13 @@ impl KitOptions {
     /// or an empty one (every host call it would answer is then unscripted).
     pub fn beside(manifest: &Manifest) -> Result<KitOptions, ConformanceError> {
         let path = script_path(&manifest.path);
-        let script = if path.exists() { load_script(&path)? } else { Scripted::default() };
-        Ok(KitOptions { answers: Answers::Script(Arc::new(script)), strict: false, sandbox: Default::default() })
+        let script = if path.exists() { load_script(&path)? } else { Scripted::missing(&path) };
+        Ok(KitOptions {
+            answers: Answers::Script(Arc::new(script)),
+            strict: false,
+            sandbox: Default::default(),
+            credentials: None,
+        })
     }
 }
 
@@ -199,6 +222,10 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     // The sandbox is made of the backends it is given, each named here (no field
     // defaults to the host's, and a room given none refuses): scripted, or the
     // host's own recorded.
+    let recording = match &options.answers {
+        Answers::Record(recording) => Some(recording.clone()),
+        Answers::Script(_) => None,
+    };
     let (caps, scripted) = match options.answers {
         Answers::Script(scripted) => {
             let caps = HostCapabilities {
@@ -230,7 +257,10 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                     .with::<LocalSocket>(Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone())))
                     .with::<Process>(Arc::new(Recorded::new(host_processes, recording.processes.clone())))
                     .with::<HttpEgress>(Arc::new(RecordedEgress::new(
-                        Arc::new(HostEgress::default()),
+                        Arc::new(match &options.credentials {
+                            Some(dir) => HostEgress::with_credentials(dir.clone()),
+                            None => HostEgress::default(),
+                        }),
                         recording.http.clone(),
                     )))
                     // The host's kernel; what the provider makes in the run is its own, recorded in memory.
@@ -255,15 +285,25 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
         Ok(provider) => provider,
         // Importing what the manifest does not grant is a finding about the component, not a kit failure.
         Err(crate::version::LoadError::Contract { source: source @ ContractError::NotGranted { .. }, .. }) => {
-            let case = Case { name: UNGRANTED, passed: false, detail: source.to_string(), trace: Vec::new() };
+            let case =
+                Case { name: UNGRANTED, passed: false, detail: source.to_string(), trace: Vec::new(), skipped: false };
             return Ok(Report { provider: name, version: String::new(), cases: vec![case], millis: 0 });
         }
         Err(e) => return Err(e.into()),
     };
     let calls = HostCallLog::default();
     let dispatch = calls.dispatch();
-    let mut kit = Kit { provider, cases: Vec::new(), scripted, strict: options.strict, denied, calls };
+    let guard = recording.map(|recording| RecordGuard {
+        run: format!("run-{}", std::time::SystemTime::UNIX_EPOCH.elapsed().map(|d| d.as_millis()).unwrap_or(0)),
+        existed: Default::default(),
+        started: Default::default(),
+        recording,
+    });
+    let mut kit = Kit { provider, cases: Vec::new(), scripted, strict: options.strict, denied, calls, guard };
     let scenarios = async {
+        if kit.guard.is_some() {
+            kit.note_existing().await;
+        }
         let (name, version, features) = kit.describe().await;
         kit.validate_config(&config).await;
         kit.lifecycle().await;
@@ -283,6 +323,17 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     Ok(Report { provider: name, version, cases: kit.cases, millis: started.elapsed().as_millis() })
 }
 
+/// The lifecycle's cases after its start, skipped when the start fails.
+const LIFECYCLE_AFTER_START: [&str; 7] = [
+    "status updates of a start are progress",
+    "hardware satisfies the constraints",
+    "started instance is listed",
+    "maintain-instance on a known instance",
+    "stop-instances succeeds",
+    "stopped instance is gone",
+    "double stop is ok",
+];
+
 /// How many host calls the text report shows under a failed case.
 const TRACE_SHOWN: usize = 12;
 
@@ -299,6 +350,24 @@ struct Kit {
     denied: Arc<std::sync::Mutex<Vec<String>>>,
     /// Every host call so far; each case takes those made since the one before.
     calls: HostCallLog,
+    /// In a recording against real endpoints: what it may stop.
+    guard: Option<RecordGuard>,
+}
+
+/// The id the kit stops to see an unknown id ignored.
+const UNKNOWN_ID: &str = "broker-provider-test-never-existed";
+
+/// The instance tag every start of a recording carries (its value: the run).
+pub const RECORDING_TAG: &str = "broker-provider-test";
+
+/// A recording runs against real endpoints: it stops only what its own
+/// starts made, and never an instance that was there before it.
+struct RecordGuard {
+    /// Its tape is paused while the kit looks at what existed (not a scenario's exchange).
+    recording: Arc<Recording>,
+    run: String,
+    existed: std::collections::HashSet<String>,
+    started: std::collections::HashSet<String>,
 }
 
 /// A call's error as a case reports it.
@@ -334,7 +403,52 @@ impl Kit {
             }
         }
         let trace = self.calls.take();
-        self.cases.push(Case { name, passed, detail, trace });
+        self.cases.push(Case { name, passed, detail, trace, skipped: false });
+    }
+
+    /// A case that could not run, and why.
+    fn skip(&mut self, name: &'static str, why: &str) {
+        let trace = self.calls.take();
+        self.cases.push(Case { name, passed: false, detail: format!("not run: {why}"), trace, skipped: true });
+    }
+
+    /// A start of the kit's own: in a recording, tagged with the run's tag,
+    /// and its id kept as one this run may stop.
+    async fn start(
+        &mut self,
+        hooks: &CallHooks,
+        params: &crate::bindings::StartInstanceParams,
+    ) -> Result<crate::bindings::StartInstanceResult, CallError> {
+        let Some(guard) = &mut self.guard else { return self.provider.start_instance(hooks, params).await };
+        let mut params = params.clone();
+        let config = params.instance_config.get_or_insert_with(crate::contract::empty_instance_config);
+        config.tags.push((RECORDING_TAG.to_owned(), guard.run.clone()));
+        let started = self.provider.start_instance(hooks, &params).await?;
+        let id = &started.instance.id;
+        if guard.existed.contains(id) {
+            tracing::warn!(instance_id = %id, "a start in the recording answered with the id of an instance that existed before it: it will not be stopped");
+        } else {
+            guard.started.insert(id.clone());
+        }
+        Ok(started)
+    }
+
+    /// Stop instances; in a recording, only those its own starts made.
+    async fn stop(&self, ids: &[String]) -> Result<(), String> {
+        if let Some(guard) = &self.guard {
+            let foreign: Vec<&String> = ids.iter().filter(|id| !guard.started.contains(*id)).collect();
+            if !foreign.is_empty() {
+                return Err(format!(
+                    "a recording stops only instances its own starts made; refused to stop {foreign:?}{}",
+                    if foreign.iter().any(|id| guard.existed.contains(*id)) {
+                        " (an instance that existed before this run)"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+        }
+        self.provider.stop_instances(&CallHooks::default(), ids).await.map_err(|e| explain(&e))
     }
 
     async fn describe(&mut self) -> (String, String, Vec<String>) {
@@ -381,10 +495,14 @@ impl Kit {
         let events: Arc<std::sync::Mutex<Vec<CallEvent>>> = Arc::default();
         let seen = events.clone();
         let hooks = CallHooks::with_events(move |event| seen.lock().unwrap_or_else(|p| p.into_inner()).push(event));
-        let started = match self.provider.start_instance(&hooks, &params).await {
+        let started = match self.start(&hooks, &params).await {
             Ok(result) => result,
             Err(e) => {
                 self.record("start-instance succeeds", Err(explain(&e)));
+                for case in LIFECYCLE_AFTER_START {
+                    self.skip(case, "start-instance failed");
+                }
+                self.stop_unknown().await;
                 return;
             }
         };
@@ -393,9 +511,13 @@ impl Kit {
         if let Some(problem) = crate::store::records::instance_id_problem(&id) {
             let shown = crate::store::records::id_for_message(&id);
             // As the host does with such an id: stop what was started, so nothing real is left running.
-            let stopped = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
-            let left = stopped.err().map(|e| format!("; stopping it failed too: {}", explain(&e))).unwrap_or_default();
+            let stopped = self.stop(std::slice::from_ref(&id)).await;
+            let left = stopped.err().map(|e| format!("; stopping it failed too: {e}")).unwrap_or_default();
             self.record("start-instance succeeds", Err(format!("the host refuses the id {shown}: {problem}{left}")));
+            for case in LIFECYCLE_AFTER_START {
+                self.skip(case, "start-instance failed");
+            }
+            self.stop_unknown().await;
             return;
         }
         self.record("start-instance succeeds", Ok(format!("started {id}")));
@@ -436,8 +558,8 @@ impl Kit {
             maintained.map(|_| format!("maintained {id}")).map_err(|e| explain(&e)),
         );
 
-        let stopped = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
-        self.record("stop-instances succeeds", stopped.map(|_| format!("stopped {id}")).map_err(|e| explain(&e)));
+        let stopped = self.stop(std::slice::from_ref(&id)).await;
+        self.record("stop-instances succeeds", stopped.map(|_| format!("stopped {id}")));
         let gone = self.all().await.and_then(|all| {
             if ids(&all).contains(&id) {
                 Err(format!("{id} still listed after stop"))
@@ -447,28 +569,51 @@ impl Kit {
         });
         self.record("stopped instance is gone", gone);
 
-        let again = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
+        let again = self.stop(std::slice::from_ref(&id)).await;
         self.record(
             "double stop is ok",
-            again
-                .map(|_| "stopped twice".to_owned())
-                .map_err(|e| format!("second stop of {id} returned {}", explain(&e))),
+            again.map(|_| "stopped twice".to_owned()).map_err(|e| format!("second stop of {id} returned {e}")),
         );
-        let unknown = "broker-provider-test-never-existed".to_owned();
+        self.stop_unknown().await;
+    }
+
+    /// Stopping an id nobody has is fine. (The one stop a recording makes
+    /// of an id its starts did not return: the kit's own, which names nothing.)
+    async fn stop_unknown(&mut self) {
+        const CASE: &str = "stop of an unknown id is ok";
+        let unknown = UNKNOWN_ID.to_owned();
         let result = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&unknown)).await;
         self.record(
-            "stop of an unknown id is ok",
+            CASE,
             result
                 .map(|_| "ignored".to_owned())
                 .map_err(|e| format!("stop-instances of an unknown id returned {}", explain(&e))),
         );
     }
 
+    /// The instances the provider lists before a recording starts anything.
+    async fn note_existing(&mut self) {
+        let tape = self.guard.as_ref().map(|guard| guard.recording.http.clone());
+        tape.iter().for_each(|tape| tape.pause(true));
+        let listed = self.provider.all_instances(&CallHooks::default()).await;
+        tape.iter().for_each(|tape| tape.pause(false));
+        match listed {
+            Ok(all) => {
+                if let Some(guard) = &mut self.guard {
+                    guard.existed = all.into_iter().map(|i| i.id).collect();
+                }
+            }
+            Err(e) => tracing::warn!(error = %explain(&e), "a recording could not list what existed before it"),
+        }
+        // Not a case: what it asked of the host belongs to none.
+        let _ = self.calls.take();
+    }
+
     /// A provider that claims zones spreads a distribution group over them.
     /// Returns the zones the two members went to, as far as they said.
     async fn distribution_group(&mut self) -> Vec<String> {
         const CASE: &str = "distribution group is spread over zones";
-        let first = match self.provider.start_instance(&CallHooks::default(), &empty_params()).await {
+        let first = match self.start(&CallHooks::default(), &empty_params()).await {
             Ok(r) => r,
             Err(e) => {
                 self.record(CASE, Err(explain(&e)));
@@ -477,7 +622,7 @@ impl Kit {
         };
         let group = vec![first.instance.id.clone()];
         let hooks = CallHooks { distribution_group: Some(Arc::new(move || Ok(group.clone()))), ..Default::default() };
-        let second = self.provider.start_instance(&hooks, &empty_params()).await;
+        let second = self.start(&hooks, &empty_params()).await;
         let mut started = vec![first.instance.id.clone()];
         let zones: Vec<String> = match &second {
             Ok(second) => {
@@ -508,7 +653,7 @@ impl Kit {
         };
         let mut params = empty_params();
         params.placement = Some(format!("zone={zone}"));
-        let result = match self.provider.start_instance(&CallHooks::default(), &params).await {
+        let result = match self.start(&CallHooks::default(), &params).await {
             Err(e) => Err(format!("placement zone={zone} refused: {}", explain(&e))),
             Ok(placed) => {
                 self.stop_quietly(std::slice::from_ref(&placed.instance.id)).await;
@@ -523,7 +668,7 @@ impl Kit {
 
     /// Stop what a scenario started for itself; its own outcome is not the case's.
     async fn stop_quietly(&self, ids: &[String]) {
-        if let Err(e) = self.provider.stop_instances(&CallHooks::default(), ids).await {
+        if let Err(e) = self.stop(ids).await {
             tracing::debug!(error = %e, "stopping what a scenario started");
         }
     }
@@ -533,7 +678,7 @@ impl Kit {
         const CASE: &str = "an unknown zone is a typed error";
         let mut params = empty_params();
         params.placement = Some("zone=broker-provider-test-no-such-zone".into());
-        let result = match self.provider.start_instance(&CallHooks::default(), &params).await {
+        let result = match self.start(&CallHooks::default(), &params).await {
             Err(CallError::Guest { error: BrokerError::Provider(message), .. }) => Err(format!(
                 "an unknown zone came back as a provider string ({message:?}), not a typed error \
                  (invalid-params, not-found, zone-unavailable, …)"
@@ -542,7 +687,7 @@ impl Kit {
             Err(e) => Err(explain(&e)),
             Ok(started) => {
                 let id = started.instance.id;
-                let _ = self.provider.stop_instances(&CallHooks::default(), std::slice::from_ref(&id)).await;
+                let _ = self.stop(std::slice::from_ref(&id)).await;
                 Err(format!("started {id} in an unknown zone"))
             }
         };

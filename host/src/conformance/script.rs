@@ -56,6 +56,8 @@ pub struct Scripted {
     pub(crate) http: Arc<Script>,
     pub(crate) processes: Arc<SimProcesses>,
     pub(crate) network: Arc<SimNetwork>,
+    /// Set when there was no script file to read.
+    missing: Option<String>,
 }
 
 impl Scripted {
@@ -64,6 +66,18 @@ impl Scripted {
             http: Arc::new(Script::new(file.http)),
             processes: Arc::new(SimProcesses::new(file.runs, file.children)),
             network: Arc::new(SimNetwork::with_owners(file.devices, file.owners)),
+            missing: None,
+        }
+    }
+
+    /// No script at `path`: every host call it would answer is unscripted, and says so.
+    pub(crate) fn missing(path: &std::path::Path) -> Scripted {
+        let why = format!("no script at {}", path.display());
+        Scripted {
+            http: Arc::new(Script::missing(why.clone())),
+            processes: Arc::default(),
+            network: Arc::default(),
+            missing: Some(why),
         }
     }
 
@@ -76,7 +90,11 @@ impl Scripted {
     /// Host calls the script had no answer for since the last call.
     pub fn take_unexpected(&self) -> Vec<String> {
         let mut unexpected = self.http.take_unexpected();
-        unexpected.extend(self.processes.take_unexpected());
+        let runs = self.processes.take_unexpected();
+        match &self.missing {
+            Some(why) => unexpected.extend(runs.into_iter().map(|run| format!("{run} ({why})"))),
+            None => unexpected.extend(runs),
+        }
         unexpected
     }
 

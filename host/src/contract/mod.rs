@@ -2,6 +2,7 @@
 //! builders of the params a start takes.
 
 pub mod constraints;
+pub mod start;
 
 use crate::bindings::StartInstanceParams;
 
@@ -22,6 +23,29 @@ pub fn params_with(constraints: crate::bindings::Constraints) -> StartInstancePa
         availability_zone: None,
         root_disk: None,
         charm_lxd_profiles: Vec::new(),
+    }
+}
+
+/// An instance config with nothing in it (no machine, no user data, no tags).
+pub fn empty_instance_config() -> crate::bindings::InstanceConfig {
+    crate::bindings::InstanceConfig {
+        machine_id: String::new(),
+        machine_nonce: String::new(),
+        controller_uuid: String::new(),
+        container_type: None,
+        hostname: None,
+        base: None,
+        image_stream: None,
+        user_data: None,
+        authorized_keys: Vec::new(),
+        tags: Vec::new(),
+        profiles: Vec::new(),
+        proxy_settings: None,
+        apt_proxy_settings: None,
+        apt_mirror: None,
+        cloud_init_properties: Vec::new(),
+        enable_os_refresh_update: false,
+        enable_os_upgrade: false,
     }
 }
 

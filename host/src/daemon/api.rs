@@ -6,8 +6,6 @@ use super::wire::StartLine;
 use crate::bindings::BrokerError;
 use crate::broker::{Broker, BrokerServiceError};
 use crate::capabilities::context::CallHooks;
-use crate::contract::constraints;
-use crate::contract::params_with;
 use crate::error_text::error_text;
 use crate::groups::{GroupError, Groups};
 use crate::providers::registry::RegistryError;
@@ -417,6 +415,15 @@ struct StartRequest {
     constraints: String,
     #[serde(default)]
     placement: Option<String>,
+    /// cloud-init user data, as text.
+    #[serde(default)]
+    user_data: Option<String>,
+    /// Instance tags, set on the instance config.
+    #[serde(default)]
+    tags: std::collections::BTreeMap<String, String>,
+    /// The whole `StartInstanceParams`; the fields above apply over it.
+    #[serde(default)]
+    params: Option<serde_json::Value>,
 }
 
 /// Start an instance. The answer streams as NDJSON, one line per status update
@@ -428,12 +435,16 @@ async fn start_instance(
     body: Result<Json<StartRequest>, JsonRejection>,
 ) -> ApiResult<Response> {
     let Json(request) = body?;
-    let constraints = constraints::parse(&request.constraints).map_err(|e| {
-        ApiError(StatusCode::BAD_REQUEST, format!("invalid constraints {:?}: {e}", request.constraints))
-    })?;
+    let tags: Vec<(String, String)> = request.tags.into_iter().collect();
+    let params = crate::contract::start::start_params(crate::contract::start::StartInput {
+        params: request.params.as_ref(),
+        constraints: &request.constraints,
+        placement: request.placement.as_deref(),
+        user_data: request.user_data.map(String::into_bytes),
+        tags: &tags,
+    })
+    .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))?;
     broker.registry().get(&request.provider).await?;
-    let mut params = params_with(constraints);
-    params.placement = request.placement;
 
     // Bounded whatever the provider reports and however slowly the client reads.
     let lines = Arc::new(super::progress::ProgressQueue::<StartLine>::new(super::progress::QUEUED_LINES));

@@ -391,23 +391,10 @@ pub fn start_params(
 
 fn instance_config(user_data: String, tags: BTreeMap<String, String>, base: Option<String>) -> InstanceConfig {
     InstanceConfig {
-        machine_id: String::new(),
-        machine_nonce: String::new(),
-        controller_uuid: String::new(),
-        container_type: None,
-        hostname: None,
         base,
-        image_stream: None,
         user_data: (!user_data.is_empty()).then(|| user_data.into_bytes()),
-        authorized_keys: Vec::new(),
         tags: tags.into_iter().collect(),
-        profiles: Vec::new(),
-        proxy_settings: None,
-        apt_proxy_settings: None,
-        apt_mirror: None,
-        cloud_init_properties: Vec::new(),
-        enable_os_refresh_update: false,
-        enable_os_upgrade: false,
+        ..crate::contract::empty_instance_config()
     }
 }
 

@@ -69,6 +69,47 @@ fn every_command_prints_the_same_through_a_daemon_as_without_one() {
         serde_json::json!({"event": "status", "status": "allocating", "info": "allocating instance", "data": []})
     );
 
+    // User data, tags and the whole params, from files, the same both ways.
+    let files = tempfile::tempdir().unwrap();
+    let (user_data, params) = (files.path().join("user-data"), files.path().join("params.json"));
+    std::fs::write(&user_data, "#cloud-config\nhostname: m3\n").unwrap();
+    std::fs::write(
+        &params,
+        r#"{"placement": "zone=zone-b", "instance_config": {"machine_id": "3", "tags": [["team", "red"]]}}"#,
+    )
+    .unwrap();
+    let (user_data, params) = (user_data.display().to_string(), params.display().to_string());
+    let args = ["instance", "start", "--provider", "fake", "--params", &params, "--user-data", &user_data];
+    let args = [&args[..], &["--tag", "team=blue", "--tag", "env=ci", "--json"]].concat();
+    let (alone, through) = (run(embedded.path(), &args), run(served.path(), &args));
+    assert_eq!((alone.0, through.0), (0, 0), "{} / {}", alone.2, through.2);
+    assert_eq!(without_times(&alone.1), without_times(&through.1));
+    let started = without_times(&through.1);
+    assert_eq!(started["hardware"]["availability-zone"], "zone-b", "{started}");
+    assert_eq!(started["instance-tags"], serde_json::json!({"env": "ci", "team": "blue"}), "{started}");
+    for (bad, needle) in [
+        (vec!["--params", "/nonexistent/params.json"], "--params /nonexistent/params.json"),
+        (vec!["--params", &user_data], "not JSON"),
+        (vec!["--tag", "novalue"], "is not KEY=VALUE"),
+        (vec!["--user-data", "/dev/zero"], "not a regular file"),
+    ] {
+        let args = [&["instance", "start", "--provider", "fake"][..], &bad[..]].concat();
+        let (code, _, error) = same(&args);
+        assert_eq!(code, 2, "{bad:?}: {error}");
+        assert!(error.contains(needle), "{bad:?}: {error}");
+    }
+    std::fs::write(files.path().join("typo.json"), r#"{"instance_config": {"machine": "3"}}"#).unwrap();
+    let typo = files.path().join("typo.json").display().to_string();
+    let (code, _, error) = same(&["instance", "start", "--provider", "fake", "--params", &typo]);
+    assert_eq!(code, 2, "{error}");
+    assert!(error.contains("unknown field instance_config.machine"), "{error}");
+    // The API refuses the same, as a bad request.
+    let body = br#"{"provider": "fake", "params": {"placment": "x"}}"#;
+    let (status, answer) = daemon.request("POST", "/v1/instances", Some(body));
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains("unknown field placment"), "{answer}");
+    assert_eq!(same(&["instance", "stop", "fake-2"]).0, 0);
+
     assert!(same(&["instance", "list"]).1.contains("zone-c"));
     assert_eq!(same(&["instance", "maintain", "fake-0"]).1, "maintained fake-0 (fake)\n");
     // Idempotent, as Juju's StopInstances: the known ids are stopped, an unknown

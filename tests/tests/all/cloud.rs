@@ -6,10 +6,13 @@
 
 use broker_host::bindings::BrokerError;
 use broker_host::broker::Broker;
-use broker_host::capabilities::context::CallHooks;
+use broker_host::capabilities::context::{CallEvent, CallHooks};
 use broker_host::capabilities::kv::KvBackend;
+use broker_host::contract::empty_params;
 use broker_tests::moto::{Moto, TlsFront};
+use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
+use std::sync::{Arc, Mutex};
 
 /// One request from the guest: `form` as its body; the answer's status line
 /// and the whole exchange as the guest read it (kv `http-response`).
@@ -32,26 +35,49 @@ fn write_credentials(path: &std::path::Path, key: &str, secret: &str) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
 }
 
+/// moto with signatures checked, its TLS front, and a host whose
+/// credentials dir holds moto's key as `moto`.
+struct Cloud {
+    moto: Moto,
+    front: TlsFront,
+    dir: tempfile::TempDir,
+    data: std::path::PathBuf,
+    broker: Broker,
+}
+
+impl Cloud {
+    async fn start() -> Cloud {
+        let moto = tokio::task::spawn_blocking(Moto::start).await.unwrap();
+        let front = TlsFront::start(moto.port).await;
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::write(dir.path().join("ca.pem"), &front.ca_pem).unwrap();
+        let broker = Broker::open(&data).unwrap();
+        std::fs::create_dir_all(data.join("credentials")).unwrap();
+        write_credentials(&data.join("credentials/moto.toml"), &moto.key.access_key_id, &moto.key.secret_access_key);
+        Cloud { moto, front, dir, data, broker }
+    }
+}
+
+/// A grant's route to the front, signed with `moto` (the table's lines up to its rules).
+fn signed_route(front: &TlsFront, dir: &std::path::Path) -> String {
+    format!(
+        "url = \"https://localhost:{}\"\nca-file = \"{}\"\nsign = \"aws-sigv4\"\nservice = \"ec2\"\n\
+         region = \"us-east-1\"\ncredentials = \"moto\"\n",
+        front.port,
+        dir.join("ca.pem").display()
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_host_signs_for_the_guest_holds_the_rules_and_keeps_the_secret() {
-    let moto = tokio::task::spawn_blocking(Moto::start).await.unwrap();
-    let front = TlsFront::start(moto.port).await;
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let ca_file = dir.path().join("ca.pem");
-    std::fs::write(&ca_file, &front.ca_pem).unwrap();
-    let broker = Broker::open(&data).unwrap();
-    let credentials = data.join("credentials");
-    std::fs::create_dir_all(&credentials).unwrap();
-    let file = credentials.join("moto.toml");
-    write_credentials(&file, &moto.key.access_key_id, &moto.key.secret_access_key);
+    let Cloud { moto, front, dir, data, broker } = Cloud::start().await;
+    let file = data.join("credentials/moto.toml");
     let grant = format!(
-        "[grants]\nkv = true\n[grants.http.ec2]\nurl = \"https://localhost:{}\"\nca-file = \"{}\"\n\
-         sign = \"aws-sigv4\"\nservice = \"ec2\"\nregion = \"us-east-1\"\ncredentials = \"moto\"\n\
+        "[grants]\nkv = true\n[grants.http.ec2]\n{}\
          actions = [\"DescribeAvailabilityZones\", \"RunInstances\", \"DescribeInstances\"]\nmax-count = 2\n\
          require-tag = \"broker-namespace=ns1\"\n[config]\nregion = \"us-east-1\"\n",
-        front.port,
-        ca_file.display()
+        signed_route(&front, dir.path())
     );
     let manifest = broker_tests::write_manifest(dir.path(), "cloud", "test-hostile", &grant);
     broker.registry().add(&manifest).await.unwrap();
@@ -115,4 +141,171 @@ async fn the_host_signs_for_the_guest_holds_the_rules_and_keeps_the_secret() {
     }
     let state = std::fs::read(data.join("state.redb")).unwrap();
     assert!(!state.windows(secret.len()).any(|w| w == secret.as_bytes()), "the store has the secret");
+}
+
+/// What moto holds, asked directly with boto3: `(id, state, zone, tags)` of every instance.
+fn moto_instances(moto: &Moto) -> Vec<(String, String, String, BTreeMap<String, String>)> {
+    let listed = moto.boto3(
+        "out = []\n\
+         for r in ec2.describe_instances()['Reservations']:\n\
+         \x20   for i in r['Instances']:\n\
+         \x20       out.append([i['InstanceId'], i['State']['Name'], i['Placement']['AvailabilityZone'],\n\
+         \x20                   {t['Key']: t['Value'] for t in i.get('Tags', [])}])\n\
+         print(json.dumps(out))\n",
+    );
+    serde_json::from_str(&listed).unwrap()
+}
+
+fn machine(n: usize) -> broker_host::bindings::InstanceConfig {
+    broker_host::bindings::InstanceConfig {
+        machine_id: n.to_string(),
+        machine_nonce: format!("machine-{n}:nonce"),
+        controller_uuid: "deadbeef-0000-4000-8000-000000000001".into(),
+        user_data: Some(format!("#cloud-config\nhostname: m{n}\n").into_bytes()),
+        tags: vec![("team".into(), "blue".into())],
+        ..broker_host::contract::empty_instance_config()
+    }
+}
+
+/// The EC2 provider on moto (signatures checked, behind TLS), through the
+/// real host: Juju's zone rule over a distribution group, every tag set by
+/// RunInstances itself, status while waiting for running, all-instances
+/// following NextToken and seeing only its namespace, terminate idempotent
+/// and never touching an instance without the namespace's tag, maintain
+/// re-tagging drift, user data as given; no secret anywhere the host shows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+pub(crate) async fn the_ec2_provider_runs_juju_s_broker_on_moto() {
+    let Cloud { moto, front, dir, broker, .. } = Cloud::start().await;
+    let manifest_text = format!(
+        "[grants]\nkv = true\nlog = true\n[grants.http.ec2]\n{}\
+         actions = [\"DescribeAvailabilityZones\", \"DescribeInstances\", \"RunInstances\", \"TerminateInstances\", \"CreateTags\"]\n\
+         max-count = 1\nrequire-tag = \"broker-namespace=host0\"\n\
+         [config]\nnamespace = \"host0\"\nregion = \"us-east-1\"\nzones = [\"us-east-1a\", \"us-east-1b\", \"us-east-1c\"]\n\
+         images = {{ amd64 = \"ami-12c6146b\" }}\nwait-running-s = 60\ndescribe-page-size = 5\n",
+        signed_route(&front, dir.path())
+    );
+    let manifest = broker_tests::write_manifest(dir.path(), "ec2", "ec2", &manifest_text);
+    broker.registry().add(&manifest).await.unwrap();
+
+    // Five machines in one distribution group: 2/2/1 over the three zones.
+    let statuses = Arc::new(Mutex::new(Vec::<String>::new()));
+    let mut ids: Vec<String> = Vec::new();
+    for n in 0..5 {
+        let group = ids.clone();
+        let seen = statuses.clone();
+        let hooks = CallHooks {
+            distribution_group: Some(Arc::new(move || Ok(group.clone()))),
+            events: Some(Arc::new(move |event| {
+                if let CallEvent::Status { info, .. } = event {
+                    seen.lock().unwrap().push(info);
+                }
+            })),
+            ..CallHooks::default()
+        };
+        let mut params = empty_params();
+        params.instance_config = Some(machine(n));
+        let record = broker.start_instance("ec2", &params, &hooks).await.unwrap();
+        assert!(record.id.starts_with("i-"), "{record:?}");
+        assert_eq!(record.display_name, format!("juju-host0-machine-{n}"));
+        ids.push(record.id);
+    }
+    let statuses = statuses.lock().unwrap().clone();
+    assert!(statuses.iter().any(|s| s.starts_with("running t3.micro (ami-12c6146b) in us-east-1")), "{statuses:?}");
+    assert!(statuses.iter().any(|s| s.ends_with("is running")), "{statuses:?}");
+    let held = moto_instances(&moto);
+    let mut per_zone = BTreeMap::<String, usize>::new();
+    for (id, _, zone, tags) in &held {
+        assert!(ids.contains(id));
+        assert_eq!(tags.get("broker-namespace").map(String::as_str), Some("host0"), "{tags:?}");
+        assert_eq!(tags.get("team").map(String::as_str), Some("blue"), "{tags:?}");
+        *per_zone.entry(zone.clone()).or_default() += 1;
+    }
+    assert_eq!(per_zone.into_values().collect::<Vec<_>>(), [2, 2, 1], "{held:?}");
+    let user_data = moto.boto3(&format!(
+        "print(ec2.describe_instance_attribute(InstanceId='{}', Attribute='userData')['UserData']['Value'])",
+        ids[2]
+    ));
+    assert_eq!(user_data.trim(), "I2Nsb3VkLWNvbmZpZwpob3N0bmFtZTogbTIK", "base64 of machine 2's user data");
+    // describe now lists the zones the host may place in.
+    let info = broker.registry().get("ec2").await.unwrap().describe().await.unwrap();
+    assert!(info.features.contains(&"zone=us-east-1c".to_owned()), "{:?}", info.features);
+
+    // Another's instance, without the namespace tag: never listed, never terminated.
+    let foreign = moto.boto3(
+        "print(ec2.run_instances(ImageId='ami-12c6146b', MinCount=1, MaxCount=1)['Instances'][0]['InstanceId'])",
+    );
+    let foreign = foreign.trim().to_owned();
+    let wasm = broker.registry().get("ec2").await.unwrap();
+    let before = front.requests();
+    let mut listed: Vec<String> =
+        wasm.all_instances(&CallHooks::default()).await.unwrap().into_iter().map(|i| i.id).collect();
+    listed.sort();
+    let mut expected = ids.clone();
+    expected.sort();
+    assert_eq!(listed, expected);
+    assert_eq!(front.requests() - before, 1, "5 of ours fit one page of 5");
+    let mut params = empty_params();
+    params.instance_config = Some(machine(5));
+    ids.push(broker.start_instance("ec2", &params, &CallHooks::default()).await.unwrap().id);
+    let before = front.requests();
+    assert_eq!(wasm.all_instances(&CallHooks::default()).await.unwrap().len(), 6);
+    assert_eq!(front.requests() - before, 2, "6 take two pages: NextToken followed");
+
+    // Terminate two, and again: idempotent. The foreign one survives being named.
+    let stopping = vec![ids[0].clone(), ids[1].clone()];
+    broker.stop_instances("ec2", &stopping).await.unwrap();
+    broker.stop_instances("ec2", &stopping).await.unwrap();
+    wasm.stop_instances(&CallHooks::default(), std::slice::from_ref(&foreign)).await.unwrap();
+    let held = moto_instances(&moto);
+    let state = |id: &str| held.iter().find(|(i, ..)| i == id).map(|(_, s, ..)| s.clone()).unwrap();
+    assert_eq!((state(&ids[0]), state(&ids[1])), ("terminated".into(), "terminated".into()));
+    assert_eq!(state(&foreign), "running", "an instance without the namespace tag is not ours to stop");
+    assert_eq!(wasm.all_instances(&CallHooks::default()).await.unwrap().len(), 4);
+
+    // Drift: a tag removed behind the host's back is put back by maintain.
+    moto.boto3(&format!("ec2.delete_tags(Resources=['{}'], Tags=[{{'Key': 'team'}}])", ids[2]));
+    broker.maintain_instance("ec2", &ids[2]).await.unwrap();
+    let held = moto_instances(&moto);
+    let tags = &held.iter().find(|(i, ..)| *i == ids[2]).unwrap().3;
+    assert_eq!(tags.get("team").map(String::as_str), Some("blue"), "{tags:?}");
+
+    let secret = moto.key.secret_access_key.as_str();
+    let shown = format!("{:?}", broker.registry().show("ec2").unwrap());
+    assert!(!shown.contains(secret));
+    for event in broker.store().events(0, 10_000).unwrap() {
+        assert!(!format!("{event:?}").contains(secret), "an event has the secret: {event:?}");
+    }
+
+    // The kit, recording against the same endpoint where this namespace has live
+    // instances: it passes, stops only what it made, and no report or recording
+    // holds the secret or a signature.
+    use broker_host::conformance::{self, Answers, KitOptions, RECORDING_TAG, Recording};
+    let recording = Arc::new(Recording::default());
+    let options = KitOptions {
+        answers: Answers::Record(recording.clone()),
+        strict: false,
+        sandbox: Default::default(),
+        credentials: Some(dir.path().join("data/credentials")),
+    };
+    let manifest = broker_host::manifest::Manifest::load(&manifest).unwrap();
+    let report = conformance::run_with(&manifest, options).await.unwrap();
+    assert!(report.passed(), "{}", report.text());
+    let held = moto_instances(&moto);
+    let kits: Vec<_> = held.iter().filter(|(.., tags)| tags.contains_key(RECORDING_TAG)).collect();
+    assert!(kits.len() >= 4, "the kit's starts are tagged as its own: {held:?}");
+    assert!(kits.iter().all(|(_, state, ..)| state == "terminated"), "the kit stops what it made: {kits:?}");
+    let ours_live = held.iter().filter(|(i, state, ..)| ids.contains(i) && state == "running").count();
+    assert_eq!(ours_live, 4, "the namespace's own instances are untouched by the recording");
+    let script = recording.to_script_json();
+    for (what, text) in [
+        ("text report", report.text()),
+        ("JSON report", serde_json::to_string(&report).unwrap()),
+        ("JUnit report", report.junit()),
+        ("recording", script.clone()),
+    ] {
+        assert!(!text.contains(secret), "the {what} holds the secret");
+        assert!(!text.contains(&moto.key.access_key_id), "the {what} holds the key id");
+        assert!(!text.to_ascii_lowercase().contains("x-amz-date"), "the {what} holds a signing header");
+    }
+    assert!(script.contains("RunInstances"), "the recording has the exchanges");
 }

@@ -36,15 +36,22 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
     // empty script replays to the same result, strictly.
     use broker_host::conformance::{Answers, KitOptions, Recording, Scripted};
     let recording = std::sync::Arc::new(Recording::default());
-    let options =
-        KitOptions { answers: Answers::Record(recording.clone()), strict: false, sandbox: Default::default() };
+    let options = KitOptions {
+        answers: Answers::Record(recording.clone()),
+        strict: false,
+        sandbox: Default::default(),
+        credentials: None,
+    };
     let recorded = conformance::run_with(&bundled, options).await.unwrap();
     let script = recording.to_script_json();
     assert_eq!(script.trim(), "{}");
     let answers = Answers::Script(std::sync::Arc::new(Scripted::parse(&script).unwrap()));
-    let replayed = conformance::run_with(&bundled, KitOptions { answers, strict: true, sandbox: Default::default() })
-        .await
-        .unwrap();
+    let replayed = conformance::run_with(
+        &bundled,
+        KitOptions { answers, strict: true, sandbox: Default::default(), credentials: None },
+    )
+    .await
+    .unwrap();
     let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
     assert_eq!(outcome(&replayed), outcome(&recorded));
     assert!(replayed.passed(), "{}", replayed.text());
@@ -52,7 +59,7 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
 
 #[tokio::test]
 pub(crate) async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_without_one() {
-    use broker_host::conformance::{Answers, KitOptions};
+    use broker_host::conformance::KitOptions;
     let bundled = Manifest::load(&bundled_manifest("lxd")).unwrap();
     assert!(conformance::script_path(&bundled.path).exists(), "guests/lxd ships provider.script.json");
     let mut options = KitOptions::beside(&bundled).unwrap();
@@ -66,12 +73,19 @@ pub(crate) async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_
     let elsewhere = dir.path().join("lxd.toml");
     std::fs::write(&elsewhere, broker_tests::bundled_manifest_text("lxd")).unwrap();
     let manifest = Manifest::load(&elsewhere).unwrap();
-    let options =
-        KitOptions { answers: Answers::Script(Default::default()), strict: true, sandbox: Default::default() };
+    let mut options = KitOptions::beside(&manifest).unwrap();
+    options.strict = true;
     let report = conformance::run_with(&manifest, options).await.unwrap();
     let start = report.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
     assert!(!start.passed);
     assert!(start.detail.contains("unscripted http request GET lxd/1.0/images/aliases/busybox"), "{}", start.detail);
+    let missing = format!("no script at {}", dir.path().join("lxd.script.json").display());
+    assert!(start.detail.contains(&missing) && !start.detail.contains("exhausted"), "{}", start.detail);
+    // What the failed start left unrun is reported as skipped, in the totals.
+    let (passed, failed, skipped) = report.totals();
+    assert_eq!(skipped, 7, "{}", report.text());
+    assert_eq!(passed + failed + skipped, report.cases.len());
+    assert!(report.text().contains("skip stopped instance is gone"), "{}", report.text());
 }
 
 #[tokio::test]
@@ -82,7 +96,12 @@ pub(crate) async fn the_kvm_provider_passes_strictly_on_its_script_without_runni
         panic!("the bundled kvm provider ships a script");
     };
     assert!(scripted.remaining() >= 3, "qemu-img, genisoimage and one qemu child are scripted");
-    let options = KitOptions { answers: Answers::Script(scripted.clone()), strict: true, sandbox: Default::default() };
+    let options = KitOptions {
+        answers: Answers::Script(scripted.clone()),
+        strict: true,
+        sandbox: Default::default(),
+        credentials: None,
+    };
     let report = conformance::run_with(&bundled, options).await.unwrap();
     assert!(report.passed(), "{}", report.text());
     assert_eq!(report.cases.len(), 15, "{}", report.text());
@@ -120,11 +139,40 @@ pub(crate) async fn the_kvm_provider_passes_strictly_on_its_script_without_runni
             answers: Answers::Script(std::sync::Arc::new(scripted)),
             strict: true,
             sandbox: Default::default(),
+            credentials: None,
         };
         let report = conformance::run_with(&bundled, options).await.unwrap();
         let start = report.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
         assert!(!start.passed && start.detail.contains(named), "{named} in {}", start.detail);
     }
+}
+
+/// A recording runs against real endpoints: it never stops an instance that
+/// was there before it, even one its own start answered with (a provider whose
+/// ids repeat, over a kv the kit starts empty), and says why.
+#[tokio::test]
+async fn a_recording_never_stops_what_existed_before_it() {
+    use broker_host::conformance::{Answers, KitOptions, Recording};
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = broken_manifest(dir.path(), "test-broken", "takes-over");
+    let recording = std::sync::Arc::new(Recording::default());
+    let options = KitOptions {
+        answers: Answers::Record(recording),
+        strict: false,
+        sandbox: Default::default(),
+        credentials: None,
+    };
+    let report = conformance::run_with(&manifest, options).await.unwrap();
+    let stop = report.cases.iter().find(|c| c.name == "stop-instances succeeds").unwrap();
+    assert!(!stop.passed, "{}", report.text());
+    assert!(
+        stop.detail.contains("refused to stop [\"fake-0\"] (an instance that existed before this run)"),
+        "{}",
+        stop.detail
+    );
+    // Not recording, the same provider's own instance is stopped as usual.
+    let replayed = conformance::run(&manifest).await.unwrap();
+    assert!(replayed.cases.iter().find(|c| c.name == "stop-instances succeeds").unwrap().passed, "{}", replayed.text());
 }
 
 #[tokio::test]
@@ -135,7 +183,7 @@ async fn the_hostile_guest_fails_what_it_breaks_with_a_reason() {
     let report = conformance::run(&manifest).await.unwrap();
     assert!(!report.passed());
     let failed: Vec<(&str, &str)> =
-        report.cases.iter().filter(|c| !c.passed).map(|c| (c.name, c.detail.as_str())).collect();
+        report.cases.iter().filter(|c| !c.passed && !c.skipped).map(|c| (c.name, c.detail.as_str())).collect();
     assert_eq!(
         failed,
         [
@@ -213,7 +261,7 @@ pub(crate) async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_s
     ];
     for (breaks, guest, expected, words) in cases {
         let report = conformance::run(&broken_manifest(dir.path(), guest, breaks)).await.unwrap();
-        let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed).collect();
+        let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed && !c.skipped).collect();
         let names: Vec<&str> = failed.iter().map(|c| c.name).collect();
         assert_eq!(names, *expected, "breaks = {breaks:?} ({guest}):\n{}", report.text());
         for case in failed {
@@ -243,7 +291,7 @@ async fn a_granted_program_misused_fails_the_ungranted_case() {
         );
         let manifest = Manifest::load(&write_manifest(dir.path(), "broken", "test-broken", &extra)).unwrap();
         let report = conformance::run(&manifest).await.unwrap();
-        let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed).collect();
+        let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed && !c.skipped).collect();
         let names: Vec<&str> = failed.iter().map(|c| c.name).collect();
         assert_eq!(names, ["no call touches an ungranted capability"], "{breaks}:\n{}", report.text());
         assert!(failed[0].detail.contains("process") && failed[0].detail.contains(words), "{}", failed[0].detail);
@@ -274,9 +322,14 @@ async fn touching_another_providers_device_fails_the_ungranted_case() {
         "owners": {"kt-other": "kvm2", "br-mine": "broken"},
     });
     let scripted = Arc::new(Scripted::parse(&script.to_string()).unwrap());
-    let options = KitOptions { answers: Answers::Script(scripted), strict: false, sandbox: Default::default() };
+    let options = KitOptions {
+        answers: Answers::Script(scripted),
+        strict: false,
+        sandbox: Default::default(),
+        credentials: None,
+    };
     let report = conformance::run_with(&manifest, options).await.unwrap();
-    let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed).collect();
+    let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed && !c.skipped).collect();
     let names: Vec<&str> = failed.iter().map(|c| c.name).collect();
     assert_eq!(names, ["no call touches an ungranted capability"], "{}", report.text());
     for words in ["tap kt-other belongs to provider kvm2", "bridge br-host is the host's"] {

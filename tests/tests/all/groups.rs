@@ -373,6 +373,52 @@ async fn members_spread_over_the_zones_and_an_unavailable_zone_is_skipped() {
     assert!(groups.describe("workers").await.unwrap().converged);
 }
 
+/// Juju's provisioner, for single starts and groups without a zones
+/// constraint alike: a start the provider placed in a full zone is placed by
+/// the host in the provider's other zones (those its `describe` lists),
+/// emptiest first; a zone the caller named is not second-guessed; with every
+/// zone full the caller hears zone-unavailable.
+#[tokio::test]
+async fn a_start_turned_away_by_a_full_zone_is_placed_by_the_host_in_the_next() {
+    use broker_host::bindings::BrokerError;
+    use broker_host::broker::BrokerServiceError;
+    use broker_host::contract::empty_params;
+    use broker_host::version::CallError;
+    let zone_of = |r: &broker_host::store::InstanceRecord| r.hardware.availability_zone.clone().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (broker, groups) = host(dir.path(), r#"unavailable-zones = ["zone-a"]"#).await;
+    let mut landed = Vec::new();
+    for _ in 0..3 {
+        landed.push(zone_of(&broker.start_instance("fake", &empty_params(), &Default::default()).await.unwrap()));
+    }
+    assert_eq!(landed, ["zone-b", "zone-c", "zone-b"]);
+
+    let mut placed = empty_params();
+    placed.placement = Some("zone=zone-a".into());
+    let refused = broker.start_instance("fake", &placed, &Default::default()).await.unwrap_err();
+    let unavailable = |e: &BrokerServiceError| {
+        matches!(e, BrokerServiceError::Call(CallError::Guest { error: BrokerError::ZoneUnavailable(_), .. }))
+    };
+    assert!(unavailable(&refused), "{refused}");
+    assert_eq!(broker.list_instances(Some("fake")).await.unwrap().len(), 3, "nothing placed elsewhere");
+
+    let mut only_full = empty_params();
+    only_full.constraints.zones = Some(vec!["zone-a".into()]);
+    let refused = broker.start_instance("fake", &only_full, &Default::default()).await.unwrap_err();
+    assert!(unavailable(&refused), "{refused}");
+
+    // A group with no zones constraint: each member the same way (started
+    // side by side, so how they spread over the two is the group's race).
+    groups.commit_text(&spec(r#"{"Size": 4}"#, "mem=1G"), false).await.unwrap();
+    converge(&groups, "workers").await;
+    let members: Vec<String> = (broker.list_instances(Some("fake")).await.unwrap().iter())
+        .filter(|r| r.instance_tags.get("infrakit.group").map(String::as_str) == Some("workers"))
+        .map(zone_of)
+        .collect();
+    assert_eq!(members.len(), 4, "{members:?}");
+    assert!(members.iter().all(|z| z != "zone-a"), "{members:?}");
+}
+
 /// Members that fail as they start are replaced with growing waits between
 /// passes, and after `max_failed_passes` such passes in a row the group stops
 /// replacing, says why, and is not converged, until its spec is committed again.

@@ -22,6 +22,7 @@ mod swap;
 
 /// One test for each guest component, by its crate name.
 mod guest_tests {
+    pub(crate) use crate::cloud::the_ec2_provider_runs_juju_s_broker_on_moto as ec2;
     pub(crate) use crate::conformance::each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why as test_broken;
     pub(crate) use crate::conformance::each_broken_guest_fails_exactly_the_scenario_it_breaks_and_says_why as test_broken_describe;
     pub(crate) use crate::conformance::the_kvm_provider_passes_strictly_on_its_script_without_running_anything as kvm;

@@ -27,8 +27,8 @@
 //! granted targets ([`HostEgress`]), or in the conformance kit a script or a
 //! recording.
 
-use crate::runtime::HostState;
-use crate::runtime::rooms::{GrantLine, GrantValue, Linking, Room, StoreSetup};
+use crate::runtime::rooms::{GrantLine, GrantValue, Linking, LoadSetup, Room, StoreSetup};
+use crate::runtime::{BoxError, HostState};
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::uri::Scheme;
@@ -56,6 +56,47 @@ pub use script::{Exchange, RecordedEgress, Script, Tape};
 /// guest does not say; the call's own deadline bounds everything anyway.
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(120);
+/// The request bodies one provider version's signed requests may hold at
+/// once while the host reads, checks and signs them (KiB): four of the
+/// largest, however many requests the guest opens.
+pub const SIGNED_BODIES_IN_FLIGHT_KIB: u32 = 4 * (rules::MAX_SIGNED_BODY as u32 / 1024);
+
+/// What a provider version's signed requests may buffer at once: a request
+/// waits for room (its call's deadline bounds the wait), so the host's memory
+/// does not grow with the number of requests a guest opens.
+#[derive(Clone, Debug)]
+pub struct SignedBodies(Arc<tokio::sync::Semaphore>);
+
+impl Default for SignedBodies {
+    fn default() -> Self {
+        SignedBodies(Arc::new(tokio::sync::Semaphore::new(SIGNED_BODIES_IN_FLIGHT_KIB as usize)))
+    }
+}
+
+impl SignedBodies {
+    /// The room `request`'s body takes (KiB): its declared length when it has
+    /// a plain one no larger than the most the host signs, else that most (the
+    /// guest cannot write past a declared length: wasi:http holds it to it).
+    fn kib_for(request: &http::Request<WasiBody>) -> u32 {
+        let mut lengths = request.headers().get_all(http::header::CONTENT_LENGTH).iter();
+        let declared = match (lengths.next(), lengths.next()) {
+            (Some(one), None) => one.to_str().ok().and_then(|v| v.parse::<usize>().ok()),
+            _ => None,
+        }
+        .filter(|&n| n <= rules::MAX_SIGNED_BODY);
+        declared.unwrap_or(rules::MAX_SIGNED_BODY).div_ceil(1024).max(1) as u32
+    }
+
+    /// Wait for `kib` of room; held until the permit is dropped.
+    async fn room(&self, kib: u32) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.0.clone().acquire_many_owned(kib).await.ok()
+    }
+
+    /// KiB free now (tests).
+    pub fn available_kib(&self) -> usize {
+        self.0.available_permits()
+    }
+}
 
 /// Where the host sends a granted authority's requests.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -568,6 +609,8 @@ pub struct EgressHooks {
     /// `None` without the grant, or in a sandbox that gives no backend.
     backend: Option<Arc<dyn EgressBackend>>,
     denials: crate::capabilities::denials::Denials,
+    /// Shared by every store of the provider version.
+    signed_bodies: SignedBodies,
 }
 
 impl EgressHooks {
@@ -576,8 +619,9 @@ impl EgressHooks {
         grant: Arc<HttpGrant>,
         backend: Option<Arc<dyn EgressBackend>>,
         denials: crate::capabilities::denials::Denials,
+        signed_bodies: SignedBodies,
     ) -> Self {
-        EgressHooks { provider, grant, backend, denials }
+        EgressHooks { provider, grant, backend, denials, signed_bodies }
     }
 
     /// Where `request` goes: the backend, once the grant lets it out.
@@ -617,7 +661,17 @@ impl WasiHttpHooks for EgressHooks {
             path = request.uri().path(),
         );
         let (provider, denials) = (self.provider.clone(), self.denials.clone());
-        let sending = match self.backend(&request) {
+        let signs = granted(&self.grant, &request).is_ok_and(|(_, route)| route.signing.is_some());
+        let sending: BoxFuture<'static, Result<SendResult, EgressError>> = match self.backend(&request) {
+            Ok(backend) if signs => {
+                let (grant, bodies) = (self.grant.clone(), self.signed_bodies.clone());
+                let kib = SignedBodies::kib_for(&request);
+                Box::pin(async move {
+                    // Held until the answer's head: the body is read, signed and sent by then.
+                    let _room = bodies.room(kib).await;
+                    backend.send(grant, request, options).await
+                })
+            }
             Ok(backend) => backend.send(self.grant.clone(), request, options),
             Err(refused) => Box::pin(std::future::ready(Err(refused))),
         };
@@ -838,14 +892,21 @@ impl Room for HttpEgress {
     type Grant = HttpGrant;
     type Backend = dyn EgressBackend;
     type Ctx = EgressCtx;
-    type Prepared = ();
+    type Prepared = SignedBodies;
 
     fn host_backend() -> Option<Arc<dyn EgressBackend>> {
         Some(Arc::new(HostEgress::default()))
     }
 
+    /// One budget for the version's signed request bodies, shared by its stores.
+    fn prepare(_grant: &HttpGrant, _load: &LoadSetup<'_>) -> Result<SignedBodies, BoxError> {
+        Ok(SignedBodies::default())
+    }
+
     fn ctx(grant: &HttpGrant, backend: Option<Arc<dyn EgressBackend>>, store: &StoreSetup<'_>) -> EgressCtx {
-        let hooks = EgressHooks::new(store.provider.clone(), Arc::new(grant.clone()), backend, store.denials.clone());
+        let bodies = store.prepared.of::<HttpEgress>();
+        let hooks =
+            EgressHooks::new(store.provider.clone(), Arc::new(grant.clone()), backend, store.denials.clone(), bodies);
         EgressCtx { http: WasiHttpCtx::new(), hooks }
     }
 
@@ -1025,6 +1086,74 @@ mod tests {
         let missing = refused(send(&grant, request("http://gone/x", ""), None).await);
         assert!(matches!(missing.code(), HttpError::DestinationNotFound), "{missing}");
         assert!(missing.to_string().contains("/nonexistent/broker-test.socket"), "{missing}");
+    }
+
+    /// A backend that takes requests and never answers, counting them.
+    struct Parked(std::sync::atomic::AtomicUsize);
+
+    impl EgressBackend for Parked {
+        fn send(
+            self: Arc<Self>,
+            _grant: Arc<HttpGrant>,
+            _request: http::Request<WasiBody>,
+            _options: Option<RequestOptions>,
+        ) -> BoxFuture<'static, Result<SendResult, EgressError>> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Box::pin(std::future::pending())
+        }
+    }
+
+    /// However many signed requests a guest opens, the bodies the host holds
+    /// for them stay within the version's budget: a request past it waits for
+    /// room; one that declares a small length takes only that; unsigned
+    /// routes are not counted.
+    #[tokio::test]
+    async fn signed_bodies_in_flight_stay_within_the_budget() {
+        use std::sync::atomic::Ordering;
+        let grant = Arc::new(
+            grant_from(
+                "[http]\nplain = \"http://127.0.0.1:9\"\n[http.ec2]\nurl = \"https://127.0.0.1:9\"\nsign = \"aws-sigv4\"\n\
+                 service = \"ec2\"\nregion = \"us-east-1\"\ncredentials = \"prod\"\n",
+            )
+            .unwrap(),
+        );
+        let parked = Arc::new(Parked(Default::default()));
+        let bodies = SignedBodies::default();
+        let mut hooks = EgressHooks::new(
+            "p".into(),
+            grant,
+            Some(parked.clone() as Arc<dyn EgressBackend>),
+            Default::default(),
+            bodies.clone(),
+        );
+        let unsized_request = |uri: &str| {
+            let body = Full::new(bytes::Bytes::from_static(b"Action=RunInstances"))
+                .map_err(|never| match never {})
+                .boxed_unsync();
+            http::Request::builder().method("POST").uri(uri).body(body).unwrap()
+        };
+        let mut open = |request| {
+            let io: IoFuture = Box::new(async { Ok(()) });
+            tokio::spawn(Box::into_pin(hooks.send_request(request, None, io)))
+        };
+        let mut waiting: Vec<_> = (0..5).map(|_| open(unsized_request("http://ec2/"))).collect();
+        let small = open(request("http://ec2/", "Action=DescribeInstances"));
+        let plain = open(unsized_request("http://plain/"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Four of the largest fill it; the fifth and the small one wait; the plain one does not.
+        assert_eq!(bodies.available_kib(), 0);
+        assert_eq!(parked.0.load(Ordering::SeqCst), 5, "4 signed + 1 plain sent on");
+        // Two of the first leave: the fifth goes, then the small one (in turn: no overtaking).
+        waiting.remove(0).abort();
+        waiting.remove(0).abort();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(parked.0.load(Ordering::SeqCst), 7, "room freed: the fifth and the small one go");
+        assert_eq!(bodies.available_kib(), 4096 - 1);
+        for task in waiting.into_iter().chain([small, plain]) {
+            task.abort();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(bodies.available_kib(), SIGNED_BODIES_IN_FLIGHT_KIB as usize);
     }
 
     fn grant_from(toml_text: &str) -> Result<HttpGrant, String> {

@@ -45,12 +45,19 @@ impl Exchange {
 #[derive(Debug, Default)]
 pub struct Tape {
     exchanges: Mutex<Vec<Exchange>>,
+    /// Exchanges made while set are not written (the kit's own look before a recording).
+    paused: std::sync::atomic::AtomicBool,
 }
 
 impl Tape {
     /// A copy of what was recorded so far.
     pub fn exchanges(&self) -> Vec<Exchange> {
         self.exchanges.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Stop (or resume) writing exchanges down.
+    pub fn pause(&self, paused: bool) {
+        self.paused.store(paused, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -59,12 +66,19 @@ impl Tape {
 pub struct Script {
     pending: Mutex<VecDeque<Exchange>>,
     unexpected: Mutex<Vec<String>>,
+    /// Why there are no answers at all, when there is no script (`no script at PATH`).
+    missing: Option<String>,
 }
 
 impl Script {
     /// Answers `exchanges`, in this order.
     pub fn new(exchanges: Vec<Exchange>) -> Script {
-        Script { pending: Mutex::new(exchanges.into()), unexpected: Mutex::default() }
+        Script { pending: Mutex::new(exchanges.into()), unexpected: Mutex::default(), missing: None }
+    }
+
+    /// No answers, because there is no script: every request says so.
+    pub fn missing(why: String) -> Script {
+        Script { missing: Some(why), ..Script::default() }
     }
 
     /// Requests the script had no answer for since the last call.
@@ -84,9 +98,10 @@ impl Script {
         if matches && let Some(next) = pending.pop_front() {
             return Ok(next);
         }
-        let expected = match pending.front() {
-            Some(next) => format!("the script's next is {}", next.call()),
-            None => "the script is exhausted".to_owned(),
+        let expected = match (pending.front(), &self.missing) {
+            (Some(next), _) => format!("the script's next is {}", next.call()),
+            (None, Some(missing)) => missing.clone(),
+            (None, None) => "the script is exhausted".to_owned(),
         };
         let message = format!("unscripted http request {method} {authority}{path} ({expected})");
         self.unexpected.lock().unwrap_or_else(|p| p.into_inner()).push(message.clone());
@@ -169,6 +184,9 @@ async fn record(
         Err(code) => return Ok(Err(code)),
     };
     let _ = Box::into_pin(io).await;
+    if tape.paused.load(std::sync::atomic::Ordering::SeqCst) {
+        return Ok(answered(http::Response::from_parts(parts, full(response_body))));
+    }
     tape.exchanges.lock().unwrap_or_else(|p| p.into_inner()).push(Exchange {
         authority,
         method,
