@@ -45,3 +45,4 @@ cargo bench -p broker-tests --bench durable_start -- --test
 cargo bench -p broker-tests --bench bystander -- --test
 cargo bench -p broker-tests --bench groups -- --test
 cargo bench -p broker-tests --bench egress_signing -- --test
+cargo bench -p broker-tests --bench ec2_calls -- --test

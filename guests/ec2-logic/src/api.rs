@@ -10,6 +10,8 @@ use roxmltree::{Document, Node, ParsingOptions};
 const MAX_NODES: u32 = 1_000_000;
 /// Longest field kept of an answer (ids, names, addresses, tag values are far shorter).
 const MAX_FIELD: usize = 1024;
+/// Longest `nextToken` taken whole (a cut token would be a wrong one: refused instead).
+const MAX_TOKEN: usize = 64 << 10;
 
 /// One instance as `DescribeInstances` or `RunInstances` tells it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -58,11 +60,15 @@ fn items<'a, 'i>(node: Node<'a, 'i>) -> impl Iterator<Item = Node<'a, 'i>> {
 }
 
 fn text(node: Node, name: &str) -> Option<String> {
+    text_up_to(node, name, MAX_FIELD)
+}
+
+fn text_up_to(node: Node, name: &str, max: usize) -> Option<String> {
     let value = child(node, name)?.text()?.trim();
     if value.is_empty() {
         return None;
     }
-    let mut end = value.len().min(MAX_FIELD);
+    let mut end = value.len().min(max);
     while !value.is_char_boundary(end) {
         end -= 1;
     }
@@ -110,7 +116,11 @@ pub fn describe_instances(body: &str) -> Result<(Vec<Ec2Instance>, Option<String
         .map(instance)
         .filter(|i| !i.id.is_empty())
         .collect();
-    Ok((instances, text(root, "nextToken")))
+    let token = text_up_to(root, "nextToken", MAX_TOKEN + 1);
+    if token.as_ref().is_some_and(|t| t.len() > MAX_TOKEN) {
+        return Err(Ec2Error::Provider(format!("DescribeInstances answered a nextToken over {MAX_TOKEN} bytes")));
+    }
+    Ok((instances, token))
 }
 
 pub fn availability_zones(body: &str) -> Result<Vec<Zone>, Ec2Error> {
@@ -130,6 +140,21 @@ const CAPACITY: &[&str] = &[
     "InsufficientCapacity",
     "InsufficientFreeAddressesInSubnet",
 ];
+
+/// EC2's codes for a failure that the same request may not meet again.
+const TRANSIENT: &[&str] =
+    &["RequestLimitExceeded", "Throttling", "InternalError", "InternalFailure", "ServiceUnavailable", "Unavailable"];
+
+/// Whether an error answer is worth the same request again: a 5xx, or throttling.
+pub fn transient(status: u16, body: &str) -> bool {
+    status >= 500
+        || parse(body).ok().is_some_and(|doc| {
+            doc.descendants()
+                .find(|n| n.is_element() && n.tag_name().name() == "Code")
+                .and_then(|n| n.text())
+                .is_some_and(|code| TRANSIENT.contains(&code.trim()))
+        })
+}
 
 /// An error answer (any non-2xx) as the contract's kind, with EC2's code and message.
 pub fn error(status: u16, body: &str) -> Ec2Error {
@@ -232,6 +257,16 @@ mod tests {
         assert!(matches!(err("InvalidParameterValue", "x"), Ec2Error::InvalidParams(_)));
         assert!(matches!(err("RequestLimitExceeded", "x"), Ec2Error::Provider(_)));
         assert!(matches!(error(502, "<html>bad gateway"), Ec2Error::Provider(m) if m.contains("502")));
+        let throttled = "<Response><Errors><Error><Code>RequestLimitExceeded</Code></Error></Errors></Response>";
+        assert!(transient(400, throttled) && transient(503, "") && !transient(400, "<Response/>"));
+    }
+
+    #[test]
+    fn a_long_next_token_is_taken_whole_or_refused() {
+        let page = |token: &str| format!("<R><reservationSet/><nextToken>{token}</nextToken></R>");
+        let long = "t".repeat(5000);
+        assert_eq!(describe_instances(&page(&long)).unwrap().1.as_deref(), Some(long.as_str()));
+        assert!(describe_instances(&page(&"t".repeat(MAX_TOKEN + 1))).is_err());
     }
 
     #[test]

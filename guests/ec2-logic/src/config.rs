@@ -25,6 +25,7 @@ pub struct Config {
     /// The architecture asked for when the constraints name none.
     #[serde(default = "default_arch")]
     pub default_arch: String,
+    /// The subnet every instance goes in; `zones` must then name its one zone.
     #[serde(default)]
     pub subnet_id: Option<String>,
     #[serde(default)]
@@ -117,6 +118,12 @@ impl Config {
         for zone in &self.zones {
             check_word("zones", zone, 64)?;
         }
+        // A subnet lives in one zone: every start must go there.
+        if self.subnet_id.is_some() && self.zones.len() != 1 {
+            return Err(invalid(
+                "config: subnet-id needs zones = [the subnet's zone] (a subnet lives in one zone)".into(),
+            ));
+        }
         if !(1..=3600).contains(&self.wait_running_s) {
             return Err(invalid("config: wait-running-s must be 1-3600".into()));
         }
@@ -155,6 +162,8 @@ mod tests {
             (r#"{"namespace":"h","region":"us-east-1","default-arch":"s390x"}"#, "default-arch"),
             (r#"{"namespace":"h","region":"us-east-1","zones":["a&b"]}"#, "zones"),
             (r#"{"namespace":"h","region":"us-east-1","wait-running-s":0}"#, "wait-running-s"),
+            (r#"{"namespace":"h","region":"us-east-1","subnet-id":"subnet-1"}"#, "subnet's zone"),
+            (r#"{"namespace":"h","region":"us-east-1","describe-page-size":4}"#, "describe-page-size"),
         ] {
             let Err(Ec2Error::InvalidParams(message)) = Config::parse(json) else { panic!("{json} accepted") };
             assert!(message.contains(needle), "{json}: {message}");

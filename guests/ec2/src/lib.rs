@@ -53,7 +53,7 @@ fn addresses(instance: &Ec2Instance) -> Vec<Address> {
     out
 }
 
-fn sleep(duration: Duration) {
+pub(crate) fn sleep(duration: Duration) {
     wasip2::clocks::monotonic_clock::subscribe_duration(duration.as_nanos() as u64).block();
 }
 
@@ -72,7 +72,16 @@ fn wait_running(ec2: &Ec2, ctx: &CallContext, id: &str) -> Result<Ec2Instance, B
     let limit = Duration::from_secs(ec2.config.wait_running_s).as_nanos() as u64;
     let mut said = String::new();
     loop {
-        match ec2.ours(&[id.to_owned()])?.into_iter().next() {
+        let looked = match ec2.ours(&[id.to_owned()]) {
+            Ok(found) => found,
+            // Throttled, or an answer lost: the instance may be fine; look again.
+            Err(client::Failure::Transient(error)) => {
+                host_log::log(host_log::Level::Warn, &format!("waiting for {id}: {}", error.message()));
+                Vec::new()
+            }
+            Err(client::Failure::Final(error)) => return Err(error),
+        };
+        match looked.into_iter().next() {
             Some(found) if found.state == "running" => return Ok(found),
             Some(found) if matches!(found.state.as_str(), "shutting-down" | "terminated" | "stopping" | "stopped") => {
                 return Err(BrokerError::Provider(format!(
@@ -152,7 +161,7 @@ impl Guest for Ec2Provider {
         let group = ctx.distribution_group()?;
         let mut group_per_zone: BTreeMap<String, usize> = BTreeMap::new();
         if !group.is_empty() {
-            for member in ec2.ours(&group).map_err(failed)? {
+            for member in ec2.ours(&group).map_err(|e| failed(e.into()))? {
                 *group_per_zone.entry(member.zone).or_default() += 1;
             }
         }
@@ -165,15 +174,17 @@ impl Guest for Ec2Provider {
         let zone = select::zone(&ec2.config, &zones, &zone_request).map_err(from_logic).map_err(failed)?;
 
         let instance_config = params.instance_config.as_ref();
-        // A machine's name and nonce (a retried start of it is the same start); else a sequence's.
-        let (name, nonce) = match instance_config.filter(|ic| !ic.machine_id.is_empty() && !ic.machine_nonce.is_empty())
-        {
-            Some(ic) => (format!("juju-{}-machine-{}", ec2.config.namespace, ic.machine_id), ic.machine_nonce.clone()),
-            None => {
-                let seq = host_kv::increment("seq", 1)?;
-                (format!("juju-{}-{seq}", ec2.config.namespace), format!("start-{seq}"))
-            }
+        // A machine's name, else a sequence's.
+        let name = match instance_config.filter(|ic| !ic.machine_id.is_empty()) {
+            Some(ic) => format!("juju-{}-machine-{}", ec2.config.namespace, ic.machine_id),
+            None => format!("juju-{}-{}", ec2.config.namespace, host_kv::increment("seq", 1)?),
         };
+        // The token is this call's own: RunInstances asked again within it
+        // (an answer lost) gets the instance it made, while another start,
+        // even of the same machine, is never answered with an instance
+        // the host may already hold (and would refuse, and this would stop).
+        let attempt = host_kv::increment("start-attempt", 1)?;
+        let nonce = format!("{}/{attempt}", instance_config.map(|ic| ic.machine_nonce.as_str()).unwrap_or_default());
         let wanted_tags = instance_config.map(|ic| ic.tags.as_slice()).unwrap_or_default();
         let tags = query::instance_tags((&ec2.config.tag_key, &ec2.config.namespace), &name, wanted_tags)
             .map_err(|m| failed(BrokerError::InvalidParams(m)))?;
@@ -215,7 +226,8 @@ impl Guest for Ec2Provider {
                 return Err(failed(err));
             }
         };
-        ctx.set_status(InstanceStatus::Running, &format!("instance {id} is running"), &[])?;
+        // A status the host cannot take no longer undoes a running, claimed instance.
+        let _ = ctx.set_status(InstanceStatus::Running, &format!("instance {id} is running"), &[]);
         let known = chosen.known;
         Ok(StartInstanceResult {
             display_name: name,
@@ -255,7 +267,7 @@ impl Guest for Ec2Provider {
 
     fn maintain_instance(ctx: &CallContext, id: String, params: StartInstanceParams) -> Result<(), BrokerError> {
         let ec2 = Ec2::new(config(ctx)?);
-        let found = (ec2.ours(std::slice::from_ref(&id))?.into_iter().next())
+        let found = (ec2.ours(std::slice::from_ref(&id)).map_err(BrokerError::from)?.into_iter().next())
             .filter(|i| i.state != "terminated")
             .ok_or_else(|| BrokerError::NotFound(format!("no instance {id} of namespace {}", ec2.config.namespace)))?;
         let name = found.tag("Name").unwrap_or(&id).to_owned();

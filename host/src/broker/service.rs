@@ -293,12 +293,13 @@ impl Broker {
 
     /// Start an instance. The provider places it (Juju's rule: the allowed
     /// zone with the fewest of the distribution group). If it answers
-    /// `zone-unavailable` and the caller named no zone, the host goes on as
-    /// Juju's provisioner does: over the zones the provider lists
-    /// (`describe`'s `zone=NAME` features, within a `zones` constraint),
-    /// emptiest first (the distribution group's instances, else the
-    /// provider's, by the host's records; ties by name), until one takes it
-    /// or answers with any other error. The happy path costs nothing more.
+    /// `zone-unavailable`, the caller named no zone and the failed start
+    /// claimed no instance, the host goes on as Juju's provisioner does: over
+    /// the zones the provider lists (`describe`'s `zone=NAME` features, within
+    /// a `zones` constraint, at most 16), emptiest first
+    /// (the distribution group's instances, else the provider's, by the host's
+    /// records; ties by name), each once, until one takes it, one answers any
+    /// other error, or the caller aborts. The happy path costs nothing more.
     #[tracing::instrument(skip_all, fields(provider = %provider))]
     pub async fn start_instance(
         &self,
@@ -306,7 +307,8 @@ impl Broker {
         params: &StartInstanceParams,
         hooks: &CallHooks,
     ) -> Result<InstanceRecord, BrokerServiceError> {
-        let failed = match self.start_placed(provider, params, hooks).await {
+        let claimed = std::sync::atomic::AtomicBool::new(false);
+        let failed = match self.start_placed(provider, params, hooks, &claimed).await {
             Err(failed) if zone_unavailable(&failed) => failed,
             done => return done,
         };
@@ -324,9 +326,15 @@ impl Broker {
         let mut params = params.clone();
         let mut last = failed;
         for zone in zones {
+            // Something made and claimed may be left of that start: not a second one beside it.
+            if claimed.load(std::sync::atomic::Ordering::SeqCst)
+                || hooks.abort.load(std::sync::atomic::Ordering::SeqCst)
+            {
+                break;
+            }
             tracing::info!(provider, zone, error = %crate::error_text::error_text(&last), "zone unavailable; the host tries the next");
             params.availability_zone = Some(zone);
-            match self.start_placed(provider, &params, hooks).await {
+            match self.start_placed(provider, &params, hooks, &claimed).await {
                 Err(failed) if zone_unavailable(&failed) => last = failed,
                 done => return done,
             }
@@ -378,6 +386,7 @@ impl Broker {
         provider: &str,
         params: &StartInstanceParams,
         hooks: &CallHooks,
+        claimed_any: &std::sync::atomic::AtomicBool,
     ) -> Result<InstanceRecord, BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
         self.unsettled.wait(provider).await;
@@ -407,6 +416,9 @@ impl Broker {
             Ok(answer) => answer,
             Err(failed) => {
                 let claimed = claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+                if claimed.is_some() {
+                    claimed_any.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
                 self.after_failed_start(&wasm, provider, pending.as_deref(), claimed, &failed).await;
                 return Err(failed.into());
             }
@@ -809,8 +821,8 @@ fn pending_start(store: &Store, params: &StartInstanceParams) -> crate::store::P
     }
 }
 
-/// The most zones of one provider the host places over.
-const MAX_PLACEMENT_ZONES: usize = 64;
+/// The most zones of one provider the host tries a start in after the first.
+const MAX_PLACEMENT_ZONES: usize = 16;
 
 /// The provider answered that this zone cannot take the instance now.
 fn zone_unavailable(failed: &BrokerServiceError) -> bool {

@@ -266,7 +266,7 @@ pub(crate) struct StartArgs {
     /// A placement directive, e.g. zone=z1.
     #[arg(long)]
     placement: Option<String>,
-    /// cloud-init user data for the instance, read from FILE (at most 1 MiB).
+    /// cloud-init user data for the instance, read from FILE (at most 48 KiB).
     #[arg(long, value_name = "FILE")]
     user_data: Option<PathBuf>,
     /// An instance tag, KEY=VALUE; give it again for more (the provider puts them
@@ -274,8 +274,9 @@ pub(crate) struct StartArgs {
     #[arg(long = "tag", value_name = "KEY=VALUE")]
     tags: Vec<String>,
     /// The whole StartInstanceParams as JSON from FILE (the API's `params`; any
-    /// field left out is empty, an unknown one is an error). --constraints,
-    /// --placement, --user-data and --tag apply over it.
+    /// field left out is empty, an unknown one is an error; at most 64 KiB).
+    /// --placement, --user-data and --tag apply over it; --constraints
+    /// replaces its constraints.
     #[arg(long, value_name = "FILE")]
     params: Option<PathBuf>,
     /// Print the result as JSON on stdout, and each status update as a JSON line
@@ -292,8 +293,8 @@ pub(crate) enum ReportFormat {
     Junit,
 }
 
-/// The largest `--params` file read.
-const MAX_PARAMS_FILE: usize = 4 << 20;
+/// The largest `--params` file read (the daemon takes requests of 64 KiB).
+const MAX_PARAMS_FILE: usize = 64 << 10;
 
 /// A file the user named, read whole if it is a regular file of at most `max` bytes.
 pub(crate) fn read_bounded(path: &std::path::Path, max: usize) -> std::io::Result<Vec<u8>> {

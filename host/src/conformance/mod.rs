@@ -297,6 +297,7 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
         run: format!("run-{}", std::time::SystemTime::UNIX_EPOCH.elapsed().map(|d| d.as_millis()).unwrap_or(0)),
         existed: Default::default(),
         started: Default::default(),
+        blind: false,
         recording,
     });
     let mut kit = Kit { provider, cases: Vec::new(), scripted, strict: options.strict, denied, calls, guard };
@@ -368,6 +369,8 @@ struct RecordGuard {
     run: String,
     existed: std::collections::HashSet<String>,
     started: std::collections::HashSet<String>,
+    /// What existed could not be listed: nothing is stopped.
+    blind: bool,
 }
 
 /// A call's error as a case reports it.
@@ -436,6 +439,11 @@ impl Kit {
     /// Stop instances; in a recording, only those its own starts made.
     async fn stop(&self, ids: &[String]) -> Result<(), String> {
         if let Some(guard) = &self.guard {
+            if guard.blind {
+                return Err(format!(
+                    "a recording that could not list what existed before it stops nothing; refused to stop {ids:?}"
+                ));
+            }
             let foreign: Vec<&String> = ids.iter().filter(|id| !guard.started.contains(*id)).collect();
             if !foreign.is_empty() {
                 return Err(format!(
@@ -603,7 +611,13 @@ impl Kit {
                     guard.existed = all.into_iter().map(|i| i.id).collect();
                 }
             }
-            Err(e) => tracing::warn!(error = %explain(&e), "a recording could not list what existed before it"),
+            Err(e) => {
+                // Blind to what was there, it stops nothing at all.
+                tracing::warn!(error = %explain(&e), "a recording could not list what existed before it: it will stop nothing");
+                if let Some(guard) = &mut self.guard {
+                    guard.blind = true;
+                }
+            }
         }
         // Not a case: what it asked of the host belongs to none.
         let _ = self.calls.take();

@@ -8,8 +8,9 @@ use super::empty_instance_config;
 use crate::bindings::StartInstanceParams;
 use serde_json::Value;
 
-/// The most user data the host passes on (EC2 takes 16 KiB; cloud-init far less than this).
-pub const MAX_USER_DATA: usize = 1 << 20;
+/// The most user data the host passes on: it must fit, as JSON, in a request
+/// to the daemon (64 KiB); EC2 itself takes 16 KiB.
+pub const MAX_USER_DATA: usize = 48 << 10;
 /// The most instance tags one start takes, and their sizes (EC2's).
 pub const MAX_TAGS: usize = 50;
 /// The longest tag key.
@@ -81,6 +82,19 @@ fn merged(template: Value, given: &Value, path: &str) -> Result<Value, String> {
     Ok(Value::Object(into))
 }
 
+/// The first field of `given` that `typed` (what it became) lacks.
+fn unknown_field(given: &Value, typed: &Value, path: &str) -> Option<String> {
+    match (given, typed) {
+        (Value::Object(fields), Value::Object(known)) => fields.iter().find_map(|(key, value)| match known.get(key) {
+            None => Some(format!("{path}{key}")),
+            Some(became) => unknown_field(value, became, &format!("{path}{key}.")),
+        }),
+        (Value::Array(items), Value::Array(became)) => (items.iter().zip(became).enumerate())
+            .find_map(|(i, (item, became))| unknown_field(item, became, &format!("{path}{i}."))),
+        _ => None,
+    }
+}
+
 fn check_tag(key: &str, value: &str) -> Result<(), StartParamsError> {
     let plain = |s: &str| !s.chars().any(char::is_control);
     if key.is_empty() || key.len() > MAX_TAG_KEY || value.len() > MAX_TAG_VALUE || !plain(key) || !plain(value) {
@@ -108,7 +122,14 @@ pub fn start_params(input: StartInput<'_>) -> Result<StartInstanceParams, StartP
             let template =
                 serde_json::to_value(super::empty_params()).map_err(|e| StartParamsError::Params(e.to_string()))?;
             let value = merged(template, given, "").map_err(StartParamsError::Params)?;
-            serde_json::from_value(value).map_err(|e| StartParamsError::Params(e.to_string()))?
+            let params: StartInstanceParams =
+                serde_json::from_value(value).map_err(|e| StartParamsError::Params(e.to_string()))?;
+            // Deeper down (a list's records, a record given whole) serde drops what it does not know.
+            let typed = serde_json::to_value(&params).map_err(|e| StartParamsError::Params(e.to_string()))?;
+            if let Some(unknown) = unknown_field(given, &typed, "") {
+                return Err(StartParamsError::Params(format!("unknown field {unknown}")));
+            }
+            params
         }
     };
     if !input.constraints.trim().is_empty() {
@@ -179,6 +200,11 @@ mod tests {
             (json!({"instance_config": {"machine": "3"}}), "unknown field instance_config.machine"),
             (json!({"constraints": {"memory": 1}}), "unknown field constraints.memory"),
             (json!({"placement": 3}), "invalid type"),
+            (
+                json!({"image_metadata": [{"id": "ami-1", "arch": "amd64", "base": "", "region": "", "endpoint": "",
+                                            "stream": "", "virt_type": null, "storage": null, "extra": [], "sise": 1}]}),
+                "unknown field image_metadata.0.sise",
+            ),
         ] {
             let err = start_params(StartInput { params: Some(&bad), ..StartInput::default() }).unwrap_err();
             assert!(err.to_string().contains(needle), "{bad}: {err}");

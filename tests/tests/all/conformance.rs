@@ -83,6 +83,21 @@ pub(crate) async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_
     assert!(start.detail.contains(&missing) && !start.detail.contains("exhausted"), "{}", start.detail);
     // What the failed start left unrun is reported as skipped, in the totals.
     let (passed, failed, skipped) = report.totals();
+    let names: Vec<&str> = report.cases.iter().filter(|c| c.skipped).map(|c| c.name).collect();
+    assert_eq!(
+        names,
+        [
+            "status updates of a start are progress",
+            "hardware satisfies the constraints",
+            "started instance is listed",
+            "maintain-instance on a known instance",
+            "stop-instances succeeds",
+            "stopped instance is gone",
+            "double stop is ok",
+        ],
+        "{}",
+        report.text()
+    );
     assert_eq!(skipped, 7, "{}", report.text());
     assert_eq!(passed + failed + skipped, report.cases.len());
     assert!(report.text().contains("skip stopped instance is gone"), "{}", report.text());

@@ -732,9 +732,17 @@ fn granted<'g>(grant: &'g HttpGrant, request: &http::Request<WasiBody>) -> Resul
     Ok((authority, route))
 }
 
+/// How long a guest has to write a body the host signs: its room in the
+/// version's budget is held meanwhile, so a body never finished gives it back.
+const SIGNED_BODY_PATIENCE: Duration = Duration::from_secs(30);
+
 /// Read a body the host must see whole (to check and sign it), at most `limit` bytes.
 async fn whole_body(body: WasiBody, limit: usize) -> Result<Bytes, EgressError> {
-    match http_body_util::Limited::new(body, limit).collect().await {
+    let collected =
+        tokio::time::timeout(SIGNED_BODY_PATIENCE, http_body_util::Limited::new(body, limit).collect()).await.map_err(
+            |_| EgressError::Body(format!("the body was not written whole within {}s", SIGNED_BODY_PATIENCE.as_secs())),
+        )?;
+    match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             Err(EgressError::Body(format!("a request the host signs is at most {limit} bytes")))
