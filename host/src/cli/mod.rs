@@ -599,10 +599,8 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
             // Checked here, whoever runs it: a typo is a usage error, not a failed start.
             constraints::parse(&args.constraints)
                 .map_err(|e| UsageError(format!("invalid --constraints {:?}: {e}", args.constraints)))?;
-            let read = |flag: &str, path: &std::path::Path, max: usize| -> Result<Vec<u8>> {
-                let bytes = crate::cli::read_bounded(path, max)
-                    .map_err(|e| UsageError(format!("{flag} {}: {e}", path.display())))?;
-                Ok(bytes)
+            let read = |flag: &str, path: &std::path::Path, max: usize| {
+                read_bounded(path, max).map_err(|e| UsageError(format!("{flag} {}: {e}", path.display())))
             };
             let user_data = match &args.user_data {
                 Some(path) => Some(read("--user-data", path, crate::contract::start::MAX_USER_DATA)?),

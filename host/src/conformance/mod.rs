@@ -507,11 +507,7 @@ impl Kit {
             Ok(result) => result,
             Err(e) => {
                 self.record("start-instance succeeds", Err(explain(&e)));
-                for case in LIFECYCLE_AFTER_START {
-                    self.skip(case, "start-instance failed");
-                }
-                self.stop_unknown().await;
-                return;
+                return self.after_a_failed_start().await;
             }
         };
         let id = started.instance.id.clone();
@@ -522,11 +518,7 @@ impl Kit {
             let stopped = self.stop(std::slice::from_ref(&id)).await;
             let left = stopped.err().map(|e| format!("; stopping it failed too: {e}")).unwrap_or_default();
             self.record("start-instance succeeds", Err(format!("the host refuses the id {shown}: {problem}{left}")));
-            for case in LIFECYCLE_AFTER_START {
-                self.skip(case, "start-instance failed");
-            }
-            self.stop_unknown().await;
-            return;
+            return self.after_a_failed_start().await;
         }
         self.record("start-instance succeeds", Ok(format!("started {id}")));
         let events = std::mem::take(&mut *events.lock().unwrap_or_else(|p| p.into_inner()));
@@ -582,6 +574,15 @@ impl Kit {
             "double stop is ok",
             again.map(|_| "stopped twice".to_owned()).map_err(|e| format!("second stop of {id} returned {e}")),
         );
+        self.stop_unknown().await;
+    }
+
+    /// The lifecycle after its start failed: the cases that needed the
+    /// instance are skipped, the one that did not still runs.
+    async fn after_a_failed_start(&mut self) {
+        for case in LIFECYCLE_AFTER_START {
+            self.skip(case, "start-instance failed");
+        }
         self.stop_unknown().await;
     }
 

@@ -56,25 +56,22 @@ pub struct StartInput<'a> {
     pub tags: &'a [(String, String)],
 }
 
-/// `given` over `template`, object by object; a key the template lacks is unknown.
-fn merged(template: Value, given: &Value, path: &str) -> Result<Value, String> {
+/// `given` over `template`, object by object (what neither has is left for
+/// [`unknown_field`] to name).
+fn merged(template: Value, given: &Value, top: bool) -> Result<Value, String> {
     let (Value::Object(mut into), Value::Object(fields)) = (template, given) else {
         return Ok(given.clone());
     };
     for (key, value) in fields {
-        let Some(existing) = into.get(key) else {
-            let known: Vec<&String> = into.keys().collect();
-            return Err(format!("unknown field {path}{key} (known: {known:?})"));
-        };
         // An absent record (null) takes its fields from an empty one.
-        let under = match (path, key.as_str(), existing) {
-            ("", "instance_config", Value::Null) => {
+        let under = match (top, key.as_str(), into.get(key)) {
+            (true, "instance_config", Some(Value::Null)) => {
                 serde_json::to_value(empty_instance_config()).map_err(|e| e.to_string())?
             }
-            _ => existing.clone(),
+            (_, _, existing) => existing.cloned().unwrap_or(Value::Null),
         };
         let value = match (value.is_object(), under.is_object()) {
-            (true, true) => merged(under, value, &format!("{path}{key}."))?,
+            (true, true) => merged(under, value, false)?,
             _ => value.clone(),
         };
         into.insert(key.clone(), value);
@@ -82,11 +79,12 @@ fn merged(template: Value, given: &Value, path: &str) -> Result<Value, String> {
     Ok(Value::Object(into))
 }
 
-/// The first field of `given` that `typed` (what it became) lacks.
+/// The first field of `given` that `typed` (what it became) lacks, with the
+/// fields it has there: serde drops what it does not know, at any depth.
 fn unknown_field(given: &Value, typed: &Value, path: &str) -> Option<String> {
     match (given, typed) {
         (Value::Object(fields), Value::Object(known)) => fields.iter().find_map(|(key, value)| match known.get(key) {
-            None => Some(format!("{path}{key}")),
+            None => Some(format!("{path}{key} (known: {:?})", known.keys().collect::<Vec<_>>())),
             Some(became) => unknown_field(value, became, &format!("{path}{key}.")),
         }),
         (Value::Array(items), Value::Array(became)) => (items.iter().zip(became).enumerate())
@@ -121,10 +119,9 @@ pub fn start_params(input: StartInput<'_>) -> Result<StartInstanceParams, StartP
         Some(given) => {
             let template =
                 serde_json::to_value(super::empty_params()).map_err(|e| StartParamsError::Params(e.to_string()))?;
-            let value = merged(template, given, "").map_err(StartParamsError::Params)?;
+            let value = merged(template, given, true).map_err(StartParamsError::Params)?;
             let params: StartInstanceParams =
                 serde_json::from_value(value).map_err(|e| StartParamsError::Params(e.to_string()))?;
-            // Deeper down (a list's records, a record given whole) serde drops what it does not know.
             let typed = serde_json::to_value(&params).map_err(|e| StartParamsError::Params(e.to_string()))?;
             if let Some(unknown) = unknown_field(given, &typed, "") {
                 return Err(StartParamsError::Params(format!("unknown field {unknown}")));

@@ -625,9 +625,11 @@ impl EgressHooks {
     }
 
     /// Where `request` goes: the backend, once the grant lets it out.
-    fn backend(&self, request: &http::Request<WasiBody>) -> Result<Arc<dyn EgressBackend>, EgressError> {
-        granted(&self.grant, request)?;
-        self.backend.clone().ok_or(EgressError::NoBackend)
+    /// With it, whether the route signs (then the body counts against the version's budget).
+    fn backend(&self, request: &http::Request<WasiBody>) -> Result<(Arc<dyn EgressBackend>, bool), EgressError> {
+        let (_, route) = granted(&self.grant, request)?;
+        let backend = self.backend.clone().ok_or(EgressError::NoBackend)?;
+        Ok((backend, route.signing.is_some()))
     }
 }
 
@@ -661,9 +663,8 @@ impl WasiHttpHooks for EgressHooks {
             path = request.uri().path(),
         );
         let (provider, denials) = (self.provider.clone(), self.denials.clone());
-        let signs = granted(&self.grant, &request).is_ok_and(|(_, route)| route.signing.is_some());
         let sending: BoxFuture<'static, Result<SendResult, EgressError>> = match self.backend(&request) {
-            Ok(backend) if signs => {
+            Ok((backend, true)) => {
                 let (grant, bodies) = (self.grant.clone(), self.signed_bodies.clone());
                 let kib = SignedBodies::kib_for(&request);
                 Box::pin(async move {
@@ -672,7 +673,7 @@ impl WasiHttpHooks for EgressHooks {
                     backend.send(grant, request, options).await
                 })
             }
-            Ok(backend) => backend.send(self.grant.clone(), request, options),
+            Ok((backend, false)) => backend.send(self.grant.clone(), request, options),
             Err(refused) => Box::pin(std::future::ready(Err(refused))),
         };
         Box::new(
