@@ -19,6 +19,7 @@ pub mod network;
 pub mod providers;
 pub mod runtime;
 pub mod sandbox;
+pub mod secrets;
 pub mod store;
 pub mod version;
 

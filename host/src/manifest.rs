@@ -42,6 +42,8 @@
 //! bridges = ["br-vm*"]
 //! attach-to = ["br-eth0"]        # host bridges it may attach its own devices to
 //! [config]                       # passed to validate-config and the call context as JSON
+//! [secrets]                      # config keys the host fills in (crate::secrets)
+//! api-token = "lxd-prod"         # from DATA_DIR/secrets/lxd-prod (0600, the host's user's)
 //! ```
 
 use serde::{Deserialize, Deserializer};
@@ -398,8 +400,19 @@ impl Limits {
 impl Manifest {
     /// What this asks for beyond `approved`: new grants and loosened bounds, named.
     pub fn widening(&self, approved: &Manifest) -> Option<String> {
-        let wider: Vec<String> =
-            self.grants.widening(&approved.grants).into_iter().chain(self.limits.loosening(&approved.limits)).collect();
+        // A secret it names that the approved one did not is the operator's to approve too.
+        let secrets = self
+            .secrets
+            .iter()
+            .find(|secret| !approved.secrets.contains(secret))
+            .map(|(key, name)| format!("secrets.{key} = {name:?}"));
+        let wider: Vec<String> = self
+            .grants
+            .widening(&approved.grants)
+            .into_iter()
+            .chain(self.limits.loosening(&approved.limits))
+            .chain(secrets)
+            .collect();
         (!wider.is_empty()).then(|| wider.join(", "))
     }
 }
@@ -418,6 +431,8 @@ struct RawManifest {
     grants: Grants,
     #[serde(default)]
     config: toml::Table,
+    #[serde(default)]
+    secrets: std::collections::BTreeMap<String, String>,
 }
 
 /// A checked manifest, with the component path resolved.
@@ -433,8 +448,16 @@ pub struct Manifest {
     pub(crate) limits: Limits,
     /// What the provider may import, and how far.
     pub grants: Grants,
-    /// The `[config]` table as JSON, as the guest receives it.
+    /// The `[config]` table as JSON (without its `[secrets]`).
     pub config_json: String,
+    /// The `[config]` table.
+    pub config: toml::Table,
+    /// `[secrets]`: config keys the host fills in, each with the secret's name.
+    pub secrets: Vec<(String, String)>,
+    /// Config values that look like secrets given inline (dotted paths):
+    /// `provider add` refuses them; a manifest approved before still loads,
+    /// with them hidden from what the host shows.
+    pub inline_secrets: Vec<String>,
 }
 
 /// The largest manifest the host reads.
@@ -520,6 +543,21 @@ impl Manifest {
         let base = path.parent().unwrap_or(Path::new("."));
         let component = if raw.component.is_absolute() { raw.component.clone() } else { base.join(&raw.component) };
         let config_json = serde_json::to_string(&raw.config).map_err(|e| invalid(format!("config: {e}")))?;
+        if raw.secrets.len() > crate::secrets::MAX_SECRETS {
+            return Err(invalid(format!("[secrets] names more than {} secrets", crate::secrets::MAX_SECRETS)));
+        }
+        for (key, name) in &raw.secrets {
+            if key.is_empty() || key.len() > 128 {
+                return Err(invalid(format!("secrets: config key {key:?} must be 1-128 bytes")));
+            }
+            if raw.config.contains_key(key) {
+                return Err(invalid(format!(
+                    "secrets.{key}: config.{key} is given too; a key is either in [config] or filled in from [secrets]"
+                )));
+            }
+            crate::secrets::check_name("secret", name).map_err(|e| invalid(format!("secrets.{key}: {e}")))?;
+        }
+        let inline_secrets = crate::secrets::inline_secrets(&raw.config);
         Ok(Manifest {
             path: path.to_owned(),
             name: raw.name,
@@ -529,6 +567,27 @@ impl Manifest {
             limits: raw.limits,
             grants: raw.grants,
             config_json,
+            config: raw.config,
+            secrets: raw.secrets.into_iter().collect(),
+            inline_secrets,
+        })
+    }
+
+    /// Refuse config values that look like secrets given inline (`provider
+    /// add`): the store would keep them and `provider show` print them.
+    pub fn refuse_inline_secrets(&self) -> Result<(), ManifestError> {
+        let Some(first) = self.inline_secrets.first() else { return Ok(()) };
+        let key = first.split(['.', '[']).next().unwrap_or(first);
+        Err(ManifestError::Invalid {
+            path: self.path.display().to_string(),
+            message: format!(
+                "config.{first} looks like a secret given inline ({} in all): the store would keep it and \
+                 `provider show` print it. Put the value in DATA_DIR/{}/NAME (0600, owned by the host's user), \
+                 take the key out of [config] and name it under [secrets] (which fills in top-level keys): \
+                 {key} = \"NAME\"",
+                self.inline_secrets.len(),
+                crate::secrets::SECRETS_DIR,
+            ),
         })
     }
 
@@ -731,6 +790,30 @@ mod tests {
         );
         assert_eq!(with("data-mib = 1024\n").widening(&with("data-mib = 0\n")), None, "bounding is narrowing");
         assert_eq!(with("pool-size = 16\n").widening(&approved), None, "the provider's own settings");
+    }
+
+    #[test]
+    fn secrets_are_named_not_given_and_a_new_one_is_the_operators_to_approve() {
+        let base = "name = \"p\"\ncomponent = \"p.wasm\"\n[config]\nregion = \"r1\"\n";
+        let named = parse(&format!("{base}[secrets]\napi-token = \"prod\"\n")).unwrap();
+        assert_eq!(named.secrets, vec![("api-token".to_owned(), "prod".to_owned())]);
+        assert!(named.inline_secrets.is_empty() && named.refuse_inline_secrets().is_ok());
+        let twice = parse(&format!("{base}[secrets]\nregion = \"prod\"\n")).unwrap_err().to_string();
+        assert!(twice.contains("either in [config] or filled in from [secrets]"), "{twice}");
+        let walks = parse(&format!("{base}[secrets]\napi-token = \"../../etc/shadow\"\n")).unwrap_err().to_string();
+        assert!(walks.contains("must be 1-64"), "{walks}");
+        let other = parse(&format!("{base}[secrets]\napi-token = \"other\"\n")).unwrap();
+        assert_eq!(other.widening(&named).as_deref(), Some("secrets.api-token = \"other\""));
+        assert_eq!(named.widening(&other).as_deref(), Some("secrets.api-token = \"prod\""));
+        assert!(named.widening(&named).is_none());
+        let plain = parse(base).unwrap();
+        assert!(plain.widening(&named).is_none(), "dropping a secret is narrowing");
+        let inline = parse(&format!("{base}secret-access-key = \"AbCdEf123456\"\n")).unwrap();
+        let refused = inline.refuse_inline_secrets().unwrap_err().to_string();
+        assert!(
+            refused.contains("config.secret-access-key looks like a secret") && !refused.contains("AbCdEf"),
+            "{refused}"
+        );
     }
 
     #[test]

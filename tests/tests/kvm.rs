@@ -405,6 +405,7 @@ fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
             strict: false,
             sandbox: Default::default(),
             credentials: None,
+            secrets: None,
         };
         let recorded = conformance::run_with(&manifest, options).await.unwrap();
         assert!(recorded.passed(), "{}", recorded.text());
@@ -429,6 +430,7 @@ fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
             strict: true,
             sandbox: Default::default(),
             credentials: None,
+            secrets: None,
         };
         let replayed = conformance::run_with(&manifest, options).await.unwrap();
         let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();

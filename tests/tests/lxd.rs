@@ -268,6 +268,7 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
             strict: false,
             sandbox: Default::default(),
             credentials: None,
+            secrets: None,
         },
     ));
     let recorded = recorded.unwrap();
@@ -287,6 +288,7 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
         strict: true,
         sandbox: Default::default(),
         credentials: None,
+        secrets: None,
     };
     let replayed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
     let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
@@ -302,6 +304,7 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
         strict: true,
         sandbox: Default::default(),
         credentials: None,
+        secrets: None,
     };
     let failed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
     assert!(!failed.passed());

@@ -46,6 +46,9 @@
 //!   its body kv `http-body` (a form when kv `http-form` is `yes`), writing
 //!   status, headers and body to kv `http-response`, returning `answered-<status>`
 //!   (a refusal is the guest's error, its text the SDK's);
+//! - `leak`: (in `start-instance` too) hands its config's `api-token` back in
+//!   everything the host shows: stdout, stderr, a status (info and data), its
+//!   error; kv `leaked` keeps what it was given.
 //! - `snoop`: looks everywhere a guest can for a secret: its environment,
 //!   arguments, config, and every file under `/data` and `/`, writing what it
 //!   saw to kv `snooped`, returning `snooped`.
@@ -105,6 +108,9 @@ impl Guest for Hostile {
     }
 
     fn start_instance(ctx: &CallContext, _params: StartInstanceParams) -> Result<StartInstanceResult, BrokerError> {
+        if mode(ctx) == "leak" {
+            return Err(leak(ctx));
+        }
         if mode(ctx) == "status-flood" {
             Self::all_instances(ctx)?;
             let id = format!("flood-{}", CALLS_SERVED.load(Ordering::SeqCst));
@@ -152,6 +158,7 @@ impl Guest for Hostile {
                 std::mem::forget(data);
                 Ok(vec![instance("flooded")])
             }
+            "leak" => Err(leak(ctx)),
             "records" => Ok((0..number(ctx, "flood-entries")?).map(|i| instance(&format!("i-{i}"))).collect()),
             "aliased-records" => {
                 // Leaked: the answer names it after this function returns.
@@ -436,6 +443,21 @@ type Command = (String, Vec<String>, Vec<(String, String)>);
 
 /// What the test put in kv: `exec` = program NUL args…, `exec-env` = NAME=VALUE NUL …
 /// Every file under `dir` (a few levels, a bounded amount), its content.
+/// Every way a guest can hand the host text to show, each carrying its token.
+fn leak(ctx: &CallContext) -> BrokerError {
+    let token = config_value(ctx, "api-token").unwrap_or_default();
+    if let Err(e) = host_kv::set("leaked", token.as_bytes()) {
+        return e.into();
+    }
+    println!("stdout: my token is {token}");
+    eprintln!("stderr: my config is {}", ctx.provider_config());
+    let data = [("token".to_owned(), token.clone()), (format!("key-{token}"), "v".to_owned())];
+    if let Err(e) = ctx.set_status(InstanceStatus::Allocating, &format!("using {token}"), &data) {
+        return e;
+    }
+    BrokerError::AccessDenied(format!("the cloud refused token {token}"))
+}
+
 fn snoop_files(dir: &std::path::Path, depth: usize, seen: &mut String) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten().take(200) {

@@ -271,7 +271,9 @@ impl Broker {
             tracing::warn!("not root: providers' data dirs are plain directories, not held to their data-mib");
             None
         };
-        let capabilities = HostCapabilities { backends, data_filesystems, ..on_host };
+        // The operator's secrets for providers' configs (DATA_DIR/secrets/PROVIDER/NAME).
+        let secrets = crate::secrets::SecretSource::dir(store.data_dir().join(crate::secrets::SECRETS_DIR));
+        let capabilities = HostCapabilities { backends, data_filesystems, secrets, ..on_host };
         let registry = Registry::new(runtime, store.clone(), capabilities);
         Broker { registry, store, machine_lock, host, unsettled: Unsettled::default() }
     }

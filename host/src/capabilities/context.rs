@@ -75,13 +75,34 @@ pub struct CallContext {
     pub provider_config: Arc<str>,
     /// Where status data cut short is counted.
     pub quotas: Arc<Quotas>,
+    /// Hides the provider's secrets in what it reports.
+    pub redactor: Arc<crate::secrets::Redactor>,
 }
 
 impl CallContext {
     fn emit(&self, event: CallEvent) {
         if let Some(sink) = &self.hooks.events {
-            sink(event);
+            sink(self.redacted(event));
         }
+    }
+
+    /// `event` with the provider's secrets hidden in every text of it.
+    fn redacted(&self, mut event: CallEvent) -> CallEvent {
+        if self.redactor.is_empty() {
+            return event;
+        }
+        let redactor = &self.redactor;
+        match &mut event {
+            CallEvent::Status { info, data, .. } => {
+                redactor.redact_string(info);
+                for (key, value) in data {
+                    redactor.redact_string(key);
+                    redactor.redact_string(value);
+                }
+            }
+            CallEvent::Cleanup { info } => redactor.redact_string(info),
+        }
+        event
     }
 }
 
@@ -264,7 +285,12 @@ mod tests {
             })),
         };
         let mut table = ResourceTable::new();
-        let context = CallContext { hooks: hooks.clone(), provider_config: "{}".into(), quotas: Arc::default() };
+        let context = CallContext {
+            hooks: hooks.clone(),
+            provider_config: "{}".into(),
+            quotas: Arc::default(),
+            redactor: Arc::default(),
+        };
         let handle = table.push(context).unwrap();
         let borrowed = || Resource::<CallContext>::new_borrow(handle.rep());
         let mut view = ContextView { table: &mut table };

@@ -7,6 +7,7 @@ use crate::bindings::broker::provider::log::{self as wit, Level};
 use crate::runtime::HostState;
 use crate::runtime::quotas::Quotas;
 use crate::runtime::rooms::{Linking, Room, StoreSetup};
+use crate::secrets::Redactor;
 use std::sync::Arc;
 use wasmtime::component::{HasSelf, Linker};
 
@@ -21,11 +22,12 @@ const MAX_MESSAGE_BYTES: usize = 4096;
 pub struct LogCtx {
     provider: Arc<str>,
     quotas: Arc<Quotas>,
+    redactor: Arc<Redactor>,
 }
 
 impl LogCtx {
-    pub(crate) fn new(provider: Arc<str>, quotas: Arc<Quotas>) -> Self {
-        LogCtx { provider, quotas }
+    pub(crate) fn new(provider: Arc<str>, quotas: Arc<Quotas>, redactor: Arc<Redactor>) -> Self {
+        LogCtx { provider, quotas, redactor }
     }
 }
 
@@ -35,7 +37,8 @@ impl wit::Host for LogCtx {
         if !self.quotas.log_line_allowed(provider) {
             return Ok(());
         }
-        let message = truncate(&message, MAX_MESSAGE_BYTES);
+        let message = self.redactor.redact(truncate(&message, MAX_MESSAGE_BYTES));
+        let message = &*message;
         match level {
             Level::Trace => tracing::trace!(provider, message, "guest log"),
             Level::Debug => tracing::debug!(provider, message, "guest log"),
@@ -89,7 +92,7 @@ impl Room for Log {
     }
 
     fn ctx(_: &bool, _: Option<Arc<()>>, store: &StoreSetup<'_>) -> LogCtx {
-        LogCtx::new(store.provider.clone(), store.quotas.clone())
+        LogCtx::new(store.provider.clone(), store.quotas.clone(), store.redactor.clone())
     }
 
     fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {

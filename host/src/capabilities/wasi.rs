@@ -3,6 +3,7 @@
 //! events tagged with the provider.
 
 use crate::runtime::quotas::Quotas;
+use crate::secrets::Redactor;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -16,9 +17,14 @@ const MAX_LINE_BYTES: usize = 4096;
 
 /// `data_dir` is preopened as `/data`, the guest's only filesystem; output
 /// lines count against the provider's log rate in `quotas`.
-pub fn sandboxed_ctx(provider: &Arc<str>, data_dir: &Path, quotas: &Arc<Quotas>) -> WasiCtx {
+pub fn sandboxed_ctx(provider: &Arc<str>, data_dir: &Path, quotas: &Arc<Quotas>, redactor: &Arc<Redactor>) -> WasiCtx {
     let mut builder = WasiCtxBuilder::new();
-    let output = |stream| TracingOutput { provider: provider.clone(), stream, quotas: quotas.clone() };
+    let output = |stream| TracingOutput {
+        provider: provider.clone(),
+        stream,
+        quotas: quotas.clone(),
+        redactor: redactor.clone(),
+    };
     builder
         .stdout(output("stdout"))
         .stderr(output("stderr"))
@@ -38,6 +44,7 @@ struct TracingOutput {
     provider: Arc<str>,
     stream: &'static str,
     quotas: Arc<Quotas>,
+    redactor: Arc<Redactor>,
 }
 
 impl IsTerminal for TracingOutput {
@@ -63,6 +70,7 @@ impl LineWriter {
             return;
         }
         let line = String::from_utf8_lossy(line);
+        let line = self.out.redactor.redact(&line);
         tracing::info!(provider = &*self.out.provider, stream = self.out.stream, line = %line.trim_end(), "guest output");
     }
 

@@ -743,6 +743,7 @@ async fn provider_test(
             strict: false,
             sandbox: Default::default(),
             credentials: None,
+            secrets: None,
         },
         (Some(path), None) => {
             let script = crate::conformance::load_script(path).map_err(|e| UsageError(e.to_string()))?;
@@ -751,6 +752,7 @@ async fn provider_test(
                 strict: false,
                 sandbox: Default::default(),
                 credentials: None,
+                secrets: None,
             }
         }
         (None, None) => KitOptions::beside(&loaded).map_err(|e| UsageError(e.to_string()))?,
@@ -759,14 +761,26 @@ async fn provider_test(
     // The machine's `[sandbox]` (bubblewrap, uid base) applies to a recording's programs too.
     options.sandbox =
         crate::broker::service::HostConfig::load(data_dir).map_err(|e| UsageError(e.to_string()))?.sandbox;
-    // A recording signs with the host's own credentials, as the daemon would.
+    // A recording signs with the host's own credentials, as the daemon would,
+    // and fills in the provider's secrets from the host's (stand-ins in what it writes).
     options.credentials = Some(data_dir.join(crate::capabilities::http_egress::signing::CREDENTIALS_DIR));
+    if recording.is_some() {
+        options.secrets = Some(data_dir.join(crate::secrets::SECRETS_DIR));
+    }
+    if let Some(first) = loaded.inline_secrets.first() {
+        eprintln!(
+            "warning: config.{first} looks like a secret given inline: it is hidden from the report, but \
+             `provider add` refuses it; name it under [secrets] (DATA_DIR/{}/{}/NAME)",
+            crate::secrets::SECRETS_DIR,
+            loaded.name
+        );
+    }
     let report = crate::conformance::run_with(&loaded, options)
         .await
         .with_context(|| format!("cannot load {} into the sandbox", component.display()))?;
     if let (Some(path), Some(recording)) = (&answers.record, &recording) {
         let script = recording.script();
-        std::fs::write(path, script.to_json())
+        std::fs::write(path, report.redacted_json(&script))
             .with_context(|| format!("cannot write the recorded script {}", path.display()))?;
         // On stderr: the report alone goes to stdout, whatever its format.
         eprintln!(

@@ -92,6 +92,7 @@ mod tests {
                 },
             ],
             millis: 1234,
+            redactor: Default::default(),
         };
         let xml = report.junit();
         assert!(xml.contains("<testsuites tests=\"3\" failures=\"1\" time=\"1.234\">"), "{xml}");

@@ -80,9 +80,34 @@ pub struct Report {
     /// One per scenario, in the order run.
     pub cases: Vec<Case>,
     pub(crate) millis: u128,
+    /// Hides the provider's secrets in what the run wrote (its recording).
+    #[serde(skip)]
+    redactor: Arc<crate::secrets::Redactor>,
 }
 
 impl Report {
+    /// Hide the provider's secrets in every text of the report (details and
+    /// traces: the provider's config, its errors, what it sent, shown back).
+    fn redact(&mut self) {
+        let redactor = &self.redactor;
+        for case in &mut self.cases {
+            redactor.redact_string(&mut case.detail);
+            case.trace.iter_mut().for_each(|line| redactor.redact_string(line));
+        }
+    }
+
+    /// `value` as the kit writes it (a recorded script): pretty JSON with the
+    /// provider's secrets replaced by their stand-ins (`kit-secret:NAME`).
+    pub fn redacted_json(&self, value: &impl Serialize) -> String {
+        if self.redactor.is_empty() {
+            // As it was made: its fields in their order.
+            return serde_json::to_string_pretty(value).unwrap_or_default() + "\n";
+        }
+        let mut json = serde_json::to_value(value).unwrap_or_default();
+        self.redactor.redact_json(&mut json);
+        serde_json::to_string_pretty(&json).unwrap_or_default() + "\n"
+    }
+
     /// Whether no case failed (a skipped case is not a failure).
     pub fn passed(&self) -> bool {
         self.cases.iter().all(|c| c.passed || c.skipped)
@@ -156,6 +181,10 @@ pub struct KitOptions {
     /// Where a recording's signed grants find their credentials
     /// (`DATA_DIR/credentials`); `None`: a signed grant's requests fail.
     pub credentials: Option<std::path::PathBuf>,
+    /// Where a recording reads the secrets the manifest names
+    /// (`DATA_DIR/secrets`); `None`, or a scripted run: stand-ins
+    /// (`kit-secret:NAME`), which a recorded script holds in their place.
+    pub secrets: Option<std::path::PathBuf>,
 }
 
 impl KitOptions {
@@ -169,6 +198,7 @@ impl KitOptions {
             strict: false,
             sandbox: Default::default(),
             credentials: None,
+            secrets: None,
         })
     }
 }
@@ -241,6 +271,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                 denials,
                 // The kit's data dirs are scratch: a plain directory each.
                 data_filesystems: None,
+                // Stand-ins: a script recorded with the real values holds these in their place.
+                secrets: crate::secrets::SecretSource::Placeholders,
             };
             (caps, Some(scripted))
         }
@@ -271,11 +303,17 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                 denials,
                 // The kit's data dirs are scratch: a plain directory each.
                 data_filesystems: None,
+                // The operator's, as the daemon reads them; the recording holds stand-ins.
+                secrets: match &options.secrets {
+                    Some(dir) => {
+                        crate::secrets::SecretSource::Recording(Arc::new(crate::secrets::SecretsDir::new(dir.clone())))
+                    }
+                    None => crate::secrets::SecretSource::Placeholders,
+                },
             };
             (caps, None)
         }
     };
-    let config = manifest.config_json.clone();
     let name = manifest.name.clone();
     // Compiling is CPU-bound: off the async workers.
     let loaded = tokio::task::spawn_blocking(move || ProviderVersion::load(runtime, manifest, caps))
@@ -287,10 +325,18 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
         Err(crate::version::LoadError::Contract { source: source @ ContractError::NotGranted { .. }, .. }) => {
             let case =
                 Case { name: UNGRANTED, passed: false, detail: source.to_string(), trace: Vec::new(), skipped: false };
-            return Ok(Report { provider: name, version: String::new(), cases: vec![case], millis: 0 });
+            return Ok(Report {
+                provider: name,
+                version: String::new(),
+                cases: vec![case],
+                millis: 0,
+                redactor: Arc::default(),
+            });
         }
         Err(e) => return Err(e.into()),
     };
+    let config = provider.guest_config();
+    let redactor = provider.redactor().clone();
     let calls = HostCallLog::default();
     let dispatch = calls.dispatch();
     let guard = recording.map(|recording| RecordGuard {
@@ -321,7 +367,10 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     let (name, version) = tracing::instrument::WithSubscriber::with_subscriber(scenarios, dispatch).await;
     // A recorded run spawns real programs: none may outlive it, whatever the provider left.
     live_children.kill_all();
-    Ok(Report { provider: name, version, cases: kit.cases, millis: started.elapsed().as_millis() })
+    let mut report =
+        Report { provider: name, version, cases: kit.cases, millis: started.elapsed().as_millis(), redactor };
+    report.redact();
+    Ok(report)
 }
 
 /// The lifecycle's cases after its start, skipped when the start fails.

@@ -216,6 +216,7 @@ impl Registry {
         let path = std::fs::canonicalize(manifest_path)
             .map_err(|source| RegistryError::Path { path: manifest_path.display().to_string(), source })?;
         let manifest = Manifest::parse(&path, &text).map_err(LoadError::from)?;
+        manifest.refuse_inline_secrets().map_err(LoadError::from)?;
         let approved_manifest = Some(text);
         let existing = self.store.provider(&manifest.name)?;
         if let Some(existing) = &existing
@@ -280,7 +281,6 @@ impl Registry {
                 .map_err(|reason| LoadError::InDataDir { provider: name.clone(), reason })?;
         }
         self.check_grant_placement(&manifest)?;
-        let config = manifest.config_json.clone();
         let capabilities = self.capabilities.clone();
         let runtime = self.runtime.clone();
         // Compiling is CPU-bound: keep it off the async workers.
@@ -288,7 +288,7 @@ impl Registry {
             .await
             .map_err(|e| RegistryError::Path { path: name.clone(), source: std::io::Error::other(e) })??;
         provider
-            .validate_config(&config)
+            .validate_config(&provider.guest_config())
             .await
             .map_err(|source| RegistryError::ConfigRejected { name: name.clone(), source })?;
         Ok(Arc::new(provider))

@@ -50,6 +50,36 @@ pub(crate) struct BreakerView {
     pub trips: u64,
 }
 
+/// The config as shown: each `[secrets]` key as `<secret NAME>`, and a value
+/// that looks like a secret given inline as `<redacted>`.
+fn shown_config(manifest: &Manifest) -> serde_json::Value {
+    let mut config = manifest.config.clone();
+    hide_inline(&mut config);
+    let mut shown = serde_json::to_value(&config).unwrap_or(serde_json::Value::Null);
+    if let serde_json::Value::Object(map) = &mut shown {
+        for (key, name) in &manifest.secrets {
+            map.insert(key.clone(), format!("<secret {name}>").into());
+        }
+    }
+    shown
+}
+
+fn hide_inline(table: &mut toml::Table) {
+    for (key, value) in table.iter_mut() {
+        let secret = crate::secrets::looks_secret(key);
+        hide_value(value, secret);
+    }
+}
+
+fn hide_value(value: &mut toml::Value, secret: bool) {
+    match value {
+        toml::Value::String(text) if secret && !text.is_empty() => *text = "<redacted>".into(),
+        toml::Value::Table(table) => hide_inline(table),
+        toml::Value::Array(items) => items.iter_mut().for_each(|item| hide_value(item, secret)),
+        _ => {}
+    }
+}
+
 impl ProviderView {
     pub fn new(record: &ProviderRecord, manifest: &Manifest) -> Self {
         let limits = &manifest.limits;
@@ -84,7 +114,7 @@ impl ProviderView {
             .map(|(key, value)| (key.to_owned(), value))
             .collect(),
             grants: GrantsView { rooms: grants.rooms.view() },
-            config: serde_json::from_str(&manifest.config_json).unwrap_or(serde_json::Value::Null),
+            config: shown_config(manifest),
             breaker: None,
         }
     }

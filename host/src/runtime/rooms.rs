@@ -102,6 +102,8 @@ pub struct StoreSetup<'a> {
     pub prepared: &'a PreparedParts,
     /// Where the room counts what its bounds refused or cut.
     pub quotas: &'a Arc<crate::runtime::quotas::Quotas>,
+    /// Hides the provider's secrets in text of its the host shows.
+    pub redactor: &'a Arc<crate::secrets::Redactor>,
 }
 
 /// A capability in a room of its own: everything of it is in its folder.
@@ -697,6 +699,7 @@ mod tests {
             sandbox_user: None,
             prepared: &PreparedParts::default(),
             quotas: &Default::default(),
+            redactor: &Default::default(),
         };
         let grants = RoomGrants::default().with::<local_socket::LocalSocket>(true);
         let mut parts = Parts::new(&grants, &Backends::default(), &store);

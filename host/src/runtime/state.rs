@@ -49,6 +49,9 @@ pub struct HostCapabilities {
     /// Mounts each provider's data dir as a filesystem of its own
     /// (`data-mib`); `None`: data dirs are plain directories (tests, the kit).
     pub data_filesystems: Option<Arc<crate::providers::data_fs::DataFilesystems>>,
+    /// Where the secrets manifests name under `[secrets]` are read (none:
+    /// such a manifest does not load).
+    pub secrets: crate::secrets::SecretSource,
 }
 
 impl HostCapabilities {
@@ -69,6 +72,7 @@ impl HostCapabilities {
                 .with::<Process>(Arc::new(HostProcesses::new(child_records, Arc::default()))),
             denials: Denials::default(),
             data_filesystems: None,
+            secrets: crate::secrets::SecretSource::None,
         }
     }
 
@@ -96,6 +100,8 @@ pub struct ProviderCapabilities {
     pub prepared: PreparedParts,
     /// What its bounds refused or cut, counted (the version's metrics).
     pub quotas: Arc<crate::runtime::quotas::Quotas>,
+    /// Hides its secrets' values in the text of its the host shows (log lines, output).
+    pub redactor: Arc<crate::secrets::Redactor>,
 }
 
 impl ProviderCapabilities {
@@ -128,7 +134,7 @@ impl HostState {
         table.set_max_capacity(MAX_HANDLES);
         HostState {
             table,
-            wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir, &caps.quotas),
+            wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir, &caps.quotas, &caps.redactor),
             rooms: Parts::new(
                 &caps.rooms,
                 &host.backends,
@@ -140,6 +146,7 @@ impl HostState {
                     sandbox_user,
                     prepared: &caps.prepared,
                     quotas: &caps.quotas,
+                    redactor: &caps.redactor,
                 },
             ),
             limiter: GuestLimiter::new(memory_bytes),

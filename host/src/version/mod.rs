@@ -77,6 +77,14 @@ pub enum LoadError {
     /// Its data dir's own filesystem could not be made ready.
     #[error(transparent)]
     DataFs(#[from] crate::providers::data_fs::DataFsError),
+    /// A secret its manifest names could not be read.
+    #[error("provider {provider}: {source}")]
+    Secret {
+        /// The provider being loaded.
+        provider: String,
+        /// Which secret, and why.
+        source: crate::secrets::SecretError,
+    },
     /// Its manifest or component lies in a data dir, which a provider can write.
     #[error("provider {provider}: {reason}")]
     InDataDir {
@@ -130,7 +138,8 @@ pub struct ProviderVersion {
     runtime: Arc<Runtime>,
     pre: ProviderPre<HostState>,
     capabilities: ProviderCapabilities,
-    config_json: Arc<str>,
+    /// Its config as the guest gets it, secrets filled in; and their redactor.
+    config: Arc<crate::secrets::ProviderConfig>,
     pool: Mutex<Vec<Warm>>,
     stats: Arc<ProviderStats>,
     breaker: breaker::Breaker,
@@ -243,15 +252,23 @@ impl ProviderVersion {
             .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
         let pre = ProviderPre::new(instance_pre)
             .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
+        let config = crate::secrets::ProviderConfig::load(
+            &manifest.name,
+            &manifest.config,
+            &manifest.secrets,
+            capabilities.secrets.clone(),
+        )
+        .map_err(|source| LoadError::Secret { provider: provider.clone(), source })?;
+        let config = Arc::new(config);
         let quotas = Arc::new(Quotas::new(&manifest.limits));
         let stats = Arc::new(ProviderStats { quotas, ..ProviderStats::default() });
-        let capabilities = narrow(capabilities, &manifest, stats.quotas.clone())?;
+        let capabilities = narrow(capabilities, &manifest, stats.quotas.clone(), config.redactor().clone())?;
         let running = tokio::sync::Semaphore::new(manifest.limits.max_concurrent_calls);
         let lane = runtime.turnstile().lane(stats.turns.clone());
         let breaker = breaker::Breaker::new(manifest.limits.breaker_failures, manifest.limits.breaker_window);
         Ok(ProviderVersion {
             name: provider.into(),
-            config_json: manifest.config_json.clone().into(),
+            config,
             manifest,
             sha256,
             runtime,
@@ -366,7 +383,18 @@ impl ProviderVersion {
         .await
     }
 
-    /// The contract's `validate-config` on `config_json` (the manifest's `[config]` as JSON).
+    /// Its config as its guest gets it (the manifest's `[config]` as JSON,
+    /// `[secrets]` filled in): what `validate-config` is to be given.
+    pub fn guest_config(&self) -> Arc<str> {
+        self.config.for_guest()
+    }
+
+    /// What hides its secrets' values in text the host shows.
+    pub fn redactor(&self) -> &Arc<crate::secrets::Redactor> {
+        self.config.redactor()
+    }
+
+    /// The contract's `validate-config` on `config_json` (as [`ProviderVersion::guest_config`] gives it).
     pub async fn validate_config(&self, config_json: &str) -> Result<(), CallError> {
         let config = config_json.to_owned();
         self.call(Method::ValidateConfig, &CallHooks::default(), move |store, exports, _ctx| {
@@ -633,7 +661,8 @@ impl ProviderVersion {
         warm.store.data_mut().begin_call(&hooks.abort);
         let context = CallContext {
             hooks: hooks.clone(),
-            provider_config: self.config_json.clone(),
+            provider_config: self.config.for_guest(),
+            redactor: self.config.redactor().clone(),
             quotas: self.stats.quotas.clone(),
         };
         let handle = warm.store.data_mut().table.push(context).map_err(|e| CallError::Instantiate {
@@ -665,7 +694,7 @@ impl ProviderVersion {
             Ok(Ok(Err(error))) => {
                 self.checkin(warm);
                 // Logged, listed, kept in events: never more of it than a status message.
-                let error = cut_broker_error(error);
+                let error = cut_broker_error(error, self.config.redactor());
                 Err(CallError::Guest { provider: self.name.to_string(), method, error })
             }
             Ok(Err(trap)) => {
@@ -785,8 +814,8 @@ impl ProviderVersion {
 const MAX_ERROR_BYTES: usize = 4096;
 
 /// A provider's typed error with its text cut to [`MAX_ERROR_BYTES`].
-fn cut_broker_error(error: BrokerError) -> BrokerError {
-    let cut = |text: String| crate::capabilities::log::truncate(&text, MAX_ERROR_BYTES).to_owned();
+fn cut_broker_error(error: BrokerError, redactor: &crate::secrets::Redactor) -> BrokerError {
+    let cut = |text: String| redactor.redact(crate::capabilities::log::truncate(&text, MAX_ERROR_BYTES)).into_owned();
     match error {
         BrokerError::InvalidParams(m) => BrokerError::InvalidParams(cut(m)),
         BrokerError::NotFound(m) => BrokerError::NotFound(cut(m)),
@@ -814,7 +843,12 @@ struct TooManyRecords {
 /// The host's capabilities as far as the manifest grants them: programs
 /// resolved now, a data dir of its own. (A room's backend, the machine lock
 /// among them, reaches a store only with its grant: see `rooms::Parts::new`.)
-fn narrow(host: HostCapabilities, manifest: &Manifest, quotas: Arc<Quotas>) -> Result<ProviderCapabilities, LoadError> {
+fn narrow(
+    host: HostCapabilities,
+    manifest: &Manifest,
+    quotas: Arc<Quotas>,
+    redactor: Arc<crate::secrets::Redactor>,
+) -> Result<ProviderCapabilities, LoadError> {
     let provider = manifest.name.clone();
     let data_dir = host.data_dirs.join(&manifest.name);
     let data_dir_error =
@@ -844,7 +878,7 @@ fn narrow(host: HostCapabilities, manifest: &Manifest, quotas: Arc<Quotas>) -> R
         limits: &manifest.limits,
     };
     let prepared = rooms.prepare(&load).map_err(|source| LoadError::Prepare { provider, source })?;
-    Ok(ProviderCapabilities { host, data_dir, rooms: rooms.clone(), prepared, quotas })
+    Ok(ProviderCapabilities { host, data_dir, rooms: rooms.clone(), prepared, quotas, redactor })
 }
 
 /// Make `dir` (and its parents) if missing, and make it the host's alone
@@ -865,11 +899,17 @@ mod tests {
 
     #[test]
     fn a_providers_error_text_is_cut_and_keeps_its_kind() {
+        let none = crate::secrets::Redactor::default();
         let long = "é".repeat(MAX_ERROR_BYTES);
-        let BrokerError::ZoneUnavailable(cut) = cut_broker_error(BrokerError::ZoneUnavailable(long)) else {
+        let BrokerError::ZoneUnavailable(cut) = cut_broker_error(BrokerError::ZoneUnavailable(long), &none) else {
             panic!("the kind changed")
         };
         assert_eq!(cut.len(), MAX_ERROR_BYTES, "cut on a character boundary at the bound");
-        assert_eq!(cut_broker_error(BrokerError::NotFound("x".into())), BrokerError::NotFound("x".into()));
+        assert_eq!(cut_broker_error(BrokerError::NotFound("x".into()), &none), BrokerError::NotFound("x".into()));
+        // A secret the guest put in its error is hidden, whatever the kind.
+        let secrets = crate::secrets::Redactor::default();
+        secrets.set(vec![("tok-s3cr3t-123".into(), "<secret api>".into())]);
+        let said = BrokerError::AccessDenied("token tok-s3cr3t-123 refused".into());
+        assert_eq!(cut_broker_error(said, &secrets), BrokerError::AccessDenied("token <secret api> refused".into()));
     }
 }

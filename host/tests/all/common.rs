@@ -33,6 +33,15 @@ impl Daemon {
     }
 
     pub fn start_with(data_dir: &Path, serve_args: &[&str]) -> Daemon {
+        Daemon::spawn(data_dir, serve_args, Stdio::null())
+    }
+
+    /// A daemon logging at `info` to `log`.
+    pub fn start_logging(data_dir: &Path, log: &Path) -> Daemon {
+        Daemon::spawn(data_dir, &["-v"], std::fs::File::create(log).unwrap().into())
+    }
+
+    fn spawn(data_dir: &Path, serve_args: &[&str], stderr: Stdio) -> Daemon {
         let child = Command::new(env!("CARGO_BIN_EXE_broker"))
             .arg("--data-dir")
             .arg(data_dir)
@@ -40,7 +49,7 @@ impl Daemon {
             .args(serve_args)
             .env_remove("RUST_LOG")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .unwrap();
         let socket = data_dir.join("broker.sock");

@@ -14,4 +14,5 @@ mod infrakit;
 mod lock;
 mod providers_dir;
 mod quotas;
+mod secrets;
 mod slow_clients;

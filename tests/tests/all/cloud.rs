@@ -286,6 +286,7 @@ pub(crate) async fn the_ec2_provider_runs_juju_s_broker_on_moto() {
         strict: false,
         sandbox: Default::default(),
         credentials: Some(dir.path().join("data/credentials")),
+        secrets: None,
     };
     let manifest = broker_host::manifest::Manifest::load(&manifest).unwrap();
     let report = conformance::run_with(&manifest, options).await.unwrap();

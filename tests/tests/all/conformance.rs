@@ -41,6 +41,7 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
         strict: false,
         sandbox: Default::default(),
         credentials: None,
+        secrets: None,
     };
     let recorded = conformance::run_with(&bundled, options).await.unwrap();
     let script = recording.to_script_json();
@@ -48,7 +49,7 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
     let answers = Answers::Script(std::sync::Arc::new(Scripted::parse(&script).unwrap()));
     let replayed = conformance::run_with(
         &bundled,
-        KitOptions { answers, strict: true, sandbox: Default::default(), credentials: None },
+        KitOptions { answers, strict: true, sandbox: Default::default(), credentials: None, secrets: None },
     )
     .await
     .unwrap();
@@ -116,6 +117,7 @@ pub(crate) async fn the_kvm_provider_passes_strictly_on_its_script_without_runni
         strict: true,
         sandbox: Default::default(),
         credentials: None,
+        secrets: None,
     };
     let report = conformance::run_with(&bundled, options).await.unwrap();
     assert!(report.passed(), "{}", report.text());
@@ -155,6 +157,7 @@ pub(crate) async fn the_kvm_provider_passes_strictly_on_its_script_without_runni
             strict: true,
             sandbox: Default::default(),
             credentials: None,
+            secrets: None,
         };
         let report = conformance::run_with(&bundled, options).await.unwrap();
         let start = report.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
@@ -176,6 +179,7 @@ async fn a_recording_never_stops_what_existed_before_it() {
         strict: false,
         sandbox: Default::default(),
         credentials: None,
+        secrets: None,
     };
     let report = conformance::run_with(&manifest, options).await.unwrap();
     let stop = report.cases.iter().find(|c| c.name == "stop-instances succeeds").unwrap();
@@ -342,6 +346,7 @@ async fn touching_another_providers_device_fails_the_ungranted_case() {
         strict: false,
         sandbox: Default::default(),
         credentials: None,
+        secrets: None,
     };
     let report = conformance::run_with(&manifest, options).await.unwrap();
     let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed && !c.skipped).collect();
@@ -363,4 +368,43 @@ async fn importing_what_the_manifest_does_not_grant_is_a_finding_not_a_crash() {
     let [case] = report.cases.as_slice() else { panic!("{}", report.text()) };
     assert_eq!(case.name, "no call touches an ungranted capability");
     assert!(case.detail.contains("broker:provider/kv") && case.detail.contains("kv = true"), "{}", case.detail);
+}
+
+/// A provider's `[secrets]` in the kit: a scripted run gives the guest the
+/// stand-in `kit-secret:NAME`; a recording gives it the operator's value and
+/// its reports (text, JSON, JUnit) show the stand-in in its place.
+#[tokio::test]
+async fn the_kit_gives_stand_ins_for_secrets_and_its_reports_never_hold_one() {
+    use broker_host::conformance::{Answers, KitOptions, Recording};
+    use std::os::unix::fs::PermissionsExt;
+    const SECRET: &str = "kit-run-real-s3cr3t-value";
+    let dir = tempfile::tempdir().unwrap();
+    let secrets = dir.path().join("secrets");
+    std::fs::create_dir_all(secrets.join("leaky")).unwrap();
+    std::fs::write(secrets.join("leaky/api"), SECRET).unwrap();
+    std::fs::set_permissions(secrets.join("leaky/api"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let extra = "[grants]\nkv = true\n[config]\nmode = \"leak\"\n[secrets]\napi-token = \"api\"\n";
+    let manifest = Manifest::load(&write_manifest(dir.path(), "leaky", "test-hostile", extra)).unwrap();
+    let reports = |report: &conformance::Report| {
+        [report.text(), serde_json::to_string(report).unwrap(), report.junit()].join("\n")
+    };
+
+    let scripted = conformance::run(&manifest).await.unwrap();
+    let text = reports(&scripted);
+    assert!(text.contains("the cloud refused token kit-secret:api"), "the guest had the stand-in: {text}");
+
+    let recording = std::sync::Arc::new(Recording::default());
+    let options = KitOptions {
+        answers: Answers::Record(recording.clone()),
+        strict: false,
+        sandbox: Default::default(),
+        credentials: None,
+        secrets: Some(secrets.clone()),
+    };
+    let recorded = conformance::run_with(&manifest, options).await.unwrap();
+    let text = reports(&recorded);
+    assert!(text.contains("the cloud refused token kit-secret:api"), "the real value, shown as its stand-in: {text}");
+    assert!(text.contains("accepted {\"api-token\":\"kit-secret:api\""), "the config, its secret hidden: {text}");
+    assert!(!text.contains(SECRET), "a report holds the secret: {text}");
+    assert!(!recorded.redacted_json(&serde_json::json!({"said": format!("x {SECRET} y")})).contains(SECRET));
 }

@@ -771,6 +771,7 @@ async fn signed(
     let credentials = credentials
         .ok_or_else(|| failed(signing::SigningError::NoCredentialsDir { name: signing.credentials.clone() }))?
         .get(&signing.credentials)
+        .await
         .map_err(failed)?;
     for name in signing::SIGNING_HEADERS {
         parts.headers.remove(name);
@@ -967,6 +968,7 @@ mod tests {
             acts_outside_the_store: true,
             prepared: &Default::default(),
             quotas: &Default::default(),
+            redactor: &Default::default(),
         };
         let grant = HttpGrant::new([("lxd".to_owned(), EgressTarget::Unix("/nonexistent.sock".into()))]).unwrap();
         let mut sealed = HttpEgress::ctx(&grant, None, &store);

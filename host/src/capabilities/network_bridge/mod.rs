@@ -700,6 +700,7 @@ mod tests {
             sandbox_user: None,
             prepared: &Default::default(),
             quotas: &Default::default(),
+            redactor: &Default::default(),
         };
         let granted = Some(grant(&["eth0"], &["br-*"], &[]));
         let mut sealed = NetworkBridge::ctx(&granted, None, &store);

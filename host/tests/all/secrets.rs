@@ -1,0 +1,81 @@
+//! A provider's `[secrets]` through the real daemon: the guest gets the value
+//! in its config, and nothing the host shows holds it — the API (provider,
+//! instance errors, events), the CLI, the daemon's log, the store; another
+//! provider cannot name it; an inline secret is refused at add.
+
+use crate::common::{Daemon, broker};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+const SECRET: &str = "tok-7f3a9c1e-d00d-secret";
+
+fn private(path: &Path, text: &str) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+fn manifest(dir: &Path, name: &str, extra: &str) -> String {
+    let wasm = guest_artifacts::wasm("test-hostile");
+    let path = dir.join(format!("{name}.toml"));
+    let text = format!(
+        "name = \"{name}\"\ncomponent = \"{}\"\n[grants]\nkv = true\n[config]\nmode = \"leak\"\n{extra}",
+        wasm.display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+#[test]
+fn a_secret_reaches_its_guest_and_nothing_the_host_shows() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    private(&data.join("secrets/leaky/api"), &format!("{SECRET}\n"));
+    let log = dir.path().join("daemon.log");
+    let mut daemon = Daemon::start_logging(&data, &log);
+    let leaky = manifest(dir.path(), "leaky", "[secrets]\napi-token = \"api\"\n");
+    let (status, added) = daemon.json("POST", "/v1/providers", Some(&format!("{{\"manifest\":\"{leaky}\"}}")));
+    assert_eq!(status, 201, "{added}");
+
+    // Every way the guest hands it back: a start's error and status, a listing's error, its output.
+    let (_, started) = daemon.request("POST", "/v1/instances", Some(br#"{"provider":"leaky"}"#));
+    assert!(started.contains("\"event\":\"failed\""), "{started}");
+    assert!(started.contains("the cloud refused token <secret api>"), "{started}");
+    assert!(started.contains("\"info\":\"using <secret api>\""), "{started}");
+    let (_, listed) = daemon.request("GET", "/v1/instances?provider=leaky", None);
+    let (_, shown) = daemon.request("GET", "/v1/providers/leaky", None);
+    assert!(shown.contains("\"api-token\":\"<secret api>\""), "{shown}");
+    let (_, events) = daemon.request("GET", "/v1/events", None);
+    assert!(events.contains("\"kind\":\"added\""), "{events}");
+    let cli = broker(&data, &["provider", "show", "leaky"]);
+    let cli = String::from_utf8_lossy(&cli.stdout).into_owned() + &String::from_utf8_lossy(&cli.stderr);
+    assert!(cli.contains("<secret api>"), "{cli}");
+    for (what, text) in [("start", &started), ("list", &listed), ("show", &shown), ("events", &events), ("cli", &cli)] {
+        assert!(!text.contains(SECRET), "{what} holds the secret: {text}");
+    }
+
+    // Rotated: the guest is given the new one (the old one would show), hidden as well.
+    private(&data.join("secrets/leaky/api"), "tok-rotated-0000-secret\n");
+    let (_, again) = daemon.request("POST", "/v1/instances", Some(br#"{"provider":"leaky"}"#));
+    assert!(again.contains("<secret api>") && !again.contains("tok-rotated") && !again.contains(SECRET), "{again}");
+
+    // Another provider cannot name it: its secrets are in a dir of its own.
+    let other = manifest(dir.path(), "other", "[secrets]\napi-token = \"api\"\n");
+    let (status, refused) =
+        daemon.request("POST", "/v1/providers", Some(format!("{{\"manifest\":\"{other}\"}}").as_bytes()));
+    assert!(status >= 400 && refused.contains("secrets/other/api") && refused.contains("no such file"), "{refused}");
+    // A secret given inline is refused, and the refusal does not quote it.
+    let inline = manifest(dir.path(), "inline", &format!("password = \"{SECRET}-inline\"\n"));
+    let (status, refused) =
+        daemon.request("POST", "/v1/providers", Some(format!("{{\"manifest\":\"{inline}\"}}").as_bytes()));
+    assert!(status >= 400 && refused.contains("looks like a secret given inline"), "{refused}");
+    assert!(!refused.contains(SECRET), "{refused}");
+
+    assert!(daemon.terminate().success());
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(log.contains("stdout: my token is <secret api>"), "the guest's output is logged, hidden: {log}");
+    assert!(!log.contains(SECRET) && !log.contains("tok-rotated"), "the log holds the secret");
+    let state = std::fs::read(data.join("state.redb")).unwrap();
+    assert!(!state.windows(SECRET.len()).any(|w| w == SECRET.as_bytes()), "the store holds the secret");
+}
