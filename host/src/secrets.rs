@@ -402,6 +402,41 @@ fn inline_secret_values(config: &toml::Table) -> Vec<(String, &str)> {
     found
 }
 
+/// Most values one provider version's redactor keeps hiding after rotations.
+const MAX_HELD_VALUES: usize = 64;
+
+/// A secret value as it appears raw and in the forms text the host shows
+/// carries it: JSON-escaped (a config, a report), Rust-escaped (the kit's
+/// traces), form- and percent-encoded (a recorded request), and each line of a
+/// value of several (a guest's output is taken line by line).
+fn encoded_forms(value: &Arc<str>) -> Vec<Arc<str>> {
+    let mut forms: Vec<Arc<str>> = vec![value.clone()];
+    let quoted = |text: String| text.get(1..text.len().saturating_sub(1)).unwrap_or_default().to_owned();
+    let json = quoted(serde_json::Value::String(value.to_string()).to_string());
+    let debug = quoted(format!("{value:?}"));
+    let debug_of_json = quoted(format!("{json:?}"));
+    let form: String = form_urlencoded::byte_serialize(value.as_bytes()).collect();
+    let percent = form.replace('+', "%20");
+    let lines = value.lines().filter(|line| line.len() >= MIN_SECRET_BYTES).map(str::to_owned);
+    for form in [json, debug, debug_of_json, form, percent].into_iter().chain(lines) {
+        if form.len() >= MIN_SECRET_BYTES && !forms.iter().any(|f| **f == *form) {
+            forms.push(form.into());
+        }
+    }
+    forms
+}
+
+/// What [`ProviderConfig`] last read.
+#[derive(Default)]
+struct Current {
+    values: Vec<Secret>,
+    json: Arc<str>,
+    /// Every value this version handed out (each with its label), oldest first.
+    held: Vec<(Arc<str>, String)>,
+    /// A read failed and was said: not said again until one succeeds.
+    went_bad: bool,
+}
+
 /// A provider's config as its guest gets it: the manifest's `[config]` with
 /// its `[secrets]` filled in from their source, read again as they change;
 /// and the redactor for everything of it the host shows.
@@ -411,7 +446,7 @@ pub struct ProviderConfig {
     secrets: Vec<(String, String)>,
     source: SecretSource,
     /// The values last read, and the guest's config made of them.
-    current: Mutex<(Vec<Secret>, Arc<str>)>,
+    current: Mutex<Current>,
     /// Inline values that look secret (kept from a manifest approved before they were refused).
     inline: Vec<Arc<str>>,
     redactor: Arc<Redactor>,
@@ -443,11 +478,11 @@ impl ProviderConfig {
             public,
             secrets: secrets.to_vec(),
             source,
-            current: Mutex::new((Vec::new(), "{}".into())),
+            current: Mutex::default(),
             inline,
             redactor: Arc::default(),
         };
-        loaded.take(values);
+        loaded.take_locked(&mut loaded.current.lock().unwrap_or_else(|p| p.into_inner()), values);
         Ok(loaded)
     }
 
@@ -456,7 +491,11 @@ impl ProviderConfig {
         ProviderConfig::load(provider, config, &[], SecretSource::None).unwrap_or_else(|_| unreachable!())
     }
 
-    fn take(&self, values: Vec<Secret>) {
+    /// Take `values` as the secrets' current ones (under `current`'s lock,
+    /// held by the caller): the guest's config made of them, and the redactor
+    /// hiding them and every value this version held before (a call begun
+    /// before a rotation still has the old one).
+    fn take_locked(&self, current: &mut Current, values: Vec<Secret>) {
         let mut config = self.public.clone();
         for ((key, _), value) in self.secrets.iter().zip(&values) {
             config.insert(key.clone(), serde_json::Value::String(value.expose().to_owned()));
@@ -466,38 +505,50 @@ impl ProviderConfig {
             SecretSource::Placeholders | SecretSource::Recording(_) => placeholder(name),
             _ => format!("<secret {name}>"),
         };
-        let mut hidden: Vec<(Arc<str>, String)> =
-            self.secrets.iter().zip(&values).map(|((_, name), value)| (value.0.clone(), label(name))).collect();
-        // An inline value must be long enough to be told from other text.
-        hidden.extend(
-            self.inline
-                .iter()
-                .filter(|value| value.len() >= MIN_SECRET_BYTES)
-                .map(|value| (value.clone(), "<redacted>".to_owned())),
-        );
+        for ((_, name), value) in self.secrets.iter().zip(&values) {
+            if !current.held.iter().any(|(held, _)| **held == *value.expose()) {
+                current.held.push((value.0.clone(), label(name)));
+            }
+        }
+        // Bounded: the oldest go first (a secret rotated this often is read from a file being written).
+        let excess = current.held.len().saturating_sub(MAX_HELD_VALUES.max(self.secrets.len()));
+        current.held.drain(..excess);
+        let mut hidden: Vec<(Arc<str>, String)> = Vec::new();
+        let inline = (self.inline.iter())
+            .filter(|value| value.len() >= MIN_SECRET_BYTES)
+            .map(|value| (value.clone(), "<redacted>".to_owned()));
+        for (value, label) in current.held.iter().cloned().chain(inline) {
+            for form in encoded_forms(&value) {
+                hidden.push((form, label.clone()));
+            }
+        }
         self.redactor.set(hidden);
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = (values, json);
+        current.values = values;
+        current.json = json;
     }
 
     /// The config as JSON, as the guest gets it: secrets read again if their
     /// files changed (a file that went bad keeps the last good value, said once).
     pub fn for_guest(&self) -> Arc<str> {
+        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
         if !self.secrets.is_empty() && matches!(self.source, SecretSource::Dir(_) | SecretSource::Recording(_)) {
             let fresh: Result<Vec<Secret>, SecretError> =
                 self.secrets.iter().map(|(_, name)| self.source.get(&self.provider, name)).collect();
             match fresh {
                 Ok(values) => {
-                    let changed = self.current.lock().unwrap_or_else(|p| p.into_inner()).0 != values;
-                    if changed {
-                        self.take(values);
+                    current.went_bad = false;
+                    if current.values != values {
+                        self.take_locked(&mut current, values);
                     }
                 }
-                Err(error) => {
+                Err(error) if !current.went_bad => {
+                    current.went_bad = true;
                     tracing::warn!(provider = &*self.provider, %error, "a secret went bad: its last good value is used");
                 }
+                Err(_) => {}
             }
         }
-        self.current.lock().unwrap_or_else(|p| p.into_inner()).1.clone()
+        current.json.clone()
     }
 
     /// What hides the secrets' values in text the host shows.
@@ -595,6 +646,32 @@ mod tests {
         let loaded = ProviderConfig::plain("p", &config);
         assert_eq!(loaded.redactor().redact("x inline-s3cr3t-1 hunter2-but-long r1"), "x <redacted> <redacted> r1");
         assert!(!looks_secret("region") && looks_secret("Api_Key") && looks_secret("bearer-token"));
+    }
+
+    #[test]
+    fn a_secret_is_hidden_escaped_encoded_line_by_line_and_after_a_rotation() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("p")).unwrap();
+        let pem = "-----BEGIN KEY-----\nMIIEvAIBADANBgkqhkiG9w0B\nAQEFAASCBKYwggSiAgEAAoIB\n-----END KEY-----";
+        private(&dir.path().join("p/key"), pem);
+        let secrets = vec![("key".to_owned(), "key".to_owned())];
+        let loaded = ProviderConfig::load("p", &toml::Table::new(), &secrets, SecretSource::dir(dir.path().into()));
+        let loaded = loaded.unwrap();
+        let redactor = loaded.redactor().clone();
+        let config = loaded.for_guest();
+        for shown in [
+            config.to_string(),
+            format!("{config:?}"),
+            format!("x={}", form_urlencoded::byte_serialize(pem.as_bytes()).collect::<String>()),
+            "stdout: MIIEvAIBADANBgkqhkiG9w0B".to_owned(),
+        ] {
+            let hidden = redactor.redact(&shown);
+            assert!(!hidden.contains("MIIEvAIBADANBgkqhkiG9w0B"), "{shown} -> {hidden}");
+            assert!(hidden.contains("<secret key>"), "{hidden}");
+        }
+        private(&dir.path().join("p/key"), "rotated-value-0001");
+        assert!(loaded.for_guest().contains("rotated-value-0001"));
+        assert_eq!(redactor.redact("MIIEvAIBADANBgkqhkiG9w0B rotated-value-0001"), "<secret key> <secret key>");
     }
 
     #[test]

@@ -145,15 +145,21 @@ const CAPACITY: &[&str] = &[
 const TRANSIENT: &[&str] =
     &["RequestLimitExceeded", "Throttling", "InternalError", "InternalFailure", "ServiceUnavailable", "Unavailable"];
 
-/// Whether an error answer is worth the same request again: a 5xx, or throttling.
+/// Whether an error answer is worth the same request again: a 5xx, or
+/// throttling; never a zone out of capacity (EC2 answers that with a 500),
+/// which the host's next zone is for.
 pub fn transient(status: u16, body: &str) -> bool {
-    status >= 500
-        || parse(body).ok().is_some_and(|doc| {
-            doc.descendants()
-                .find(|n| n.is_element() && n.tag_name().name() == "Code")
-                .and_then(|n| n.text())
-                .is_some_and(|code| TRANSIENT.contains(&code.trim()))
-        })
+    let code = parse(body).ok().and_then(|doc| {
+        doc.descendants()
+            .find(|n| n.is_element() && n.tag_name().name() == "Code")
+            .and_then(|n| n.text())
+            .map(|code| code.trim().to_owned())
+    });
+    match code.as_deref() {
+        Some(code) if CAPACITY.contains(&code) => false,
+        Some(code) if TRANSIENT.contains(&code) => true,
+        _ => status >= 500,
+    }
 }
 
 /// An error answer (any non-2xx) as the contract's kind, with EC2's code and message.
@@ -259,6 +265,8 @@ mod tests {
         assert!(matches!(error(502, "<html>bad gateway"), Ec2Error::Provider(m) if m.contains("502")));
         let throttled = "<Response><Errors><Error><Code>RequestLimitExceeded</Code></Error></Errors></Response>";
         assert!(transient(400, throttled) && transient(503, "") && !transient(400, "<Response/>"));
+        let full = "<Response><Errors><Error><Code>InsufficientInstanceCapacity</Code></Error></Errors></Response>";
+        assert!(!transient(500, full), "a full zone is the host's to move on from, not to ask again");
     }
 
     #[test]

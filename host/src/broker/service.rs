@@ -205,13 +205,22 @@ impl HostConfig {
 impl Broker {
     /// Open the host state in `data_dir` (compiled components are cached in `data_dir/cache`).
     pub fn open(data_dir: &Path) -> Result<Broker, BrokerServiceError> {
+        Broker::open_with(data_dir, |_| {})
+    }
+
+    /// As [`Broker::open`], with the host capabilities changed by `adjust`
+    /// before any provider loads: a test's scripted world in place of a real one.
+    pub fn open_with(
+        data_dir: &Path,
+        adjust: impl FnOnce(&mut HostCapabilities),
+    ) -> Result<Broker, BrokerServiceError> {
         let store = Arc::new(Store::open(data_dir)?);
         let runtime = Runtime::new(Some(&data_dir.join("cache")))?;
         let machine_lock = machine_lock(data_dir)?;
         let host = HostConfig::load(data_dir)?;
         crate::providers::data_dirs::move_out_of_providers_dir(&store);
         crate::providers::data_dirs::pin_approved_manifests(&store);
-        Ok(Broker::with_parts(runtime, store, machine_lock, host))
+        Ok(Broker::with_parts(runtime, store, machine_lock, host, adjust))
     }
 
     /// As [`Broker::open`], waiting up to `patience` while another process (a
@@ -246,6 +255,7 @@ impl Broker {
         store: Arc<Store>,
         machine_lock: MachineLock,
         host: HostConfig,
+        adjust: impl FnOnce(&mut HostCapabilities),
     ) -> Broker {
         let sandbox = Sandbox::new(host.sandbox.clone(), Some(store.clone() as Arc<dyn UidAllocations>));
         let on_host =
@@ -273,7 +283,8 @@ impl Broker {
         };
         // The operator's secrets for providers' configs (DATA_DIR/secrets/PROVIDER/NAME).
         let secrets = crate::secrets::SecretSource::dir(store.data_dir().join(crate::secrets::SECRETS_DIR));
-        let capabilities = HostCapabilities { backends, data_filesystems, secrets, ..on_host };
+        let mut capabilities = HostCapabilities { backends, data_filesystems, secrets, ..on_host };
+        adjust(&mut capabilities);
         let registry = Registry::new(runtime, store.clone(), capabilities);
         Broker { registry, store, machine_lock, host, unsettled: Unsettled::default() }
     }

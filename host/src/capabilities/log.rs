@@ -37,8 +37,9 @@ impl wit::Host for LogCtx {
         if !self.quotas.log_line_allowed(provider) {
             return Ok(());
         }
-        let message = self.redactor.redact(truncate(&message, MAX_MESSAGE_BYTES));
-        let message = &*message;
+        // Hidden before it is cut: a secret across the cut would leave a part.
+        let redacted = self.redactor.redact(&message);
+        let message = truncate(&redacted, MAX_MESSAGE_BYTES);
         match level {
             Level::Trace => tracing::trace!(provider, message, "guest log"),
             Level::Debug => tracing::debug!(provider, message, "guest log"),

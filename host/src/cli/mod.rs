@@ -766,6 +766,16 @@ async fn provider_test(
     options.credentials = Some(data_dir.join(crate::capabilities::http_egress::signing::CREDENTIALS_DIR));
     if recording.is_some() {
         options.secrets = Some(data_dir.join(crate::secrets::SECRETS_DIR));
+        if !loaded.secrets.is_empty() {
+            let names: Vec<&str> = loaded.secrets.iter().map(|(_, name)| name.as_str()).collect();
+            eprintln!(
+                "warning: the recording gives this component the secrets {} of DATA_DIR/{}/{}/: record only a \
+                 component you trust with them (the script and reports hold stand-ins)",
+                names.join(", "),
+                crate::secrets::SECRETS_DIR,
+                loaded.name
+            );
+        }
     }
     if let Some(first) = loaded.inline_secrets.first() {
         eprintln!(

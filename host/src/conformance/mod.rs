@@ -337,7 +337,7 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     };
     let config = provider.guest_config();
     let redactor = provider.redactor().clone();
-    let calls = HostCallLog::default();
+    let calls = HostCallLog::redacting(redactor.clone());
     let dispatch = calls.dispatch();
     let guard = recording.map(|recording| RecordGuard {
         run: format!("run-{}", std::time::SystemTime::UNIX_EPOCH.elapsed().map(|d| d.as_millis()).unwrap_or(0)),

@@ -18,9 +18,14 @@ const MAX_LINE: usize = 240;
 
 /// The host calls seen so far, oldest first.
 #[derive(Debug, Default, Clone)]
-pub struct HostCallLog(Arc<Mutex<Vec<String>>>);
+pub struct HostCallLog(Arc<Mutex<Vec<String>>>, Arc<crate::secrets::Redactor>);
 
 impl HostCallLog {
+    /// A log whose lines have the provider's secrets hidden before they are cut.
+    pub fn redacting(redactor: Arc<crate::secrets::Redactor>) -> HostCallLog {
+        HostCallLog(Arc::default(), redactor)
+    }
+
     /// A dispatcher that writes the host calls made under it to this log.
     pub fn dispatch(&self) -> tracing::Dispatch {
         use tracing_subscriber::layer::SubscriberExt;
@@ -104,7 +109,9 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
         match fields.message.as_str() {
             "call" => call.args = fields.args.join(", "),
             "return" => {
-                let mut line = format!("{}({}) -> {}", call.name, call.args, fields.result);
+                let line = format!("{}({}) -> {}", call.name, call.args, fields.result);
+                // Hidden before it is cut: a secret across the cut would leave a part.
+                let mut line = self.log.1.redact(&line).into_owned();
                 if line.len() > MAX_LINE {
                     let cut = (0..=MAX_LINE).rev().find(|i| line.is_char_boundary(*i)).unwrap_or(0);
                     line.truncate(cut);

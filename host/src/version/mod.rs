@@ -815,7 +815,8 @@ const MAX_ERROR_BYTES: usize = 4096;
 
 /// A provider's typed error with its text cut to [`MAX_ERROR_BYTES`].
 fn cut_broker_error(error: BrokerError, redactor: &crate::secrets::Redactor) -> BrokerError {
-    let cut = |text: String| redactor.redact(crate::capabilities::log::truncate(&text, MAX_ERROR_BYTES)).into_owned();
+    // Hidden before it is cut: a secret across the cut would leave a part.
+    let cut = |text: String| crate::capabilities::log::truncate(&redactor.redact(&text), MAX_ERROR_BYTES).to_owned();
     match error {
         BrokerError::InvalidParams(m) => BrokerError::InvalidParams(cut(m)),
         BrokerError::NotFound(m) => BrokerError::NotFound(cut(m)),

@@ -310,3 +310,55 @@ pub(crate) async fn the_ec2_provider_runs_juju_s_broker_on_moto() {
     }
     assert!(script.contains("RunInstances"), "the recording has the exchanges");
 }
+
+/// The kit's scripted EC2 world (the bundled recording, its answers edited):
+/// RunInstances in the zone the provider chose answers
+/// InsufficientInstanceCapacity, and the host places the start in the next
+/// zone, which the provider asks EC2 for by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capacity_failure_in_one_zone_moves_the_start_to_the_next() {
+    use broker_host::capabilities::http_egress::{Exchange, HttpEgress, RecordedEgress, Script, Tape};
+    let script = std::fs::read_to_string(broker_tests::bundled_manifest("ec2").with_file_name("provider.script.json"));
+    let recorded: serde_json::Value = serde_json::from_str(&script.unwrap()).unwrap();
+    let exchange = |i: usize| serde_json::from_value::<Exchange>(recorded["http"][i].clone()).unwrap();
+    let (zones, mut full, mut ran, mut running) = (exchange(0), exchange(1), exchange(1), exchange(2));
+    assert!(zones.request_body.starts_with("Action=DescribeAvailabilityZones"), "{}", zones.request_body);
+    assert!(ran.request_body.starts_with("Action=RunInstances") && ran.request_body.contains("us-east-1a"));
+    assert!(running.request_body.starts_with("Action=DescribeInstances"));
+    full.status = 500;
+    full.response_body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Response><Errors><Error>\
+        <Code>InsufficientInstanceCapacity</Code><Message>We currently do not have sufficient t3.micro capacity \
+        in the Availability Zone you requested (us-east-1a).</Message></Error></Errors>\
+        <RequestID>r-1</RequestID></Response>"
+        .into();
+    for answer in [&mut ran, &mut running] {
+        answer.response_body = answer.response_body.replace("us-east-1a", "us-east-1b");
+    }
+    // EC2 says a full zone with a 500, which the provider does not ask again. The
+    // host knows only the zones the provider lists, emptiest first by name: the
+    // full one comes round again before the next.
+    let answers = vec![zones.clone(), full.clone(), zones.clone(), full, zones, ran, running];
+    let script = Arc::new(Script::new(answers));
+    let tape = Arc::new(Tape::default());
+    let egress = Arc::new(RecordedEgress::new(script.clone(), tape.clone()));
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::open_with(&dir.path().join("data"), |caps| {
+        caps.backends = caps.backends.clone().with::<HttpEgress>(egress);
+    })
+    .unwrap();
+    broker.registry().add(&broker_tests::bundled_manifest("ec2")).await.unwrap();
+
+    let record = broker.start_instance("ec2", &empty_params(), &Default::default()).await.unwrap();
+    assert_eq!(record.hardware.availability_zone.as_deref(), Some("us-east-1b"), "{record:?}");
+    assert_eq!(script.remaining(), 0, "every scripted answer was asked for");
+    assert!(script.take_unexpected().is_empty());
+    let runs: Vec<String> = (tape.exchanges().into_iter())
+        .filter(|e| e.request_body.starts_with("Action=RunInstances"))
+        .map(|e| e.request_body)
+        .collect();
+    assert_eq!(runs.len(), 3, "{runs:#?}");
+    assert!(runs[..2].iter().all(|r| r.contains("Placement.AvailabilityZone=us-east-1a")), "{runs:#?}");
+    assert!(runs[2].contains("Placement.AvailabilityZone=us-east-1b"), "the host's next zone: {runs:#?}");
+    let token = |r: &str| r.split('&').find(|p| p.starts_with("ClientToken=")).map(str::to_owned);
+    assert!(token(&runs[0]) != token(&runs[1]) && token(&runs[1]) != token(&runs[2]), "a token per start call");
+}

@@ -132,7 +132,8 @@ pub struct RecordedEgress {
 }
 
 impl RecordedEgress {
-    pub(crate) fn new(inner: Arc<dyn EgressBackend>, tape: Arc<Tape>) -> Self {
+    /// Send through `inner`, writing each exchange to `tape`.
+    pub fn new(inner: Arc<dyn EgressBackend>, tape: Arc<Tape>) -> Self {
         RecordedEgress { inner, tape }
     }
 }

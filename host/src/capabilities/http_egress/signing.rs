@@ -189,11 +189,17 @@ async fn from_aws_profile(
     if file.access_key_id.is_some() || file.secret_access_key.is_some() || file.session_token.is_some() {
         return Err("source = \"profile\" takes no keys".into());
     }
-    let loaded = source::load(env, fs, &EnvConfigFiles::default())
-        .await
+    // The SDK's parser logs a line it ignores, which could be a key's: not here.
+    let quiet = tracing::Dispatch::none();
+    let loaded = tracing::instrument::WithSubscriber::with_subscriber(
+        source::load(env, fs, &EnvConfigFiles::default()),
+        quiet.clone(),
+    )
+    .await
+    .map_err(|e| format!("the host's AWS config files: {e}"))?;
+    // Its errors name the file and line, never what is on it.
+    let sections = tracing::dispatcher::with_default(&quiet, || EnvConfigSections::parse(loaded))
         .map_err(|e| format!("the host's AWS config files: {e}"))?;
-    // The parser names the file and line, never what is on it.
-    let sections = EnvConfigSections::parse(loaded).map_err(|e| format!("the host's AWS config files: {e}"))?;
     let name = file.profile.unwrap_or_else(|| sections.selected_profile().to_owned());
     let Some(profile) = sections.get_profile(&name) else {
         return Err(format!(
