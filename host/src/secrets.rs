@@ -382,9 +382,10 @@ fn inline_secret_values(config: &toml::Table) -> Vec<(String, &str)> {
     fn walk<'a>(value: &'a toml::Value, path: &str, found: &mut Vec<(String, &'a str)>, secret_key: bool) {
         match value {
             toml::Value::String(text) if secret_key && !text.is_empty() => found.push((path.to_owned(), text)),
+            // Under a key that says secret, every string is one (`[config.passwords]`).
             toml::Value::Table(table) => {
                 for (key, value) in table {
-                    walk(value, &format!("{path}.{key}"), found, looks_secret(key));
+                    walk(value, &format!("{path}.{key}"), found, secret_key || looks_secret(key));
                 }
             }
             toml::Value::Array(items) => {
@@ -435,6 +436,25 @@ struct Current {
     held: Vec<(Arc<str>, String)>,
     /// A read failed and was said: not said again until one succeeds.
     went_bad: bool,
+}
+
+/// A manifest's text with its inline secret-looking `[config]` values (as
+/// [`inline_secrets`] finds them) replaced by `<redacted>`.
+pub fn hide_inline_in_manifest(text: &str) -> String {
+    let Ok(manifest) = toml::from_str::<toml::Table>(text) else { return text.to_owned() };
+    let Some(toml::Value::Table(config)) = manifest.get("config") else { return text.to_owned() };
+    let mut shown = text.to_owned();
+    for (_, value) in inline_secret_values(config) {
+        // In a basic string (escaped as JSON escapes `"` and `\`), and as given (a literal string).
+        let escaped = serde_json::Value::String(value.to_owned()).to_string();
+        let escaped = escaped.get(1..escaped.len().saturating_sub(1)).unwrap_or_default().to_owned();
+        for form in [escaped.as_str(), value] {
+            if !form.is_empty() {
+                shown = shown.replace(form, "<redacted>");
+            }
+        }
+    }
+    shown
 }
 
 /// A provider's config as its guest gets it: the manifest's `[config]` with
@@ -639,10 +659,14 @@ mod tests {
     fn inline_secrets_are_found_at_any_depth_and_hidden() {
         let config: toml::Table = toml::from_str(
             "region = \"r1\"\nsecret-access-key = \"inline-s3cr3t-1\"\n[db]\nDB_PASSWORD = \"hunter2-but-long\"\n\
-             user = \"u\"\n[[hosts]]\napi_token = \"\"\nname = \"token-looking-name\"\n",
+             user = \"u\"\n[[hosts]]\napi_token = \"\"\nname = \"token-looking-name\"\n\
+             [passwords]\ndb = \"nested-under-a-secret-key\"\n",
         )
         .unwrap();
-        assert_eq!(inline_secrets(&config), vec!["db.DB_PASSWORD".to_owned(), "secret-access-key".to_owned()]);
+        assert_eq!(
+            inline_secrets(&config),
+            vec!["db.DB_PASSWORD".to_owned(), "passwords.db".to_owned(), "secret-access-key".to_owned()]
+        );
         let loaded = ProviderConfig::plain("p", &config);
         assert_eq!(loaded.redactor().redact("x inline-s3cr3t-1 hunter2-but-long r1"), "x <redacted> <redacted> r1");
         assert!(!looks_secret("region") && looks_secret("Api_Key") && looks_secret("bearer-token"));
@@ -672,6 +696,15 @@ mod tests {
         private(&dir.path().join("p/key"), "rotated-value-0001");
         assert!(loaded.for_guest().contains("rotated-value-0001"));
         assert_eq!(redactor.redact("MIIEvAIBADANBgkqhkiG9w0B rotated-value-0001"), "<secret key> <secret key>");
+    }
+
+    #[test]
+    fn an_approved_manifests_inline_secrets_are_hidden_in_its_text() {
+        let text = "name = \"p\"\n[config]\nregion = \"r1\"\napi_token = 'lit-s3cr3t-\\x'\n[config.db]\n\
+                    password = \"esc-s3cr3t-\\\"q\\\"\"\n";
+        let shown = hide_inline_in_manifest(text);
+        assert!(!shown.contains("s3cr3t") && shown.contains("region = \"r1\""), "{shown}");
+        assert_eq!(hide_inline_in_manifest("not toml ["), "not toml [");
     }
 
     #[test]

@@ -49,6 +49,7 @@
 //! - `leak`: (in `start-instance` too) hands its config's `api-token` back in
 //!   everything the host shows: stdout, stderr, a status (info and data), its
 //!   error; kv `leaked` keeps what it was given.
+//! - `leak-record`: reports one instance, `leaked`, whose message has the token.
 //! - `snoop`: looks everywhere a guest can for a secret: its environment,
 //!   arguments, config, and every file under `/data` and `/`, writing what it
 //!   saw to kv `snooped`, returning `snooped`.
@@ -159,6 +160,12 @@ impl Guest for Hostile {
                 Ok(vec![instance("flooded")])
             }
             "leak" => Err(leak(ctx)),
+            "leak-record" => {
+                let token = config_value(ctx, "api-token").unwrap_or_default();
+                let mut reported = instance("leaked");
+                reported.message = format!("reachable with {token}");
+                Ok(vec![reported])
+            }
             "records" => Ok((0..number(ctx, "flood-entries")?).map(|i| instance(&format!("i-{i}"))).collect()),
             "aliased-records" => {
                 // Leaked: the answer names it after this function returns.

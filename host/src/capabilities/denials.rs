@@ -13,19 +13,29 @@ pub struct Denials {
     collected: Option<Arc<Mutex<Vec<String>>>>,
     /// The provider's log rate, which its refusals' warnings count against.
     quotas: Option<Arc<Quotas>>,
+    /// Hides the provider's secrets in what a refusal quotes of its request.
+    redactor: Arc<crate::secrets::Redactor>,
 }
 
 impl Denials {
     /// Denials that keep every refusal, and the list they keep them in.
     pub fn collecting() -> (Denials, Arc<Mutex<Vec<String>>>) {
         let collected = Arc::new(Mutex::new(Vec::new()));
-        (Denials { provider: "".into(), collected: Some(collected.clone()), quotas: None }, collected)
+        let denials =
+            Denials { provider: "".into(), collected: Some(collected.clone()), quotas: None, redactor: Arc::default() };
+        (denials, collected)
     }
 
     /// The same destination, for one provider's stores; its warnings count
     /// against the provider's log rate (a guest can make refusals in a loop).
     pub fn for_provider(&self, provider: Arc<str>, quotas: Arc<Quotas>) -> Denials {
-        Denials { provider, collected: self.collected.clone(), quotas: Some(quotas) }
+        Denials { provider, collected: self.collected.clone(), quotas: Some(quotas), redactor: self.redactor.clone() }
+    }
+
+    /// The same, hiding `redactor`'s secrets in what a refusal quotes.
+    pub fn redacting(mut self, redactor: Arc<crate::secrets::Redactor>) -> Denials {
+        self.redactor = redactor;
+        self
     }
 
     /// Pass `error` on to the guest, noting it first if it is a refusal.
@@ -46,6 +56,7 @@ impl Denials {
     }
 
     pub(crate) fn note(&self, interface: &str, message: &str) {
+        let message = &*self.redactor.redact(message);
         if self.log_allowed() {
             tracing::warn!(provider = &*self.provider, interface, reason = message, "host call refused: not granted");
         }

@@ -81,7 +81,7 @@ impl Backend {
 
     pub async fn list_providers(&self) -> Result<Vec<ProviderRecord>> {
         match self {
-            Backend::Embedded(broker) => Ok(broker.registry().list()?),
+            Backend::Embedded(broker) => Ok(broker.registry().list_shown()?),
             Backend::Daemon(client) => Ok(client.call(Method::GET, "/v1/providers", None).await?),
         }
     }

@@ -210,6 +210,11 @@ pub(crate) enum ProviderCommand {
         /// a real run becomes a replayable script.
         #[arg(long, value_name = "FILE")]
         record: Option<PathBuf>,
+        /// With --record: give the component the real values of the secrets its
+        /// manifest names (DATA_DIR/secrets/NAME/…); without it, their stand-ins
+        /// (kit-secret:NAME). Only for a component you trust with them.
+        #[arg(long, requires = "record")]
+        with_secrets: bool,
         /// A host call the script does not answer fails the case it happened in.
         #[arg(long)]
         strict: bool,
@@ -351,10 +356,17 @@ pub async fn run(mut cli: Cli) -> Result<u8> {
     if let Command::Lock(args) = cli.command {
         return lock::run(&cli.data_dir, args, &mut stdout).await;
     }
-    if let Command::Provider(ProviderCommand::Test { component, manifest, format, script, record, strict }) =
-        cli.command
+    if let Command::Provider(ProviderCommand::Test {
+        component,
+        manifest,
+        format,
+        script,
+        record,
+        with_secrets,
+        strict,
+    }) = cli.command
     {
-        let answers = TestAnswers { script, record, strict };
+        let answers = TestAnswers { script, record, with_secrets, strict };
         return provider_test(&cli.data_dir, &component, manifest.as_deref(), format, answers, &mut stdout).await;
     }
     let socket = cli.socket.clone().unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
@@ -703,6 +715,7 @@ pub fn describe_event(event: &CallEvent) -> String {
 struct TestAnswers {
     script: Option<PathBuf>,
     record: Option<PathBuf>,
+    with_secrets: bool,
     strict: bool,
 }
 
@@ -764,16 +777,22 @@ async fn provider_test(
     // A recording signs with the host's own credentials, as the daemon would,
     // and fills in the provider's secrets from the host's (stand-ins in what it writes).
     options.credentials = Some(data_dir.join(crate::capabilities::http_egress::signing::CREDENTIALS_DIR));
-    if recording.is_some() {
-        options.secrets = Some(data_dir.join(crate::secrets::SECRETS_DIR));
-        if !loaded.secrets.is_empty() {
-            let names: Vec<&str> = loaded.secrets.iter().map(|(_, name)| name.as_str()).collect();
+    if recording.is_some() && !loaded.secrets.is_empty() {
+        let names: Vec<&str> = loaded.secrets.iter().map(|(_, name)| name.as_str()).collect();
+        let dir = format!("DATA_DIR/{}/{}/", crate::secrets::SECRETS_DIR, loaded.name);
+        // The manifest's own name picks the dir: a candidate could claim another provider's.
+        if answers.with_secrets {
+            options.secrets = Some(data_dir.join(crate::secrets::SECRETS_DIR));
             eprintln!(
-                "warning: the recording gives this component the secrets {} of DATA_DIR/{}/{}/: record only a \
-                 component you trust with them (the script and reports hold stand-ins)",
-                names.join(", "),
-                crate::secrets::SECRETS_DIR,
-                loaded.name
+                "warning: --with-secrets gives this component the secrets {} of {dir} (the script and reports hold \
+                 stand-ins)",
+                names.join(", ")
+            );
+        } else {
+            eprintln!(
+                "note: the component gets stand-ins (kit-secret:NAME) for the secrets {} of {dir}; \
+                 --with-secrets gives it their values",
+                names.join(", ")
             );
         }
     }

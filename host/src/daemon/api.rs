@@ -313,7 +313,7 @@ async fn destroy_group(
 }
 
 async fn list_providers(State(broker): State<Shared>) -> ApiResult<Response> {
-    Ok(Json(broker.registry().list()?).into_response())
+    Ok(Json(broker.registry().list_shown()?).into_response())
 }
 
 #[derive(Deserialize)]

@@ -578,6 +578,18 @@ impl Registry {
         Ok(self.store.providers()?)
     }
 
+    /// As [`Registry::list`], as it may be shown: an approved manifest's
+    /// inline secret-looking values (approved before they were refused) hidden.
+    pub fn list_shown(&self) -> Result<Vec<ProviderRecord>, RegistryError> {
+        let mut records = self.list()?;
+        for record in &mut records {
+            if let Some(text) = &mut record.approved_manifest {
+                *text = crate::secrets::hide_inline_in_manifest(text);
+            }
+        }
+        Ok(records)
+    }
+
     /// The version of `name` new calls get, loading it from its registered
     /// manifest if needed, as one use of it (see [`Serving`]): a removal waits
     /// for the uses handed out before it, and refuses new ones.

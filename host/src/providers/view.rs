@@ -54,7 +54,7 @@ pub(crate) struct BreakerView {
 /// that looks like a secret given inline as `<redacted>`.
 fn shown_config(manifest: &Manifest) -> serde_json::Value {
     let mut config = manifest.config.clone();
-    hide_inline(&mut config);
+    hide_inline(&mut config, false);
     let mut shown = serde_json::to_value(&config).unwrap_or(serde_json::Value::Null);
     if let serde_json::Value::Object(map) = &mut shown {
         for (key, name) in &manifest.secrets {
@@ -64,17 +64,16 @@ fn shown_config(manifest: &Manifest) -> serde_json::Value {
     shown
 }
 
-fn hide_inline(table: &mut toml::Table) {
+fn hide_inline(table: &mut toml::Table, secret: bool) {
     for (key, value) in table.iter_mut() {
-        let secret = crate::secrets::looks_secret(key);
-        hide_value(value, secret);
+        hide_value(value, secret || crate::secrets::looks_secret(key));
     }
 }
 
 fn hide_value(value: &mut toml::Value, secret: bool) {
     match value {
         toml::Value::String(text) if secret && !text.is_empty() => *text = "<redacted>".into(),
-        toml::Value::Table(table) => hide_inline(table),
+        toml::Value::Table(table) => hide_inline(table, secret),
         toml::Value::Array(items) => items.iter_mut().for_each(|item| hide_value(item, secret)),
         _ => {}
     }

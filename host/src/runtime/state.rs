@@ -125,7 +125,7 @@ impl HostState {
         turn: super::turnstile::StoreTurn,
     ) -> Self {
         let host = &caps.host;
-        let denials = host.denials.for_provider(provider.clone(), caps.quotas.clone());
+        let denials = host.denials.for_provider(provider.clone(), caps.quotas.clone()).redacting(caps.redactor.clone());
         // Taps a provider makes go to the user its programs run as.
         let sandbox_user = caps.prepared.of::<Process>().and_then(|p| p.confinement().map(|c| c.uid()));
         // Handles a guest can make the host keep (streams, descriptors, its

@@ -436,12 +436,19 @@ impl ProviderVersion {
     ) -> Result<(StartInstanceResult, KvWrites), CallError> {
         // Owned copies: the call future may only borrow the store.
         let params = params.clone();
-        self.call_then(Method::StartInstance, hooks, writes, move |store, exports, ctx| {
-            Box::pin(
-                async move { exports.broker_provider_instance_broker().call_start_instance(store, ctx, &params).await },
-            )
-        })
-        .await
+        let (mut started, writes) = self
+            .call_then(Method::StartInstance, hooks, writes, move |store, exports, ctx| {
+                Box::pin(async move {
+                    exports.broker_provider_instance_broker().call_start_instance(store, ctx, &params).await
+                })
+            })
+            .await?;
+        // Its texts are kept and shown: never a secret of its own.
+        let redactor = self.config.redactor();
+        redactor.redact_string(&mut started.display_name);
+        redactor.redact_string(&mut started.instance.message);
+        started.config.iter_mut().for_each(|(_, value)| redactor.redact_string(value));
+        Ok((started, writes))
     }
 
     /// The contract's `stop-instances`; unknown ids are the provider's to ignore.
@@ -458,7 +465,13 @@ impl ProviderVersion {
     /// The contract's `all-instances`: every instance the provider can see.
     /// An answer of more than `max-records` instances is refused as a limit.
     pub async fn all_instances(&self, hooks: &CallHooks) -> Result<Vec<Instance>, CallError> {
-        self.call(Method::AllInstances, hooks, self.invoke_all_instances()).await
+        let mut instances = self.call(Method::AllInstances, hooks, self.invoke_all_instances()).await?;
+        // Their messages are kept and shown: never a secret of its own.
+        let redactor = self.config.redactor();
+        if !redactor.is_empty() {
+            instances.iter_mut().for_each(|instance| redactor.redact_string(&mut instance.message));
+        }
+        Ok(instances)
     }
 
     /// The `all-instances` export, its answer held to `max-records`: for a

@@ -60,6 +60,15 @@ fn a_secret_reaches_its_guest_and_nothing_the_host_shows() {
     let (_, again) = daemon.request("POST", "/v1/instances", Some(br#"{"provider":"leaky"}"#));
     assert!(again.contains("<secret api>") && !again.contains("tok-rotated") && !again.contains(SECRET), "{again}");
 
+    // An instance it reports says it too: listed, hidden.
+    private(&data.join("secrets/lister/api"), &format!("{SECRET}\n"));
+    let lister = manifest(dir.path(), "lister", "[secrets]\napi-token = \"api\"\n");
+    std::fs::write(&lister, std::fs::read_to_string(&lister).unwrap().replace("\"leak\"", "\"leak-record\"")).unwrap();
+    let (status, added) = daemon.json("POST", "/v1/providers", Some(&format!("{{\"manifest\":\"{lister}\"}}")));
+    assert_eq!(status, 201, "{added}");
+    let (_, listed) = daemon.request("GET", "/v1/instances?provider=lister", None);
+    assert!(listed.contains("reachable with <secret api>") && !listed.contains(SECRET), "{listed}");
+
     // Another provider cannot name it: its secrets are in a dir of its own.
     let other = manifest(dir.path(), "other", "[secrets]\napi-token = \"api\"\n");
     let (status, refused) =
@@ -78,4 +87,40 @@ fn a_secret_reaches_its_guest_and_nothing_the_host_shows() {
     assert!(!log.contains(SECRET) && !log.contains("tok-rotated"), "the log holds the secret");
     let state = std::fs::read(data.join("state.redb")).unwrap();
     assert!(!state.windows(SECRET.len()).any(|w| w == SECRET.as_bytes()), "the store holds the secret");
+}
+
+/// `provider test --record` hands a component the real secrets only when told
+/// to (`--with-secrets`: the manifest's own name picks them); either way the
+/// report holds the stand-in.
+#[test]
+fn a_recording_gives_real_secrets_only_with_with_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let leaky = manifest(dir.path(), "leaky", "[secrets]\napi-token = \"api\"\n");
+    let wasm = guest_artifacts::wasm("test-hostile");
+    let script = dir.path().join("leaky.script.json");
+    let test = |with_secrets: bool| {
+        let mut args = vec!["provider", "test", wasm.to_str().unwrap(), "--manifest", &leaky];
+        args.extend(["--record", script.to_str().unwrap()]);
+        if with_secrets {
+            args.push("--with-secrets");
+        }
+        let out = broker(&data, &args);
+        (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    // No secret on this host: stand-ins serve, and the real ones are not even looked for.
+    let (report, said) = test(false);
+    assert!(report.contains("the cloud refused token kit-secret:api"), "{report}\n{said}");
+    assert!(said.contains("stand-ins") && said.contains("--with-secrets"), "{said}");
+    let (_, said) = test(true);
+    assert!(said.contains("secrets/leaky/api") && said.contains("no such file"), "{said}");
+    private(&data.join("secrets/leaky/api"), SECRET);
+    let (report, said) = test(true);
+    assert!(report.contains("the cloud refused token kit-secret:api"), "{report}\n{said}");
+    assert!(said.contains("--with-secrets gives this component the secrets api"), "{said}");
+    let recorded = std::fs::read_to_string(&script).unwrap();
+    for text in [&report, &said, &recorded] {
+        assert!(!text.contains(SECRET), "{text}");
+    }
 }

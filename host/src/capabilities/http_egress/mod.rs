@@ -659,7 +659,7 @@ impl WasiHttpHooks for EgressHooks {
             "http_egress",
             provider = &*self.provider,
             method = %request.method(),
-            authority = request.uri().authority().map(|a| a.as_str()).unwrap_or_default(),
+            authority = request.uri().authority().map(|a| without_userinfo(a.as_str())).unwrap_or_default(),
             path = request.uri().path(),
         );
         let (provider, denials) = (self.provider.clone(), self.denials.clone());
@@ -720,10 +720,18 @@ async fn connect(route: &Route) -> Result<Box<dyn Stream>, ConnectFailure> {
     })
 }
 
+/// `authority` without a `user:password@` in front: what may be logged of it.
+fn without_userinfo(authority: &str) -> &str {
+    authority.rsplit_once('@').map_or(authority, |(_, host)| host)
+}
+
 /// The request's authority and its granted route, or why it may not go out.
 fn granted<'g>(grant: &'g HttpGrant, request: &http::Request<WasiBody>) -> Result<(String, &'g Route), EgressError> {
     let authority = request.uri().authority().map(|a| a.as_str().to_owned()).ok_or(EgressError::NoAuthority)?;
-    let route = grant.route(&authority).ok_or_else(|| EgressError::NotGranted { authority: authority.clone() })?;
+    // No grant names a user: a `user:password@` is refused, and never quoted.
+    let route = grant
+        .route(&authority)
+        .ok_or_else(|| EgressError::NotGranted { authority: without_userinfo(&authority).to_owned() })?;
     if let Some(scheme) = request.uri().scheme()
         && *scheme != Scheme::HTTP
         && *scheme != Scheme::HTTPS
@@ -1173,6 +1181,18 @@ mod tests {
             http: HttpGrant,
         }
         toml::from_str::<Grants>(toml_text).map(|g| g.http).map_err(|e| e.to_string())
+    }
+
+    /// A `user:password@` in a request's authority matches no grant, and the
+    /// refusal names the host alone.
+    #[test]
+    fn a_password_in_an_authority_is_refused_and_never_quoted() {
+        let grant = grant_from("[http]\napi = \"http://127.0.0.1:9\"\n").unwrap();
+        let body = || Full::new(bytes::Bytes::new()).map_err(|never| match never {}).boxed_unsync();
+        let request = |uri: &str| http::Request::get(uri).body(body()).unwrap();
+        let refused = granted(&grant, &request("http://user:pw-s3cr3t@api/x")).unwrap_err().to_string();
+        assert!(refused.contains("api") && !refused.contains("s3cr3t"), "{refused}");
+        assert!(granted(&grant, &request("http://api/x")).is_ok());
     }
 
     /// A table grant parses, lists its credential by name only, round-trips,
