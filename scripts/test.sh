@@ -3,6 +3,8 @@
 # build the guests), and the benchmarks in test mode. Needs only rustup.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each step's start, in seconds since the run began, on stderr: where CI's time goes.
+trap 'echo "[test.sh +${SECONDS}s] ${BASH_COMMAND}" >&2' DEBUG
 
 rustup target add wasm32-wasip2
 rustup component add rustfmt clippy
