@@ -36,15 +36,7 @@ for provider in fake kvm lxd ec2; do
     cargo run --release -q --bin broker -- provider test \
         "guests/target/wasm32-wasip2/release/$provider.wasm" --manifest "guests/$provider/provider.toml" --strict
 done
-# Each benchmark once, as a test: they must keep working.
-cargo bench -p broker-tests --bench all_instances -- --test
-cargo bench -p broker-tests --bench vm_start -- --test
-cargo bench -p broker-tests --bench hot_swap -- --test
-cargo bench -p broker-tests --bench lxd_start -- --test
-cargo bench -p broker-tests --bench conformance -- --test
-cargo bench -p broker-tests --bench confinement -- --test
-cargo bench -p broker-tests --bench durable_start -- --test
-cargo bench -p broker-tests --bench bystander -- --test
-cargo bench -p broker-tests --bench groups -- --test
-cargo bench -p broker-tests --bench egress_signing -- --test
-cargo bench -p broker-tests --bench ec2_calls -- --test
+# Every benchmark once, as a test (criterion's test mode under `cargo test`):
+# they must keep working. Built in one go, on the release build above (`cargo
+# bench` would build the host again in its own profile).
+cargo test --release -p broker-tests --benches

@@ -448,10 +448,11 @@ pub fn hide_inline_in_manifest(text: &str) -> String {
         // In a basic string (escaped as JSON escapes `"` and `\`), and as given (a literal string).
         let escaped = serde_json::Value::String(value.to_owned()).to_string();
         let escaped = escaped.get(1..escaped.len().saturating_sub(1)).unwrap_or_default().to_owned();
-        for form in [escaped.as_str(), value] {
-            if !form.is_empty() {
-                shown = shown.replace(form, "<redacted>");
-            }
+        // Quoted, whatever its length; bare too once long enough not to be other text.
+        shown = shown.replace(&format!("\"{escaped}\""), "\"<redacted>\"");
+        shown = shown.replace(&format!("'{value}'"), "'<redacted>'");
+        if value.len() >= MIN_SECRET_BYTES {
+            shown = shown.replace(&escaped, "<redacted>").replace(value, "<redacted>");
         }
     }
     shown
@@ -705,6 +706,9 @@ mod tests {
         let shown = hide_inline_in_manifest(text);
         assert!(!shown.contains("s3cr3t") && shown.contains("region = \"r1\""), "{shown}");
         assert_eq!(hide_inline_in_manifest("not toml ["), "not toml [");
+        // A short one only where it is a whole string: never inside other text.
+        let short = hide_inline_in_manifest("component = \"pad.wasm\"\n[config]\npassword = \"pa\"\n");
+        assert_eq!(short, "component = \"pad.wasm\"\n[config]\npassword = \"<redacted>\"\n");
     }
 
     #[test]
