@@ -611,6 +611,8 @@ pub struct EgressHooks {
     denials: crate::capabilities::denials::Denials,
     /// Shared by every store of the provider version.
     signed_bodies: SignedBodies,
+    /// Hides the provider's secrets in what is logged of a request (its path).
+    redactor: Arc<crate::secrets::Redactor>,
 }
 
 impl EgressHooks {
@@ -621,7 +623,13 @@ impl EgressHooks {
         denials: crate::capabilities::denials::Denials,
         signed_bodies: SignedBodies,
     ) -> Self {
-        EgressHooks { provider, grant, backend, denials, signed_bodies }
+        EgressHooks { provider, grant, backend, denials, signed_bodies, redactor: Arc::default() }
+    }
+
+    /// The same, hiding `redactor`'s secrets in what is logged of a request.
+    pub(crate) fn redacting(mut self, redactor: Arc<crate::secrets::Redactor>) -> Self {
+        self.redactor = redactor;
+        self
     }
 
     /// Where `request` goes: the backend, once the grant lets it out.
@@ -660,7 +668,8 @@ impl WasiHttpHooks for EgressHooks {
             provider = &*self.provider,
             method = %request.method(),
             authority = request.uri().authority().map(|a| without_userinfo(a.as_str())).unwrap_or_default(),
-            path = request.uri().path(),
+            // A webhook's path can be its secret.
+            path = %self.redactor.redact(request.uri().path()),
         );
         let (provider, denials) = (self.provider.clone(), self.denials.clone());
         let sending: BoxFuture<'static, Result<SendResult, EgressError>> = match self.backend(&request) {
@@ -924,7 +933,8 @@ impl Room for HttpEgress {
     fn ctx(grant: &HttpGrant, backend: Option<Arc<dyn EgressBackend>>, store: &StoreSetup<'_>) -> EgressCtx {
         let bodies = store.prepared.of::<HttpEgress>();
         let hooks =
-            EgressHooks::new(store.provider.clone(), Arc::new(grant.clone()), backend, store.denials.clone(), bodies);
+            EgressHooks::new(store.provider.clone(), Arc::new(grant.clone()), backend, store.denials.clone(), bodies)
+                .redacting(store.redactor.clone());
         EgressCtx { http: WasiHttpCtx::new(), hooks }
     }
 
