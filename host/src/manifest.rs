@@ -448,8 +448,6 @@ pub struct Manifest {
     pub(crate) limits: Limits,
     /// What the provider may import, and how far.
     pub grants: Grants,
-    /// The `[config]` table as JSON (without its `[secrets]`).
-    pub config_json: String,
     /// The `[config]` table.
     pub config: toml::Table,
     /// `[secrets]`: config keys the host fills in, each with the secret's name.
@@ -542,7 +540,8 @@ impl Manifest {
         }
         let base = path.parent().unwrap_or(Path::new("."));
         let component = if raw.component.is_absolute() { raw.component.clone() } else { base.join(&raw.component) };
-        let config_json = serde_json::to_string(&raw.config).map_err(|e| invalid(format!("config: {e}")))?;
+        // The guest gets it as JSON (crate::secrets::ProviderConfig): it must be expressible so.
+        serde_json::to_string(&raw.config).map_err(|e| invalid(format!("config: {e}")))?;
         if raw.secrets.len() > crate::secrets::MAX_SECRETS {
             return Err(invalid(format!("[secrets] names more than {} secrets", crate::secrets::MAX_SECRETS)));
         }
@@ -566,7 +565,6 @@ impl Manifest {
             isolation: raw.isolation,
             limits: raw.limits,
             grants: raw.grants,
-            config_json,
             config: raw.config,
             secrets: raw.secrets.into_iter().collect(),
             inline_secrets,
@@ -754,7 +752,7 @@ mod tests {
         assert_eq!(m.grants, Grants::default());
         assert_eq!(m.limits.deadlines.for_method(Method::StartInstance), DEFAULT_START_DEADLINE);
         assert_eq!(m.limits.deadlines.for_method(Method::AllInstances), DEFAULT_DEADLINE);
-        assert_eq!(m.config_json, "{}");
+        assert_eq!(serde_json::to_string(&m.config).unwrap(), "{}");
     }
 
     #[test]
@@ -776,7 +774,7 @@ mod tests {
         assert_eq!(m.isolation, Isolation::PerCall);
         assert_eq!(m.limits.deadlines.for_method(Method::StopInstances), Duration::from_secs(2));
         assert_eq!(m.limits.deadlines.for_method(Method::StartInstance), Duration::from_secs(60));
-        assert_eq!(m.config_json, r#"{"zones":["a"]}"#);
+        assert_eq!(serde_json::to_string(&m.config).unwrap(), r#"{"zones":["a"]}"#);
     }
 
     #[test]
