@@ -6,11 +6,11 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
-use broker_host::bindings::{Instance, InstanceStatus};
-use broker_host::capabilities::context::CallHooks;
-use broker_host::capabilities::kv::MemoryKv;
-use broker_host::contract::empty_params;
-use broker_host::version::ProviderVersion;
+use broker_core::bindings::{Instance, InstanceStatus};
+use broker_core::capabilities::context::CallHooks;
+use broker_core::capabilities::kv::MemoryKv;
+use broker_core::contract::empty_params;
+use broker_core::version::ProviderVersion;
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use serde::Deserialize;

@@ -7,8 +7,8 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_host::conformance::{self, KitOptions};
-use broker_host::manifest::Manifest;
+use broker_core::conformance::{self, KitOptions};
+use broker_core::manifest::Manifest;
 use broker_tests::bundled_manifest;
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::time::Duration;

@@ -17,9 +17,9 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_host::broker::Broker;
-use broker_host::capabilities::context::CallHooks;
-use broker_host::contract::empty_params;
+use broker_core::broker::Broker;
+use broker_core::capabilities::context::CallHooks;
+use broker_core::contract::empty_params;
 use broker_tests::{bundled_manifest_text, percentile};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use std::sync::Arc;
@@ -101,7 +101,7 @@ fn bench_healthz(c: &mut Criterion) {
             let shutdown = async move {
                 let _ = stopped.await;
             };
-            broker_host::daemon::serve(broker, &socket, Default::default(), Default::default(), shutdown).await
+            broker_serve::daemon::serve(broker, &socket, Default::default(), Default::default(), shutdown).await
         }
     });
     runtime.block_on(async {

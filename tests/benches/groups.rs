@@ -16,8 +16,8 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_host::broker::Broker;
-use broker_host::groups::{GroupSettings, Groups, Pass};
+use broker_core::broker::Broker;
+use broker_core::groups::{GroupSettings, Groups, Pass};
 use broker_tests::bundled_manifest_text;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use std::sync::Arc;

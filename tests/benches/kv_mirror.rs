@@ -8,8 +8,8 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_host::capabilities::kv::KvBackend;
-use broker_host::store::Store;
+use broker_core::capabilities::kv::KvBackend;
+use broker_core::store::Store;
 use criterion::{Criterion, criterion_group, criterion_main};
 
 const KEYS: usize = 10_000;

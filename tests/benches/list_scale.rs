@@ -14,9 +14,9 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_host::broker::Broker;
-use broker_host::capabilities::context::CallHooks;
-use broker_host::contract::empty_params;
+use broker_core::broker::Broker;
+use broker_core::capabilities::context::CallHooks;
+use broker_core::contract::empty_params;
 use broker_tests::bundled_manifest_text;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use std::sync::Arc;
@@ -76,7 +76,7 @@ fn list_scale(c: &mut Criterion) {
             eprintln!("one record: {} bytes of JSON with its params, {} without", with.len(), without.len());
             for (name, bytes) in [("record_decode/with_params", with), ("record_decode/without_params", without)] {
                 group.bench_function(name, |b| {
-                    b.iter(|| serde_json::from_slice::<broker_host::store::InstanceRecord>(&bytes).unwrap())
+                    b.iter(|| serde_json::from_slice::<broker_core::store::InstanceRecord>(&bytes).unwrap())
                 });
             }
         }

@@ -14,10 +14,10 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_host::broker::Broker;
-use broker_host::capabilities::context::CallHooks;
-use broker_host::contract::constraints;
-use broker_host::contract::params_with;
+use broker_core::broker::Broker;
+use broker_core::capabilities::context::CallHooks;
+use broker_core::contract::constraints;
+use broker_core::contract::params_with;
 use broker_tests::{VmPayload, qmp_commands, vm_payload};
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::os::unix::net::UnixStream;

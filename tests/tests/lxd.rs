@@ -8,11 +8,11 @@
 // here twice failed to boot within its deadline; cause not yet found).
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
-use broker_host::bindings::InstanceStatus;
-use broker_host::broker::Broker;
-use broker_host::capabilities::context::CallHooks;
-use broker_host::contract::constraints;
-use broker_host::contract::{interface_on, params_with};
+use broker_core::bindings::InstanceStatus;
+use broker_core::broker::Broker;
+use broker_core::capabilities::context::CallHooks;
+use broker_core::contract::constraints;
+use broker_core::contract::{interface_on, params_with};
 use broker_tests::incus::{IncusDaemon, lxd_manifest_text};
 use broker_tests::netns::in_netns_of;
 use broker_tests::recording_hooks;
@@ -26,8 +26,8 @@ fn lxd_manifest(dir: &Path, daemon: &IncusDaemon, name: &str, namespace: &str, g
     path
 }
 
-fn image_alias(alias: &str) -> broker_host::bindings::ImageMetadata {
-    broker_host::bindings::ImageMetadata {
+fn image_alias(alias: &str) -> broker_core::bindings::ImageMetadata {
+    broker_core::bindings::ImageMetadata {
         id: alias.into(),
         arch: "amd64".into(),
         base: String::new(),
@@ -171,15 +171,15 @@ fn three_containers_run_with_their_limits_a_nic_on_the_bridge_and_stop_cleanly()
 }
 
 /// Params for Juju machine `machine`, with cloud-init user data.
-fn machine_params(machine: &str, constraints_text: &str) -> broker_host::bindings::StartInstanceParams {
+fn machine_params(machine: &str, constraints_text: &str) -> broker_core::bindings::StartInstanceParams {
     let mut params = params_with(constraints::parse(constraints_text).unwrap());
-    params.instance_config = Some(broker_host::bindings::InstanceConfig {
+    params.instance_config = Some(broker_core::bindings::InstanceConfig {
         machine_id: machine.into(),
         machine_nonce: format!("machine-{machine}:nonce"),
         controller_uuid: "deadbeef-0000-4000-8000-000000000001".into(),
         container_type: Some("lxd".into()),
         user_data: Some(b"#cloud-config\nhostname: test\n".to_vec()),
-        ..broker_host::contract::empty_instance_config()
+        ..broker_core::contract::empty_instance_config()
     });
     params
 }
@@ -251,8 +251,8 @@ fn maintain_checks_nics_a_foreign_container_is_never_taken_over_and_a_failed_sta
 
 #[test]
 fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
-    use broker_host::conformance::{self, Answers, KitOptions, Recording, Scripted};
-    use broker_host::manifest::Manifest;
+    use broker_core::conformance::{self, Answers, KitOptions, Recording, Scripted};
+    use broker_core::manifest::Manifest;
 
     let daemon = IncusDaemon::start("br-lxdkit");
     let dir = tempfile::tempdir().unwrap();
@@ -322,7 +322,7 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
 /// one container at a time to the new limits.
 #[test]
 fn a_group_of_three_containers_converges_survives_a_restart_and_rolls() {
-    use broker_host::groups::{GroupSettings, Groups};
+    use broker_core::groups::{GroupSettings, Groups};
     use std::time::{Duration, Instant};
 
     let daemon = Arc::new(IncusDaemon::start("br-lxdgroup"));
@@ -384,7 +384,7 @@ fn a_group_of_three_containers_converges_survives_a_restart_and_rolls() {
 
         // A new host on the same state: the group resumes, converged as it was.
         let broker = Arc::new(Broker::open_when_free(&data, Duration::from_secs(10), async || true).await.unwrap());
-        broker.reconcile_after_restart(broker_host::broker::reconcile::HarvestMode::Destroyed).await;
+        broker.reconcile_after_restart(broker_core::broker::reconcile::HarvestMode::Destroyed).await;
         let groups = Groups::new(broker.clone(), settings);
         groups.start_loops().unwrap();
         assert_eq!(converged(&groups).await.0, first, "no container made or lost by the restart");

@@ -3,5 +3,5 @@
 //! package's build having made `broker`.
 
 fn main() -> std::process::ExitCode {
-    broker_host::cli::main()
+    broker_serve::cli::main()
 }

@@ -2,8 +2,8 @@
 //! isolation modes, the bundled LXD provider passes on its own script (no
 //! daemon anywhere), and the hostile guest fails exactly the scenarios it breaks.
 
-use broker_host::conformance;
-use broker_host::manifest::Manifest;
+use broker_core::conformance;
+use broker_core::manifest::Manifest;
 use broker_tests::{bundled_manifest, fake_manifest_extra, write_manifest};
 
 #[tokio::test]
@@ -34,7 +34,7 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
 
     // Recorded, the fake writes down nothing (its kv is the kit's own), and the
     // empty script replays to the same result, strictly.
-    use broker_host::conformance::{Answers, KitOptions, Recording, Scripted};
+    use broker_core::conformance::{Answers, KitOptions, Recording, Scripted};
     let recording = std::sync::Arc::new(Recording::default());
     let options = KitOptions {
         answers: Answers::Record(recording.clone()),
@@ -60,7 +60,7 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
 
 #[tokio::test]
 pub(crate) async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_fails_without_one() {
-    use broker_host::conformance::KitOptions;
+    use broker_core::conformance::KitOptions;
     let bundled = Manifest::load(&bundled_manifest("lxd")).unwrap();
     assert!(conformance::script_path(&bundled.path).exists(), "guests/lxd ships provider.script.json");
     let mut options = KitOptions::beside(&bundled).unwrap();
@@ -106,7 +106,7 @@ pub(crate) async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_
 
 #[tokio::test]
 pub(crate) async fn the_kvm_provider_passes_strictly_on_its_script_without_running_anything() {
-    use broker_host::conformance::{Answers, KitOptions};
+    use broker_core::conformance::{Answers, KitOptions};
     let bundled = Manifest::load(&bundled_manifest("kvm")).unwrap();
     let KitOptions { answers: Answers::Script(scripted), .. } = KitOptions::beside(&bundled).unwrap() else {
         panic!("the bundled kvm provider ships a script");
@@ -170,7 +170,7 @@ pub(crate) async fn the_kvm_provider_passes_strictly_on_its_script_without_runni
 /// ids repeat, over a kv the kit starts empty), and says why.
 #[tokio::test]
 async fn a_recording_never_stops_what_existed_before_it() {
-    use broker_host::conformance::{Answers, KitOptions, Recording};
+    use broker_core::conformance::{Answers, KitOptions, Recording};
     let dir = tempfile::tempdir().unwrap();
     let manifest = broken_manifest(dir.path(), "test-broken", "takes-over");
     let recording = std::sync::Arc::new(Recording::default());
@@ -324,7 +324,7 @@ async fn a_granted_program_misused_fails_the_ungranted_case() {
 /// tap on the host bridge (`attach-to`) is no finding.
 #[tokio::test(flavor = "multi_thread")]
 async fn touching_another_providers_device_fails_the_ungranted_case() {
-    use broker_host::conformance::{Answers, KitOptions, Scripted};
+    use broker_core::conformance::{Answers, KitOptions, Scripted};
     use std::sync::Arc;
     let dir = tempfile::tempdir().unwrap();
     let extra = "[limits.deadlines]\ndefault = \"2s\"\n[grants]\nkv = true\n[grants.bridge]\n\
@@ -375,7 +375,7 @@ async fn importing_what_the_manifest_does_not_grant_is_a_finding_not_a_crash() {
 /// its reports (text, JSON, JUnit) show the stand-in in its place.
 #[tokio::test]
 async fn the_kit_gives_stand_ins_for_secrets_and_its_reports_never_hold_one() {
-    use broker_host::conformance::{Answers, KitOptions, Recording};
+    use broker_core::conformance::{Answers, KitOptions, Recording};
     use std::os::unix::fs::PermissionsExt;
     const SECRET: &str = "kit-run-real-s3cr3t-value";
     let dir = tempfile::tempdir().unwrap();

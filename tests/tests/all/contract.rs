@@ -1,10 +1,10 @@
 //! Every field of StartInstanceParams and StartInstanceResult crosses the
 //! boundary intact, through the real fake component, in both isolation modes.
 
-use broker_host::bindings::*;
-use broker_host::capabilities::context::{CallEvent, CallHooks};
-use broker_host::capabilities::kv::{KvBackend, MemoryKv};
-use broker_host::contract::constraints;
+use broker_core::bindings::*;
+use broker_core::capabilities::context::{CallEvent, CallHooks};
+use broker_core::capabilities::kv::{KvBackend, MemoryKv};
+use broker_core::contract::constraints;
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
 use std::sync::{Arc, Mutex};
 

@@ -3,9 +3,9 @@
 //! Most tests drive passes one by one (`converge_once`) so that what each pass
 //! does is checked; the restart test runs the loops as `broker serve` does.
 
-use broker_host::broker::Broker;
-use broker_host::capabilities::kv::KvBackend;
-use broker_host::groups::{GroupError, GroupSettings, Groups, Pass};
+use broker_core::broker::Broker;
+use broker_core::capabilities::kv::KvBackend;
+use broker_core::groups::{GroupError, GroupSettings, Groups, Pass};
 use broker_tests::write_manifest;
 use std::path::Path;
 use std::sync::Arc;
@@ -211,7 +211,7 @@ async fn a_quorum_group_keeps_exactly_its_logical_ids() {
     let quorum = |ids: &str| spec(&format!(r#"{{"LogicalIDs": [{ids}]}}"#), "mem=1G");
     assert_eq!(groups.commit_text(&quorum(r#""m1", "m2", "m3""#), false).await.unwrap(), "Managing 3 instances");
     converge(&groups, "workers").await;
-    let logical = |described: &broker_host::groups::GroupDescription| {
+    let logical = |described: &broker_core::groups::GroupDescription| {
         let mut ids: Vec<String> = described.instances.iter().filter_map(|m| m.logical_id.clone()).collect();
         ids.sort();
         ids
@@ -236,7 +236,7 @@ async fn destroy_instances_free_and_destroy() {
     let dir = tempfile::tempdir().unwrap();
     let (broker, groups) = host(dir.path(), "").await;
     let outsider =
-        broker.start_instance("fake", &broker_host::contract::empty_params(), &Default::default()).await.unwrap().id;
+        broker.start_instance("fake", &broker_core::contract::empty_params(), &Default::default()).await.unwrap().id;
     groups.commit_text(&sized(4), false).await.unwrap();
     converge(&groups, "workers").await;
     let ids = member_ids(&groups).await;
@@ -324,7 +324,7 @@ async fn a_restart_mid_convergence_resumes_and_ends_converged_without_duplicates
     // The aborted loops let go of the host as the runtime drops them.
     let data = dir.path().join("data");
     let broker = Arc::new(Broker::open_when_free(&data, Duration::from_secs(10), async || true).await.unwrap());
-    broker.reconcile_after_restart(broker_host::broker::reconcile::HarvestMode::Destroyed).await;
+    broker.reconcile_after_restart(broker_core::broker::reconcile::HarvestMode::Destroyed).await;
     let groups = Groups::new(broker.clone(), GroupSettings { poll: Duration::from_millis(50), ..Default::default() });
     groups.start_loops().unwrap();
     let until = Instant::now() + Duration::from_secs(60);
@@ -348,7 +348,7 @@ async fn a_restart_mid_convergence_resumes_and_ends_converged_without_duplicates
 #[tokio::test]
 async fn members_spread_over_the_zones_and_an_unavailable_zone_is_skipped() {
     let zoned = |size: u32| spec(&format!(r#"{{"Size": {size}}}"#), "mem=1G zones=zone-a,zone-b,zone-c");
-    let per_zone = |listed: Vec<broker_host::store::InstanceRecord>| {
+    let per_zone = |listed: Vec<broker_core::store::InstanceRecord>| {
         let mut counts = std::collections::BTreeMap::new();
         for record in listed {
             *counts.entry(record.hardware.availability_zone.unwrap_or_default()).or_insert(0) += 1;
@@ -380,11 +380,11 @@ async fn members_spread_over_the_zones_and_an_unavailable_zone_is_skipped() {
 /// zone full the caller hears zone-unavailable.
 #[tokio::test]
 async fn a_start_turned_away_by_a_full_zone_is_placed_by_the_host_in_the_next() {
-    use broker_host::bindings::BrokerError;
-    use broker_host::broker::BrokerServiceError;
-    use broker_host::contract::empty_params;
-    use broker_host::version::CallError;
-    let zone_of = |r: &broker_host::store::InstanceRecord| r.hardware.availability_zone.clone().unwrap();
+    use broker_core::bindings::BrokerError;
+    use broker_core::broker::BrokerServiceError;
+    use broker_core::contract::empty_params;
+    use broker_core::version::CallError;
+    let zone_of = |r: &broker_core::store::InstanceRecord| r.hardware.availability_zone.clone().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (broker, groups) = host(dir.path(), r#"unavailable-zones = ["zone-a"]"#).await;
     let mut landed = Vec::new();
@@ -555,11 +555,11 @@ async fn groups_outlive_their_provider_and_a_bad_stored_spec() {
     groups.free("idle").await.unwrap();
 
     // A spec an older or damaged store holds: it reads as JSON, but not as a group.
-    let broken = broker_host::store::GroupRecord {
+    let broken = broker_core::store::GroupRecord {
         spec: serde_json::json!({"ID": "broken", "Properties": {"Instance": {"Plugin": "fake"}, "Bogus": 1}}),
         committed: "2026-01-01T00:00:00Z".into(),
     };
-    let event = broker_host::store::Event::new("test", "fake");
+    let event = broker_core::store::Event::new("test", "fake");
     assert!(broker.store().put_group("broken", &broken, &event, 10).await.unwrap());
     let listed: Vec<String> = groups.inspect().unwrap().into_iter().map(|spec| spec.id).collect();
     assert_eq!(listed, ["workers"], "the bad one is left out, the good one listed");

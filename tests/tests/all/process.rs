@@ -1,16 +1,16 @@
 //! The process capability: host implementation called directly (no wasm), and
 //! through a real guest with and without its grant.
 
-use broker_host::bindings::BrokerError;
-use broker_host::bindings::broker::provider::process::{ChildStatus, Host, HostChild};
-use broker_host::capabilities::context::CallHooks;
-use broker_host::capabilities::kv::{KvBackend, MemoryKv};
-use broker_host::capabilities::process::{
+use broker_core::bindings::BrokerError;
+use broker_core::bindings::broker::provider::process::{ChildStatus, Host, HostChild};
+use broker_core::capabilities::context::CallHooks;
+use broker_core::capabilities::kv::{KvBackend, MemoryKv};
+use broker_core::capabilities::process::{
     ChildRecord, ChildRecords, HostProcesses, MAX_OUTPUT_BYTES, MemoryChildRecords, ProcessCtx, ProcessPolicy,
     ProcessView, proc_stat,
 };
-use broker_host::sandbox::{Grants, Sandbox};
-use broker_host::store::Store;
+use broker_core::sandbox::{Grants, Sandbox};
+use broker_core::store::Store;
 use broker_tests::{load_provider, runtime};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

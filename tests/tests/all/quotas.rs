@@ -2,15 +2,15 @@
 //! memory is bounded, each bound refuses with an error naming it and counts
 //! the refusal, and a bystander provider in the same host keeps answering.
 
-use broker_host::capabilities::context::{
+use broker_core::capabilities::context::{
     CallEvent, CallHooks, MAX_STATUS_DATA_BYTES, MAX_STATUS_ENTRIES, MAX_STATUS_VALUE_BYTES,
 };
-use broker_host::capabilities::kv::{KvBackend, MemoryKv};
-use broker_host::manifest::Method;
-use broker_host::runtime::Runtime;
-use broker_host::runtime::quotas::Quota;
-use broker_host::version::method_stats::Outcome;
-use broker_host::version::{CallError, ProviderVersion};
+use broker_core::capabilities::kv::{KvBackend, MemoryKv};
+use broker_core::manifest::Method;
+use broker_core::runtime::Runtime;
+use broker_core::runtime::quotas::Quota;
+use broker_core::version::method_stats::Outcome;
+use broker_core::version::{CallError, ProviderVersion};
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -182,8 +182,8 @@ async fn a_call_that_finds_a_slot_within_queue_wait_runs() {
 /// its recorded instances show as unknown with its error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listing_every_provider_isolates_the_one_that_does_not_answer() {
-    use broker_host::broker::Broker;
-    use broker_host::contract::empty_params;
+    use broker_core::broker::Broker;
+    use broker_core::contract::empty_params;
     use broker_tests::write_manifest;
 
     let dir = tempfile::tempdir().unwrap();
@@ -252,8 +252,8 @@ async fn a_kv_namespace_is_held_to_its_keys_and_bytes() {
 /// another's, and a load past what is free is refused, naming the limits.
 #[tokio::test]
 async fn instance_slots_are_reserved_per_provider_and_a_load_past_them_is_refused() {
-    use broker_host::runtime::{INSTANCE_SLOTS, RuntimeError};
-    use broker_host::version::LoadError;
+    use broker_core::runtime::{INSTANCE_SLOTS, RuntimeError};
+    use broker_core::version::LoadError;
     let dir = tempfile::tempdir().unwrap();
     let kv = Arc::new(MemoryKv::default());
     let runtime = runtime();
@@ -283,7 +283,7 @@ fn sleeping(arg: &str) -> bool {
 /// with it (TERM, then KILL), and the event says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_providers_children_are_stopped() {
-    use broker_host::broker::Broker;
+    use broker_core::broker::Broker;
     use broker_tests::write_manifest;
 
     let dir = tempfile::tempdir().unwrap();
@@ -409,8 +409,8 @@ async fn a_guest_asleep_in_a_host_call_does_not_keep_the_turn_it_held() {
 /// the guest through the host or a program it was granted.
 #[tokio::test]
 async fn a_data_dir_is_held_to_data_mib_by_the_guest_and_by_its_programs() {
-    use broker_host::providers::data_fs::{DATA_IMAGES, DataFilesystems};
-    use broker_host::runtime::HostCapabilities;
+    use broker_core::providers::data_fs::{DATA_IMAGES, DataFilesystems};
+    use broker_core::runtime::HostCapabilities;
     use std::os::unix::fs::MetadataExt;
     if std::fs::metadata("/proc/self").unwrap().uid() != 0 {
         eprintln!("skipped: a data dir of its own needs root to mount");
@@ -458,7 +458,7 @@ async fn a_data_dir_is_held_to_data_mib_by_the_guest_and_by_its_programs() {
 /// page at a time (the guest holds one page), and the SDK's `scan` pages too.
 #[tokio::test]
 async fn a_namespace_past_one_scan_is_read_a_page_at_a_time() {
-    use broker_host::capabilities::kv::{MAX_SCAN_BYTES, MAX_VALUE_BYTES};
+    use broker_core::capabilities::kv::{MAX_SCAN_BYTES, MAX_VALUE_BYTES};
     let a = attack("kv-mib = 64", "");
     // 24 values of 1 MiB: past what one scan returns.
     for n in 0..24 {

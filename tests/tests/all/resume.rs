@@ -3,11 +3,11 @@
 //! A "kill" here is the call's future dropped with the broker, then the state
 //! reopened: what the host wrote before the provider acted is all there is.
 
-use broker_host::broker::Broker;
-use broker_host::broker::reconcile::{HarvestMode, Reconciled};
-use broker_host::capabilities::context::CallHooks;
-use broker_host::capabilities::kv::KvBackend;
-use broker_host::contract::empty_params;
+use broker_core::broker::Broker;
+use broker_core::broker::reconcile::{HarvestMode, Reconciled};
+use broker_core::capabilities::context::CallHooks;
+use broker_core::capabilities::kv::KvBackend;
+use broker_core::contract::empty_params;
 use broker_tests::write_manifest;
 use std::path::Path;
 use std::sync::Arc;

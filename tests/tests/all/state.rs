@@ -1,12 +1,12 @@
 //! Manifest refusals and the persistent state, through the broker service.
 
-use broker_host::broker::Broker;
-use broker_host::capabilities::context::CallHooks;
-use broker_host::capabilities::kv::KvBackend;
-use broker_host::contract::empty_params;
-use broker_host::manifest::Manifest;
-use broker_host::store::Store;
-use broker_host::version::CallError;
+use broker_core::broker::Broker;
+use broker_core::capabilities::context::CallHooks;
+use broker_core::capabilities::kv::KvBackend;
+use broker_core::contract::empty_params;
+use broker_core::manifest::Manifest;
+use broker_core::store::Store;
+use broker_core::version::CallError;
 use broker_tests::{bundled_manifest, fake_manifest_extra, load_provider, wasm, write_manifest};
 use sha2::{Digest, Sha256};
 

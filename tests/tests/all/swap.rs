@@ -1,11 +1,11 @@
 //! Hot swap: a provider's component replaced while clients call it, between
 //! the fake (0.1.0) and the same source built as 0.2.0 (`guests/fake-next`).
 
-use broker_host::broker::Broker;
-use broker_host::capabilities::context::CallHooks;
-use broker_host::contract::empty_params;
-use broker_host::providers::registry::RegistryError;
-use broker_host::version::ProviderVersion;
+use broker_core::broker::Broker;
+use broker_core::capabilities::context::CallHooks;
+use broker_core::contract::empty_params;
+use broker_core::providers::registry::RegistryError;
+use broker_core::version::ProviderVersion;
 use broker_tests::{bundled_manifest_text, wasm};
 use std::path::Path;
 use std::sync::Arc;
@@ -25,7 +25,7 @@ fn fake_manifest(dir: &Path, config_line: &str) -> std::path::PathBuf {
     path
 }
 
-fn version_of(result: &broker_host::bindings::StartInstanceResult) -> String {
+fn version_of(result: &broker_core::bindings::StartInstanceResult) -> String {
     result.config.iter().find(|(k, _)| k == "provider-version").map(|(_, v)| v.clone()).unwrap()
 }
 
@@ -168,7 +168,7 @@ async fn refused_candidates_leave_the_old_version_serving() {
         (&hostile, true, "check failed"),
     ];
     for (candidate, check, needle) in &cases {
-        let kit = broker_host::conformance::ConformanceCheck;
+        let kit = broker_core::conformance::ConformanceCheck;
         let err = broker.registry().swap("fake", candidate, check.then_some(&kit as _)).await.unwrap_err();
         assert!(matches!(err, RegistryError::SwapRefused { .. }), "{err:?}");
         assert!(err.to_string().contains(needle), "{}: {err}", candidate.display());

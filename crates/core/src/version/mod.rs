@@ -1,0 +1,930 @@
+//! One loaded version of a provider component: the wasm adapter, its warm
+//! instance pool, the call path (store limits, epoch deadline, trap
+//! classification, the call's kv changes made durable), the crash breaker,
+//! per-method outcomes, the import checks made at load, and what a call's
+//! failure says.
+
+pub mod breaker;
+mod errors;
+pub mod imports;
+pub mod method_stats;
+
+pub use errors::{CallError, describe_broker_error};
+
+use crate::bindings::{
+    BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
+};
+use crate::capabilities::context::{CallContext, CallHooks};
+use crate::capabilities::kv::{Kv, KvWrites};
+use crate::manifest::{Isolation, Manifest, ManifestError, Method};
+use crate::runtime::quotas::{Quota, Quotas};
+use crate::runtime::rooms::LoadSetup;
+use crate::runtime::turnstile::{FIRST_SLICE_TICKS, Lane};
+use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
+use method_stats::Outcome;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tracing::Instrument;
+use wasmtime::component::Resource;
+use wasmtime::{CallHook, Store, UpdateDeadline};
+
+/// Why a provider version could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The manifest or its component could not be read or does not verify.
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    /// The component did not compile.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// Its imports or exports do not fit this host and the manifest's grants.
+    #[error("provider {provider}: {source}")]
+    Contract {
+        /// The provider being loaded.
+        provider: String,
+        /// The offending import or missing export.
+        source: imports::ContractError,
+    },
+    /// wasmtime could not link or pre-instantiate it.
+    #[error("provider {provider}: cannot link component: {}", crate::error_text::error_text(&**source))]
+    Link {
+        /// The provider being loaded.
+        provider: String,
+        /// wasmtime's error.
+        source: crate::runtime::BoxError,
+    },
+    /// A room could not make its grant ready (programs looked up and confined).
+    #[error("provider {provider}: {source}")]
+    Prepare {
+        /// The provider being loaded.
+        provider: String,
+        /// The room's error.
+        source: crate::runtime::BoxError,
+    },
+    /// Its data dir could not be created.
+    #[error("provider {provider}: cannot make its data dir {path}: {source}")]
+    DataDir {
+        /// The provider being loaded.
+        provider: String,
+        /// The data dir on the host.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Its data dir's own filesystem could not be made ready.
+    #[error(transparent)]
+    DataFs(#[from] crate::providers::data_fs::DataFsError),
+    /// A secret its manifest names could not be read.
+    #[error("provider {provider}: {source}")]
+    Secret {
+        /// The provider being loaded.
+        provider: String,
+        /// Which secret, and why.
+        source: crate::secrets::SecretError,
+    },
+    /// Its manifest or component lies in a data dir, which a provider can write.
+    #[error("provider {provider}: {reason}")]
+    InDataDir {
+        /// The provider being loaded.
+        provider: String,
+        /// Which file, in whose data dir.
+        reason: String,
+    },
+}
+
+/// Who persists the kv changes a call leaves for its end.
+#[derive(Clone, Copy)]
+enum Writes {
+    /// The call, before it answers.
+    Persist,
+    /// The caller, if the call succeeds (else the call, as with `Persist`).
+    LeaveToCaller,
+}
+
+/// A warm guest instance.
+struct Warm {
+    store: Store<HostState>,
+    exports: Provider,
+    calls: u64,
+    born: Instant,
+}
+
+/// Counters a test or the metrics can read.
+#[derive(Debug, Default)]
+pub struct ProviderStats {
+    /// Calls this version began (each is answered by this version alone).
+    pub calls: AtomicU64,
+    /// Fresh guest instances made (one per call under per-call isolation).
+    pub instantiations: AtomicU64,
+    pub(crate) discarded: AtomicU64,
+    /// Outcomes and latency per method.
+    pub methods: method_stats::MethodTable,
+    /// What the provider's bounds refused or cut.
+    pub quotas: Arc<Quotas>,
+    /// Turns of executor time its long-running guests took (see `runtime::turnstile`).
+    pub turns: Arc<AtomicU64>,
+}
+
+type CallFuture<'a, R> = Pin<Box<dyn Future<Output = wasmtime::Result<Result<R, BrokerError>>> + Send + 'a>>;
+
+/// One loaded version of a provider component.
+pub struct ProviderVersion {
+    name: Arc<str>,
+    manifest: Manifest,
+    sha256: String,
+    runtime: Arc<Runtime>,
+    pre: ProviderPre<HostState>,
+    capabilities: ProviderCapabilities,
+    /// Its config as the guest gets it, secrets filled in; and their redactor.
+    config: Arc<crate::secrets::ProviderConfig>,
+    pool: Mutex<Vec<Warm>>,
+    stats: Arc<ProviderStats>,
+    breaker: breaker::Breaker,
+    /// One permit per call running (`max-concurrent-calls`).
+    running: tokio::sync::Semaphore,
+    /// Its way to the runtime's turnstile, for calls that run long.
+    lane: Lane,
+    /// Its share of the engine's instance slots, until it is retired and drained.
+    slots: Mutex<Option<crate::runtime::SlotReservation>>,
+    /// Replaced or removed: it keeps no warm instances.
+    retired: std::sync::atomic::AtomicBool,
+    /// Callers using this version now (see [`Serving`]); a drain waits for none.
+    in_flight: InFlight,
+}
+
+/// How many callers use a version, and a wake-up when none does.
+#[derive(Default)]
+struct InFlight {
+    count: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+/// One caller's use of a loaded version, from the moment the registry hands
+/// it out until it is dropped: what a removal's drain waits for. Holding the
+/// `Arc` alone (a `/metrics` scrape, a retired version's counters) is not a use.
+pub struct Serving {
+    version: Arc<ProviderVersion>,
+}
+
+impl Serving {
+    /// Counted from here: the registry takes it under the lock a removal takes to unload.
+    pub fn enter(version: Arc<ProviderVersion>) -> Serving {
+        version.in_flight.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Serving { version }
+    }
+
+    /// The version itself, to keep or compare.
+    pub fn version(&self) -> &Arc<ProviderVersion> {
+        &self.version
+    }
+}
+
+impl std::ops::Deref for Serving {
+    type Target = ProviderVersion;
+    fn deref(&self) -> &ProviderVersion {
+        &self.version
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let in_flight = &self.version.in_flight;
+        if in_flight.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+            in_flight.idle.notify_waiters();
+            // The last use of a retired version: its slots go back now.
+            if self.version.retired.load(Ordering::SeqCst) {
+                self.version.release_slots();
+            }
+        }
+    }
+}
+
+/// A store's guest takes turns of executor time once it runs past its first
+/// slice: at every epoch deadline it passes its turn on and waits for the
+/// next (`runtime::turnstile`); back from a host call that lost its turn to
+/// the sweeper, it waits for a turn before it runs wasm again.
+fn take_turns(store: &mut Store<HostState>, first_slice: u64) {
+    store.epoch_deadline_callback(|mut cx| Ok(UpdateDeadline::YieldCustom(1, cx.data_mut().turn.next_turn())));
+    store.call_hook(|mut cx, hook| {
+        match hook {
+            CallHook::CallingHost => cx.data_mut().turn.entering_host(),
+            CallHook::ReturningFromHost => {
+                if cx.data_mut().turn.returning_from_host() {
+                    cx.set_epoch_deadline(0);
+                }
+            }
+            CallHook::CallingWasm | CallHook::ReturningFromWasm => {}
+        }
+        Ok(())
+    });
+    store.set_epoch_deadline(first_slice);
+}
+
+impl ProviderVersion {
+    /// Read, verify, compile, check and link the manifest's component.
+    pub fn load(
+        runtime: Arc<Runtime>,
+        manifest: Manifest,
+        capabilities: HostCapabilities,
+    ) -> Result<ProviderVersion, LoadError> {
+        // Checked before anything is read: a provider can write its data dir.
+        for loaded in [&manifest.path, &manifest.component] {
+            crate::manifest::check_loadable(loaded, &capabilities.data_dirs)
+                .map_err(|reason| LoadError::InDataDir { provider: manifest.name.clone(), reason })?;
+        }
+        // Its calls at once, and the warm instances kept between them.
+        let limits = &manifest.limits;
+        let pooled = if manifest.isolation == Isolation::Pooled { limits.pool_size } else { 0 };
+        let slots = runtime.reserve(&manifest.name, limits.max_concurrent_calls + pooled)?;
+        let (bytes, sha256) = manifest.read_component()?;
+        let component = runtime.compile(&manifest.component, &bytes)?;
+        let provider = manifest.name.clone();
+        imports::check(runtime.engine(), &component, &manifest.grants)
+            .map_err(|source| LoadError::Contract { provider: provider.clone(), source })?;
+        let linker = runtime
+            .linker(&manifest.grants)
+            .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
+        let instance_pre = linker
+            .instantiate_pre(&component)
+            .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
+        let pre = ProviderPre::new(instance_pre)
+            .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
+        let config = crate::secrets::ProviderConfig::load(
+            &manifest.name,
+            &manifest.config,
+            &manifest.secrets,
+            capabilities.secrets.clone(),
+        )
+        .map_err(|source| LoadError::Secret { provider: provider.clone(), source })?;
+        let config = Arc::new(config);
+        let quotas = Arc::new(Quotas::new(&manifest.limits));
+        let stats = Arc::new(ProviderStats { quotas, ..ProviderStats::default() });
+        let capabilities = narrow(capabilities, &manifest, stats.quotas.clone(), config.redactor().clone())?;
+        let running = tokio::sync::Semaphore::new(manifest.limits.max_concurrent_calls);
+        let lane = runtime.turnstile().lane(stats.turns.clone());
+        let breaker = breaker::Breaker::new(manifest.limits.breaker_failures, manifest.limits.breaker_window);
+        Ok(ProviderVersion {
+            name: provider.into(),
+            config,
+            manifest,
+            sha256,
+            runtime,
+            pre,
+            capabilities,
+            pool: Mutex::new(Vec::new()),
+            stats,
+            breaker,
+            running,
+            lane,
+            slots: Mutex::new(Some(slots)),
+            retired: Default::default(),
+            in_flight: InFlight::default(),
+        })
+    }
+
+    /// No new calls come here (it was replaced or removed): its warm
+    /// instances go now, and those its calls in flight use go as they end.
+    /// Its instance slots go back to the host once nothing uses it: now, or
+    /// when the last use ends (see `Serving`'s drop). Whoever still holds it
+    /// only reads it.
+    pub(crate) fn retire(&self) {
+        {
+            let mut pool = self.lock_pool();
+            // Under the pool's lock, which `checkin` takes before looking at it.
+            self.retired.store(true, Ordering::SeqCst);
+            pool.clear();
+        }
+        // Read after `retired` is set, as the last use reads `retired` after
+        // its count drops: one of the two sees the other.
+        if self.in_flight() == 0 {
+            self.release_slots();
+        }
+    }
+
+    /// Give its instance slots back to the host (again is nothing).
+    fn release_slots(&self) {
+        drop(self.slots.lock().unwrap_or_else(|p| p.into_inner()).take());
+    }
+
+    /// Calls running now (each holds one of its `max-concurrent-calls`).
+    pub fn calls_running(&self) -> usize {
+        self.manifest.limits.max_concurrent_calls - self.running.available_permits()
+    }
+
+    /// Callers using this version now.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.count.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Wait until no caller uses this version; false if some still did after `limit`.
+    pub async fn drained(&self, limit: std::time::Duration) -> bool {
+        let waiting = async {
+            loop {
+                // Registered before looking, so the last caller's wake-up is not missed.
+                let idle = self.in_flight.idle.notified();
+                if self.in_flight() == 0 {
+                    return;
+                }
+                idle.await;
+            }
+        };
+        tokio::time::timeout(limit, waiting).await.is_ok()
+    }
+
+    /// The provider's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The provider's data dir on the host (`/data` to the guest).
+    pub fn data_dir(&self) -> &std::path::Path {
+        &self.capabilities.data_dir
+    }
+
+    /// Whether its grants let it change anything outside the host's store
+    /// (programs, devices, sockets, egress): then an instance it starts can
+    /// outlive a start the host never recorded, and starts are made pending first.
+    pub fn acts_outside_the_store(&self) -> bool {
+        self.capabilities.acts_outside_the_store()
+    }
+
+    /// The manifest this version was loaded from (component path and pin as loaded).
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// sha256 of the component bytes this version was loaded from.
+    pub fn sha256(&self) -> &str {
+        &self.sha256
+    }
+
+    /// This version's counters, as `/metrics` reads them.
+    pub fn stats(&self) -> &ProviderStats {
+        &self.stats
+    }
+
+    /// The counters, to read after this version is gone (calls still on it keep counting).
+    pub fn shared_stats(&self) -> Arc<ProviderStats> {
+        self.stats.clone()
+    }
+
+    /// Warm instances waiting in the pool.
+    pub fn pooled_instances(&self) -> usize {
+        self.lock_pool().len()
+    }
+
+    /// The contract's `describe`: the provider's name, version and what it supports.
+    pub async fn describe(&self) -> Result<ProviderInfo, CallError> {
+        self.call(Method::Describe, &CallHooks::default(), |store, exports, _ctx| {
+            Box::pin(async move { exports.broker_provider_instance_broker().call_describe(store).await.map(Ok) })
+        })
+        .await
+    }
+
+    /// Its config as its guest gets it (the manifest's `[config]` as JSON,
+    /// `[secrets]` filled in): what `validate-config` is to be given.
+    pub fn guest_config(&self) -> Arc<str> {
+        self.config.for_guest()
+    }
+
+    /// What hides its secrets' values in text the host shows.
+    pub fn redactor(&self) -> &Arc<crate::secrets::Redactor> {
+        self.config.redactor()
+    }
+
+    /// The contract's `validate-config` on `config_json` (as [`ProviderVersion::guest_config`] gives it).
+    pub async fn validate_config(&self, config_json: &str) -> Result<(), CallError> {
+        let config = config_json.to_owned();
+        self.call(Method::ValidateConfig, &CallHooks::default(), move |store, exports, _ctx| {
+            Box::pin(
+                async move { exports.broker_provider_instance_broker().call_validate_config(store, &config).await },
+            )
+        })
+        .await
+    }
+
+    /// The contract's `start-instance`; its kv changes are durable before it returns.
+    pub async fn start_instance(
+        &self,
+        hooks: &CallHooks,
+        params: &StartInstanceParams,
+    ) -> Result<StartInstanceResult, CallError> {
+        self.start(hooks, params, Writes::Persist).await.map(|(started, _)| started)
+    }
+
+    /// As [`ProviderVersion::start_instance`], but a start that succeeds leaves
+    /// its kv changes for the caller to persist (they are applied: every read
+    /// sees them), so that they can commit with the host's record of the
+    /// instance. Only [`KvDurability::CallEnd`] providers leave any.
+    ///
+    /// [`KvDurability::CallEnd`]: crate::capabilities::kv::KvDurability::CallEnd
+    pub async fn start_instance_leaving_writes(
+        &self,
+        hooks: &CallHooks,
+        params: &StartInstanceParams,
+    ) -> Result<(StartInstanceResult, KvWrites), CallError> {
+        self.start(hooks, params, Writes::LeaveToCaller).await
+    }
+
+    async fn start(
+        &self,
+        hooks: &CallHooks,
+        params: &StartInstanceParams,
+        writes: Writes,
+    ) -> Result<(StartInstanceResult, KvWrites), CallError> {
+        // Owned copies: the call future may only borrow the store.
+        let params = params.clone();
+        let (mut started, writes) = self
+            .call_then(Method::StartInstance, hooks, writes, move |store, exports, ctx| {
+                Box::pin(async move {
+                    exports.broker_provider_instance_broker().call_start_instance(store, ctx, &params).await
+                })
+            })
+            .await?;
+        // Its texts are kept and shown: never a secret of its own.
+        let redactor = self.config.redactor();
+        redactor.redact_string(&mut started.display_name);
+        redactor.redact_string(&mut started.instance.message);
+        started.config.iter_mut().for_each(|(_, value)| redactor.redact_string(value));
+        Ok((started, writes))
+    }
+
+    /// The contract's `stop-instances`; unknown ids are the provider's to ignore.
+    pub async fn stop_instances(&self, hooks: &CallHooks, ids: &[InstanceId]) -> Result<(), CallError> {
+        let ids = ids.to_vec();
+        self.call(Method::StopInstances, hooks, move |store, exports, ctx| {
+            Box::pin(
+                async move { exports.broker_provider_instance_broker().call_stop_instances(store, ctx, &ids).await },
+            )
+        })
+        .await
+    }
+
+    /// The contract's `all-instances`: every instance the provider can see.
+    /// An answer of more than `max-records` instances is refused as a limit.
+    pub async fn all_instances(&self, hooks: &CallHooks) -> Result<Vec<Instance>, CallError> {
+        let mut instances = self.call(Method::AllInstances, hooks, self.invoke_all_instances()).await?;
+        // Their messages are kept and shown: never a secret of its own.
+        let redactor = self.config.redactor();
+        if !redactor.is_empty() {
+            instances.iter_mut().for_each(|instance| redactor.redact_string(&mut instance.message));
+        }
+        Ok(instances)
+    }
+
+    /// The `all-instances` export, its answer held to `max-records`: for a
+    /// call and for the half-open re-observe alike.
+    fn invoke_all_instances(
+        &self,
+    ) -> impl for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, Vec<Instance>>
+    {
+        let max = self.manifest.limits.max_records;
+        move |store, exports, ctx| {
+            Box::pin(async move {
+                let answer = exports.broker_provider_instance_broker().call_all_instances(store, ctx).await?;
+                match answer {
+                    Ok(instances) if instances.len() > max => {
+                        Err(wasmtime::Error::new(TooManyRecords { answered: instances.len(), max }))
+                    }
+                    answer => Ok(answer),
+                }
+            })
+        }
+    }
+
+    /// The contract's `maintain-instance` on instance `id`, with the params it was started with.
+    pub async fn maintain_instance(
+        &self,
+        hooks: &CallHooks,
+        id: &str,
+        params: &StartInstanceParams,
+    ) -> Result<(), CallError> {
+        let (id, params) = (id.to_owned(), params.clone());
+        self.call(Method::MaintainInstance, hooks, move |store, exports, ctx| {
+            Box::pin(async move {
+                exports.broker_provider_instance_broker().call_maintain_instance(store, ctx, &id, &params).await
+            })
+        })
+        .await
+    }
+
+    /// Run one export on a warm or fresh instance under the method's deadline;
+    /// what it changed in its kv is durable before the answer.
+    async fn call<R, F>(&self, method: Method, hooks: &CallHooks, invoke: F) -> Result<R, CallError>
+    where
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+    {
+        self.call_then(method, hooks, Writes::Persist, invoke).await.map(|(value, _)| value)
+    }
+
+    /// As [`ProviderVersion::call`]; with [`Writes::LeaveToCaller`], a call that
+    /// succeeds hands back the kv changes it left unpersisted.
+    async fn call_then<R, F>(
+        &self,
+        method: Method,
+        hooks: &CallHooks,
+        writes: Writes,
+        invoke: F,
+    ) -> Result<(R, KvWrites), CallError>
+    where
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+    {
+        let span = tracing::debug_span!("provider_call", provider = &*self.name, method = method.name());
+        let began = Instant::now();
+        // Held to the call's end: one provider never runs more than its share.
+        let _running = match self.admit(method).await {
+            Ok(permit) => permit,
+            Err(busy) => {
+                self.observe(method, Outcome::Busy, began);
+                return Err(busy);
+            }
+        };
+        if self.breaker.is_half_open()
+            && let Err(refused) = self.reobserve(method).await
+        {
+            self.observe(method, Outcome::Unavailable, began);
+            return Err(refused);
+        }
+        let result = async {
+            let (result, unpersisted) = self.run_call(method, hooks, invoke).await;
+            match (result, writes) {
+                (Ok(value), Writes::LeaveToCaller) => Ok((value, unpersisted)),
+                // Whatever the outcome: every reader already sees these changes.
+                (result, _) => {
+                    // A failed persist is the answer, whatever the call's own was:
+                    // the call's changes are seen but may not survive the host.
+                    if let Err(failed) = self.persist(method, unpersisted).await {
+                        if let Err(own) = &result {
+                            tracing::warn!(provider = &*self.name, error = %own, "the call's own outcome, superseded");
+                        }
+                        return Err(failed);
+                    }
+                    result.map(|value| (value, KvWrites::new(self.name.clone())))
+                }
+            }
+        }
+        .instrument(span)
+        .await;
+        self.observe(method, Outcome::of(&result), began);
+        result
+    }
+
+    /// A slot among the provider's `max-concurrent-calls`, waiting up to `queue-wait`.
+    async fn admit(&self, method: Method) -> Result<tokio::sync::SemaphorePermit<'_>, CallError> {
+        if let Ok(permit) = self.running.try_acquire() {
+            return Ok(permit);
+        }
+        let limits = &self.manifest.limits;
+        match tokio::time::timeout(limits.queue_wait, self.running.acquire()).await {
+            Ok(Ok(permit)) => Ok(permit),
+            // Timed out (the semaphore is never closed).
+            _ => {
+                self.stats.quotas.refused(Quota::Concurrency, 1);
+                Err(CallError::Busy {
+                    provider: self.name.to_string(),
+                    method,
+                    limit: limits.max_concurrent_calls,
+                    waited: limits.queue_wait,
+                })
+            }
+        }
+    }
+
+    /// Make a call's kv changes durable.
+    async fn persist(&self, method: Method, writes: KvWrites) -> Result<(), CallError> {
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let keys = writes.keys.len();
+        // A store given no kv wrote nothing to persist.
+        let Some(kv) = self.capabilities.host.kv() else { return Ok(()) };
+        kv.persist(writes).await.map_err(|source| {
+            tracing::error!(provider = &*self.name, method = method.name(), keys, error = %source, "kv changes not persisted");
+            CallError::Storage { provider: self.name.to_string(), method, source }
+        })
+    }
+
+    fn observe(&self, method: Method, outcome: Outcome, began: Instant) {
+        self.stats.methods.get(method).observe(outcome, began.elapsed());
+        if self.breaker.record(outcome, Instant::now()) {
+            tracing::warn!(provider = &*self.name, policy = %self.breaker.describe(), "provider half-open");
+        }
+    }
+
+    /// A half-open provider serves again only after an `all-instances` that
+    /// answers; concurrent calls share one re-observe.
+    async fn reobserve(&self, method: Method) -> Result<(), CallError> {
+        let probe = || async {
+            let began = Instant::now();
+            let (probe, unpersisted) =
+                self.run_call(Method::AllInstances, &CallHooks::default(), self.invoke_all_instances()).await;
+            let probe = match self.persist(Method::AllInstances, unpersisted).await {
+                Ok(()) => probe,
+                Err(failed) => Err(failed),
+            };
+            self.stats.methods.get(Method::AllInstances).observe(Outcome::of(&probe), began.elapsed());
+            if probe.is_ok() {
+                tracing::info!(provider = &*self.name, "all-instances re-observe passed; serving again");
+            }
+            probe.map(drop).map_err(|e| e.to_string())
+        };
+        self.breaker.reobserve(probe).await.map_err(|reason| CallError::Unavailable {
+            provider: self.name.to_string(),
+            method,
+            reason: format!("{}; the all-instances re-observe failed: {reason}", self.breaker.describe()),
+        })
+    }
+
+    /// Whether the crash policy holds this version half-open, and how often it tripped.
+    pub fn breaker_state(&self) -> (bool, u64) {
+        (self.breaker.is_half_open(), self.breaker.trips())
+    }
+
+    /// One call, and the kv changes its store left to persist at its end.
+    async fn run_call<R, F>(&self, method: Method, hooks: &CallHooks, invoke: F) -> (Result<R, CallError>, KvWrites)
+    where
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+    {
+        let mut unpersisted = KvWrites::new(self.name.clone());
+        let result = self.run_on_instance(method, hooks, invoke, &mut unpersisted).await;
+        (result, unpersisted)
+    }
+
+    async fn run_on_instance<R, F>(
+        &self,
+        method: Method,
+        hooks: &CallHooks,
+        invoke: F,
+        unpersisted: &mut KvWrites,
+    ) -> Result<R, CallError>
+    where
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+    {
+        self.stats.calls.fetch_add(1, Ordering::Relaxed);
+        // One budget for the method: instantiating a fresh instance spends from it.
+        let deadline = self.manifest.limits.deadlines.for_method(method);
+        let until = Instant::now() + deadline;
+        let mut warm = self.checkout(method, deadline).await?;
+        // A first slice, unless the provider's long-runners fill its lane: then
+        // the call queues at once, as its slice would take a worker from
+        // another provider. The deadline is the timeout around the call.
+        warm.store.set_epoch_deadline(self.first_slice());
+        warm.store.data_mut().begin_call(&hooks.abort);
+        let context = CallContext {
+            hooks: hooks.clone(),
+            provider_config: self.config.for_guest(),
+            redactor: self.config.redactor().clone(),
+            quotas: self.stats.quotas.clone(),
+        };
+        let handle = warm.store.data_mut().table.push(context).map_err(|e| CallError::Instantiate {
+            provider: self.name.to_string(),
+            method,
+            reason: format!("call context: {e}"),
+        })?;
+        let borrowed = Resource::<CallContext>::new_borrow(handle.rep());
+        let started = Instant::now();
+        let outcome = {
+            let Warm { store, exports, .. } = &mut warm;
+            tokio::time::timeout_at(until.into(), invoke(store, exports, borrowed)).await
+        };
+        let _ = warm.store.data_mut().table.delete(handle);
+        if warm.store.data_mut().end_call() {
+            // The store given the turn waits where only this worker looks:
+            // it runs before this call's teardown does.
+            crate::runtime::turnstile::yield_once().await;
+        }
+        // Taken whatever the outcome (a trap or deadline too): reads already see them.
+        *unpersisted = warm.store.data_mut().rooms.of::<Kv>().take_unpersisted();
+        warm.calls += 1;
+        tracing::debug!(elapsed_us = started.elapsed().as_micros() as u64, "call finished");
+        match outcome {
+            Ok(Ok(Ok(value))) => {
+                self.checkin(warm);
+                Ok(value)
+            }
+            Ok(Ok(Err(error))) => {
+                self.checkin(warm);
+                // Logged, listed, kept in events: never more of it than a status message.
+                let error = cut_broker_error(error, self.config.redactor());
+                Err(CallError::Guest { provider: self.name.to_string(), method, error })
+            }
+            Ok(Err(trap)) => {
+                let error = self.classify_trap(method, &warm, &trap);
+                self.discard(warm, &error);
+                Err(error)
+            }
+            Err(_elapsed) => {
+                let error = CallError::Deadline { provider: self.name.to_string(), method, deadline };
+                self.discard(warm, &error);
+                Err(error)
+            }
+        }
+    }
+
+    fn classify_trap(&self, method: Method, warm: &Warm, trap: &wasmtime::Error) -> CallError {
+        let provider = self.name.to_string();
+        if let Some(limit) = warm.store.data().limiter.hit() {
+            return CallError::Limit { provider, method, limit: limit.to_owned() };
+        }
+        if let Some(too_many) = trap.downcast_ref::<TooManyRecords>() {
+            self.stats.quotas.refused(Quota::Records, 1);
+            return CallError::Limit { provider, method, limit: too_many.to_string() };
+        }
+        // wasmtime's own error for it is private: its text is what says so.
+        if format!("{trap:#}").contains(HOSTCALL_FUEL_EXHAUSTED) {
+            self.stats.quotas.refused(Quota::CallData, 1);
+            let limit = format!(
+                "call-data-mib limit of {} MiB (data handed to the host in one host call or answer)",
+                self.manifest.limits.call_data_mib
+            );
+            return CallError::Limit { provider, method, limit };
+        }
+        match trap.downcast_ref::<wasmtime::Trap>() {
+            Some(code) => CallError::Trap { provider, method, reason: code.to_string() },
+            None => CallError::Trap { provider, method, reason: format!("{trap:#}") },
+        }
+    }
+
+    fn lock_pool(&self) -> std::sync::MutexGuard<'_, Vec<Warm>> {
+        self.pool.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Ticks a call (or an instantiation) runs before it needs a turn: none
+    /// while the provider's long-runners fill its lane, as its slice would
+    /// take a worker from another provider.
+    fn first_slice(&self) -> u64 {
+        if self.lane.is_full() { 0 } else { FIRST_SLICE_TICKS }
+    }
+
+    /// A healthy warm instance from the pool, or a fresh one.
+    async fn checkout(&self, method: Method, deadline: Duration) -> Result<Warm, CallError> {
+        if self.manifest.isolation == Isolation::Pooled {
+            let max_age = self.manifest.limits.max_age;
+            loop {
+                let candidate = self.lock_pool().pop();
+                match candidate {
+                    Some(warm) if warm.born.elapsed() < max_age => return Ok(warm),
+                    Some(_) => {
+                        self.stats.discarded.fetch_add(1, Ordering::Relaxed);
+                    }
+                    None => break,
+                }
+            }
+        }
+        self.instantiate(method, deadline).await
+    }
+
+    async fn instantiate(&self, method: Method, deadline: Duration) -> Result<Warm, CallError> {
+        let memory_bytes = (self.manifest.limits.memory_mib << 20) as usize;
+        let state = HostState::new(self.name.clone(), &self.capabilities, memory_bytes, self.lane.store_turn());
+        let mut store = Store::new(self.runtime.engine(), state);
+        take_turns(&mut store, self.first_slice());
+        store.limiter(|state| &mut state.limiter);
+        // Strings and lists are copied out of the guest per host call and per
+        // answer; this bounds what one such copy can make the host allocate.
+        store.set_hostcall_fuel((self.manifest.limits.call_data_mib << 20) as usize);
+        let instantiation = tokio::time::timeout(deadline, self.pre.instantiate_async(&mut store));
+        let exports = match instantiation.await {
+            Ok(Ok(exports)) => exports,
+            Ok(Err(e)) => {
+                let reason = format!("{e:#}");
+                return Err(CallError::Instantiate { provider: self.name.to_string(), method, reason });
+            }
+            Err(_elapsed) => return Err(CallError::Deadline { provider: self.name.to_string(), method, deadline }),
+        };
+        self.stats.instantiations.fetch_add(1, Ordering::Relaxed);
+        Ok(Warm { store, exports, calls: 0, born: Instant::now() })
+    }
+
+    /// Return a healthy instance to the pool unless its isolation, call count,
+    /// age or the pool's size says to retire it.
+    fn checkin(&self, warm: Warm) {
+        let limits = &self.manifest.limits;
+        let keep = self.manifest.isolation == Isolation::Pooled
+            && warm.calls < limits.max_calls
+            && warm.born.elapsed() < limits.max_age;
+        if keep {
+            let mut pool = self.lock_pool();
+            if pool.len() < limits.pool_size && !self.retired.load(Ordering::SeqCst) {
+                pool.push(warm);
+                return;
+            }
+        }
+        self.stats.discarded.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Throw away an instance that trapped or hit a limit: it is never reused.
+    fn discard(&self, warm: Warm, error: &CallError) {
+        tracing::warn!(provider = &*self.name, error = %error, "discarding guest instance");
+        self.stats.discarded.fetch_add(1, Ordering::Relaxed);
+        drop(warm);
+    }
+}
+
+/// Longest text kept of a provider's typed error.
+const MAX_ERROR_BYTES: usize = 4096;
+
+/// A provider's typed error with its text cut to [`MAX_ERROR_BYTES`].
+fn cut_broker_error(error: BrokerError, redactor: &crate::secrets::Redactor) -> BrokerError {
+    // Hidden before it is cut: a secret across the cut would leave a part.
+    let cut = |text: String| crate::capabilities::log::truncate(&redactor.redact(&text), MAX_ERROR_BYTES).to_owned();
+    match error {
+        BrokerError::InvalidParams(m) => BrokerError::InvalidParams(cut(m)),
+        BrokerError::NotFound(m) => BrokerError::NotFound(cut(m)),
+        BrokerError::NotSupported(m) => BrokerError::NotSupported(cut(m)),
+        BrokerError::ZoneIndependent(m) => BrokerError::ZoneIndependent(cut(m)),
+        BrokerError::ZoneUnavailable(m) => BrokerError::ZoneUnavailable(cut(m)),
+        BrokerError::AccessDenied(m) => BrokerError::AccessDenied(cut(m)),
+        BrokerError::Aborted(m) => BrokerError::Aborted(cut(m)),
+        BrokerError::Timeout(m) => BrokerError::Timeout(cut(m)),
+        BrokerError::Provider(m) => BrokerError::Provider(cut(m)),
+    }
+}
+
+/// What wasmtime says when a copy out of the guest ran out of hostcall fuel.
+const HOSTCALL_FUEL_EXHAUSTED: &str = "fuel allocated for hostcalls has been exhausted";
+
+/// An `all-instances` answer longer than `max-records`.
+#[derive(Debug, thiserror::Error)]
+#[error("max-records limit of {max} instances per answer ({answered} answered)")]
+struct TooManyRecords {
+    answered: usize,
+    max: usize,
+}
+
+/// The host's capabilities as far as the manifest grants them: programs
+/// resolved now, a data dir of its own. (A room's backend, the machine lock
+/// among them, reaches a store only with its grant: see `rooms::Parts::new`.)
+fn narrow(
+    host: HostCapabilities,
+    manifest: &Manifest,
+    quotas: Arc<Quotas>,
+    redactor: Arc<crate::secrets::Redactor>,
+) -> Result<ProviderCapabilities, LoadError> {
+    let provider = manifest.name.clone();
+    let data_dir = host.data_dirs.join(&manifest.name);
+    let data_dir_error =
+        |source| LoadError::DataDir { provider: provider.clone(), path: data_dir.display().to_string(), source };
+    private_dir(&host.data_dirs).and_then(|()| private_dir(&data_dir)).map_err(data_dir_error)?;
+    // Before a room sets the dir's owner and ACLs: they belong on the mount.
+    if let (Some(filesystems), mib @ 1..) = (&host.data_filesystems, manifest.limits.data_mib) {
+        // Its programs that outlived a host may hold the dir: their files do not move under them.
+        let children = host
+            .backends
+            .of::<crate::capabilities::process::Process>()
+            .and_then(|backend| backend.children(&manifest.name).ok())
+            .map_or(0, |names| names.len());
+        filesystems.mount(&manifest.name, &data_dir, mib, children)?;
+        // The filesystem's root (mkfs makes it 0755) is the data dir now.
+        private_dir(&data_dir).map_err(data_dir_error)?;
+    } else if let Some(filesystems) = &host.data_filesystems {
+        filesystems.check_none(&manifest.name)?;
+    }
+    let rooms = &manifest.grants.rooms;
+    let load = LoadSetup {
+        provider: &manifest.name,
+        data_dir: &data_dir,
+        grants: &manifest.grants,
+        sandbox: &host.sandbox,
+        backends: &host.backends,
+        limits: &manifest.limits,
+    };
+    let prepared = rooms.prepare(&load).map_err(|source| LoadError::Prepare { provider, source })?;
+    Ok(ProviderCapabilities { host, data_dir, rooms: rooms.clone(), prepared, quotas, redactor })
+}
+
+/// Make `dir` (and its parents) if missing, and make it the host's alone
+/// (0700, or the provider's user's ACL entry and no one else's): whatever
+/// mode the operator gave `DATA_DIR`, no local user reads a provider's files.
+/// The dir itself is changed, never a link in its place.
+fn private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use rustix::fs::{Mode, OFlags};
+    std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700).create(dir)?;
+    let fd =
+        rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?;
+    crate::sandbox::acl::make_private(&fd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_providers_error_text_is_cut_and_keeps_its_kind() {
+        let none = crate::secrets::Redactor::default();
+        let long = "é".repeat(MAX_ERROR_BYTES);
+        let BrokerError::ZoneUnavailable(cut) = cut_broker_error(BrokerError::ZoneUnavailable(long), &none) else {
+            panic!("the kind changed")
+        };
+        assert_eq!(cut.len(), MAX_ERROR_BYTES, "cut on a character boundary at the bound");
+        assert_eq!(cut_broker_error(BrokerError::NotFound("x".into()), &none), BrokerError::NotFound("x".into()));
+        // A secret the guest put in its error is hidden, whatever the kind.
+        let secrets = crate::secrets::Redactor::default();
+        secrets.set(vec![("tok-s3cr3t-123".into(), "<secret api>".into())]);
+        let said = BrokerError::AccessDenied("token tok-s3cr3t-123 refused".into());
+        assert_eq!(cut_broker_error(said, &secrets), BrokerError::AccessDenied("token <secret api> refused".into()));
+    }
+}

@@ -1,0 +1,914 @@
+//! The `broker` command line. Exit codes: 0 success, 1 the operation failed,
+//! 2 usage error.
+
+mod backend;
+mod groups;
+mod lock;
+mod output;
+
+use broker_core::broker::Broker;
+use broker_core::capabilities::context::CallEvent;
+use broker_core::contract::constraints;
+use broker_core::store::records::status_name;
+use anyhow::{Context, Result};
+use backend::Backend;
+use clap::{Args, Parser, Subcommand};
+use std::io::Write;
+use std::path::PathBuf;
+
+/// The parsed command line (its help comes from `about`/`long_about`, not this comment).
+#[derive(Debug, Parser)]
+#[command(
+    name = "broker",
+    version,
+    about = "A per-machine broker host: runs sandboxed provider components behind Juju's InstanceBroker contract",
+    long_about = "A per-machine broker host. Provider logic (LXD, KVM, a cloud, the fake) runs as sandboxed \
+                  WebAssembly components that get nothing but what their manifest grants; the host keeps \
+                  the state, in --data-dir.\n\nExit codes: 0 success, 1 the operation failed, 2 usage error."
+)]
+pub struct Cli {
+    /// Where the host keeps its state and compiled-component cache.
+    #[arg(long, global = true, env = "BROKER_DATA_DIR", default_value_os_t = default_data_dir())]
+    pub data_dir: PathBuf,
+    /// The daemon's socket (default DATA_DIR/broker.sock). `serve` listens on it; every
+    /// other command talks to the daemon there when one answers, and opens the state
+    /// in DATA_DIR itself when none does. The output is the same either way.
+    #[arg(long, global = true, env = "BROKER_SOCKET", value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// More logging on stderr (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Register, list and remove provider components.
+    #[command(subcommand)]
+    Provider(ProviderCommand),
+    /// Start, list, stop and maintain instances through a provider.
+    #[command(subcommand)]
+    Instance(InstanceCommand),
+    /// Report the machine lock (holder, waiting, history), or hold it around a program.
+    Lock(lock::LockArgs),
+    /// Check the state file, or make a new one of what a damaged one still holds.
+    /// Both need the state to themselves: stop the daemon first.
+    #[command(subcommand)]
+    Store(StoreCommand),
+    /// Run as a daemon: the HTTP/JSON API on a unix socket (DATA_DIR/broker.sock,
+    /// mode 0600) until SIGTERM or Ctrl-C, then finish the requests in flight.
+    /// Routes: /healthz, /metrics, /v1/providers[/NAME[/swap]], /v1/instances[/ID[/maintain]]
+    /// (starting streams NDJSON status lines), /v1/events, /v1/lock, /openapi.json.
+    /// On start it reconciles: maintain-instance for each recorded instance, and
+    /// each provider's instances compared with the records (an event per provider).
+    /// It also finishes what a killed host left in flight: a start recorded as
+    /// pending is adopted if the provider reports the id it claimed, a stop
+    /// marked is finished, and unknown instances are harvested per --harvest.
+    Serve {
+        /// Also serve on this loopback TCP address (e.g. 127.0.0.1:7070); every
+        /// request but /healthz must then carry `Authorization: Bearer <token>`.
+        #[arg(long, requires = "token_file", value_name = "ADDR")]
+        listen: Option<std::net::SocketAddr>,
+        /// The bearer token for --listen: a file only its owner can read, at least 16 characters.
+        #[arg(long, requires = "listen", value_name = "FILE")]
+        token_file: Option<PathBuf>,
+        /// Watch this directory (default DATA_DIR/providers): a manifest dropped in
+        /// (NAME.toml or NAME/provider.toml) is added, its component changed is swapped
+        /// in, the manifest changed is reloaded, the manifest removed unregisters the
+        /// provider once its calls in flight finish. Refusals are events.
+        #[arg(long, value_name = "DIR")]
+        providers_dir: Option<PathBuf>,
+        /// Most MiB of providers' kv the daemon keeps in memory together. Past it, the
+        /// least recently used namespaces with nothing left to persist are let go and
+        /// read again from the state file on their next use (about 0.75 ms a MiB).
+        #[arg(long, value_name = "MIB", default_value_t = broker_core::store::MIRROR_BUDGET_BYTES as u64 >> 20)]
+        kv_mirror_mib: u64,
+        /// A request's line and headers must arrive within this (and an idle
+        /// kept-alive connection closes after it), e.g. 10s.
+        #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = timeout_between_1s_and_1h)]
+        header_timeout: std::time::Duration,
+        /// A request's body must arrive whole within this (else 408).
+        #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = timeout_between_1s_and_1h)]
+        body_timeout: std::time::Duration,
+        /// Connections open at once, per listener; more wait in the kernel's backlog.
+        #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65536))]
+        max_connections: u32,
+        /// On SIGTERM, how long requests in flight, and starts or swaps whose client
+        /// went away, have to finish before they are cut short (1s to 1h).
+        #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = timeout_between_1s_and_1h)]
+        drain_timeout: std::time::Duration,
+        /// Which instances the start-up reconcile stops (Juju's provisioner-harvest-mode):
+        /// `destroyed` finishes the stops a killed host left unfinished; `unknown`
+        /// stops instances the providers report and no record claims (after a complete
+        /// inventory, before the provider starts anything new); `all` does both;
+        /// `none` stops nothing and only reports.
+        #[arg(long, value_enum, value_name = "MODE", default_value_t = broker_core::broker::reconcile::HarvestMode::Destroyed)]
+        harvest: broker_core::broker::reconcile::HarvestMode,
+        /// Also speak InfraKit's plugin protocol, so InfraKit's tools drive this host: a
+        /// unix socket `group` (Group/0.1.1) and one per provider, named after it
+        /// (Instance/0.6.1), in DIR (given without DIR: ~/.infrakit/plugins, InfraKit's
+        /// own). Mode 0600; removed when the daemon stops.
+        #[arg(long, value_name = "DIR", num_args = 0..=1)]
+        infrakit_dir: Option<Option<PathBuf>>,
+        /// Between convergence passes of a group when nothing wakes it sooner (1s to 1h).
+        #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = timeout_between_1s_and_1h)]
+        group_poll: std::time::Duration,
+        /// Most starts or stops one group's pass has in flight at once.
+        #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
+        group_max_parallel: u16,
+    },
+    /// Groups (InfraKit's group plugin): keep N instances of a template alive
+    /// on a provider, or one per logical id, and roll them to a new template.
+    #[command(subcommand)]
+    Group(groups::GroupCommand),
+    /// The event log: providers added, swapped (both versions' hashes), refused, removed.
+    Events {
+        /// Only events after this sequence number.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum StoreCommand {
+    /// Read every table of DATA_DIR/state.redb, read-only, every record decoded,
+    /// and say what cannot be read. Exit 0 when all can, 1 otherwise.
+    Check {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Copy what can be read of DATA_DIR/state.redb into a new state file, in
+    /// its place; the damaged one's bytes are kept as state.redb.damaged-SECONDS. Records
+    /// that do not decode are left out and named; a table is copied up to its
+    /// first unreadable entry. The write-ahead log is applied on the next open.
+    Recover {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum ProviderCommand {
+    /// Check a provider's manifest and component (sha256 pin, imports against
+    /// grants, contract version, validate-config) and register it.
+    Add {
+        /// Path to the provider's provider.toml.
+        manifest: PathBuf,
+    },
+    /// List registered providers.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a provider: version, component hash, isolation, limits, per-method
+    /// deadlines and the effective grants.
+    Show {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Unregister a provider that has no recorded instances.
+    Remove { name: String },
+    /// Replace a provider's component while it serves. The candidate is compiled,
+    /// linked and type-checked, its validate-config runs on the live config and,
+    /// with --check, the conformance scenarios run in the sandbox; only then is it
+    /// swapped in. Calls in flight finish on the old version. A refused candidate
+    /// changes nothing (exit 1, with the reason).
+    Swap {
+        name: String,
+        /// The new component (.wasm); it is kept in the data dir under its hash.
+        component: PathBuf,
+        /// Also run the conformance scenarios on the candidate before swapping.
+        #[arg(long)]
+        check: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run the conformance scenarios against a component in the sandbox, on
+    /// simulated capabilities (no real infrastructure). Exit 0 only if all pass.
+    Test {
+        /// The component to test.
+        component: PathBuf,
+        /// Its manifest (limits, grants, config); the component path in it is
+        /// replaced by COMPONENT. Without one: kv and log granted, empty config.
+        #[arg(long)]
+        manifest: Option<PathBuf>,
+        #[arg(long, value_enum, default_value_t = ReportFormat::Text)]
+        format: ReportFormat,
+        /// The script of simulated answers: HTTP answers, program runs and their
+        /// output, children and what they answer on their sockets, host network
+        /// devices (default: `<manifest stem>.script.json` beside the manifest).
+        #[arg(long, value_name = "FILE", conflicts_with = "record")]
+        script: Option<PathBuf>,
+        /// Run against the real capabilities the manifest grants (endpoints,
+        /// programs, children, devices) and write what they answered to FILE:
+        /// a real run becomes a replayable script.
+        #[arg(long, value_name = "FILE")]
+        record: Option<PathBuf>,
+        /// With --record: give the component the real values of the secrets its
+        /// manifest names (DATA_DIR/secrets/NAME/…); without it, their stand-ins
+        /// (kit-secret:NAME). Only for a component you trust with them.
+        #[arg(long, requires = "record")]
+        with_secrets: bool,
+        /// A host call the script does not answer fails the case it happened in.
+        #[arg(long)]
+        strict: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum InstanceCommand {
+    /// Start an instance. Status updates are shown as they happen on stderr: one
+    /// line redrawn in a terminal, a line each otherwise, JSON lines with --json.
+    Start(StartArgs),
+    /// List instances as the providers report them, joined with the host's records.
+    List {
+        /// Only this provider's instances.
+        #[arg(long)]
+        provider: Option<String>,
+        #[arg(long)]
+        json: bool,
+        /// At most this many (sorted by provider, then id); the cursor of the
+        /// next page is printed on stderr if more remain.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        limit: Option<u64>,
+        /// Only those after this cursor (PROVIDER/ID).
+        #[arg(long, value_name = "CURSOR")]
+        after: Option<String>,
+    },
+    /// Stop instances, idempotently (as Juju's StopInstances): the known ids are
+    /// stopped, one call per provider; an id the host has no record of (never
+    /// started, or stopped already) is reported and is not a failure. Exit 1 only
+    /// if a provider failed to stop one, after every other id was tried.
+    Stop {
+        #[arg(required = true)]
+        ids: Vec<String>,
+        /// The provider to ask; needed only for ids the host has no record of.
+        #[arg(long)]
+        provider: Option<String>,
+    },
+    /// Run a provider's maintain-instance on an existing instance.
+    Maintain {
+        id: String,
+        #[arg(long)]
+        provider: Option<String>,
+    },
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StartArgs {
+    /// The registered provider to start it with.
+    #[arg(long)]
+    provider: String,
+    /// Juju constraints, e.g. "mem=2G cores=2 arch=amd64 tags=a,b zones=z1,z2".
+    #[arg(long, default_value = "")]
+    constraints: String,
+    /// A placement directive, e.g. zone=z1.
+    #[arg(long)]
+    placement: Option<String>,
+    /// cloud-init user data for the instance, read from FILE (at most 48 KiB).
+    #[arg(long, value_name = "FILE")]
+    user_data: Option<PathBuf>,
+    /// An instance tag, KEY=VALUE; give it again for more (the provider puts them
+    /// on the instance: EC2 tags, LXD user.* keys).
+    #[arg(long = "tag", value_name = "KEY=VALUE")]
+    tags: Vec<String>,
+    /// The whole StartInstanceParams as JSON from FILE (the API's `params`; any
+    /// field left out is empty, an unknown one is an error; at most 64 KiB).
+    /// --placement, --user-data and --tag apply over it; --constraints
+    /// replaces its constraints.
+    #[arg(long, value_name = "FILE")]
+    params: Option<PathBuf>,
+    /// Print the result as JSON on stdout, and each status update as a JSON line
+    /// on stderr (as the API streams them).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub(crate) enum ReportFormat {
+    Text,
+    Json,
+    /// JUnit XML, for CI systems.
+    Junit,
+}
+
+/// The largest `--params` file read (the daemon takes requests of 64 KiB).
+const MAX_PARAMS_FILE: usize = 64 << 10;
+
+/// A file the user named, read whole if it is a regular file of at most `max` bytes.
+pub(crate) fn read_bounded(path: &std::path::Path, max: usize) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    let mut bytes = Vec::new();
+    file.take(max as u64 + 1).read_to_end(&mut bytes)?;
+    if bytes.len() > max {
+        return Err(std::io::Error::other(format!("larger than {max} bytes")));
+    }
+    Ok(bytes)
+}
+
+/// A mistake in how the command was called (exit code 2), found after parsing.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+/// A daemon timeout: 1 s to 1 h (0 would cut every client off; a huge one
+/// overflows the timer's arithmetic).
+fn timeout_between_1s_and_1h(text: &str) -> Result<std::time::Duration, String> {
+    let duration = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if !(std::time::Duration::from_secs(1)..=std::time::Duration::from_secs(3600)).contains(&duration) {
+        return Err(format!("{text} is not between 1s and 1h"));
+    }
+    Ok(duration)
+}
+
+fn default_data_dir() -> PathBuf {
+    match std::env::var_os("HOME") {
+        Some(home) => PathBuf::from(home).join(".local/share/wasm-broker"),
+        None => PathBuf::from("/var/lib/wasm-broker"),
+    }
+}
+
+/// Run the CLI; returns the exit code of a successful run (errors exit 1, or 2
+/// for a [`UsageError`]).
+pub async fn run(mut cli: Cli) -> Result<u8> {
+    let mut stdout = std::io::stdout().lock();
+    // Made absolute once, here: the component cache, the daemon and the
+    // sandbox all need absolute paths, and a relative one would mean another
+    // place to a process started elsewhere.
+    cli.data_dir = std::path::absolute(&cli.data_dir)
+        .with_context(|| format!("cannot resolve --data-dir {}", cli.data_dir.display()))?;
+    if let Some(socket) = &cli.socket {
+        cli.socket =
+            Some(std::path::absolute(socket).with_context(|| format!("cannot resolve --socket {}", socket.display()))?);
+    }
+    // The lock commands never open the state database, which another broker may hold,
+    // and a conformance run uses a sandbox of its own.
+    if let Command::Lock(args) = cli.command {
+        return lock::run(&cli.data_dir, args, &mut stdout).await;
+    }
+    if let Command::Provider(ProviderCommand::Test {
+        component,
+        manifest,
+        format,
+        script,
+        record,
+        with_secrets,
+        strict,
+    }) = cli.command
+    {
+        let answers = TestAnswers { script, record, with_secrets, strict };
+        return provider_test(&cli.data_dir, &component, manifest.as_deref(), format, answers, &mut stdout).await;
+    }
+    let socket = cli.socket.clone().unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
+    if let Command::Store(command) = cli.command {
+        return store_command(&cli.data_dir, &socket, command, &mut stdout).await;
+    }
+    if let Command::Serve {
+        listen,
+        token_file,
+        providers_dir,
+        kv_mirror_mib,
+        header_timeout,
+        body_timeout,
+        max_connections,
+        drain_timeout,
+        harvest,
+        infrakit_dir,
+        group_poll,
+        group_max_parallel,
+    } = cli.command
+    {
+        let providers_dir = providers_dir.unwrap_or_else(|| cli.data_dir.join("providers"));
+        let kv_mirror_bytes = usize::try_from(kv_mirror_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
+        let limits = crate::daemon::ServeLimits {
+            header_timeout,
+            body_timeout,
+            max_connections: max_connections as usize,
+            drain: drain_timeout,
+        };
+        let infrakit_dir = match infrakit_dir {
+            None => None,
+            Some(Some(dir)) => Some(dir),
+            Some(None) => Some(crate::infrakit::default_dir().ok_or_else(|| {
+                UsageError("--infrakit-dir without DIR needs $HOME (for ~/.infrakit/plugins)".into())
+            })?),
+        };
+        let groups = broker_core::groups::GroupSettings {
+            poll: group_poll,
+            max_parallel: usize::from(group_max_parallel),
+            ..Default::default()
+        };
+        let options =
+            ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits, harvest, infrakit_dir, groups };
+        serve(&cli.data_dir, &socket, options).await?;
+        return Ok(0);
+    }
+    let backend = Backend::open(&cli.data_dir, &socket).await?;
+    match cli.command {
+        Command::Provider(command) => provider(&backend, command, &mut stdout).await?,
+        Command::Instance(command) => instance(&backend, command, &mut stdout).await?,
+        Command::Group(command) => groups::run(&backend, command, &mut stdout).await?,
+        Command::Lock(_) | Command::Serve { .. } | Command::Store(_) => unreachable!("handled above"),
+        Command::Events { after, limit, json } => {
+            let events = backend.events(after, limit).await?;
+            if json {
+                for event in &events {
+                    writeln!(stdout, "{}", serde_json::to_string(event)?)?;
+                }
+            } else {
+                output::event_lines(&mut stdout, &events)?;
+            }
+        }
+    }
+    Ok(0)
+}
+
+/// `broker serve`'s options, as parsed.
+struct ServeOptions {
+    listen: Option<std::net::SocketAddr>,
+    token_file: Option<PathBuf>,
+    providers_dir: PathBuf,
+    kv_mirror_bytes: usize,
+    limits: crate::daemon::ServeLimits,
+    harvest: broker_core::broker::reconcile::HarvestMode,
+    infrakit_dir: Option<PathBuf>,
+    groups: broker_core::groups::GroupSettings,
+}
+
+async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: ServeOptions) -> Result<()> {
+    let ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits, harvest, infrakit_dir, groups } =
+        options;
+    let providers_dir = providers_dir.as_path();
+    // Before the state is opened: a second daemon would only be told the database is busy.
+    if crate::client::DaemonClient::probe(socket).await.is_some() {
+        anyhow::bail!("another broker daemon is serving on {}", socket.display());
+    }
+    let tcp = match (listen, token_file) {
+        (Some(addr), Some(file)) => {
+            crate::daemon::check_loopback(addr).map_err(|e| UsageError(e.to_string()))?;
+            let token = crate::daemon::BearerToken::load(&file).map_err(|e| UsageError(e.to_string()))?;
+            // Bound first, before the state is opened or any provider runs:
+            // a port someone else holds refuses the start, naming them.
+            Some(crate::daemon::TcpListen::bind(addr, token)?)
+        }
+        _ => None,
+    };
+    // A CLI command working on the state itself (no daemon was serving when it
+    // began) is let finish: a supervisor's restart racing it does not fail.
+    let patience = std::time::Duration::from_secs(30);
+    let broker = Broker::open_when_free(data_dir, patience, async || true)
+        .await
+        .with_context(|| format!("cannot open the broker state in {}", data_dir.display()))?;
+    broker.store().kv().set_mirror_budget(kv_mirror_bytes);
+    let watched = broker_core::providers::watch::ProvidersDir::new(providers_dir)
+        .with_context(|| format!("cannot watch the providers directory {}", providers_dir.display()))?;
+    let broker = std::sync::Arc::new(broker);
+    // Juju's agent maintains its instances when it starts; here that runs
+    // beside the API, and each provider's result is an event. Held first, so
+    // no start the API takes can be harvested as unknown.
+    broker.hold_starts_for_harvest(harvest);
+    // Before any provider runs: what a killed host spawned but never recorded.
+    let reaped = broker.reap_unrecorded_children();
+    if !reaped.is_empty() {
+        tracing::warn!(count = reaped.len(), "killed processes left running without a child record");
+    }
+    broker.prune_stale_device_records().await;
+    let reconciling = broker.clone();
+    tokio::spawn(async move { reconciling.reconcile_after_restart(harvest).await });
+
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let until_stopping = |mut stopping: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = stopping.wait_for(|stop| *stop).await;
+    };
+    // And while it runs: what a program left behind outside every record (its
+    // record was forgotten, its sandbox escaped the group) does not live on.
+    let reaping = broker.clone();
+    let reap_stop = until_stopping(stopping.clone());
+    let reaper = tokio::spawn(async move {
+        tokio::pin!(reap_stop);
+        let mut every = tokio::time::interval(REAP_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        every.tick().await;
+        loop {
+            tokio::select! {
+                _ = every.tick() => {}
+                _ = &mut reap_stop => return,
+            }
+            let broker = reaping.clone();
+            let reaped = tokio::task::spawn_blocking(move || broker.reap_unrecorded_older_than(REAP_EVERY))
+                .await
+                .unwrap_or_default();
+            if !reaped.is_empty() {
+                tracing::warn!(count = reaped.len(), "killed processes running without a child record");
+            }
+        }
+    });
+    let watching = broker.clone();
+    let watch_stop = until_stopping(stopping.clone());
+    let watcher = tokio::spawn(async move {
+        let (settle, poll) = (std::time::Duration::from_millis(200), std::time::Duration::from_secs(2));
+        broker_core::providers::watch::watch(watched, watching.registry(), settle, poll, watch_stop).await;
+    });
+    let stop = std::sync::Arc::new(stop);
+    let signalled = stop.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = signalled.send(true);
+    });
+    let serving = crate::daemon::Serving { tcp, infrakit_dir, groups };
+    let served = crate::daemon::serve(broker, socket, serving, limits, until_stopping(stopping)).await;
+    // Served to the end or failed to start: either way the watcher stops too, and a
+    // rescan in progress (a swap, a removal draining) finishes first.
+    let _ = stop.send(true);
+    // Bounded as the drain is: a rescan's swap queued behind others must not
+    // outlast the supervisor's patience.
+    if tokio::time::timeout(limits.drain, watcher).await.is_err() {
+        tracing::warn!("the providers directory's rescan was still running when the drain ran out");
+    }
+    // A reap in progress holds the broker: it ends (it is bounded by /proc's size) before the state closes.
+    let _ = reaper.await;
+    served
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("shutting down: no new requests; finishing those in flight");
+}
+
+async fn provider(backend: &Backend, command: ProviderCommand, out: &mut impl Write) -> Result<()> {
+    match command {
+        ProviderCommand::Add { manifest } => {
+            let record = backend
+                .add_provider(&manifest)
+                .await
+                .with_context(|| format!("cannot add provider from {}", manifest.display()))?;
+            let text =
+                format!("added provider {} {} (sha256 {})", record.name, record.version, record.component_sha256);
+            output::line(out, &text)?;
+        }
+        ProviderCommand::List { json } => {
+            let records = backend.list_providers().await?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&records)?)?;
+            } else {
+                output::provider_table(out, &records)?;
+            }
+        }
+        ProviderCommand::Show { name, json } => {
+            let view = backend.show_provider(&name).await?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&view)?)?;
+            } else {
+                output::provider_details(out, &view)?;
+            }
+        }
+        ProviderCommand::Test { .. } => unreachable!("handled before the state is opened"),
+        ProviderCommand::Swap { name, component, check, json } => {
+            let report = backend.swap(&name, &component, check).await?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+            } else {
+                let text = format!(
+                    "swapped provider {name}: {} ({}) -> {} ({}){}",
+                    report.old_version,
+                    broker_core::store::records::short_sha256(&report.old_sha256),
+                    report.new_version,
+                    broker_core::store::records::short_sha256(&report.new_sha256),
+                    if report.checked { ", conformance passed" } else { "" }
+                );
+                output::line(out, &text)?;
+            }
+        }
+        ProviderCommand::Remove { name } => {
+            backend.remove_provider(&name).await.with_context(|| format!("cannot remove provider {name}"))?;
+            output::line(out, &format!("removed provider {name}"))?;
+        }
+    }
+    Ok(())
+}
+
+async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Write) -> Result<()> {
+    match command {
+        InstanceCommand::Start(args) => {
+            // Checked here, whoever runs it: a typo is a usage error, not a failed start.
+            constraints::parse(&args.constraints)
+                .map_err(|e| UsageError(format!("invalid --constraints {:?}: {e}", args.constraints)))?;
+            let read = |flag: &str, path: &std::path::Path, max: usize| {
+                read_bounded(path, max).map_err(|e| UsageError(format!("{flag} {}: {e}", path.display())))
+            };
+            let user_data = match &args.user_data {
+                Some(path) => Some(read("--user-data", path, broker_core::contract::start::MAX_USER_DATA)?),
+                None => None,
+            };
+            let params = match &args.params {
+                Some(path) => Some(
+                    serde_json::from_slice::<serde_json::Value>(&read("--params", path, MAX_PARAMS_FILE)?)
+                        .map_err(|e| UsageError(format!("--params {}: not JSON: {e}", path.display())))?,
+                ),
+                None => None,
+            };
+            let tags = (args.tags.iter())
+                .map(|t| broker_core::contract::start::parse_tag(t).map_err(|e| UsageError(format!("--tag: {e}"))))
+                .collect::<Result<Vec<_>, _>>()?;
+            let request = backend::StartRequest {
+                provider: &args.provider,
+                constraints: &args.constraints,
+                placement: args.placement.as_deref(),
+                user_data,
+                tags,
+                params,
+            };
+            // The same checks the daemon makes, before anything is sent.
+            broker_core::contract::start::start_params(request.input()).map_err(|e| UsageError(e.to_string()))?;
+            let progress = std::sync::Arc::new(output::Progress::new(&args.provider, args.json));
+            let shown = progress.clone();
+            let started = backend.start_instance(&request, move |event| shown.show(&event)).await;
+            progress.finish();
+            let record =
+                started.with_context(|| format!("cannot start an instance with provider {}", args.provider))?;
+            if args.json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&output::InstanceView::from(&record))?)?;
+            } else {
+                let text = format!("started {} ({}): {}", record.id, record.provider, record.hardware.juju_text());
+                output::line(out, &text)?;
+            }
+        }
+        InstanceCommand::List { provider, json, limit, after } => {
+            if after.as_deref().is_some_and(|after| !after.contains('/')) {
+                return Err(UsageError("--after takes a cursor, PROVIDER/ID".into()).into());
+            }
+            let records = backend.list_instances(provider.as_deref()).await.context("cannot list instances")?;
+            let limit = limit.map(|limit| usize::try_from(limit).unwrap_or(usize::MAX));
+            let (records, next) = broker_core::broker::page(records, after.as_deref(), limit);
+            if let Some(next) = next {
+                eprintln!("more: --after {}", broker_core::error_text::escape_unprintable(&next));
+            }
+            let views: Vec<output::InstanceView> = records.iter().map(output::InstanceView::from).collect();
+            if json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&views)?)?;
+            } else {
+                output::instance_table(out, &views)?;
+            }
+        }
+        InstanceCommand::Stop { ids, provider } => {
+            // Idempotent, as Juju's StopInstances: what is known is stopped, an
+            // unknown id is reported and is no failure; a failure fails the command,
+            // after every other id was tried.
+            let report = backend.stop_instances(ids, provider.as_deref()).await;
+            for (id, owner) in &report.stopped {
+                output::line(out, &format!("stopped {id} ({owner})"))?;
+            }
+            for id in &report.unknown {
+                output::line(
+                    out,
+                    &format!("{id}: no such instance, recorded or reported by a provider (nothing to stop)"),
+                )?;
+            }
+            if let [(ids, only)] = report.failed.as_slice() {
+                anyhow::bail!("cannot stop {ids}: {only:#}");
+            }
+            if !report.failed.is_empty() {
+                let each: Vec<String> =
+                    report.failed.iter().map(|(ids, why)| format!("cannot stop {ids}: {why:#}")).collect();
+                anyhow::bail!("{}", each.join("; "));
+            }
+        }
+        InstanceCommand::Maintain { id, provider } => {
+            let owner = backend
+                .maintain_instance(&id, provider.as_deref())
+                .await
+                .with_context(|| format!("cannot maintain {id}"))?;
+            output::line(out, &format!("maintained {id} ({owner})"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Text of a status event, as the CLI prints it.
+pub fn describe_event(event: &CallEvent) -> String {
+    match event {
+        CallEvent::Status { status, info, .. } if info.is_empty() => status_name(*status).to_owned(),
+        CallEvent::Status { status, info, .. } => format!("{}: {info}", status_name(*status)),
+        CallEvent::Cleanup { info } => format!("cleanup: {info}"),
+    }
+}
+
+/// `broker provider test`'s choice of scripted (or recorded) answers.
+struct TestAnswers {
+    script: Option<PathBuf>,
+    record: Option<PathBuf>,
+    with_secrets: bool,
+    strict: bool,
+}
+
+async fn provider_test(
+    data_dir: &std::path::Path,
+    component: &std::path::Path,
+    manifest: Option<&std::path::Path>,
+    format: ReportFormat,
+    answers: TestAnswers,
+    out: &mut impl Write,
+) -> Result<u8> {
+    use broker_core::conformance::{Answers, KitOptions, Recording};
+    use broker_core::manifest::Manifest;
+    let mut loaded = match manifest {
+        Some(path) => Manifest::load(path).with_context(|| format!("cannot read manifest {}", path.display()))?,
+        None => {
+            let name = component
+                .file_stem()
+                .map(|s| s.to_string_lossy().to_lowercase().replace(['_', '.'], "-"))
+                .unwrap_or_else(|| "candidate".into());
+            let text = format!("name = {name:?}\ncomponent = \"x\"\n[grants]\nkv = true\nlog = true\n");
+            Manifest::parse(std::path::Path::new("provider.toml"), &text).map_err(|e| UsageError(e.to_string()))?
+        }
+    };
+    loaded.component = component.to_owned();
+    let recording = answers.record.as_ref().map(|_| std::sync::Arc::new(Recording::default()));
+    if answers.record.is_some() {
+        eprintln!(
+            "recording: the scenarios run against the real endpoints, programs and devices the manifest \
+             grants, and make real instances (tagged {}=run-…); the run stops only instances its own starts \
+             made, never one that was there before it",
+            broker_core::conformance::RECORDING_TAG
+        );
+    }
+    let mut options = match (&answers.script, &recording) {
+        (_, Some(recording)) => KitOptions {
+            answers: Answers::Record(recording.clone()),
+            strict: false,
+            sandbox: Default::default(),
+            credentials: None,
+            secrets: None,
+        },
+        (Some(path), None) => {
+            let script = broker_core::conformance::load_script(path).map_err(|e| UsageError(e.to_string()))?;
+            KitOptions {
+                answers: Answers::Script(std::sync::Arc::new(script)),
+                strict: false,
+                sandbox: Default::default(),
+                credentials: None,
+                secrets: None,
+            }
+        }
+        (None, None) => KitOptions::beside(&loaded).map_err(|e| UsageError(e.to_string()))?,
+    };
+    options.strict = answers.strict;
+    // The machine's `[sandbox]` (bubblewrap, uid base) applies to a recording's programs too.
+    options.sandbox =
+        broker_core::broker::service::HostConfig::load(data_dir).map_err(|e| UsageError(e.to_string()))?.sandbox;
+    // A recording signs with the host's own credentials, as the daemon would,
+    // and fills in the provider's secrets from the host's (stand-ins in what it writes).
+    options.credentials = Some(data_dir.join(broker_core::capabilities::http_egress::signing::CREDENTIALS_DIR));
+    if recording.is_some() && !loaded.secrets.is_empty() {
+        let names: Vec<&str> = loaded.secrets.iter().map(|(_, name)| name.as_str()).collect();
+        let dir = format!("DATA_DIR/{}/{}/", broker_core::secrets::SECRETS_DIR, loaded.name);
+        // The manifest's own name picks the dir: a candidate could claim another provider's.
+        if answers.with_secrets {
+            options.secrets = Some(data_dir.join(broker_core::secrets::SECRETS_DIR));
+            eprintln!(
+                "warning: --with-secrets gives this component the secrets {} of {dir} (the script and reports hold \
+                 stand-ins)",
+                names.join(", ")
+            );
+        } else {
+            eprintln!(
+                "note: the component gets stand-ins (kit-secret:NAME) for the secrets {} of {dir}; \
+                 --with-secrets gives it their values",
+                names.join(", ")
+            );
+        }
+    }
+    if let Some(first) = loaded.inline_secrets.first() {
+        eprintln!(
+            "warning: config.{first} looks like a secret given inline: it is hidden from the report, but \
+             `provider add` refuses it; name it under [secrets] (DATA_DIR/{}/{}/NAME)",
+            broker_core::secrets::SECRETS_DIR,
+            loaded.name
+        );
+    }
+    let report = broker_core::conformance::run_with(&loaded, options)
+        .await
+        .with_context(|| format!("cannot load {} into the sandbox", component.display()))?;
+    if let (Some(path), Some(recording)) = (&answers.record, &recording) {
+        let script = recording.script();
+        std::fs::write(path, report.redacted_json(&script))
+            .with_context(|| format!("cannot write the recorded script {}", path.display()))?;
+        // On stderr: the report alone goes to stdout, whatever its format.
+        eprintln!(
+            "recorded {} http exchange(s), {} run(s), {} child(ren), {} device(s) to {}",
+            script.http.len(),
+            script.runs.len(),
+            script.children.len(),
+            script.devices.len(),
+            path.display()
+        );
+    }
+    match format {
+        ReportFormat::Text => write!(out, "{}", report.text())?,
+        ReportFormat::Json => writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?,
+        ReportFormat::Junit => write!(out, "{}", report.junit())?,
+    }
+    Ok(if report.passed() { 0 } else { 1 })
+}
+
+/// `broker store check` / `recover`: on the state file itself, never through a daemon.
+async fn store_command(
+    data_dir: &std::path::Path,
+    socket: &std::path::Path,
+    command: StoreCommand,
+    out: &mut impl Write,
+) -> Result<u8> {
+    if crate::client::DaemonClient::probe(socket).await.is_some() {
+        anyhow::bail!("a broker daemon is serving on {}: stop it first (it holds the state file)", socket.display());
+    }
+    let recovering = matches!(command, StoreCommand::Recover { .. });
+    let dir = data_dir.to_owned();
+    let json = match command {
+        StoreCommand::Check { json } | StoreCommand::Recover { json } => json,
+    };
+    // Reads the whole file: off the async workers.
+    let report = tokio::task::spawn_blocking(move || {
+        if recovering { broker_core::store::salvage::recover(&dir) } else { broker_core::store::salvage::check(&dir) }
+    })
+    .await
+    .context("the store check failed")??;
+    if json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        output::salvage_report(out, &report)?;
+    }
+    if recovering {
+        // The new file opens as a store: the log applied, the id index made.
+        broker_core::store::Store::open(data_dir).context("the recovered state file does not open")?;
+        output::line(out, "the new state file opens; the write-ahead log is applied")?;
+        return Ok(0);
+    }
+    Ok(if report.is_sound() { 0 } else { 1 })
+}
+
+/// How often `broker serve` ends processes of its providers' users that no
+/// child record holds (and how old such a process must be).
+const REAP_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The `broker` command: parse the arguments, log to stderr, run, and turn
+/// the outcome into the exit code (2 for usage errors). The `broker` binary
+/// is this; the tests' own copy of it (`broker-daemon`) is this too.
+pub fn main() -> std::process::ExitCode {
+    // clap exits with 2 on usage errors and 0 for --help/--version.
+    let cli = <Cli as clap::Parser>::parse();
+    let default_level = match cli.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
+        )
+        .with_writer(std::io::stderr)
+        // Colours for a person at a terminal; a log file or a supervisor's journal gets plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .fmt_fields(broker_core::error_text::EscapedFields)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return std::process::ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => std::process::ExitCode::from(code),
+        Err(e) if e.downcast_ref::<UsageError>().is_some() => {
+            eprintln!(
+                "error: {}\n(see `broker --help`)",
+                broker_core::error_text::escape_unprintable(&broker_core::error_text::chain_text(e.chain()))
+            );
+            std::process::ExitCode::from(2)
+        }
+        Err(e) => {
+            // Errors quote what providers said: escaped, they cannot drive the terminal.
+            eprintln!("error: {}", broker_core::error_text::escape_unprintable(&broker_core::error_text::chain_text(e.chain())));
+            std::process::ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,699 @@
+//! The daemon's routes. Request bodies are size-limited JSON; anything
+//! malformed is a 4xx with `{"error": "..."}`, never a 500.
+
+use super::MAX_BODY_BYTES;
+use super::wire::StartLine;
+use broker_core::bindings::BrokerError;
+use broker_core::broker::{Broker, BrokerServiceError};
+use broker_core::capabilities::context::CallHooks;
+use broker_core::error_text::error_text;
+use broker_core::groups::{GroupError, Groups};
+use broker_core::providers::registry::RegistryError;
+use broker_core::providers::view::{BreakerView, ProviderView};
+use broker_core::version::CallError;
+use broker_core::version::ProviderStats;
+use axum::body::Body;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+type Shared = Arc<Broker>;
+
+/// What the routes share: the broker, and the work they started that must
+/// run to its end whether or not its client stays (the drain waits for it).
+#[derive(Clone)]
+pub(crate) struct ApiState {
+    pub broker: Shared,
+    pub groups: Arc<Groups>,
+    pub detached: tokio_util::task::TaskTracker,
+}
+
+impl axum::extract::FromRef<ApiState> for Shared {
+    fn from_ref(state: &ApiState) -> Shared {
+        state.broker.clone()
+    }
+}
+
+impl axum::extract::FromRef<ApiState> for Arc<Groups> {
+    fn from_ref(state: &ApiState) -> Arc<Groups> {
+        state.groups.clone()
+    }
+}
+
+impl axum::extract::FromRef<ApiState> for tokio_util::task::TaskTracker {
+    fn from_ref(state: &ApiState) -> Self {
+        state.detached.clone()
+    }
+}
+
+type Detached = tokio_util::task::TaskTracker;
+
+/// An error as the API reports it.
+pub struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.0, Json(json!({ "error": self.1 }))).into_response();
+        if self.0 == StatusCode::SERVICE_UNAVAILABLE {
+            // Busy, half-open, being removed or shutting down: all pass in seconds.
+            response.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        // Too large stays 413; every other malformed body is the client's 400.
+        let status = match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        ApiError(status, rejection.body_text())
+    }
+}
+
+fn registry_status(err: &RegistryError) -> StatusCode {
+    match err {
+        RegistryError::UnknownProvider(_) => StatusCode::NOT_FOUND,
+        RegistryError::AlreadyRegistered { .. }
+        | RegistryError::HasInstances { .. }
+        | RegistryError::SwapRefused { .. } => StatusCode::CONFLICT,
+        RegistryError::Path { .. } | RegistryError::Candidate { .. } | RegistryError::Load(_) => {
+            StatusCode::UNPROCESSABLE_ENTITY
+        }
+        RegistryError::ConfigRejected { .. } | RegistryError::InDataDir(_) => StatusCode::UNPROCESSABLE_ENTITY,
+        RegistryError::GrantsWidened { .. } => StatusCode::CONFLICT,
+        RegistryError::Call(_) => StatusCode::BAD_GATEWAY,
+        RegistryError::Removing(_) | RegistryError::DrainTimeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        RegistryError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+impl From<RegistryError> for ApiError {
+    fn from(err: RegistryError) -> Self {
+        ApiError(registry_status(&err), error_text(&err))
+    }
+}
+
+impl From<BrokerServiceError> for ApiError {
+    fn from(err: BrokerServiceError) -> Self {
+        let status = match &err {
+            BrokerServiceError::Registry(e) => registry_status(e),
+            BrokerServiceError::UnknownInstance(_) => StatusCode::NOT_FOUND,
+            BrokerServiceError::AmbiguousInstance { .. } => StatusCode::CONFLICT,
+            // The provider answered with an id the host does not take.
+            BrokerServiceError::InvalidInstanceId { .. }
+            | BrokerServiceError::InstanceIdTaken { .. }
+            | BrokerServiceError::InstanceIdReused { .. } => StatusCode::BAD_GATEWAY,
+            BrokerServiceError::Call(CallError::Unavailable { .. } | CallError::Busy { .. }) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            // This host's storage failed, not the provider.
+            BrokerServiceError::Call(CallError::Storage { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
+            BrokerServiceError::Call(call) => match call.broker_error() {
+                Some(BrokerError::InvalidParams(_)) => StatusCode::BAD_REQUEST,
+                Some(BrokerError::NotFound(_)) => StatusCode::NOT_FOUND,
+                // The provider or its infrastructure failed, not this host.
+                _ => StatusCode::BAD_GATEWAY,
+            },
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError(status, error_text(&err))
+    }
+}
+
+impl From<broker_core::store::StoreError> for ApiError {
+    fn from(err: broker_core::store::StoreError) -> Self {
+        ApiError(StatusCode::INTERNAL_SERVER_ERROR, error_text(&err))
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Run a change of the host's state to its end even if the client goes away.
+/// A handler's future is dropped when its client disconnects; the store's
+/// commit and what follows it (the registry's slot, a record) must not be cut
+/// apart by that.
+async fn to_the_end<T, E>(
+    detached: &Detached,
+    work: impl Future<Output = Result<T, E>> + Send + 'static,
+) -> ApiResult<T>
+where
+    T: Send + 'static,
+    E: Into<ApiError> + Send + 'static,
+{
+    match detached.spawn(work).await {
+        Ok(done) => done.map_err(Into::into),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, "the daemon is shutting down".into())),
+    }
+}
+
+/// The routes, each request bounded (see [`super::listen::bounded_request`]).
+pub(crate) fn router_with(
+    broker: Shared,
+    groups: Arc<Groups>,
+    detached: Detached,
+    body_timeout: std::time::Duration,
+) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .route("/v1/providers", get(list_providers).post(add_provider))
+        .route("/v1/providers/{name}", get(show_provider).delete(remove_provider))
+        .route("/v1/providers/{name}/swap", post(swap_provider))
+        .route("/v1/instances", get(list_instances).post(start_instance))
+        .route("/v1/instances/{id}", axum::routing::delete(stop_instance))
+        .route("/v1/instances/{id}/maintain", post(maintain_instance))
+        .route("/v1/events", get(events))
+        .route("/v1/lock", get(lock_report))
+        .route("/v1/groups", get(list_groups).post(commit_group))
+        .route("/v1/groups/{id}", get(describe_group).delete(destroy_group))
+        .route("/v1/groups/{id}/spec", get(group_spec))
+        .route("/v1/groups/{id}/size", get(group_size).put(set_group_size))
+        .route("/v1/groups/{id}/destroy-instances", post(destroy_group_instances))
+        .route("/v1/groups/{id}/free", post(free_group))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(move |request, next| {
+            super::listen::bounded_request(body_timeout, request, next)
+        }))
+        .with_state(ApiState { broker, groups, detached })
+}
+
+impl From<GroupError> for ApiError {
+    fn from(err: GroupError) -> Self {
+        let err = match err {
+            GroupError::Broker(inner) => return inner.into(),
+            other => other,
+        };
+        let status = match &err {
+            GroupError::Spec(_) | GroupError::UnknownProvider(_) => StatusCode::BAD_REQUEST,
+            GroupError::UnknownGroup(_) => StatusCode::NOT_FOUND,
+            GroupError::ProviderChanged { .. }
+            | GroupError::AllocationChanged { .. }
+            | GroupError::NotAMember { .. }
+            | GroupError::QuorumSize(_)
+            | GroupError::TooManyGroups(_)
+            | GroupError::ProviderGone { .. } => StatusCode::CONFLICT,
+            GroupError::Store(_) | GroupError::StoredSpec { .. } | GroupError::PassPanicked(_) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+            // The group is gone; its members' stop failed, mostly at the provider.
+            GroupError::StopsUnfinished { .. } => StatusCode::BAD_GATEWAY,
+            // Answered above, as the broker's own errors are.
+            GroupError::Broker(_) => StatusCode::BAD_GATEWAY,
+        };
+        ApiError(status, error_text(&err))
+    }
+}
+
+#[derive(Deserialize)]
+struct CommitQuery {
+    #[serde(default)]
+    pretend: bool,
+}
+
+/// Commit a group spec (InfraKit's shape, as JSON); `?pretend=true` only plans.
+async fn commit_group(
+    State(groups): State<Arc<Groups>>,
+    State(detached): State<Detached>,
+    Query(query): Query<CommitQuery>,
+    body: Result<Json<broker_core::groups::spec::GroupSpec>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(spec) = body?;
+    let group = broker_core::groups::spec::Group::check(spec).map_err(GroupError::from)?;
+    // Runs to its end if the client goes away: a commit half made is none.
+    let plan = to_the_end(&detached, async move { groups.commit(group, query.pretend).await }).await?;
+    Ok(Json(json!({ "plan": plan, "pretend": query.pretend })).into_response())
+}
+
+/// Every group: its spec's id, provider and size, its members and whether it converged.
+async fn list_groups(State(groups): State<Arc<Groups>>) -> ApiResult<Response> {
+    let mut described = Vec::new();
+    for spec in groups.inspect()? {
+        described.push(groups.describe(&spec.id).await?);
+    }
+    Ok(Json(described).into_response())
+}
+
+async fn describe_group(State(groups): State<Arc<Groups>>, Path(id): Path<String>) -> ApiResult<Response> {
+    Ok(Json(groups.describe(&id).await?).into_response())
+}
+
+async fn group_spec(State(groups): State<Arc<Groups>>, Path(id): Path<String>) -> ApiResult<Response> {
+    let spec = groups.inspect()?.into_iter().find(|spec| spec.id == id);
+    let spec = spec.ok_or_else(|| ApiError::from(GroupError::UnknownGroup(id)))?;
+    Ok(Json(spec).into_response())
+}
+
+async fn group_size(State(groups): State<Arc<Groups>>, Path(id): Path<String>) -> ApiResult<Response> {
+    Ok(Json(json!({ "size": groups.size(&id)? })).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SizeRequest {
+    size: u32,
+}
+
+async fn set_group_size(
+    State(groups): State<Arc<Groups>>,
+    State(detached): State<Detached>,
+    Path(id): Path<String>,
+    body: Result<Json<SizeRequest>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(request) = body?;
+    let plan = to_the_end(&detached, async move { groups.set_size(&id, request.size).await }).await?;
+    Ok(Json(json!({ "plan": plan })).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DestroyInstancesRequest {
+    instances: Vec<String>,
+}
+
+async fn destroy_group_instances(
+    State(groups): State<Arc<Groups>>,
+    State(detached): State<Detached>,
+    Path(id): Path<String>,
+    body: Result<Json<DestroyInstancesRequest>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(request) = body?;
+    let ids = request.instances;
+    to_the_end(&detached, async move { groups.destroy_instances(&id, &ids).await }).await?;
+    Ok(Json(json!({ "destroyed": true })).into_response())
+}
+
+async fn free_group(
+    State(groups): State<Arc<Groups>>,
+    State(detached): State<Detached>,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    to_the_end(&detached, async move { groups.free(&id).await }).await?;
+    Ok(Json(json!({ "freed": true })).into_response())
+}
+
+async fn destroy_group(
+    State(groups): State<Arc<Groups>>,
+    State(detached): State<Detached>,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    to_the_end(&detached, async move { groups.destroy(&id).await }).await?;
+    Ok(Json(json!({ "destroyed": true })).into_response())
+}
+
+async fn list_providers(State(broker): State<Shared>) -> ApiResult<Response> {
+    Ok(Json(broker.registry().list_shown()?).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddProvider {
+    /// Path of the provider.toml, on the daemon's machine.
+    manifest: std::path::PathBuf,
+}
+
+async fn add_provider(
+    State(broker): State<Shared>,
+    State(detached): State<Detached>,
+    body: Result<Json<AddProvider>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(request) = body?;
+    let record = to_the_end(&detached, async move { broker.registry().add(&request.manifest).await }).await?;
+    Ok((StatusCode::CREATED, Json(record)).into_response())
+}
+
+/// The provider as `broker provider show --json` prints it, with the crash policy's state.
+async fn show_provider(State(broker): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
+    let (record, manifest) = broker.registry().show(&name)?;
+    let (half_open, trips) = broker.registry().get(&name).await?.breaker_state();
+    let mut view = ProviderView::new(&record, &manifest);
+    view.breaker = Some(BreakerView { half_open, trips });
+    Ok(Json(view).into_response())
+}
+
+async fn remove_provider(
+    State(broker): State<Shared>,
+    State(detached): State<Detached>,
+    Path(name): Path<String>,
+) -> ApiResult<Response> {
+    let removing = name.clone();
+    to_the_end(&detached, async move { broker.registry().remove(&removing).await }).await?;
+    Ok(Json(json!({ "removed": name })).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Swap {
+    component: std::path::PathBuf,
+    #[serde(default)]
+    check: bool,
+}
+
+async fn swap_provider(
+    State(broker): State<Shared>,
+    State(detached): State<Detached>,
+    Path(name): Path<String>,
+    body: Result<Json<Swap>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(request) = body?;
+    let swapped = to_the_end(&detached, async move {
+        let kit = broker_core::conformance::ConformanceCheck;
+        broker.registry().swap(&name, &request.component, request.check.then_some(&kit as _)).await
+    })
+    .await?;
+    Ok(Json(swapped).into_response())
+}
+
+#[derive(Deserialize)]
+struct ProviderFilter {
+    provider: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    provider: Option<String>,
+    /// At most this many records (a page); `X-Next-After` then names the cursor of the next.
+    limit: Option<usize>,
+    /// Only records after this cursor, `PROVIDER/ID`, in the listing's order.
+    after: Option<String>,
+}
+
+async fn list_instances(State(broker): State<Shared>, Query(query): Query<ListQuery>) -> ApiResult<Response> {
+    if query.limit == Some(0) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, "limit: at least 1".into()));
+    }
+    if query.after.as_deref().is_some_and(|after| !after.contains('/')) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, "after: a cursor is PROVIDER/ID (X-Next-After gives it)".into()));
+    }
+    let records = broker.list_instances(query.provider.as_deref()).await?;
+    let (page, next) = broker_core::broker::page(records, query.after.as_deref(), query.limit);
+    let mut response = Json(page).into_response();
+    if let Some(next) = next.and_then(|next| header::HeaderValue::from_str(&next).ok()) {
+        response.headers_mut().insert("x-next-after", next);
+    }
+    Ok(response)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StartRequest {
+    provider: String,
+    /// Juju's syntax: `mem=2G cores=2 zones=a,b`.
+    #[serde(default)]
+    constraints: String,
+    #[serde(default)]
+    placement: Option<String>,
+    /// cloud-init user data, as text.
+    #[serde(default)]
+    user_data: Option<String>,
+    /// Instance tags, set on the instance config.
+    #[serde(default)]
+    tags: std::collections::BTreeMap<String, String>,
+    /// The whole `StartInstanceParams`; the fields above apply over it.
+    #[serde(default)]
+    params: Option<serde_json::Value>,
+}
+
+/// Start an instance. The answer streams as NDJSON, one line per status update
+/// as the provider reports it, then `{"event":"started","instance":…}` or
+/// `{"event":"failed","error":…}`. The start runs to its end even if the client goes away.
+async fn start_instance(
+    State(broker): State<Shared>,
+    State(detached): State<Detached>,
+    body: Result<Json<StartRequest>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(request) = body?;
+    let tags: Vec<(String, String)> = request.tags.into_iter().collect();
+    let params = broker_core::contract::start::start_params(broker_core::contract::start::StartInput {
+        params: request.params.as_ref(),
+        constraints: &request.constraints,
+        placement: request.placement.as_deref(),
+        user_data: request.user_data.map(String::into_bytes),
+        tags: &tags,
+    })
+    .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))?;
+    broker.registry().get(&request.provider).await?;
+
+    // Bounded whatever the provider reports and however slowly the client reads.
+    let lines = Arc::new(super::progress::ProgressQueue::<StartLine>::new(super::progress::QUEUED_LINES));
+    let status_lines = lines.clone();
+    let hooks = CallHooks::with_events(move |event| status_lines.push(StartLine::from(event)));
+    let finished = lines.clone();
+    detached.spawn(async move {
+        // If the start panics, its client is told so rather than left waiting.
+        let mut unfinished = FinishOnDrop(Some(finished.clone()));
+        let last = match broker.start_instance(&request.provider, &params, &hooks).await {
+            Ok(record) => StartLine::Started { instance: Box::new(record) },
+            Err(err) => StartLine::Failed { error: error_text(&err) },
+        };
+        if finished.coalesced() > 0 {
+            tracing::debug!(coalesced = finished.coalesced(), "a start's client was behind: statuses coalesced");
+        }
+        unfinished.0 = None;
+        finished.finish(last);
+    });
+    let stream = futures_util::stream::unfold(lines, |lines| async move {
+        let line = serde_json::to_string(&lines.next().await?).unwrap_or_default();
+        Some((Ok::<_, std::convert::Infallible>(format!("{line}\n")), lines))
+    });
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(stream)).into_response())
+}
+
+/// Ends a start's stream with a failure if its task goes without finishing it
+/// (a panic): the client gets an answer, and the drain does not wait on it.
+struct FinishOnDrop(Option<Arc<super::progress::ProgressQueue<StartLine>>>);
+
+impl Drop for FinishOnDrop {
+    fn drop(&mut self) {
+        if let Some(lines) = self.0.take() {
+            lines.finish(StartLine::Failed { error: "the start failed inside the host (a bug: see its log)".into() });
+        }
+    }
+}
+
+/// The provider named in the query, or the one the host recorded the instance for.
+fn owner(broker: &Broker, id: &str, filter: ProviderFilter) -> Result<String, BrokerServiceError> {
+    match filter.provider {
+        Some(provider) => Ok(provider),
+        None => broker.provider_of(id),
+    }
+}
+
+async fn stop_instance(
+    State(broker): State<Shared>,
+    State(detached): State<Detached>,
+    Path(id): Path<String>,
+    Query(filter): Query<ProviderFilter>,
+) -> ApiResult<Response> {
+    // Idempotent, as Juju's StopInstances: an id the host has no record of
+    // (never started here, or stopped already) is nothing to stop.
+    let owner = match filter.provider {
+        Some(provider) => Some(provider),
+        None => broker.owner_for_stop(&id).await?,
+    };
+    let Some(provider) = owner else {
+        return Ok(Json(json!({ "id": id, "provider": null, "stopped": false })).into_response());
+    };
+    let (stopping, ids) = (provider.clone(), vec![id.clone()]);
+    to_the_end(&detached, async move { broker.stop_instances(&stopping, &ids).await }).await?;
+    Ok(Json(json!({ "id": id, "provider": provider, "stopped": true })).into_response())
+}
+
+async fn maintain_instance(
+    State(broker): State<Shared>,
+    Path(id): Path<String>,
+    Query(filter): Query<ProviderFilter>,
+) -> ApiResult<Response> {
+    let provider = owner(&broker, &id, filter)?;
+    broker.maintain_instance(&provider, &id).await?;
+    Ok(Json(json!({ "maintained": id, "provider": provider })).into_response())
+}
+
+#[derive(Deserialize)]
+struct EventsQuery {
+    #[serde(default)]
+    after: u64,
+    #[serde(default = "default_limit")]
+    limit: usize,
+}
+
+fn default_limit() -> usize {
+    100
+}
+
+async fn events(State(broker): State<Shared>, Query(query): Query<EventsQuery>) -> ApiResult<Response> {
+    Ok(Json(broker.store().events(query.after, query.limit.min(10_000))?).into_response())
+}
+
+/// One version's counters as `/metrics` labels them: the versions serving, and
+/// those retired lately (their calls in flight still count; a scrape after a
+/// swap sees the last of them). Only a serving version has a breaker.
+struct Source {
+    labels: String,
+    stats: Arc<ProviderStats>,
+    breaker: Option<(bool, u64)>,
+}
+
+fn sources(broker: &Broker) -> Vec<Source> {
+    use broker_core::store::records::short_sha256;
+    let label = |name: &str, sha256: &str| format!("provider=\"{name}\",sha256=\"{}\"", short_sha256(sha256));
+    let mut sources: Vec<Source> = broker
+        .registry()
+        .loaded()
+        .iter()
+        .map(|p| Source {
+            labels: label(p.name(), p.sha256()),
+            stats: p.shared_stats(),
+            breaker: Some(p.breaker_state()),
+        })
+        .collect();
+    // Newest first: a version swapped out twice, or out and back in, is one series.
+    for retired in broker.registry().retired().into_iter().rev() {
+        let labels = label(&retired.name, &retired.sha256);
+        if !sources.iter().any(|s| s.labels == labels) {
+            sources.push(Source { labels, stats: retired.stats, breaker: None });
+        }
+    }
+    sources
+}
+
+/// Per version and method: outcomes (ok, error, trap, deadline, limit,
+/// instantiate, unavailable) and a latency histogram. Methods never called are left out.
+fn per_method(text: &mut String, sources: &[Source]) {
+    use broker_core::version::method_stats::{MethodStats, Outcome};
+    fn called(source: &Source) -> Vec<(String, &MethodStats)> {
+        source
+            .stats
+            .methods
+            .iter()
+            .filter(|(_, stats)| stats.count() > 0)
+            .map(|(method, stats)| (format!("{},method=\"{}\"", source.labels, method.name()), stats))
+            .collect()
+    }
+    text.push_str("# HELP broker_calls_total Calls finished, by outcome.\n");
+    text.push_str("# TYPE broker_calls_total counter\n");
+    for source in sources {
+        for (labels, stats) in called(source) {
+            for outcome in Outcome::ALL {
+                let n = stats.outcome(outcome);
+                text.push_str(&format!("broker_calls_total{{{labels},outcome=\"{}\"}} {n}\n", outcome.name()));
+            }
+        }
+    }
+    text.push_str("# HELP broker_call_duration_seconds Call latency, instantiation included.\n");
+    text.push_str("# TYPE broker_call_duration_seconds histogram\n");
+    for source in sources {
+        for (labels, stats) in called(source) {
+            for (bound, count) in stats.cumulative() {
+                text.push_str(&format!("broker_call_duration_seconds_bucket{{{labels},le=\"{bound}\"}} {count}\n"));
+            }
+            let count = stats.count();
+            text.push_str(&format!("broker_call_duration_seconds_bucket{{{labels},le=\"+Inf\"}} {count}\n"));
+            text.push_str(&format!("broker_call_duration_seconds_sum{{{labels}}} {}\n", stats.sum_seconds()));
+            text.push_str(&format!("broker_call_duration_seconds_count{{{labels}}} {count}\n"));
+        }
+    }
+}
+
+/// The API described in OpenAPI 3.0 (kept beside this file; a test sends a
+/// request to every path and method it names).
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LockQuery {
+    #[serde(default = "default_limit")]
+    history: usize,
+}
+
+/// The machine lock: holder, waiters (of every process) and recent history, as `broker lock --json`.
+async fn lock_report(State(broker): State<Shared>, Query(query): Query<LockQuery>) -> Response {
+    Json(broker.lock().report(query.history.min(1000))).into_response()
+}
+
+/// Prometheus text format: per provider version (serving, or retired within
+/// the last ten minutes), its calls, instantiations and breaker; and the swaps so far.
+async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
+    let mut text = String::new();
+    let sources = sources(&broker);
+    text.push_str("# HELP broker_provider_calls_total Calls begun, per provider version.\n");
+    text.push_str("# TYPE broker_provider_calls_total counter\n");
+    for source in &sources {
+        let calls = source.stats.calls.load(Ordering::Relaxed);
+        text.push_str(&format!("broker_provider_calls_total{{{}}} {calls}\n", source.labels));
+    }
+    text.push_str("# TYPE broker_provider_instantiations_total counter\n");
+    for source in &sources {
+        let instantiations = source.stats.instantiations.load(Ordering::Relaxed);
+        text.push_str(&format!("broker_provider_instantiations_total{{{}}} {instantiations}\n", source.labels));
+    }
+    text.push_str(
+        "# HELP broker_guest_turns_total Turns of executor time the version's long-running calls took (one a millisecond of guest time past the first).\n",
+    );
+    text.push_str("# TYPE broker_guest_turns_total counter\n");
+    for source in &sources {
+        let turns = source.stats.turns.load(Ordering::Relaxed);
+        text.push_str(&format!("broker_guest_turns_total{{{}}} {turns}\n", source.labels));
+    }
+    text.push_str("# HELP broker_provider_half_open 1 while the crash policy holds the version half-open.\n");
+    text.push_str("# TYPE broker_provider_half_open gauge\n");
+    for source in &sources {
+        let Some((half_open, trips)) = source.breaker else { continue };
+        let labels = &source.labels;
+        text.push_str(&format!("broker_provider_half_open{{{labels}}} {}\n", u8::from(half_open)));
+        text.push_str(&format!("broker_provider_breaker_trips_total{{{labels}}} {trips}\n"));
+    }
+    per_method(&mut text, &sources);
+    text.push_str(
+        "# HELP broker_quota_refusals_total What a provider's bounds refused or cut (calls, lines, entries), by bound.\n",
+    );
+    text.push_str("# TYPE broker_quota_refusals_total counter\n");
+    for source in &sources {
+        for (quota, n) in source.stats.quotas.iter() {
+            text.push_str(&format!(
+                "broker_quota_refusals_total{{{},quota=\"{}\"}} {n}\n",
+                source.labels,
+                quota.name()
+            ));
+        }
+    }
+    let mirror = broker.store().kv().mirror_stats();
+    text.push_str("# HELP broker_kv_mirror_bytes Keys and values of the kv namespaces held in memory.\n");
+    text.push_str("# TYPE broker_kv_mirror_bytes gauge\n");
+    text.push_str(&format!("broker_kv_mirror_bytes {}\n", mirror.bytes));
+    text.push_str("# HELP broker_kv_mirror_namespaces Kv namespaces held in memory.\n");
+    text.push_str("# TYPE broker_kv_mirror_namespaces gauge\n");
+    text.push_str(&format!("broker_kv_mirror_namespaces {}\n", mirror.namespaces));
+    text.push_str("# HELP broker_kv_mirror_loads_total Kv namespaces read from the state file into memory.\n");
+    text.push_str("# TYPE broker_kv_mirror_loads_total counter\n");
+    text.push_str(&format!("broker_kv_mirror_loads_total {}\n", mirror.loads));
+    text.push_str(
+        "# HELP broker_kv_mirror_evictions_total Clean kv namespaces let go of memory to keep within the mirror's budget.\n",
+    );
+    text.push_str("# TYPE broker_kv_mirror_evictions_total counter\n");
+    text.push_str(&format!("broker_kv_mirror_evictions_total {}\n", mirror.evictions));
+    let swaps = broker.registry().swap_counts();
+    text.push_str("# HELP broker_swaps_total Providers swapped since the daemon started.\n");
+    text.push_str("# TYPE broker_swaps_total counter\n");
+    text.push_str(&format!("broker_swaps_total {}\n", swaps.swapped.load(Ordering::Relaxed)));
+    text.push_str("# HELP broker_swap_refusals_total Swap candidates refused since the daemon started.\n");
+    text.push_str("# TYPE broker_swap_refusals_total counter\n");
+    text.push_str(&format!("broker_swap_refusals_total {}\n", swaps.refused.load(Ordering::Relaxed)));
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+}

@@ -1,0 +1,285 @@
+//! The daemon's accept loop, in place of `axum::serve` (which sets no timer,
+//! so a client that never finishes its request holds a connection, and a
+//! drain, forever): HTTP/1 from hyper with a header-read timeout, at most
+//! [`ServeLimits::max_connections`] connections at once, and a drain that
+//! ends when the requests in flight do or after [`ServeLimits::drain`].
+//!
+//! A request's body is read whole, within [`ServeLimits::body_timeout`], by
+//! [`bounded_request`] (a layer of the router): every body the API takes is
+//! small JSON, and a handler then never waits on a slow client.
+
+use super::MAX_BODY_BYTES;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::Semaphore;
+
+/// How long and how many: what bounds one listener's clients.
+#[derive(Clone, Copy, Debug)]
+pub struct ServeLimits {
+    /// A request's head (line and headers) must arrive within this, and so
+    /// must the next request's on a kept-alive connection: an idle one closes.
+    pub header_timeout: Duration,
+    /// A request's body must arrive whole within this (408 otherwise).
+    pub body_timeout: Duration,
+    /// Connections open at once; the next waits in the kernel's backlog.
+    pub max_connections: usize,
+    /// After the stop, how long the requests in flight have to finish before
+    /// their connections are closed.
+    pub drain: Duration,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        ServeLimits {
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(10),
+            max_connections: 512,
+            drain: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A listener the loop accepts from: the unix socket or loopback TCP.
+pub trait Accept: Send + 'static {
+    /// A connection.
+    type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    /// The next connection.
+    fn accept(&mut self) -> impl Future<Output = std::io::Result<Self::Io>> + Send;
+}
+
+impl Accept for tokio::net::UnixListener {
+    type Io = tokio::net::UnixStream;
+    async fn accept(&mut self) -> std::io::Result<Self::Io> {
+        tokio::net::UnixListener::accept(self).await.map(|(io, _)| io)
+    }
+}
+
+impl Accept for tokio::net::TcpListener {
+    type Io = tokio::net::TcpStream;
+    async fn accept(&mut self) -> std::io::Result<Self::Io> {
+        let (io, _) = tokio::net::TcpListener::accept(self).await?;
+        // Small JSON answers and NDJSON status lines: each goes at once.
+        let _ = io.set_nodelay(true);
+        Ok(io)
+    }
+}
+
+/// Serve `app` on `listener` until `stop` resolves, then drain: the listener
+/// closes, idle connections close, and requests in flight have
+/// `limits.drain` to finish. Returns once drained (or the drain timed out).
+pub async fn serve(
+    mut listener: impl Accept,
+    app: Router,
+    limits: ServeLimits,
+    stop: impl Future<Output = ()> + Send,
+    name: &'static str,
+) {
+    let graceful = GracefulShutdown::new();
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout).keep_alive(true);
+    let mut stop = std::pin::pin!(stop);
+    // Said once each time the limit is reached, not at every accept while it holds.
+    let mut said_full = false;
+    loop {
+        // A permit before the accept: past the limit, clients wait in the backlog.
+        let permit = tokio::select! {
+            permit = permits.clone().acquire_owned() => permit,
+            () = &mut stop => break,
+        };
+        let Ok(permit) = permit else { break };
+        let full = permits.available_permits() == 0;
+        if full && !said_full {
+            tracing::warn!(listener = name, max = limits.max_connections, "connection limit reached: new clients wait");
+        }
+        said_full = full;
+        let io = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut stop => break,
+        };
+        let io = match io {
+            Ok(io) => io,
+            Err(error) => {
+                // Out of descriptors, or a client gone before its accept: not the daemon's end.
+                tracing::warn!(listener = name, %error, "cannot accept a connection");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let service = TowerToHyperService::new(app.clone());
+        let connection = graceful.watch(http.serve_connection(TokioIo::new(io), service));
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(listener = name, %error, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    let open = graceful.count();
+    if tokio::time::timeout(limits.drain, graceful.shutdown()).await.is_err() {
+        tracing::warn!(
+            listener = name,
+            open,
+            drain_seconds = limits.drain.as_secs(),
+            "requests still in flight when the drain ran out: their connections are closed"
+        );
+    }
+}
+
+/// Longest request target the API takes (414 past it).
+pub const MAX_URI_BYTES: usize = 8 << 10;
+/// Most bytes of headers the API takes (431 past it). Beyond hyper's own
+/// buffer (~400 KiB) hyper answers 431 itself, with no body.
+pub const MAX_HEADER_BYTES: usize = 32 << 10;
+
+/// Every request passes here, inside the routes' layers: its target and
+/// headers are bounded, its body read whole within `timeout` and at most
+/// [`MAX_BODY_BYTES`] (408, 413), and every error answer, axum's own
+/// rejections of a path or a query included, is `{"error": "..."}` JSON.
+pub async fn bounded_request(timeout: Duration, request: Request, next: Next) -> Response {
+    bounded_request_up_to(timeout, MAX_BODY_BYTES, request, next).await
+}
+
+/// [`bounded_request`] with a body of at most `max_body` bytes.
+pub async fn bounded_request_up_to(timeout: Duration, max_body: usize, request: Request, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    let target = parts.uri.path_and_query().map_or(0, |p| p.as_str().len());
+    if target > MAX_URI_BYTES {
+        return error(StatusCode::URI_TOO_LONG, format!("the request target is longer than {MAX_URI_BYTES} bytes"));
+    }
+    let headers: usize = parts.headers.iter().map(|(name, value)| name.as_str().len() + value.len() + 4).sum();
+    if headers > MAX_HEADER_BYTES {
+        return error(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!("the request headers are larger than {MAX_HEADER_BYTES} bytes"),
+        );
+    }
+    let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, max_body)).await;
+    let bytes = match read {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(failed)) => {
+            // Too large, or the client broke off mid-body.
+            let too_large = std::error::Error::source(&failed)
+                .is_some_and(|source| source.is::<http_body_util::LengthLimitError>());
+            return if too_large {
+                error(StatusCode::PAYLOAD_TOO_LARGE, format!("the request body is larger than {max_body} bytes"))
+            } else {
+                error(StatusCode::BAD_REQUEST, format!("cannot read the request body: {failed}"))
+            };
+        }
+        Err(_) => {
+            let seconds = timeout.as_secs_f64();
+            return error(StatusCode::REQUEST_TIMEOUT, format!("the request body did not arrive within {seconds} s"));
+        }
+    };
+    as_json_error(next.run(Request::from_parts(parts, Body::from(bytes))).await).await
+}
+
+/// An error answer that is not JSON (axum's rejections of a path or a query,
+/// its 404 and 405) as `{"error": "..."}`: its text, or the status's reason.
+async fn as_json_error(response: Response) -> Response {
+    let status = response.status();
+    let json = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|kind| kind.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || json {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, 4096).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).trim().to_owned();
+    let message = if text.is_empty() { status.canonical_reason().unwrap_or("error").to_owned() } else { text };
+    let mut answer = error(status, message);
+    // Allow (405) and the like stay.
+    for (name, value) in &parts.headers {
+        if name != axum::http::header::CONTENT_TYPE && name != axum::http::header::CONTENT_LENGTH {
+            answer.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    answer
+}
+
+fn error(status: StatusCode, message: String) -> Response {
+    (status, axum::Json(serde_json::json!({ "error": message }))).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use broker_core::broker::Broker;
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    /// Fuzzed (bolero): any body, to any route that takes one, any query,
+    /// is answered 2xx or 4xx with `{"error": …}` JSON: never a 5xx, never a
+    /// panic. (A broker with no providers: every start or add fails early,
+    /// which is the code under attack here.)
+    #[test]
+    fn fuzz_api_requests() {
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let broker = std::sync::Arc::new(Broker::open(dir.path()).unwrap());
+        let groups = broker_core::groups::Groups::new(broker.clone(), Default::default());
+        let app = super::super::api::router_with(broker, groups, Default::default(), std::time::Duration::from_secs(1));
+        // A panic is the failure bolero reports: the router is never used after one.
+        let (app, runtime) = (std::panic::AssertUnwindSafe(app), std::panic::AssertUnwindSafe(runtime));
+        let routes = [
+            ("POST", "/v1/instances"),
+            ("POST", "/v1/providers"),
+            ("POST", "/v1/providers/fake/swap"),
+            ("GET", "/v1/instances?"),
+            ("GET", "/v1/events?"),
+            ("GET", "/v1/lock?"),
+            ("DELETE", "/v1/instances/"),
+        ];
+        bolero::check!().with_iterations(3_000).with_type::<(u8, Vec<u8>, String)>().for_each(
+            |(route, body, query)| {
+                let (method, path) = routes[usize::from(*route) % routes.len()];
+                let encoded: String = url_safe(query);
+                let uri = if path.ends_with(['?', '/']) { format!("{path}{encoded}") } else { path.to_owned() };
+                let Ok(request) = Request::builder()
+                    .method(method)
+                    .uri(&uri)
+                    .header("content-type", "application/json")
+                    .body(Body::from(body.clone()))
+                else {
+                    return;
+                };
+                // Through the wrapper (a whole capture), not its field.
+                let router = std::ops::Deref::deref(&app).clone();
+                let response = runtime.block_on(router.oneshot(request)).unwrap();
+                let status = response.status();
+                assert!(!status.is_server_error(), "{method} {uri}: {status}");
+                if status.is_client_error() {
+                    let bytes = runtime.block_on(axum::body::to_bytes(response.into_body(), 1 << 20)).unwrap();
+                    let answer: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                    assert!(answer["error"].is_string(), "{method} {uri}: {answer}");
+                }
+            },
+        );
+    }
+
+    /// `text` as a URI may carry it: what is not unreserved is %-escaped.
+    fn url_safe(text: &str) -> String {
+        text.bytes()
+            .map(|b| match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'=' | b'&' => {
+                    (b as char).to_string()
+                }
+                other => format!("%{other:02X}"),
+            })
+            .collect()
+    }
+}
