@@ -8,8 +8,8 @@
 //! is for other clients; the daemon refuses to start where another process
 //! holds that address ([`crate::daemon::holder`]).
 
-use broker_core::capabilities::context::CallEvent;
 use crate::daemon::wire::StartLine;
+use broker_core::capabilities::context::CallEvent;
 use broker_core::store::InstanceRecord;
 use bytes::Bytes;
 use http::{Method, StatusCode, header};

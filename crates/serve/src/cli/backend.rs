@@ -2,13 +2,13 @@
 //! the broker opened in this process. Both give the same records, so the
 //! commands print the same either way.
 
+use crate::client::{DaemonClient, encode_component};
+use anyhow::{Context, Result};
 use broker_core::broker::Broker;
 use broker_core::capabilities::context::{CallEvent, CallHooks};
-use crate::client::{DaemonClient, encode_component};
 use broker_core::providers::registry::SwapReport;
 use broker_core::providers::view::ProviderView;
 use broker_core::store::{Event, InstanceRecord, ProviderRecord};
-use anyhow::{Context, Result};
 use http::Method;
 use serde_json::json;
 use std::path::Path;

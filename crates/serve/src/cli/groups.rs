@@ -5,9 +5,9 @@
 use super::UsageError;
 use super::backend::Backend;
 use crate::client::encode_component;
+use anyhow::{Context, Result};
 use broker_core::groups::spec::{Group, GroupSpec, MAX_SPEC_BYTES};
 use broker_core::groups::{GroupDescription, Groups};
-use anyhow::{Context, Result};
 use clap::Subcommand;
 use http::Method;
 use serde_json::json;
@@ -111,8 +111,10 @@ pub(crate) async fn run(backend: &Backend, command: GroupCommand, out: &mut impl
                 }
                 for m in &described.instances {
                     let lid = m.logical_id.as_deref().unwrap_or("-");
-                    let hash =
-                        m.tags.get(broker_core::groups::spec::CONFIG_HASH_TAG).map_or("-", |h| h.get(..12).unwrap_or(h));
+                    let hash = m
+                        .tags
+                        .get(broker_core::groups::spec::CONFIG_HASH_TAG)
+                        .map_or("-", |h| h.get(..12).unwrap_or(h));
                     writeln!(out, "  {:<32} {:<12} {:<14} config {hash}", m.id, lid, m.status)?;
                 }
             }

@@ -1,9 +1,9 @@
 //! `broker lock` (the report) and `broker lock run` (hold the lock around a program).
 
 use super::UsageError;
+use anyhow::{Context, Result};
 use broker_core::broker::service::machine_lock;
 use broker_core::machine_lock::{LockError, MachineLock, Spec};
-use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use std::io::Write;
 use std::os::unix::process::ExitStatusExt;

@@ -6,12 +6,12 @@ mod groups;
 mod lock;
 mod output;
 
+use anyhow::{Context, Result};
+use backend::Backend;
 use broker_core::broker::Broker;
 use broker_core::capabilities::context::CallEvent;
 use broker_core::contract::constraints;
 use broker_core::store::records::status_name;
-use anyhow::{Context, Result};
-use backend::Backend;
 use clap::{Args, Parser, Subcommand};
 use std::io::Write;
 use std::path::PathBuf;
@@ -907,7 +907,10 @@ pub fn main() -> std::process::ExitCode {
         }
         Err(e) => {
             // Errors quote what providers said: escaped, they cannot drive the terminal.
-            eprintln!("error: {}", broker_core::error_text::escape_unprintable(&broker_core::error_text::chain_text(e.chain())));
+            eprintln!(
+                "error: {}",
+                broker_core::error_text::escape_unprintable(&broker_core::error_text::chain_text(e.chain()))
+            );
             std::process::ExitCode::from(1)
         }
     }

@@ -4,8 +4,8 @@
 //! drive the terminal; `--json` output is escaped by serde.
 
 use super::describe_event;
-use broker_core::capabilities::context::CallEvent;
 use crate::daemon::wire::StartLine;
+use broker_core::capabilities::context::CallEvent;
 use broker_core::error_text::escape_unprintable as esc;
 use broker_core::providers::view::ProviderView;
 use broker_core::store::records::Hardware;
@@ -216,7 +216,10 @@ pub fn event_lines(out: &mut impl Write, events: &[broker_core::store::Event]) -
 }
 
 /// `broker store check` / `recover`: per table, what was read, what was not.
-pub fn salvage_report(out: &mut impl Write, report: &broker_core::store::salvage::SalvageReport) -> std::io::Result<()> {
+pub fn salvage_report(
+    out: &mut impl Write,
+    report: &broker_core::store::salvage::SalvageReport,
+) -> std::io::Result<()> {
     writeln!(out, "state file: {}", esc(&report.path))?;
     if let Some(why) = &report.unopenable {
         writeln!(out, "cannot be opened: {}", esc(why))?;

@@ -3,6 +3,13 @@
 
 use super::MAX_BODY_BYTES;
 use super::wire::StartLine;
+use axum::body::Body;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
 use broker_core::bindings::BrokerError;
 use broker_core::broker::{Broker, BrokerServiceError};
 use broker_core::capabilities::context::CallHooks;
@@ -12,13 +19,6 @@ use broker_core::providers::registry::RegistryError;
 use broker_core::providers::view::{BreakerView, ProviderView};
 use broker_core::version::CallError;
 use broker_core::version::ProviderStats;
-use axum::body::Body;
-use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
-use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
 use std::sync::Arc;

@@ -217,9 +217,9 @@ fn error(status: StatusCode, message: String) -> Response {
 
 #[cfg(test)]
 mod tests {
-    use broker_core::broker::Broker;
     use axum::body::Body;
     use axum::http::Request;
+    use broker_core::broker::Broker;
     use tower::ServiceExt;
 
     /// Fuzzed (bolero): any body, to any route that takes one, any query,

@@ -16,8 +16,8 @@ pub use auth::BearerToken;
 pub(crate) use auth::check_loopback;
 pub use listen::ServeLimits;
 
-use broker_core::broker::Broker;
 use anyhow::{Context, Result};
+use broker_core::broker::Broker;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -21,14 +21,14 @@ pub mod group;
 pub mod instance;
 pub mod rpc;
 
-use broker_core::broker::Broker;
 use crate::daemon::ServeLimits;
-use broker_core::groups::Groups;
 use anyhow::{Context, Result};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::routing::{get, post};
+use broker_core::broker::Broker;
+use broker_core::groups::Groups;
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
