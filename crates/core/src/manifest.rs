@@ -46,6 +46,9 @@
 //! api-token = "lxd-prod"         # from DATA_DIR/secrets/lxd-prod (0600, the host's user's)
 //! ```
 
+use crate::capabilities::kv::KvQuota;
+use crate::runtime::quotas::{self, Quotas};
+use crate::sandbox::ProgramLimits;
 use serde::{Deserialize, Deserializer};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -181,20 +184,20 @@ pub(crate) struct Limits {
 }
 
 fn default_program_memory_mib() -> u64 {
-    1024
+    ProgramLimits::default().memory_mib
 }
 fn default_program_pids() -> u64 {
-    512
+    ProgramLimits::default().pids
 }
 fn default_tmp_mib() -> u64 {
-    64
+    ProgramLimits::default().tmp_mib
 }
 
 fn default_kv_keys() -> usize {
-    100_000
+    quotas::DEFAULT_KV_KEYS
 }
 fn default_kv_mib() -> u64 {
-    64
+    quotas::DEFAULT_KV_MIB
 }
 fn default_data_mib() -> u64 {
     1024
@@ -207,7 +210,7 @@ fn default_max_records() -> usize {
     10_000
 }
 fn default_log_lines_per_second() -> u32 {
-    100
+    quotas::DEFAULT_LOG_LINES_PER_SECOND
 }
 fn default_max_concurrent_calls() -> usize {
     32
@@ -350,24 +353,20 @@ impl Deadlines {
     }
 }
 
-/// Host interfaces a provider may import. Nothing is granted by default.
-/// Each capability's grant is parsed, compared and shown by its room
-/// ([`crate::runtime::rooms`]); `[grants]` is the rooms' keys and nothing else.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Grants {
-    /// The rooms' grants, by room.
-    pub rooms: crate::runtime::rooms::RoomGrants,
-}
-
-impl Grants {
-    /// What this grants that `approved` does not, if anything (each room's
-    /// first new grant): what an operator must approve before it applies.
-    pub fn widening(&self, approved: &Grants) -> Option<String> {
-        self.rooms.widening(&approved.rooms)
-    }
-}
+pub use crate::runtime::rooms::Grants;
 
 impl Limits {
+    /// What a provider version's stores share: its kv namespace's bounds, its log rate.
+    pub fn quotas(&self) -> Quotas {
+        let kv = KvQuota { keys: self.kv_keys, bytes: (self.kv_mib << 20) as usize };
+        Quotas::new(kv, self.log_lines_per_second)
+    }
+
+    /// What its granted programs may take together among them.
+    pub fn programs(&self) -> ProgramLimits {
+        ProgramLimits { memory_mib: self.program_memory_mib, pids: self.program_pids, tmp_mib: self.tmp_mib }
+    }
+
     /// The bounds that hold a provider to its share of the host which these
     /// loosen against `approved`, each named: like a new grant, the
     /// operator's to approve. (A deadline or a pool's size is the provider's own.)

@@ -83,8 +83,7 @@ mod tests {
 
     #[test]
     fn a_providers_refusal_warnings_count_against_its_log_rate() {
-        let limits = crate::manifest::Limits { log_lines_per_second: 0, ..Default::default() };
-        let quotas = Arc::new(Quotas::new(&limits));
+        let quotas = Arc::new(Quotas::new(Quotas::default().kv(), 0));
         let (collecting, collected) = Denials::collecting();
         let denials = collecting.for_provider("p".into(), quotas.clone());
         for _ in 0..5 {

@@ -6,8 +6,8 @@
 //! conformance kit, unit tests and benchmarks. The room is [`Kv`].
 
 use crate::bindings::broker::provider::kv::{self as wit};
-use crate::runtime::HostState;
 use crate::runtime::quotas::{Quota, Quotas};
+use crate::runtime::rooms::HasRooms;
 use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use futures_util::future::BoxFuture;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -603,8 +603,8 @@ impl Room for Kv {
         }
     }
 
-    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
-        add_to_linker(linker, |state| state.rooms.of::<Kv>())
+    fn add_to_linker<T: HasRooms>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state: &mut T| state.room::<Kv>().0)
     }
 }
 

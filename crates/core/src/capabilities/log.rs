@@ -4,8 +4,8 @@
 //! are counted and said as "suppressed N lines" with the next line written.
 
 use crate::bindings::broker::provider::log::{self as wit, Level};
-use crate::runtime::HostState;
 use crate::runtime::quotas::Quotas;
+use crate::runtime::rooms::HasRooms;
 use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use crate::secrets::Redactor;
 use std::sync::Arc;
@@ -96,8 +96,8 @@ impl Room for Log {
         LogCtx::new(store.provider.clone(), store.quotas.clone(), store.redactor.clone())
     }
 
-    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
-        add_to_linker(linker, |state| state.room::<Log>().0)
+    fn add_to_linker<T: HasRooms>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state: &mut T| state.room::<Log>().0)
     }
 }
 

@@ -26,7 +26,7 @@ use wasmtime::{Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, P
 pub const EPOCH_TICK: Duration = Duration::from_millis(1);
 
 /// A cause from wasmtime, kept whole (its own causes reachable through `source`).
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+pub use rooms::BoxError;
 
 /// Why the engine could not be set up or a component not compiled.
 #[derive(Debug, thiserror::Error)]
@@ -161,9 +161,7 @@ impl Runtime {
         let mut linker = Linker::new(&self.engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         capabilities::wasi::refuse_symlinks(&mut linker, HostState::symlink_refused)?;
-        for room in ROOMS.iter().filter(|room| room.linked_for(grants)) {
-            room.add_to_linker(&mut linker)?;
-        }
+        rooms::add_to_linker(&mut linker, grants)?;
         Ok(linker)
     }
 }

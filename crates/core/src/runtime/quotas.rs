@@ -5,7 +5,6 @@
 //! `broker_quota_refusals_total{…,quota="…"}`.
 
 use crate::capabilities::kv::KvQuota;
-use crate::manifest::Limits;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -60,6 +59,13 @@ impl Quota {
     }
 }
 
+/// `[limits]`' default `kv-keys`.
+pub const DEFAULT_KV_KEYS: usize = 100_000;
+/// `[limits]`' default `kv-mib`.
+pub const DEFAULT_KV_MIB: u64 = 64;
+/// `[limits]`' default `log-lines-per-second`.
+pub const DEFAULT_LOG_LINES_PER_SECOND: u32 = 100;
+
 /// One provider version's shared bounds and what they refused.
 #[derive(Debug)]
 pub struct Quotas {
@@ -71,15 +77,15 @@ pub struct Quotas {
 impl Default for Quotas {
     /// The default `[limits]`' bounds.
     fn default() -> Self {
-        Quotas::new(&Limits::default())
+        let kv = KvQuota { keys: DEFAULT_KV_KEYS, bytes: (DEFAULT_KV_MIB << 20) as usize };
+        Quotas::new(kv, DEFAULT_LOG_LINES_PER_SECOND)
     }
 }
 
 impl Quotas {
-    /// The bounds `limits` sets.
-    pub(crate) fn new(limits: &Limits) -> Self {
-        let kv = KvQuota { keys: limits.kv_keys, bytes: (limits.kv_mib << 20) as usize };
-        Quotas { refused: Default::default(), log_lines: LogRate::new(limits.log_lines_per_second), kv }
+    /// A kv namespace held to `kv`, a log of at most `log_lines_per_second`.
+    pub fn new(kv: KvQuota, log_lines_per_second: u32) -> Self {
+        Quotas { refused: Default::default(), log_lines: LogRate::new(log_lines_per_second), kv }
     }
 
     /// What the provider's kv namespace may hold.

@@ -9,11 +9,14 @@
 //! (what its calls reach; the host's unless injected), its part of a store
 //! and its `add_to_linker` are all in its own folder, and it joins the host
 //! with one line here. The call context, which needs no grant, is a [`NoGrant`] entry.
+//!
+//! Rooms link against any store type that holds their parts ([`HasRooms`],
+//! as wasmtime-wasi's `WasiView`): nothing here names the host's store.
 
-use super::{BoxError, HostState};
+/// An error a room's preparation or backend gives, its cause kept.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 use crate::capabilities::denials::Denials;
 use crate::capabilities::{context, http_egress, kv, local_socket, log, machine_lock, network_bridge, process};
-use crate::manifest::Grants;
 use serde::de::{DeserializeSeed, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
@@ -25,6 +28,24 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use wasmtime::component::{Linker, ResourceTable};
+use wasmtime_wasi_http::WasiHttpView;
+
+/// A store's data that holds the rooms' parts: what every room links against.
+/// `wasi:http` is a room too, so the store is a `WasiHttpView`; its impl
+/// lends [`http_egress::http_view`] the room's part.
+pub trait HasRooms: WasiHttpView + Send + 'static {
+    /// The rooms' parts of this store, and its resource table.
+    fn rooms(&mut self) -> (&mut Parts, &mut ResourceTable);
+
+    /// `R`'s part of this store and the resource table, for its view.
+    fn room<R: Room>(&mut self) -> (&mut R::Ctx, &mut ResourceTable)
+    where
+        Self: Sized,
+    {
+        let (parts, table) = self.rooms();
+        (parts.of::<R>(), table)
+    }
+}
 
 /// How a capability is linked into a provider's stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,8 +67,6 @@ pub trait Capability: Send + Sync {
     fn linking(&self) -> Linking;
     /// Whether `grants` grant it.
     fn granted(&self, grants: &Grants) -> bool;
-    /// Add its host functions to a provider's linker.
-    fn add_to_linker(&self, linker: &mut Linker<HostState>) -> wasmtime::Result<()>;
     /// Its grant's hooks, when the grant is its own (a [`Room`]'s).
     fn section(&self) -> Option<&dyn Section> {
         None
@@ -71,8 +90,8 @@ pub struct LoadSetup<'a> {
     pub sandbox: &'a crate::sandbox::Sandbox,
     /// What the rooms' calls will reach.
     pub backends: &'a Backends,
-    /// The manifest's limits (what its programs may take together among them).
-    pub(crate) limits: &'a crate::manifest::Limits,
+    /// What its granted programs may take together among them.
+    pub programs: crate::sandbox::ProgramLimits,
 }
 
 /// What the rooms made ready when a provider version loaded, by room.
@@ -176,7 +195,7 @@ pub trait Room: Send + Sync + Sized + 'static {
     /// refusal in `store.denials` like any other.
     fn ctx(grant: &Self::Grant, backend: Option<Arc<Self::Backend>>, store: &StoreSetup<'_>) -> Self::Ctx;
     /// Add its host functions to a provider's linker.
-    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()>;
+    fn add_to_linker<T: HasRooms>(linker: &mut Linker<T>) -> wasmtime::Result<()>;
     /// A call is about to run in the store (`abort` is set when it is cancelled).
     fn begin_call(_ctx: &mut Self::Ctx, _abort: &Arc<AtomicBool>) {}
     /// The call ended: release what it left behind (its handles in `table`).
@@ -290,9 +309,6 @@ impl<R: Room> Capability for Own<R> {
     fn granted(&self, grants: &Grants) -> bool {
         R::granted(&grants.rooms.of::<R>())
     }
-    fn add_to_linker(&self, linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
-        R::add_to_linker(linker)
-    }
     fn section(&self) -> Option<&dyn Section> {
         Some(self)
     }
@@ -349,7 +365,6 @@ impl<R: Room> Section for Own<R> {
 /// call context: what the host lends a call, nothing the provider reaches).
 pub struct NoGrant {
     pub(crate) interface: &'static str,
-    pub(crate) add_to_linker: fn(&mut Linker<HostState>) -> wasmtime::Result<()>,
 }
 
 impl Capability for NoGrant {
@@ -365,27 +380,39 @@ impl Capability for NoGrant {
     fn granted(&self, _: &Grants) -> bool {
         true
     }
-    fn add_to_linker(&self, linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
-        (self.add_to_linker)(linker)
-    }
 }
 
-/// Every capability this host provides, besides WASI (linked for all,
-/// nothing ambient in it) and `types` (no functions).
-pub static ROOMS: &[&dyn Capability] = &[
-    &NoGrant {
-        interface: context::INTERFACE,
-        add_to_linker: |linker| context::add_to_linker(linker, HostState::context_view),
-    },
-    // In this order a widening is named and `provider show` lists the grants.
-    &Own::<kv::Kv>::ROOM,
-    &Own::<process::Process>::ROOM,
-    &Own::<local_socket::LocalSocket>::ROOM,
-    &Own::<log::Log>::ROOM,
-    &Own::<machine_lock::MachineLockRoom>::ROOM,
-    &Own::<http_egress::HttpEgress>::ROOM,
-    &Own::<network_bridge::NetworkBridge>::ROOM,
-];
+/// The registered rooms, once: [`ROOMS`] for the host at large, and
+/// [`add_to_linker`], generic over the store, for the linker.
+macro_rules! registered {
+    ($($room:ty),* $(,)?) => {
+        /// Every capability this host provides, besides WASI (linked for all,
+        /// nothing ambient in it) and `types` (no functions).
+        pub static ROOMS: &[&dyn Capability] = &[&NoGrant { interface: context::INTERFACE }, $(&Own::<$room>::ROOM),*];
+
+        /// Add to `linker` the call context and each room `grants` link.
+        pub fn add_to_linker<T: HasRooms>(linker: &mut Linker<T>, grants: &Grants) -> wasmtime::Result<()> {
+            context::add_to_linker(linker, |state: &mut T| context::ContextView { table: state.rooms().1 })?;
+            $(
+                if Own::<$room>::ROOM.linked_for(grants) {
+                    <$room as Room>::add_to_linker(linker)?;
+                }
+            )*
+            Ok(())
+        }
+    };
+}
+
+// In this order a widening is named and `provider show` lists the grants.
+registered!(
+    kv::Kv,
+    process::Process,
+    local_socket::LocalSocket,
+    log::Log,
+    machine_lock::MachineLockRoom,
+    http_egress::HttpEgress,
+    network_bridge::NetworkBridge,
+);
 
 /// The registered capability serving `interface`.
 pub fn room(interface: &str) -> Option<&'static dyn Capability> {
@@ -395,6 +422,23 @@ pub fn room(interface: &str) -> Option<&'static dyn Capability> {
 /// The rooms whose grants are their own, in registration order.
 pub fn sections() -> impl Iterator<Item = &'static dyn Section> {
     ROOMS.iter().filter_map(|room| room.section())
+}
+
+/// Host interfaces a provider may import. Nothing is granted by default.
+/// Each capability's grant is parsed, compared and shown by its room
+/// (this module); `[grants]` is the rooms' keys and nothing else.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Grants {
+    /// The rooms' grants, by room.
+    pub rooms: RoomGrants,
+}
+
+impl Grants {
+    /// What this grants that `approved` does not, if anything (each room's
+    /// first new grant): what an operator must approve before it applies.
+    pub fn widening(&self, approved: &Grants) -> Option<String> {
+        self.rooms.widening(&approved.rooms)
+    }
 }
 
 /// The rooms' own grants of one manifest, by key; a room absent here grants nothing.
@@ -625,13 +669,6 @@ impl Parts {
         for part in &mut self.0 {
             (part.end_call)(&mut *part.ctx, table);
         }
-    }
-}
-
-impl HostState {
-    /// `R`'s part of this store and the resource table, for its view.
-    pub fn room<R: Room>(&mut self) -> (&mut R::Ctx, &mut ResourceTable) {
-        (self.rooms.of::<R>(), &mut self.table)
     }
 }
 

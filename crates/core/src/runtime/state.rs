@@ -1,15 +1,13 @@
 //! The data of one guest store.
 
 use super::GuestLimiter;
-use crate::capabilities::context::ContextView;
 use crate::capabilities::denials::Denials;
-use crate::capabilities::http_egress::HttpEgress;
 use crate::capabilities::kv::{Kv, KvBackend};
 use crate::capabilities::network_bridge::NetworkBridge;
 use crate::capabilities::process::{ChildRecords, HostProcesses, Process};
 use crate::capabilities::wasi;
 use crate::network::backend::NetworkBackend;
-use crate::runtime::rooms::{Backends, Parts, PreparedParts, RoomGrants, StoreSetup};
+use crate::runtime::rooms::{Backends, HasRooms, Parts, PreparedParts, RoomGrants, StoreSetup};
 use std::path::PathBuf;
 use std::sync::Arc;
 use wasmtime::component::ResourceTable;
@@ -156,10 +154,6 @@ impl HostState {
         }
     }
 
-    pub(crate) fn context_view(&mut self) -> ContextView<'_> {
-        ContextView { table: &mut self.table }
-    }
-
     /// A guest's `symlink-at` was refused: noted like any refused host call.
     pub fn symlink_refused(&mut self, path: &str) {
         // The path is the guest's: shown escaped and cut short.
@@ -187,9 +181,14 @@ impl WasiView for HostState {
     }
 }
 
+impl HasRooms for HostState {
+    fn rooms(&mut self) -> (&mut Parts, &mut ResourceTable) {
+        (&mut self.rooms, &mut self.table)
+    }
+}
+
 impl WasiHttpView for HostState {
     fn http(&mut self) -> WasiHttpCtxView<'_> {
-        let egress = self.rooms.of::<HttpEgress>();
-        WasiHttpCtxView { ctx: &mut egress.http, table: &mut self.table, hooks: &mut egress.hooks }
+        crate::capabilities::http_egress::http_view(self)
     }
 }

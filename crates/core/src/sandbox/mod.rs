@@ -41,8 +41,8 @@ pub struct ProgramLimits {
 
 impl Default for ProgramLimits {
     fn default() -> Self {
-        let limits = crate::manifest::Limits::default();
-        ProgramLimits { memory_mib: limits.program_memory_mib, pids: limits.program_pids, tmp_mib: limits.tmp_mib }
+        // `[limits]`' defaults: program-memory-mib, program-pids, tmp-mib.
+        ProgramLimits { memory_mib: 1024, pids: 512, tmp_mib: 64 }
     }
 }
 

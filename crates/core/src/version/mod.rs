@@ -260,7 +260,7 @@ impl ProviderVersion {
         )
         .map_err(|source| LoadError::Secret { provider: provider.clone(), source })?;
         let config = Arc::new(config);
-        let quotas = Arc::new(Quotas::new(&manifest.limits));
+        let quotas = Arc::new(manifest.limits.quotas());
         let stats = Arc::new(ProviderStats { quotas, ..ProviderStats::default() });
         let capabilities = narrow(capabilities, &manifest, stats.quotas.clone(), config.redactor().clone())?;
         let running = tokio::sync::Semaphore::new(manifest.limits.max_concurrent_calls);
@@ -890,7 +890,7 @@ fn narrow(
         grants: &manifest.grants,
         sandbox: &host.sandbox,
         backends: &host.backends,
-        limits: &manifest.limits,
+        programs: manifest.limits.programs(),
     };
     let prepared = rooms.prepare(&load).map_err(|source| LoadError::Prepare { provider, source })?;
     Ok(ProviderCapabilities { host, data_dir, rooms: rooms.clone(), prepared, quotas, redactor })

@@ -27,8 +27,9 @@
 //! granted targets ([`HostEgress`]), or in the conformance kit a script or a
 //! recording.
 
+use crate::runtime::BoxError;
+use crate::runtime::rooms::HasRooms;
 use crate::runtime::rooms::{GrantLine, GrantValue, Linking, LoadSetup, Room, StoreSetup};
-use crate::runtime::{BoxError, HostState};
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::uri::Scheme;
@@ -44,7 +45,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::Instrument;
 use wasmtime::component::Linker;
 use wasmtime_wasi_http::io::TokioIo;
-use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpHooks, WasiHttpView};
+use wasmtime_wasi_http::{
+    Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView,
+};
 
 pub mod rules;
 pub mod script;
@@ -901,6 +904,13 @@ pub fn add_to_linker<T: WasiHttpView + 'static>(linker: &mut Linker<T>) -> wasmt
     wasmtime_wasi_http::p2::add_only_http_to_linker_async(linker)
 }
 
+/// The store's `wasi:http` view: this room's part of it (what a store's
+/// `WasiHttpView` lends wasmtime-wasi-http).
+pub fn http_view<T: HasRooms>(state: &mut T) -> WasiHttpCtxView<'_> {
+    let (egress, table) = state.room::<HttpEgress>();
+    WasiHttpCtxView { ctx: &mut egress.http, table, hooks: &mut egress.hooks }
+}
+
 /// A store's part of `wasi:http`: wasi-http's own context and the hooks
 /// every request goes through.
 #[derive(Default)]
@@ -938,7 +948,7 @@ impl Room for HttpEgress {
         EgressCtx { http: WasiHttpCtx::new(), hooks }
     }
 
-    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+    fn add_to_linker<T: HasRooms>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
         add_to_linker(linker)
     }
 

@@ -23,7 +23,7 @@ use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::local_socket as wit;
 use crate::capabilities::denials::Denials;
 use crate::capabilities::view::{View, ViewOf};
-use crate::runtime::HostState;
+use crate::runtime::rooms::HasRooms;
 use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use futures_util::future::BoxFuture;
 use std::path::{Component, Path, PathBuf};
@@ -263,8 +263,8 @@ impl Room for LocalSocket {
         LocalSocketCtx { provider, data_dir, backend, open: 0, denials }
     }
 
-    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
-        add_to_linker(linker, |state| {
+    fn add_to_linker<T: HasRooms>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state: &mut T| {
             let (ctx, table) = state.room::<LocalSocket>();
             LocalSocketView { ctx, table }
         })

@@ -8,7 +8,7 @@ mod host;
 
 use crate::bindings::broker::provider::machine_lock::{self as wit};
 use crate::capabilities::view::{View, ViewOf};
-use crate::runtime::HostState;
+use crate::runtime::rooms::HasRooms;
 use crate::runtime::rooms::{Linking, Room, StoreSetup};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -87,8 +87,8 @@ impl Room for MachineLockRoom {
         MachineLockCtx::new(lock, store.denials.clone())
     }
 
-    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
-        add_to_linker(linker, |state| {
+    fn add_to_linker<T: HasRooms>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state: &mut T| {
             let (ctx, table) = state.room::<MachineLockRoom>();
             MachineLockView { ctx, table }
         })

@@ -20,7 +20,7 @@ use crate::network::backend::HostNetwork;
 use crate::network::backend::NetworkBackend;
 use crate::network::owners::{DeviceOwners, OwnedDevice, adopt_tap, settled_owner};
 use crate::network::{BridgeError, Device, DeviceToBridge, check_name, names};
-use crate::runtime::HostState;
+use crate::runtime::rooms::HasRooms;
 use crate::runtime::rooms::{GrantLine, GrantValue, Linking, Room, StoreSetup};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -635,8 +635,8 @@ impl Room for NetworkBridge {
         BridgeCtx::new(store.provider.clone(), grant.clone(), network, store.sandbox_user, store.denials.clone())
     }
 
-    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
-        add_to_linker(linker, |state| state.rooms.of::<NetworkBridge>())
+    fn add_to_linker<T: HasRooms>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state: &mut T| state.room::<NetworkBridge>().0)
     }
 
     fn view(grant: &Option<BridgeGrant>) -> Map<String, Value> {

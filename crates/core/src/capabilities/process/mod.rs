@@ -30,8 +30,9 @@ use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::process::{self as wit, ChildStatus, Output};
 use crate::capabilities::denials::Denials;
 use crate::capabilities::view::{View, ViewOf};
+use crate::runtime::BoxError;
+use crate::runtime::rooms::HasRooms;
 use crate::runtime::rooms::{GrantLine, GrantValue, Linking, LoadSetup, Room, StoreSetup};
-use crate::runtime::{BoxError, HostState};
 use nix::sys::signal::Signal;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -468,11 +469,7 @@ impl Room for Process {
                     paths_rw: &grant.paths_rw,
                     devices: &grant.devices,
                     programs: &programs,
-                    limits: crate::sandbox::ProgramLimits {
-                        memory_mib: load.limits.program_memory_mib,
-                        pids: load.limits.program_pids,
-                        tmp_mib: load.limits.tmp_mib,
-                    },
+                    limits: load.programs,
                 },
             )
             .map_err(ProcessPrepareError::Sandbox)?;
@@ -485,8 +482,8 @@ impl Room for Process {
         ProcessCtx::new(store.provider, policy, backend, store.denials.clone())
     }
 
-    fn add_to_linker(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
-        add_to_linker(linker, |state| {
+    fn add_to_linker<T: HasRooms>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
+        add_to_linker(linker, |state: &mut T| {
             let (ctx, table) = state.room::<Process>();
             ProcessView { ctx, table }
         })
