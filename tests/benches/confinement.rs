@@ -8,7 +8,7 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_core::sandbox::{Grants, Lifetime, Sandbox};
+use broker_capabilities::sandbox::{Grants, Lifetime, Sandbox};
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::path::Path;
 use std::process::Stdio;

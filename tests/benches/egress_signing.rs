@@ -7,9 +7,9 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_core::capabilities::http_egress::rules::Rules;
-use broker_core::capabilities::http_egress::signing::AwsSigning;
-use broker_core::capabilities::http_egress::{EgressBackend, EgressTarget, HostEgress, HttpGrant, Route};
+use broker_capabilities::rooms::http_egress::rules::Rules;
+use broker_capabilities::rooms::http_egress::signing::AwsSigning;
+use broker_capabilities::rooms::http_egress::{EgressBackend, EgressTarget, HostEgress, HttpGrant, Route};
 use criterion::{Criterion, criterion_group, criterion_main};
 use http_body_util::BodyExt;
 use std::os::unix::fs::PermissionsExt;

@@ -8,7 +8,7 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_core::capabilities::kv::KvBackend;
+use broker_capabilities::rooms::kv::KvBackend;
 use broker_core::store::Store;
 use criterion::{Criterion, criterion_group, criterion_main};
 

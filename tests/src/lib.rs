@@ -1,8 +1,8 @@
 //! Helpers for the end-to-end tests and benchmarks: providers loaded from the
 //! built guests with manifests written on the fly.
 
-use broker_core::capabilities::kv::KvBackend;
-use broker_core::capabilities::process::MemoryChildRecords;
+use broker_capabilities::rooms::kv::KvBackend;
+use broker_capabilities::rooms::process::MemoryChildRecords;
 use broker_core::manifest::Manifest;
 use broker_core::runtime::{HostCapabilities, Runtime};
 use broker_core::version::ProviderVersion;
@@ -39,7 +39,7 @@ pub fn load_provider(
 /// Host capabilities for tests: the given kv, no machine lock, data dirs under `dir/data`.
 /// The network is the host's kernel (in a test's own namespace), its owners recorded in memory.
 pub fn host_capabilities(dir: &Path, kv: Arc<dyn KvBackend>) -> HostCapabilities {
-    host_capabilities_with_owners(dir, kv, Arc::new(broker_core::network::owners::MemoryOwners::default()))
+    host_capabilities_with_owners(dir, kv, Arc::new(broker_capabilities::network::owners::MemoryOwners::default()))
 }
 
 /// As [`host_capabilities`], with the record of device owners given (shared
@@ -47,13 +47,13 @@ pub fn host_capabilities(dir: &Path, kv: Arc<dyn KvBackend>) -> HostCapabilities
 pub fn host_capabilities_with_owners(
     dir: &Path,
     kv: Arc<dyn KvBackend>,
-    owners: Arc<dyn broker_core::network::owners::DeviceOwners>,
+    owners: Arc<dyn broker_capabilities::network::owners::DeviceOwners>,
 ) -> HostCapabilities {
-    use broker_core::network::owners::OwnedNetwork;
+    use broker_capabilities::network::owners::OwnedNetwork;
     let mut caps =
         HostCapabilities::on_host(kv, dir.join("data"), Default::default(), Arc::new(MemoryChildRecords::default()));
-    let network = OwnedNetwork::new(Arc::new(broker_core::network::backend::HostNetwork), owners);
-    caps.backends = caps.backends.with::<broker_core::capabilities::network_bridge::NetworkBridge>(Arc::new(network));
+    let network = OwnedNetwork::new(Arc::new(broker_capabilities::network::backend::HostNetwork), owners);
+    caps.backends = caps.backends.with::<broker_capabilities::rooms::network_bridge::NetworkBridge>(Arc::new(network));
     caps
 }
 
@@ -127,11 +127,11 @@ pub fn qmp_commands(stream: std::os::unix::net::UnixStream, commands: &[&str]) -
 }
 
 /// The status updates one call reported, in order.
-pub type StatusLog = Arc<std::sync::Mutex<Vec<(broker_core::bindings::InstanceStatus, String)>>>;
+pub type StatusLog = Arc<std::sync::Mutex<Vec<(broker_capabilities::bindings::InstanceStatus, String)>>>;
 
 /// Call hooks that record every status update (status, info).
-pub fn recording_hooks() -> (broker_core::capabilities::context::CallHooks, StatusLog) {
-    use broker_core::capabilities::context::{CallEvent, CallHooks};
+pub fn recording_hooks() -> (broker_capabilities::rooms::context::CallHooks, StatusLog) {
+    use broker_capabilities::rooms::context::{CallEvent, CallHooks};
     let seen = StatusLog::default();
     let sink = seen.clone();
     let hooks = CallHooks::with_events(move |event| {

@@ -2,7 +2,7 @@
 
 #![allow(clippy::unwrap_used)] // test support: a panic is the failure report
 
-use broker_core::network::netlink::Netlink;
+use broker_capabilities::network::netlink::Netlink;
 use nix::sched::{CloneFlags, unshare};
 use rtnetlink::LinkVeth;
 use std::future::Future;

@@ -8,13 +8,13 @@
 // here twice failed to boot within its deadline; cause not yet found).
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
-use broker_core::bindings::InstanceStatus;
+use broker_capabilities::bindings::InstanceStatus;
 use broker_core::broker::{Broker, BrokerServiceError};
-use broker_core::capabilities::context::CallHooks;
-use broker_core::capabilities::process::proc_stat;
-use broker_core::contract::constraints;
-use broker_core::contract::{interface_on, params_with};
-use broker_core::network::netlink::Netlink;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::rooms::process::proc_stat;
+use broker_capabilities::contract::constraints;
+use broker_capabilities::contract::{interface_on, params_with};
+use broker_capabilities::network::netlink::Netlink;
 use broker_tests::netns::{in_netns, make_nic};
 use broker_tests::{VmPayload, qmp_commands, recording_hooks, vm_payload, wasm};
 use std::path::{Path, PathBuf};
@@ -69,8 +69,8 @@ stop-grace-ms = 300
 }
 
 /// Image metadata for a kvm image with the given `extra` keys.
-fn image_with(extra: &[(&str, &str)]) -> broker_core::bindings::ImageMetadata {
-    broker_core::bindings::ImageMetadata {
+fn image_with(extra: &[(&str, &str)]) -> broker_capabilities::bindings::ImageMetadata {
+    broker_capabilities::bindings::ImageMetadata {
         id: "test-image".into(),
         arch: "amd64".into(),
         base: String::new(),
@@ -386,7 +386,7 @@ fn qemu_running_with(needle: &str) -> bool {
 fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
     use broker_core::conformance::{self, Answers, KitOptions, Recording, Scripted};
     use broker_core::manifest::Manifest;
-    use broker_core::network::DeviceToBridge;
+    use broker_capabilities::network::DeviceToBridge;
     use std::sync::Arc;
 
     let payload = vm_payload();

@@ -8,11 +8,11 @@
 // here twice failed to boot within its deadline; cause not yet found).
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
-use broker_core::bindings::InstanceStatus;
+use broker_capabilities::bindings::InstanceStatus;
 use broker_core::broker::Broker;
-use broker_core::capabilities::context::CallHooks;
-use broker_core::contract::constraints;
-use broker_core::contract::{interface_on, params_with};
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::contract::constraints;
+use broker_capabilities::contract::{interface_on, params_with};
 use broker_tests::incus::{IncusDaemon, lxd_manifest_text};
 use broker_tests::netns::in_netns_of;
 use broker_tests::recording_hooks;
@@ -26,8 +26,8 @@ fn lxd_manifest(dir: &Path, daemon: &IncusDaemon, name: &str, namespace: &str, g
     path
 }
 
-fn image_alias(alias: &str) -> broker_core::bindings::ImageMetadata {
-    broker_core::bindings::ImageMetadata {
+fn image_alias(alias: &str) -> broker_capabilities::bindings::ImageMetadata {
+    broker_capabilities::bindings::ImageMetadata {
         id: alias.into(),
         arch: "amd64".into(),
         base: String::new(),
@@ -171,15 +171,15 @@ fn three_containers_run_with_their_limits_a_nic_on_the_bridge_and_stop_cleanly()
 }
 
 /// Params for Juju machine `machine`, with cloud-init user data.
-fn machine_params(machine: &str, constraints_text: &str) -> broker_core::bindings::StartInstanceParams {
+fn machine_params(machine: &str, constraints_text: &str) -> broker_capabilities::bindings::StartInstanceParams {
     let mut params = params_with(constraints::parse(constraints_text).unwrap());
-    params.instance_config = Some(broker_core::bindings::InstanceConfig {
+    params.instance_config = Some(broker_capabilities::bindings::InstanceConfig {
         machine_id: machine.into(),
         machine_nonce: format!("machine-{machine}:nonce"),
         controller_uuid: "deadbeef-0000-4000-8000-000000000001".into(),
         container_type: Some("lxd".into()),
         user_data: Some(b"#cloud-config\nhostname: test\n".to_vec()),
-        ..broker_core::contract::empty_instance_config()
+        ..broker_capabilities::contract::empty_instance_config()
     });
     params
 }

@@ -42,13 +42,13 @@
 //! bridges = ["br-vm*"]
 //! attach-to = ["br-eth0"]        # host bridges it may attach its own devices to
 //! [config]                       # passed to validate-config and the call context as JSON
-//! [secrets]                      # config keys the host fills in (crate::secrets)
+//! [secrets]                      # config keys the host fills in (broker_capabilities::secrets)
 //! api-token = "lxd-prod"         # from DATA_DIR/secrets/lxd-prod (0600, the host's user's)
 //! ```
 
-use crate::capabilities::kv::KvQuota;
-use crate::runtime::quotas::{self, Quotas};
-use crate::sandbox::ProgramLimits;
+use broker_capabilities::rooms::kv::KvQuota;
+use broker_capabilities::quotas::{self, Quotas};
+use broker_capabilities::sandbox::ProgramLimits;
 use serde::{Deserialize, Deserializer};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -69,7 +69,7 @@ const MAX_PROGRAM_PIDS: u64 = 65_536;
 const MAX_TMP_MIB: u64 = 1 << 16;
 /// Largest data dir filesystem (`data-mib`): 1 TiB, sparse.
 pub const MAX_DATA_MIB: u64 = 1 << 20;
-pub use crate::providers::data_fs::MIN_DATA_MIB;
+pub use broker_capabilities::data_fs::MIN_DATA_MIB;
 /// Most calls one provider may run at once (`max-concurrent-calls`): the
 /// engine's instance pool is shared by every provider.
 pub const MAX_CONCURRENT_CALLS: usize = 128;
@@ -353,7 +353,7 @@ impl Deadlines {
     }
 }
 
-pub use crate::runtime::rooms::Grants;
+pub use broker_capabilities::rooms::Grants;
 
 impl Limits {
     /// What a provider version's stores share: its kv namespace's bounds, its log rate.
@@ -426,7 +426,7 @@ struct RawManifest {
     isolation: Isolation,
     #[serde(default)]
     limits: Limits,
-    #[serde(default, deserialize_with = "crate::runtime::rooms::deserialize_grants")]
+    #[serde(default, deserialize_with = "broker_capabilities::rooms::deserialize_grants")]
     grants: Grants,
     #[serde(default)]
     config: toml::Table,
@@ -540,10 +540,10 @@ impl Manifest {
         }
         let base = path.parent().unwrap_or(Path::new("."));
         let component = if raw.component.is_absolute() { raw.component.clone() } else { base.join(&raw.component) };
-        // The guest gets it as JSON (crate::secrets::ProviderConfig): it must be expressible so.
+        // The guest gets it as JSON (broker_capabilities::secrets::ProviderConfig): it must be expressible so.
         serde_json::to_string(&raw.config).map_err(|e| invalid(format!("config: {e}")))?;
-        if raw.secrets.len() > crate::secrets::MAX_SECRETS {
-            return Err(invalid(format!("[secrets] names more than {} secrets", crate::secrets::MAX_SECRETS)));
+        if raw.secrets.len() > broker_capabilities::secrets::MAX_SECRETS {
+            return Err(invalid(format!("[secrets] names more than {} secrets", broker_capabilities::secrets::MAX_SECRETS)));
         }
         for (key, name) in &raw.secrets {
             if key.is_empty() || key.len() > 128 {
@@ -554,9 +554,9 @@ impl Manifest {
                     "secrets.{key}: config.{key} is given too; a key is either in [config] or filled in from [secrets]"
                 )));
             }
-            crate::secrets::check_name("secret", name).map_err(|e| invalid(format!("secrets.{key}: {e}")))?;
+            broker_capabilities::secrets::check_name("secret", name).map_err(|e| invalid(format!("secrets.{key}: {e}")))?;
         }
-        let inline_secrets = crate::secrets::inline_secrets(&raw.config);
+        let inline_secrets = broker_capabilities::secrets::inline_secrets(&raw.config);
         Ok(Manifest {
             path: path.to_owned(),
             name: raw.name,
@@ -584,7 +584,7 @@ impl Manifest {
                  take the key out of [config] and name it under [secrets] (which fills in top-level keys): \
                  {key} = \"NAME\"",
                 self.inline_secrets.len(),
-                crate::secrets::SECRETS_DIR,
+                broker_capabilities::secrets::SECRETS_DIR,
             ),
         })
     }
@@ -844,13 +844,13 @@ mod tests {
     /// built-in fields, with the same errors by line and the same widening check.
     #[test]
     fn a_rooms_grant_is_parsed_compared_and_refused_by_its_room() {
-        use crate::capabilities::local_socket::LocalSocket;
+        use broker_capabilities::rooms::local_socket::LocalSocket;
         let with = |grants: &str| parse(&format!("name = \"x\"\ncomponent = \"x\"\n[grants]\n{grants}"));
         let granted = with("kv = true\nlocal-sockets = true\nenv = [\"TZ\"]\nlog = true\n").unwrap().grants;
         assert!(granted.rooms.of::<LocalSocket>());
         assert!(
-            granted.rooms.of::<crate::capabilities::process::Process>().env == ["TZ"]
-                && granted.rooms.of::<crate::capabilities::log::Log>(),
+            granted.rooms.of::<broker_capabilities::rooms::process::Process>().env == ["TZ"]
+                && granted.rooms.of::<broker_capabilities::rooms::log::Log>(),
             "keys after a room's are read"
         );
         assert_eq!(granted, with("log = true\nenv = [\"TZ\"]\nkv = true\nlocal-sockets = true\n").unwrap().grants);
@@ -877,7 +877,7 @@ mod tests {
     /// between other rooms' keys; a bad value is refused at its own line.
     #[test]
     fn a_grant_spread_over_several_keys_is_read_from_all_of_them() {
-        use crate::capabilities::process::{Process, ProcessGrant};
+        use broker_capabilities::rooms::process::{Process, ProcessGrant};
         let with = |grants: &str| parse(&format!("name = \"x\"\ncomponent = \"x\"\n[grants]\n{grants}"));
         let grants = with(
             "devices = [\"/dev/kvm\"]\nkv = true\nprocess = [\"qemu-img\"]\nenv = [\"TZ\"]\npaths-rw = [\"/srv\"]\n",
@@ -892,7 +892,7 @@ mod tests {
             env: vec!["TZ".into()],
         };
         assert_eq!(grants.rooms.of::<Process>(), expected);
-        assert!(grants.rooms.of::<crate::capabilities::kv::Kv>());
+        assert!(grants.rooms.of::<broker_capabilities::rooms::kv::Kv>());
         let err = with("process = [\"qemu-img\"]\nkv = true\ndevices = \"/dev/kvm\"\n").unwrap_err().to_string();
         assert!(err.contains("line 6") && err.contains("sequence"), "{err}");
     }

@@ -9,7 +9,7 @@
 //! holds that address ([`crate::daemon::holder`]).
 
 use crate::daemon::wire::StartLine;
-use broker_core::capabilities::context::CallEvent;
+use broker_capabilities::rooms::context::CallEvent;
 use broker_core::store::InstanceRecord;
 use bytes::Bytes;
 use http::{Method, StatusCode, header};

@@ -3,12 +3,12 @@
 //! devices standing in for the host's NICs (this kernel has no `dummy` driver).
 
 use broker_core::broker::Broker;
-use broker_core::capabilities::context::CallHooks;
-use broker_core::contract::{empty_params, interface_on};
-use broker_core::network::backend::NetworkBackend;
-use broker_core::network::names::bridge_name;
-use broker_core::network::netlink::Netlink;
-use broker_core::network::{BridgeError, Device, DeviceToBridge};
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::contract::{empty_params, interface_on};
+use broker_capabilities::network::backend::NetworkBackend;
+use broker_capabilities::network::names::bridge_name;
+use broker_capabilities::network::netlink::Netlink;
+use broker_capabilities::network::{BridgeError, Device, DeviceToBridge};
 use broker_tests::netns::{in_netns, make_nic};
 
 async fn add_default_route(gateway: &str, oif: u32) {
@@ -207,8 +207,8 @@ fn start_instance_prepares_the_host_bridge_first() {
 #[test]
 fn a_guest_bridges_only_granted_devices_it_made() {
     in_netns(|| async {
-        use broker_core::bindings::BrokerError;
-        use broker_core::capabilities::kv::{KvBackend, MemoryKv};
+        use broker_capabilities::bindings::BrokerError;
+        use broker_capabilities::rooms::kv::{KvBackend, MemoryKv};
         use std::sync::Arc;
 
         make_nic("eth3", [0x00, 0x16, 0x3e, 0x01, 0x02, 0x03], "10.30.0.2/24").await;
@@ -258,8 +258,8 @@ async fn hostile_call(
     broker: &Broker,
     provider: &str,
     mode: &str,
-) -> Result<String, broker_core::bindings::BrokerError> {
-    use broker_core::capabilities::kv::KvBackend;
+) -> Result<String, broker_capabilities::bindings::BrokerError> {
+    use broker_capabilities::rooms::kv::KvBackend;
     broker.store().kv().set(provider, "mode", mode.as_bytes()).unwrap();
     let wasm = broker.registry().get(provider).await.unwrap();
     match wasm.all_instances(&CallHooks::default()).await {
@@ -269,9 +269,9 @@ async fn hostile_call(
 }
 
 /// `outcome` is an `access-denied` that says `says`.
-fn refused(outcome: Result<String, broker_core::bindings::BrokerError>, says: &str) {
+fn refused(outcome: Result<String, broker_capabilities::bindings::BrokerError>, says: &str) {
     match outcome {
-        Err(broker_core::bindings::BrokerError::AccessDenied(message)) => {
+        Err(broker_capabilities::bindings::BrokerError::AccessDenied(message)) => {
             assert!(message.contains(says), "{message:?} lacks {says:?}")
         }
         other => panic!("not refused ({says}): {other:?}"),
@@ -386,8 +386,8 @@ fn a_record_names_a_device_and_an_old_tap_of_the_providers_user_is_its_own() {
         // (in_netns needs root: the host switches to sandbox users and sets tap owners here.)
         let uid = broker.store().sandbox_users().unwrap().into_iter().find(|(p, _)| p == "kvm").unwrap().1;
         // As the last release made a VM's tap: owned by the provider's user, no record.
-        broker_core::network::tap::create_persistent_tap("kt-old", uid, true).unwrap();
-        broker_core::network::tap::create_persistent_tap("kt-else", uid + 1, true).unwrap();
+        broker_capabilities::network::tap::create_persistent_tap("kt-old", uid, true).unwrap();
+        broker_capabilities::network::tap::create_persistent_tap("kt-else", uid + 1, true).unwrap();
         assert_eq!(owners.owner("kt-old").unwrap(), None);
         assert_eq!(call("attach:kt-old:br-eth6").await.unwrap(), "done");
         assert_eq!(nl.device("kt-old").await.unwrap().unwrap().controller.as_deref(), Some("br-eth6"));
@@ -466,8 +466,8 @@ impl Op {
 
 #[test]
 fn the_simulated_network_behaves_as_the_kernel_does() {
-    use broker_core::network::backend::HostNetwork;
-    use broker_core::network::simulated::SimNetwork;
+    use broker_capabilities::network::backend::HostNetwork;
+    use broker_capabilities::network::simulated::SimNetwork;
     in_netns(|| async {
         make_nic("eth0", [0x00, 0x16, 0x3e, 0x44, 0x55, 0x66], "10.20.0.2/24").await;
         let real = HostNetwork;

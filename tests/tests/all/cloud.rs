@@ -4,11 +4,11 @@
 //! client). The host signs with a credentials file the guest never sees and
 //! holds the grant's rules before anything leaves.
 
-use broker_core::bindings::BrokerError;
+use broker_capabilities::bindings::BrokerError;
 use broker_core::broker::Broker;
-use broker_core::capabilities::context::{CallEvent, CallHooks};
-use broker_core::capabilities::kv::KvBackend;
-use broker_core::contract::empty_params;
+use broker_capabilities::rooms::context::{CallEvent, CallHooks};
+use broker_capabilities::rooms::kv::KvBackend;
+use broker_capabilities::contract::empty_params;
 use broker_tests::moto::{Moto, TlsFront};
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
@@ -156,14 +156,14 @@ fn moto_instances(moto: &Moto) -> Vec<(String, String, String, BTreeMap<String, 
     serde_json::from_str(&listed).unwrap()
 }
 
-fn machine(n: usize) -> broker_core::bindings::InstanceConfig {
-    broker_core::bindings::InstanceConfig {
+fn machine(n: usize) -> broker_capabilities::bindings::InstanceConfig {
+    broker_capabilities::bindings::InstanceConfig {
         machine_id: n.to_string(),
         machine_nonce: format!("machine-{n}:nonce"),
         controller_uuid: "deadbeef-0000-4000-8000-000000000001".into(),
         user_data: Some(format!("#cloud-config\nhostname: m{n}\n").into_bytes()),
         tags: vec![("team".into(), "blue".into())],
-        ..broker_core::contract::empty_instance_config()
+        ..broker_capabilities::contract::empty_instance_config()
     }
 }
 
@@ -317,7 +317,7 @@ pub(crate) async fn the_ec2_provider_runs_juju_s_broker_on_moto() {
 /// zone, which the provider asks EC2 for by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capacity_failure_in_one_zone_moves_the_start_to_the_next() {
-    use broker_core::capabilities::http_egress::{Exchange, HttpEgress, RecordedEgress, Script, Tape};
+    use broker_capabilities::rooms::http_egress::{Exchange, HttpEgress, RecordedEgress, Script, Tape};
     let script = std::fs::read_to_string(broker_tests::bundled_manifest("ec2").with_file_name("provider.script.json"));
     let recorded: serde_json::Value = serde_json::from_str(&script.unwrap()).unwrap();
     let exchange = |i: usize| serde_json::from_value::<Exchange>(recorded["http"][i].clone()).unwrap();

@@ -4,7 +4,7 @@
 //! does is checked; the restart test runs the loops as `broker serve` does.
 
 use broker_core::broker::Broker;
-use broker_core::capabilities::kv::KvBackend;
+use broker_capabilities::rooms::kv::KvBackend;
 use broker_core::groups::{GroupError, GroupSettings, Groups, Pass};
 use broker_tests::write_manifest;
 use std::path::Path;
@@ -236,7 +236,7 @@ async fn destroy_instances_free_and_destroy() {
     let dir = tempfile::tempdir().unwrap();
     let (broker, groups) = host(dir.path(), "").await;
     let outsider =
-        broker.start_instance("fake", &broker_core::contract::empty_params(), &Default::default()).await.unwrap().id;
+        broker.start_instance("fake", &broker_capabilities::contract::empty_params(), &Default::default()).await.unwrap().id;
     groups.commit_text(&sized(4), false).await.unwrap();
     converge(&groups, "workers").await;
     let ids = member_ids(&groups).await;
@@ -380,9 +380,9 @@ async fn members_spread_over_the_zones_and_an_unavailable_zone_is_skipped() {
 /// zone full the caller hears zone-unavailable.
 #[tokio::test]
 async fn a_start_turned_away_by_a_full_zone_is_placed_by_the_host_in_the_next() {
-    use broker_core::bindings::BrokerError;
+    use broker_capabilities::bindings::BrokerError;
     use broker_core::broker::BrokerServiceError;
-    use broker_core::contract::empty_params;
+    use broker_capabilities::contract::empty_params;
     use broker_core::version::CallError;
     let zone_of = |r: &broker_core::store::InstanceRecord| r.hardware.availability_zone.clone().unwrap();
     let dir = tempfile::tempdir().unwrap();

@@ -1,15 +1,15 @@
 //! The process capability: host implementation called directly (no wasm), and
 //! through a real guest with and without its grant.
 
-use broker_core::bindings::BrokerError;
-use broker_core::bindings::broker::provider::process::{ChildStatus, Host, HostChild};
-use broker_core::capabilities::context::CallHooks;
-use broker_core::capabilities::kv::{KvBackend, MemoryKv};
-use broker_core::capabilities::process::{
+use broker_capabilities::bindings::BrokerError;
+use broker_capabilities::bindings::broker::provider::process::{ChildStatus, Host, HostChild};
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::rooms::kv::{KvBackend, MemoryKv};
+use broker_capabilities::rooms::process::{
     ChildRecord, ChildRecords, HostProcesses, MAX_OUTPUT_BYTES, MemoryChildRecords, ProcessCtx, ProcessPolicy,
     ProcessView, proc_stat,
 };
-use broker_core::sandbox::{Grants, Sandbox};
+use broker_capabilities::sandbox::{Grants, Sandbox};
 use broker_core::store::Store;
 use broker_tests::{load_provider, runtime};
 use std::path::{Path, PathBuf};

@@ -2,13 +2,13 @@
 //! memory is bounded, each bound refuses with an error naming it and counts
 //! the refusal, and a bystander provider in the same host keeps answering.
 
-use broker_core::capabilities::context::{
+use broker_capabilities::rooms::context::{
     CallEvent, CallHooks, MAX_STATUS_DATA_BYTES, MAX_STATUS_ENTRIES, MAX_STATUS_VALUE_BYTES,
 };
-use broker_core::capabilities::kv::{KvBackend, MemoryKv};
+use broker_capabilities::rooms::kv::{KvBackend, MemoryKv};
 use broker_core::manifest::Method;
 use broker_core::runtime::Runtime;
-use broker_core::runtime::quotas::Quota;
+use broker_capabilities::quotas::Quota;
 use broker_core::version::method_stats::Outcome;
 use broker_core::version::{CallError, ProviderVersion};
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
@@ -183,7 +183,7 @@ async fn a_call_that_finds_a_slot_within_queue_wait_runs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listing_every_provider_isolates_the_one_that_does_not_answer() {
     use broker_core::broker::Broker;
-    use broker_core::contract::empty_params;
+    use broker_capabilities::contract::empty_params;
     use broker_tests::write_manifest;
 
     let dir = tempfile::tempdir().unwrap();
@@ -409,7 +409,7 @@ async fn a_guest_asleep_in_a_host_call_does_not_keep_the_turn_it_held() {
 /// the guest through the host or a program it was granted.
 #[tokio::test]
 async fn a_data_dir_is_held_to_data_mib_by_the_guest_and_by_its_programs() {
-    use broker_core::providers::data_fs::{DATA_IMAGES, DataFilesystems};
+    use broker_capabilities::data_fs::{DATA_IMAGES, DataFilesystems};
     use broker_core::runtime::HostCapabilities;
     use std::os::unix::fs::MetadataExt;
     if std::fs::metadata("/proc/self").unwrap().uid() != 0 {
@@ -458,7 +458,7 @@ async fn a_data_dir_is_held_to_data_mib_by_the_guest_and_by_its_programs() {
 /// page at a time (the guest holds one page), and the SDK's `scan` pages too.
 #[tokio::test]
 async fn a_namespace_past_one_scan_is_read_a_page_at_a_time() {
-    use broker_core::capabilities::kv::{MAX_SCAN_BYTES, MAX_VALUE_BYTES};
+    use broker_capabilities::rooms::kv::{MAX_SCAN_BYTES, MAX_VALUE_BYTES};
     let a = attack("kv-mib = 64", "");
     // 24 values of 1 MiB: past what one scan returns.
     for n in 0..24 {

@@ -5,9 +5,9 @@
 
 use broker_core::broker::Broker;
 use broker_core::broker::reconcile::{HarvestMode, Reconciled};
-use broker_core::capabilities::context::CallHooks;
-use broker_core::capabilities::kv::KvBackend;
-use broker_core::contract::empty_params;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::rooms::kv::KvBackend;
+use broker_capabilities::contract::empty_params;
 use broker_tests::write_manifest;
 use std::path::Path;
 use std::sync::Arc;

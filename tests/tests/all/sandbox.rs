@@ -1,8 +1,8 @@
 //! Containment: hostile guests trap, loop and hog memory; each gets its typed
 //! error, the bad instance is never reused, and the host serves the next call.
 
-use broker_core::capabilities::context::CallHooks;
-use broker_core::capabilities::kv::{KvBackend, MemoryKv};
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::rooms::kv::{KvBackend, MemoryKv};
 use broker_core::manifest::Method;
 use broker_core::runtime::Runtime;
 use broker_core::version::method_stats::Outcome;
@@ -182,14 +182,14 @@ async fn guest_stdout_and_stderr_become_tracing_events_with_the_provider_name() 
 
 /// Host capabilities with a machine lock in a temp dir, and the kv the guest sees.
 fn with_machine_lock()
--> (tempfile::TempDir, broker_core::machine_lock::MachineLock, Arc<MemoryKv>, broker_core::runtime::HostCapabilities) {
-    use broker_core::machine_lock::MachineLock;
+-> (tempfile::TempDir, broker_capabilities::machine_lock::MachineLock, Arc<MemoryKv>, broker_core::runtime::HostCapabilities) {
+    use broker_capabilities::machine_lock::MachineLock;
     let dir = tempfile::tempdir().unwrap();
     let lock = MachineLock::new(dir.path(), "machine-lock", "test").unwrap();
     let kv = Arc::new(MemoryKv::default());
     let base = broker_tests::host_capabilities(dir.path(), kv.clone());
     let backends =
-        base.backends.clone().with::<broker_core::capabilities::machine_lock::MachineLockRoom>(Arc::new(lock.clone()));
+        base.backends.clone().with::<broker_capabilities::rooms::machine_lock::MachineLockRoom>(Arc::new(lock.clone()));
     let caps = broker_core::runtime::HostCapabilities { backends, ..base };
     (dir, lock, kv, caps)
 }
@@ -198,7 +198,7 @@ fn with_machine_lock()
 /// it, a guard the guest forgets is released when its call ends.
 #[tokio::test]
 async fn machine_lock_needs_its_grant_and_cannot_leak() {
-    use broker_core::bindings::BrokerError;
+    use broker_capabilities::bindings::BrokerError;
 
     let (dir, lock, kv, caps) = with_machine_lock();
     let rt = runtime();
@@ -228,7 +228,7 @@ async fn machine_lock_needs_its_grant_and_cannot_leak() {
 
     // While the host holds the lock, the guest's acquire times out with Juju's message.
     let _held =
-        lock.acquire(broker_core::machine_lock::Spec { worker: "host".into(), ..Default::default() }).await.unwrap();
+        lock.acquire(broker_capabilities::machine_lock::Spec { worker: "host".into(), ..Default::default() }).await.unwrap();
     let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
     assert!(matches!(err.broker_error(), Some(BrokerError::Timeout(m)) if m == "timeout acquiring mutex"), "{err}");
 }
@@ -238,8 +238,8 @@ async fn machine_lock_needs_its_grant_and_cannot_leak() {
 /// invalid, and nothing reaches `machine-lock.log`.
 #[tokio::test]
 async fn a_guest_cannot_forge_or_flood_the_machine_lock_history() {
-    use broker_core::bindings::BrokerError;
-    use broker_core::machine_lock::MAX_COMMENT_BYTES;
+    use broker_capabilities::bindings::BrokerError;
+    use broker_capabilities::machine_lock::MAX_COMMENT_BYTES;
 
     let (dir, _lock, kv, caps) = with_machine_lock();
     let grants = "[limits.deadlines]\ndefault = \"5s\"\n[grants]\nkv = true\nmachine-lock = true\n";
@@ -328,7 +328,7 @@ async fn calls_arriving_together_on_a_half_open_provider_share_one_reobserve() {
 async fn a_provider_cannot_return_an_unprintable_id_or_another_providers_id() {
     use broker_core::broker::Broker;
     use broker_core::broker::service::BrokerServiceError;
-    use broker_core::contract::empty_params;
+    use broker_capabilities::contract::empty_params;
     use broker_tests::write_manifest;
 
     let dir = tempfile::tempdir().unwrap();
@@ -419,8 +419,8 @@ async fn a_provider_cannot_return_an_unprintable_id_or_another_providers_id() {
 /// conformance kit looks for calls to what was not granted.
 #[tokio::test]
 async fn a_guest_with_only_qemu_img_cannot_reach_host_files() {
-    use broker_core::bindings::BrokerError;
-    use broker_core::capabilities::denials::Denials;
+    use broker_capabilities::bindings::BrokerError;
+    use broker_capabilities::rooms::denials::Denials;
     use broker_core::runtime::HostCapabilities;
 
     let dir = tempfile::tempdir().unwrap();
@@ -499,7 +499,7 @@ pub(crate) fn qcow2_backed_by(image: &[u8], target: &str) -> Vec<u8> {
 /// when the host opens the log, and the file it points at is untouched.
 #[tokio::test]
 async fn a_guest_cannot_have_the_host_write_a_spawn_log_through_a_link() {
-    use broker_core::bindings::BrokerError;
+    use broker_capabilities::bindings::BrokerError;
 
     let dir = tempfile::tempdir().unwrap();
     let victim = dir.path().join("victim");
@@ -547,7 +547,7 @@ fn shell_provider(name: &str, limits: &str) -> (tempfile::TempDir, Arc<MemoryKv>
     let dir = tempfile::tempdir().unwrap();
     let kv = Arc::new(MemoryKv::default());
     let caps = broker_tests::host_capabilities(dir.path(), kv.clone());
-    let backend = caps.backends.of::<broker_core::capabilities::process::Process>().expect("the host's programs");
+    let backend = caps.backends.of::<broker_capabilities::rooms::process::Process>().expect("the host's programs");
     let extra = format!(
         "[limits]\nmemory-mib = 32\n{limits}\n[limits.deadlines]\ndefault = \"20s\"\n[grants]\nkv = true\nprocess = [\"sh\"]\n"
     );
@@ -556,7 +556,7 @@ fn shell_provider(name: &str, limits: &str) -> (tempfile::TempDir, Arc<MemoryKv>
     (dir, kv, provider, backend)
 }
 
-type ProcessBackendRef = Arc<dyn broker_core::capabilities::process::ProcessBackend>;
+type ProcessBackendRef = Arc<dyn broker_capabilities::rooms::process::ProcessBackend>;
 
 /// Run `script` with the provider's `sh` (through the guest, confined as
 /// every granted program is): its exit code and stderr.
@@ -638,7 +638,7 @@ async fn a_child_that_leaves_processes_behind_lives_until_its_sandbox_is_empty()
     }
     let (_dir, kv, provider, backend) = shell_provider("hostile-daemonize", "");
     let name = "hostile-daemonize";
-    let uid = broker_core::sandbox::Sandbox::default().uid_for(name).unwrap();
+    let uid = broker_capabilities::sandbox::Sandbox::default().uid_for(name).unwrap();
     kv.set(name, "mode", b"write").unwrap();
     kv.set(name, "write-path", b"bg.sh").unwrap();
     kv.set(name, "write-bytes", b"sleep 600 &\nexit 0\n").unwrap();
@@ -651,7 +651,7 @@ async fn a_child_that_leaves_processes_behind_lives_until_its_sandbox_is_empty()
     let record = backend.adopt(name, "bg").await.unwrap().expect("recorded");
     // The shell is gone within moments; its sleep is not.
     let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while broker_core::capabilities::process::proc_stat(record.pid)
+    while broker_capabilities::rooms::process::proc_stat(record.pid)
         .is_some_and(|(s, state)| s == record.start_time && state != 'Z')
     {
         assert!(std::time::Instant::now() < until, "the spawned shell never exited");
@@ -661,12 +661,12 @@ async fn a_child_that_leaves_processes_behind_lives_until_its_sandbox_is_empty()
     assert!(record.sandbox.is_some(), "bubblewrap said which process holds the sandbox");
     assert_eq!(
         backend.liveness(&record),
-        broker_core::capabilities::process::Liveness::Running,
+        broker_capabilities::rooms::process::Liveness::Running,
         "the record outlived the processes it stands for"
     );
     assert!(!processes_of(uid).is_empty(), "the sleep runs as the provider's user");
 
-    let stopped = broker_core::capabilities::process::stop_children(&*backend, name, std::time::Duration::from_secs(1))
+    let stopped = broker_capabilities::rooms::process::stop_children(&*backend, name, std::time::Duration::from_secs(1))
         .await
         .unwrap();
     assert_eq!(stopped, 1);

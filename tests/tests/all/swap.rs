@@ -2,8 +2,8 @@
 //! the fake (0.1.0) and the same source built as 0.2.0 (`guests/fake-next`).
 
 use broker_core::broker::Broker;
-use broker_core::capabilities::context::CallHooks;
-use broker_core::contract::empty_params;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::contract::empty_params;
 use broker_core::providers::registry::RegistryError;
 use broker_core::version::ProviderVersion;
 use broker_tests::{bundled_manifest_text, wasm};
@@ -25,7 +25,7 @@ fn fake_manifest(dir: &Path, config_line: &str) -> std::path::PathBuf {
     path
 }
 
-fn version_of(result: &broker_core::bindings::StartInstanceResult) -> String {
+fn version_of(result: &broker_capabilities::bindings::StartInstanceResult) -> String {
     result.config.iter().find(|(k, _)| k == "provider-version").map(|(_, v)| v.clone()).unwrap()
 }
 

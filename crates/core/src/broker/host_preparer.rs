@@ -3,11 +3,11 @@
 //! take the machine lock FIRST, compute the devices to bridge, bridge,
 //! observe the network, record what was observed, release.
 
-use crate::bindings::InterfaceInfo;
-use crate::machine_lock::{LockError, MachineLock, Spec};
-use crate::network::backend::NetworkBackend;
-use crate::network::names::bridge_name;
-use crate::network::{BridgeError, Device, DeviceToBridge};
+use broker_capabilities::bindings::InterfaceInfo;
+use broker_capabilities::machine_lock::{LockError, MachineLock, Spec};
+use broker_capabilities::network::backend::NetworkBackend;
+use broker_capabilities::network::names::bridge_name;
+use broker_capabilities::network::{BridgeError, Device, DeviceToBridge};
 use crate::store::{Store, StoreError};
 use futures_util::future::BoxFuture;
 use std::collections::BTreeMap;
@@ -102,13 +102,13 @@ impl HostPreparer<'_> {
         let devices = self.network.devices().await.map_err(|e| PrepareError::Changes(e.to_string()))?;
         for parent in parents {
             let device = devices.iter().find(|d| d.name == parent);
-            let owner = crate::network::owners::settled_owner(&*owners, parent, device)
+            let owner = broker_capabilities::network::owners::settled_owner(&*owners, parent, device)
                 .await
                 .map_err(|e| PrepareError::Changes(e.to_string()))?;
             if let Some(owner) = owner {
                 return Err(PrepareError::Changes(format!(
                     "{parent:?} was made by provider {}, not by the host: it is not used as a host bridge (delete it or name another)",
-                    crate::error_text::escape_unprintable(&owner.provider)
+                    broker_capabilities::error_text::escape_unprintable(&owner.provider)
                 )));
             }
         }
@@ -151,8 +151,8 @@ impl HostPreparer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::contract::interface_on;
-    use crate::network::simulated::SimNetwork;
+    use broker_capabilities::contract::interface_on;
+    use broker_capabilities::network::simulated::SimNetwork;
     use std::sync::Mutex;
 
     /// A simulated host network that also notes each step and whether the
@@ -216,7 +216,7 @@ mod tests {
         fn unbridge<'a>(&'a self, device: &'a str, bridge: &'a str) -> BoxFuture<'a, Result<(), BridgeError>> {
             NetworkBackend::unbridge(&self.network, device, bridge)
         }
-        fn owners(&self) -> Option<std::sync::Arc<dyn crate::network::owners::DeviceOwners>> {
+        fn owners(&self) -> Option<std::sync::Arc<dyn broker_capabilities::network::owners::DeviceOwners>> {
             NetworkBackend::owners(&self.network)
         }
         fn create_veth<'a>(

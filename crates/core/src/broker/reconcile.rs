@@ -12,7 +12,7 @@
 //! provider starts anything new.
 
 use super::service::Broker;
-use crate::capabilities::context::CallHooks;
+use broker_capabilities::rooms::context::CallHooks;
 use crate::store::{Event, InstanceRecord};
 use clap::ValueEnum;
 
@@ -168,11 +168,11 @@ impl Broker {
     /// (or whose names are other devices' now): before any provider is
     /// called, so none can touch a device of the host's through one.
     pub async fn prune_stale_device_records(&self) {
-        let network = crate::network::owners::OwnedNetwork::new(
-            std::sync::Arc::new(crate::network::backend::HostNetwork),
+        let network = broker_capabilities::network::owners::OwnedNetwork::new(
+            std::sync::Arc::new(broker_capabilities::network::backend::HostNetwork),
             self.store().device_owners(),
         );
-        match crate::network::owners::prune_stale(&network).await {
+        match broker_capabilities::network::owners::prune_stale(&network).await {
             Ok(0) => {}
             Ok(forgotten) => tracing::info!(forgotten, "forgot the records of devices made in an earlier boot"),
             Err(error) => {
@@ -187,7 +187,7 @@ impl Broker {
     /// restart; as root only (else programs run as the host's own user), and
     /// for the per-provider uids the host allocates (not a `[sandbox] user`).
     ///
-    /// [`reap_unrecorded`]: crate::capabilities::process::reap_unrecorded
+    /// [`reap_unrecorded`]: broker_capabilities::rooms::process::reap_unrecorded
     pub fn reap_unrecorded_children(&self) -> Vec<(String, u32)> {
         self.reap_unrecorded_older_than(std::time::Duration::ZERO)
     }
@@ -233,7 +233,7 @@ impl Broker {
         let ours = self.store().data_dir().display().to_string();
         // While this process runs programs (a periodic reap), its own children are spared.
         let host = (min_age > std::time::Duration::ZERO).then(std::process::id);
-        let killed = crate::capabilities::process::reap_unrecorded(&uids, &recorded, &ours, min_age, host);
+        let killed = broker_capabilities::rooms::process::reap_unrecorded(&uids, &recorded, &ours, min_age, host);
         for (provider, pid) in &killed {
             tracing::warn!(provider, pid, "killed a process a killed host left running without a child record");
         }
@@ -350,11 +350,11 @@ impl Broker {
         &self,
         name: &str,
         mode: HarvestMode,
-        live: &[crate::bindings::Instance],
+        live: &[broker_capabilities::bindings::Instance],
         found: &mut Reconciled,
     ) -> Result<(), crate::broker::BrokerServiceError> {
         use std::collections::{HashMap, HashSet};
-        let reported: HashMap<&str, &crate::bindings::Instance> = live.iter().map(|i| (i.id.as_str(), i)).collect();
+        let reported: HashMap<&str, &broker_capabilities::bindings::Instance> = live.iter().map(|i| (i.id.as_str(), i)).collect();
         let mut recorded: HashSet<String> = self.store().instances(Some(name))?.into_iter().map(|r| r.id).collect();
 
         for (key, start) in self.store().interrupted_starts(name)? {
@@ -418,7 +418,7 @@ impl Broker {
 }
 
 /// The record of an instance whose start the last process left pending.
-fn adopted(provider: &str, instance: &crate::bindings::Instance, start: crate::store::PendingStart) -> InstanceRecord {
+fn adopted(provider: &str, instance: &broker_capabilities::bindings::Instance, start: crate::store::PendingStart) -> InstanceRecord {
     use crate::store::records::{MAX_REPORTED_ENTRIES, MAX_REPORTED_WORD_BYTES, reported, status_name};
     InstanceRecord {
         id: instance.id.clone(),

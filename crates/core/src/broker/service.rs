@@ -1,19 +1,19 @@
 //! The broker service: provider calls plus the host's records of what they did.
 
 use super::host_preparer::{HostPreparer, PrepareError};
-use crate::bindings::BrokerError;
-use crate::bindings::{Instance, StartInstanceParams};
-use crate::capabilities::context::{CallHooks, ClaimFn};
-use crate::capabilities::http_egress::signing::CREDENTIALS_DIR;
-use crate::capabilities::kv::KvWrites;
-use crate::capabilities::machine_lock::MachineLockRoom;
-use crate::contract::empty_params;
-use crate::machine_lock::{LockError, MachineLock};
+use broker_capabilities::bindings::BrokerError;
+use broker_capabilities::bindings::{Instance, StartInstanceParams};
+use broker_capabilities::rooms::context::{CallHooks, ClaimFn};
+use broker_capabilities::rooms::http_egress::signing::CREDENTIALS_DIR;
+use broker_capabilities::rooms::kv::KvWrites;
+use broker_capabilities::rooms::machine_lock::MachineLockRoom;
+use broker_capabilities::contract::empty_params;
+use broker_capabilities::machine_lock::{LockError, MachineLock};
 use crate::providers::data_dirs::DATA_DIRS;
-use crate::providers::data_fs::{DATA_IMAGES, DataFilesystems};
+use broker_capabilities::data_fs::{DATA_IMAGES, DataFilesystems};
 use crate::providers::{Registry, RegistryError};
 use crate::runtime::{HostCapabilities, Runtime, RuntimeError};
-use crate::sandbox::{Sandbox, SandboxConfig, UidAllocations};
+use broker_capabilities::sandbox::{Sandbox, SandboxConfig, UidAllocations};
 use crate::store::records::{
     Hardware, MAX_REPORTED_ENTRIES, MAX_REPORTED_MESSAGE_BYTES, MAX_REPORTED_WORD_BYTES, id_for_message,
     instance_id_problem, now_rfc3339, reported, status_name,
@@ -263,18 +263,18 @@ impl Broker {
         let on_host =
             HostCapabilities::on_host(store.kv(), store.data_dir().join(DATA_DIRS), sandbox, store.child_records());
         // The host's kernel, with the store's record of which provider made which device.
-        let network = crate::network::owners::OwnedNetwork::new(
-            Arc::new(crate::network::backend::HostNetwork),
+        let network = broker_capabilities::network::owners::OwnedNetwork::new(
+            Arc::new(broker_capabilities::network::backend::HostNetwork),
             store.device_owners(),
         );
         let backends = on_host
             .backends
             .clone()
             .with::<MachineLockRoom>(Arc::new(machine_lock.clone()))
-            .with::<crate::capabilities::network_bridge::NetworkBridge>(Arc::new(network))
+            .with::<broker_capabilities::rooms::network_bridge::NetworkBridge>(Arc::new(network))
             // Signed egress with the operator's credentials (DATA_DIR/credentials), the host's alone.
-            .with::<crate::capabilities::http_egress::HttpEgress>(Arc::new(
-                crate::capabilities::http_egress::HostEgress::with_credentials(store.data_dir().join(CREDENTIALS_DIR)),
+            .with::<broker_capabilities::rooms::http_egress::HttpEgress>(Arc::new(
+                broker_capabilities::rooms::http_egress::HostEgress::with_credentials(store.data_dir().join(CREDENTIALS_DIR)),
             ));
         // Mounting needs root; elsewhere (a developer's host) data dirs stay plain, and it says so.
         let data_filesystems = if rustix::process::geteuid().is_root() {
@@ -284,7 +284,7 @@ impl Broker {
             None
         };
         // The operator's secrets for providers' configs (DATA_DIR/secrets/PROVIDER/NAME).
-        let secrets = crate::secrets::SecretSource::dir(store.data_dir().join(crate::secrets::SECRETS_DIR));
+        let secrets = broker_capabilities::secrets::SecretSource::dir(store.data_dir().join(broker_capabilities::secrets::SECRETS_DIR));
         let mut capabilities = HostCapabilities { backends, data_filesystems, secrets, ..on_host };
         adjust(&mut capabilities);
         let registry = Registry::new(runtime, store.clone(), capabilities);
@@ -347,7 +347,7 @@ impl Broker {
             {
                 break;
             }
-            tracing::info!(provider, zone, error = %crate::error_text::error_text(&last), "zone unavailable; the host tries the next");
+            tracing::info!(provider, zone, error = %broker_capabilities::error_text::error_text(&last), "zone unavailable; the host tries the next");
             params.availability_zone = Some(zone);
             match self.start_placed(provider, &params, hooks, &claimed).await {
                 Err(failed) if zone_unavailable(&failed) => last = failed,
@@ -703,7 +703,7 @@ impl Broker {
                 // Being removed, so it has no recorded instances; listing all is not its business.
                 Err(BrokerServiceError::Registry(RegistryError::Removing(_))) => {}
                 Err(failed) => {
-                    let why = crate::error_text::error_text(&failed);
+                    let why = broker_capabilities::error_text::error_text(&failed);
                     tracing::warn!(provider = %name, error = %why, "a provider did not answer the listing of all");
                     for mut record in self.records_of(name).await? {
                         record.status = "unknown".into();

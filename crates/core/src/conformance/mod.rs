@@ -25,25 +25,25 @@ mod junit;
 pub mod script;
 mod trace;
 
-use crate::bindings::{BrokerError, Instance};
-use crate::capabilities::context::CallEvent;
-use crate::capabilities::context::CallHooks;
-use crate::capabilities::denials::Denials;
-use crate::capabilities::http_egress::{HostEgress, HttpEgress, RecordedEgress};
-use crate::capabilities::kv::{Kv, MemoryKv};
-use crate::capabilities::local_socket::{HostSockets, LocalSocket};
-use crate::capabilities::machine_lock::MachineLockRoom;
-use crate::capabilities::network_bridge::NetworkBridge;
-use crate::capabilities::process::{
+use broker_capabilities::bindings::{BrokerError, Instance};
+use broker_capabilities::rooms::context::CallEvent;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::rooms::denials::Denials;
+use broker_capabilities::rooms::http_egress::{HostEgress, HttpEgress, RecordedEgress};
+use broker_capabilities::rooms::kv::{Kv, MemoryKv};
+use broker_capabilities::rooms::local_socket::{HostSockets, LocalSocket};
+use broker_capabilities::rooms::machine_lock::MachineLockRoom;
+use broker_capabilities::rooms::network_bridge::NetworkBridge;
+use broker_capabilities::rooms::process::{
     HostProcesses, LiveChildren, MemoryChildRecords, Process, Recorded, RecordedSockets,
 };
-use crate::contract::constraints;
-use crate::contract::{empty_params, params_with};
-use crate::machine_lock::MachineLock;
+use broker_capabilities::contract::constraints;
+use broker_capabilities::contract::{empty_params, params_with};
+use broker_capabilities::machine_lock::MachineLock;
 use crate::manifest::Manifest;
 use crate::manifest::Method;
-use crate::network::backend::HostNetwork;
-use crate::runtime::rooms::Backends;
+use broker_capabilities::network::backend::HostNetwork;
+use broker_capabilities::rooms::Backends;
 use crate::runtime::{HostCapabilities, Runtime};
 use crate::version::imports::ContractError;
 use crate::version::method_stats::Outcome;
@@ -82,7 +82,7 @@ pub struct Report {
     pub(crate) millis: u128,
     /// Hides the provider's secrets in what the run wrote (its recording).
     #[serde(skip)]
-    redactor: Arc<crate::secrets::Redactor>,
+    redactor: Arc<broker_capabilities::secrets::Redactor>,
 }
 
 impl Report {
@@ -124,7 +124,7 @@ impl Report {
     /// the provider said is escaped.
     pub fn text(&self) -> String {
         // What the provider said (its version, errors, host calls) is escaped: one line each.
-        use crate::error_text::escape_unprintable as esc;
+        use broker_capabilities::error_text::escape_unprintable as esc;
         let mut out = format!("provider {} {}\n", esc(&self.provider), esc(&self.version));
         for case in &self.cases {
             let mark = match (case.passed, case.skipped) {
@@ -177,7 +177,7 @@ pub struct KitOptions {
     pub strict: bool,
     /// `host.toml`'s `[sandbox]`: how a recording's real programs are confined
     /// (their users come from the range above the one the store allocates from).
-    pub sandbox: crate::sandbox::SandboxConfig,
+    pub sandbox: broker_capabilities::sandbox::SandboxConfig,
     /// Where a recording's signed grants find their credentials
     /// (`DATA_DIR/credentials`); `None`: a signed grant's requests fail.
     pub credentials: Option<std::path::PathBuf>,
@@ -249,7 +249,7 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     let live_children = Arc::new(LiveChildren::default());
     let (denials, denied) = Denials::collecting();
     let (kv, data_dirs) = (Arc::new(MemoryKv::default()), scratch.path().join("data"));
-    let sandbox = crate::sandbox::Sandbox::new(options.sandbox.clone(), None);
+    let sandbox = broker_capabilities::sandbox::Sandbox::new(options.sandbox.clone(), None);
     // The sandbox is made of the backends it is given, each named here (no field
     // defaults to the host's, and a room given none refuses): scripted, or the
     // host's own recorded.
@@ -273,7 +273,7 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                 // The kit's data dirs are scratch: a plain directory each.
                 data_filesystems: None,
                 // Stand-ins: a script recorded with the real values holds these in their place.
-                secrets: crate::secrets::SecretSource::Placeholders,
+                secrets: broker_capabilities::secrets::SecretSource::Placeholders,
             };
             (caps, Some(scripted))
         }
@@ -297,9 +297,9 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                         recording.http.clone(),
                     )))
                     // The host's kernel; what the provider makes in the run is its own, recorded in memory.
-                    .with::<NetworkBridge>(Arc::new(crate::network::owners::OwnedNetwork::new(
+                    .with::<NetworkBridge>(Arc::new(broker_capabilities::network::owners::OwnedNetwork::new(
                         Arc::new(HostNetwork),
-                        Arc::new(crate::network::owners::MemoryOwners::default()),
+                        Arc::new(broker_capabilities::network::owners::MemoryOwners::default()),
                     ))),
                 denials,
                 // The kit's data dirs are scratch: a plain directory each.
@@ -307,9 +307,9 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                 // The operator's, as the daemon reads them; the recording holds stand-ins.
                 secrets: match &options.secrets {
                     Some(dir) => {
-                        crate::secrets::SecretSource::Recording(Arc::new(crate::secrets::SecretsDir::new(dir.clone())))
+                        broker_capabilities::secrets::SecretSource::Recording(Arc::new(broker_capabilities::secrets::SecretsDir::new(dir.clone())))
                     }
-                    None => crate::secrets::SecretSource::Placeholders,
+                    None => broker_capabilities::secrets::SecretSource::Placeholders,
                 },
             };
             (caps, None)
@@ -431,7 +431,7 @@ fn explain(err: &CallError) -> String {
     }
 }
 
-fn zone_of(started: &crate::bindings::StartInstanceResult) -> Option<String> {
+fn zone_of(started: &broker_capabilities::bindings::StartInstanceResult) -> Option<String> {
     started.hardware.as_ref().and_then(|h| h.availability_zone.clone())
 }
 
@@ -470,11 +470,11 @@ impl Kit {
     async fn start(
         &mut self,
         hooks: &CallHooks,
-        params: &crate::bindings::StartInstanceParams,
-    ) -> Result<crate::bindings::StartInstanceResult, CallError> {
+        params: &broker_capabilities::bindings::StartInstanceParams,
+    ) -> Result<broker_capabilities::bindings::StartInstanceResult, CallError> {
         let Some(guard) = &mut self.guard else { return self.provider.start_instance(hooks, params).await };
         let mut params = params.clone();
-        let config = params.instance_config.get_or_insert_with(crate::contract::empty_instance_config);
+        let config = params.instance_config.get_or_insert_with(broker_capabilities::contract::empty_instance_config);
         config.tags.push((RECORDING_TAG.to_owned(), guard.run.clone()));
         let started = self.provider.start_instance(hooks, &params).await?;
         let id = &started.instance.id;
@@ -806,7 +806,7 @@ impl Kit {
 
 /// A successful start reports only progress: pending, allocating, provisioning, running.
 fn progress_only(events: &[CallEvent]) -> Result<String, String> {
-    use crate::bindings::InstanceStatus as S;
+    use broker_capabilities::bindings::InstanceStatus as S;
     let mut seen = Vec::new();
     for event in events {
         if let CallEvent::Status { status, info, .. } = event {

@@ -13,14 +13,14 @@
 //!   provider under test may not touch them, nor the host's (the others);
 //!   what it makes in the run is its own.
 
-use crate::capabilities::http_egress::{Exchange, Script, Tape};
-use crate::capabilities::network_bridge::NetworkBridge;
-use crate::capabilities::process::simulated::{ScriptedChild, ScriptedRun};
-use crate::capabilities::process::{ProcessTape, SimProcesses};
+use broker_capabilities::rooms::http_egress::{Exchange, Script, Tape};
+use broker_capabilities::rooms::network_bridge::NetworkBridge;
+use broker_capabilities::rooms::process::simulated::{ScriptedChild, ScriptedRun};
+use broker_capabilities::rooms::process::{ProcessTape, SimProcesses};
 use crate::manifest::Manifest;
-use crate::network::Device;
-use crate::network::backend::{HostNetwork, NetworkBackend};
-use crate::network::simulated::SimNetwork;
+use broker_capabilities::network::Device;
+use broker_capabilities::network::backend::{HostNetwork, NetworkBackend};
+use broker_capabilities::network::simulated::SimNetwork;
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
 

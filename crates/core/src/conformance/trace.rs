@@ -18,11 +18,11 @@ const MAX_LINE: usize = 240;
 
 /// The host calls seen so far, oldest first.
 #[derive(Debug, Default, Clone)]
-pub struct HostCallLog(Arc<Mutex<Vec<String>>>, Arc<crate::secrets::Redactor>);
+pub struct HostCallLog(Arc<Mutex<Vec<String>>>, Arc<broker_capabilities::secrets::Redactor>);
 
 impl HostCallLog {
     /// A log whose lines have the provider's secrets hidden before they are cut.
-    pub fn redacting(redactor: Arc<crate::secrets::Redactor>) -> HostCallLog {
+    pub fn redacting(redactor: Arc<broker_capabilities::secrets::Redactor>) -> HostCallLog {
         HostCallLog(Arc::default(), redactor)
     }
 

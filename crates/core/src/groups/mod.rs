@@ -14,7 +14,7 @@
 pub mod spec;
 
 use crate::broker::{Broker, BrokerServiceError};
-use crate::capabilities::context::CallHooks;
+use broker_capabilities::rooms::context::CallHooks;
 use crate::store::{Event, GroupRecord, InstanceRecord, StoreError};
 use futures_util::StreamExt;
 use serde::Serialize;
@@ -435,7 +435,7 @@ impl Groups {
                         // Backoff: never a tight loop against a failing provider.
                         failures = failures.saturating_add(1);
                         let backoff = Duration::from_millis(100u64 << failures.min(10));
-                        tracing::warn!(group = %id, error = %crate::error_text::error_text(&error), "a group pass failed");
+                        tracing::warn!(group = %id, error = %broker_capabilities::error_text::error_text(&error), "a group pass failed");
                         backoff.min(groups.settings.poll)
                     }
                 };
@@ -594,7 +594,7 @@ impl Groups {
             match self.committed(&id) {
                 Ok(group) => specs.push(group.spec),
                 Err(error) => {
-                    tracing::error!(group = %id, error = %crate::error_text::error_text(&error), "left out of the listing")
+                    tracing::error!(group = %id, error = %broker_capabilities::error_text::error_text(&error), "left out of the listing")
                 }
             }
         }
@@ -976,7 +976,7 @@ impl Groups {
                     let unavailable = matches!(
                         &failed,
                         BrokerServiceError::Call(crate::version::CallError::Guest {
-                            error: crate::bindings::BrokerError::ZoneUnavailable(_),
+                            error: broker_capabilities::bindings::BrokerError::ZoneUnavailable(_),
                             ..
                         })
                     );
@@ -989,7 +989,7 @@ impl Groups {
                         self.note(
                             group,
                             "zone-unavailable",
-                            format!("{zone}: {}; trying the next zone", crate::error_text::error_text(&failed)),
+                            format!("{zone}: {}; trying the next zone", broker_capabilities::error_text::error_text(&failed)),
                         )
                         .await;
                     }

@@ -17,7 +17,7 @@
 //! and adds its `Tags`. The group adds `infrakit.group`, `infrakit.config.hash`
 //! and, in a quorum group, `infrakit.logical_id` to the instance config's tags.
 
-use crate::bindings::{InstanceConfig, StartInstanceParams};
+use broker_capabilities::bindings::{InstanceConfig, StartInstanceParams};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 use std::collections::BTreeMap;
@@ -365,9 +365,9 @@ pub fn start_params(
         serde_json::Value::Null => InstanceProperties::default(),
         value => serde_json::from_value(value.clone()).map_err(|e| field(at, e.to_string()))?,
     };
-    let constraints = crate::contract::constraints::parse(&instance.constraints)
+    let constraints = broker_capabilities::contract::constraints::parse(&instance.constraints)
         .map_err(|e| field(&format!("{at}.Constraints"), format!("{:?}: {e}", instance.constraints)))?;
-    let mut params = crate::contract::params_with(constraints);
+    let mut params = broker_capabilities::contract::params_with(constraints);
     params.placement = instance.placement;
     let mut user_data = instance.user_data.unwrap_or_default();
     for line in init {
@@ -394,7 +394,7 @@ fn instance_config(user_data: String, tags: BTreeMap<String, String>, base: Opti
         base,
         user_data: (!user_data.is_empty()).then(|| user_data.into_bytes()),
         tags: tags.into_iter().collect(),
-        ..crate::contract::empty_instance_config()
+        ..broker_capabilities::contract::empty_instance_config()
     }
 }
 

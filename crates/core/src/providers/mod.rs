@@ -3,7 +3,6 @@
 //! manifests directory.
 
 pub mod data_dirs;
-pub mod data_fs;
 pub mod registry;
 pub mod view;
 pub mod watch;

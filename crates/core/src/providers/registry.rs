@@ -1,6 +1,6 @@
 //! The providers this host runs: registered in the store, loaded on first use.
 
-use crate::capabilities::process::{Process, stop_children};
+use broker_capabilities::rooms::process::{Process, stop_children};
 use crate::manifest::Manifest;
 use crate::runtime::{HostCapabilities, Runtime};
 use crate::store::{Event, ProviderRecord, Store, StoreError, records::now_rfc3339};
@@ -302,15 +302,15 @@ impl Registry {
     }
 
     /// Refuse host paths granted where another party could replace them with
-    /// a link, or that reach the host's own data dir ([`crate::sandbox::granted::check_placement`]),
+    /// a link, or that reach the host's own data dir ([`broker_capabilities::sandbox::granted::check_placement`]),
     /// against every registered provider's approved grants.
     fn check_grant_placement(&self, manifest: &Manifest) -> Result<(), RegistryError> {
         let of = |manifest: &Manifest| {
             let grant = manifest.grants.rooms.of::<Process>();
-            let programs = crate::capabilities::process::ProcessPolicy::resolve(&grant.process, &[], Path::new("/"))
+            let programs = broker_capabilities::rooms::process::ProcessPolicy::resolve(&grant.process, &[], Path::new("/"))
                 .map(|policy| policy.resolved_programs())
                 .unwrap_or_default();
-            crate::sandbox::granted::GrantedPaths {
+            broker_capabilities::sandbox::granted::GrantedPaths {
                 provider: manifest.name.clone(),
                 read: grant.paths.iter().cloned().chain(programs).chain(grant.devices.iter().cloned()).collect(),
                 write: grant.paths_rw.clone(),
@@ -328,7 +328,7 @@ impl Registry {
             .collect();
         let data_dir = self.store.data_dir();
         let data_dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_owned());
-        crate::sandbox::granted::check_placement(&of(manifest), &others, &data_dir)
+        broker_capabilities::sandbox::granted::check_placement(&of(manifest), &others, &data_dir)
             .map_err(|source| LoadError::Prepare { provider: manifest.name.clone(), source: Box::new(source) })?;
         Ok(())
     }
@@ -418,11 +418,11 @@ impl Registry {
     /// Delete the network devices `name` made and drop their records, for its
     /// removal; what was done, for its event (each device it left, with why).
     async fn release_devices(&self, name: &str) -> Vec<String> {
-        let Some(network) = self.capabilities.backends.of::<crate::capabilities::network_bridge::NetworkBridge>()
+        let Some(network) = self.capabilities.backends.of::<broker_capabilities::rooms::network_bridge::NetworkBridge>()
         else {
             return Vec::new();
         };
-        match crate::network::owners::release_provider(&*network, name).await {
+        match broker_capabilities::network::owners::release_provider(&*network, name).await {
             Ok(released) => {
                 let mut said = Vec::new();
                 if !released.deleted.is_empty() {
@@ -591,7 +591,7 @@ impl Registry {
         let mut records = self.list()?;
         for record in &mut records {
             if let Some(text) = &mut record.approved_manifest {
-                *text = crate::secrets::hide_inline_in_manifest(text);
+                *text = broker_capabilities::secrets::hide_inline_in_manifest(text);
             }
         }
         Ok(records)

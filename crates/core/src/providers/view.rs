@@ -80,7 +80,7 @@ fn shown_config(manifest: &Manifest) -> serde_json::Value {
 
 fn hide_inline(table: &mut toml::Table, secret: bool) {
     for (key, value) in table.iter_mut() {
-        hide_value(value, secret || crate::secrets::looks_secret(key));
+        hide_value(value, secret || broker_capabilities::secrets::looks_secret(key));
     }
 }
 

@@ -3,17 +3,13 @@
 //! the linker built from a provider's grants.
 
 mod limits;
-pub mod quotas;
-pub mod rooms;
 mod state;
 mod ticker;
 pub mod turnstile;
 
 pub(crate) use limits::GuestLimiter;
-pub use rooms::{Capability, Linking, ROOMS, Room};
 pub use state::{HostCapabilities, HostState, ProviderCapabilities};
 
-use crate::capabilities;
 use crate::manifest::MAX_GUEST_MEMORY_BYTES;
 use std::path::Path;
 use std::sync::Arc;
@@ -26,7 +22,7 @@ use wasmtime::{Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, P
 pub const EPOCH_TICK: Duration = Duration::from_millis(1);
 
 /// A cause from wasmtime, kept whole (its own causes reachable through `source`).
-pub use rooms::BoxError;
+pub use broker_capabilities::rooms::BoxError;
 
 /// Why the engine could not be set up or a component not compiled.
 #[derive(Debug, thiserror::Error)]
@@ -38,7 +34,7 @@ pub enum RuntimeError {
     #[error("cannot configure the wasm engine: cache: {0}")]
     Cache(#[source] BoxError),
     /// The bytes are not a component this engine can compile.
-    #[error("cannot compile component {path}: {}", crate::error_text::error_text(&**source))]
+    #[error("cannot compile component {path}: {}", broker_capabilities::error_text::error_text(&**source))]
     Compile {
         /// The component file.
         path: String,
@@ -160,8 +156,8 @@ impl Runtime {
     pub fn linker(&self, grants: &crate::manifest::Grants) -> wasmtime::Result<Linker<HostState>> {
         let mut linker = Linker::new(&self.engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
-        capabilities::wasi::refuse_symlinks(&mut linker, HostState::symlink_refused)?;
-        rooms::add_to_linker(&mut linker, grants)?;
+        broker_capabilities::rooms::wasi::refuse_symlinks(&mut linker, HostState::symlink_refused)?;
+        broker_capabilities::rooms::add_to_linker(&mut linker, grants)?;
         Ok(linker)
     }
 }

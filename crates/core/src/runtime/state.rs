@@ -1,13 +1,13 @@
 //! The data of one guest store.
 
 use super::GuestLimiter;
-use crate::capabilities::denials::Denials;
-use crate::capabilities::kv::{Kv, KvBackend};
-use crate::capabilities::network_bridge::NetworkBridge;
-use crate::capabilities::process::{ChildRecords, HostProcesses, Process};
-use crate::capabilities::wasi;
-use crate::network::backend::NetworkBackend;
-use crate::runtime::rooms::{Backends, HasRooms, Parts, PreparedParts, RoomGrants, StoreSetup};
+use broker_capabilities::rooms::denials::Denials;
+use broker_capabilities::rooms::kv::{Kv, KvBackend};
+use broker_capabilities::rooms::network_bridge::NetworkBridge;
+use broker_capabilities::rooms::process::{ChildRecords, HostProcesses, Process};
+use broker_capabilities::rooms::wasi;
+use broker_capabilities::network::backend::NetworkBackend;
+use broker_capabilities::rooms::{Backends, HasRooms, Parts, PreparedParts, RoomGrants, StoreSetup};
 use std::path::PathBuf;
 use std::sync::Arc;
 use wasmtime::component::ResourceTable;
@@ -38,7 +38,7 @@ pub struct HostCapabilities {
     /// Never inside a directory manifests or components are loaded from.
     pub data_dirs: PathBuf,
     /// How granted programs are confined (bubblewrap, the sandbox users).
-    pub sandbox: crate::sandbox::Sandbox,
+    pub sandbox: broker_capabilities::sandbox::Sandbox,
     /// What the capabilities' calls reach: the host's, unless the kit
     /// injected a simulation or a recording.
     pub backends: Backends,
@@ -46,10 +46,10 @@ pub struct HostCapabilities {
     pub denials: Denials,
     /// Mounts each provider's data dir as a filesystem of its own
     /// (`data-mib`); `None`: data dirs are plain directories (tests, the kit).
-    pub data_filesystems: Option<Arc<crate::providers::data_fs::DataFilesystems>>,
+    pub data_filesystems: Option<Arc<broker_capabilities::data_fs::DataFilesystems>>,
     /// Where the secrets manifests name under `[secrets]` are read (none:
     /// such a manifest does not load).
-    pub secrets: crate::secrets::SecretSource,
+    pub secrets: broker_capabilities::secrets::SecretSource,
 }
 
 impl HostCapabilities {
@@ -59,7 +59,7 @@ impl HostCapabilities {
     pub fn on_host(
         kv: Arc<dyn KvBackend>,
         data_dirs: PathBuf,
-        sandbox: crate::sandbox::Sandbox,
+        sandbox: broker_capabilities::sandbox::Sandbox,
         child_records: Arc<dyn ChildRecords>,
     ) -> Self {
         HostCapabilities {
@@ -70,7 +70,7 @@ impl HostCapabilities {
                 .with::<Process>(Arc::new(HostProcesses::new(child_records, Arc::default()))),
             denials: Denials::default(),
             data_filesystems: None,
-            secrets: crate::secrets::SecretSource::None,
+            secrets: broker_capabilities::secrets::SecretSource::None,
         }
     }
 
@@ -97,9 +97,9 @@ pub struct ProviderCapabilities {
     /// What the rooms made ready when the version loaded (confined programs).
     pub prepared: PreparedParts,
     /// What its bounds refused or cut, counted (the version's metrics).
-    pub quotas: Arc<crate::runtime::quotas::Quotas>,
+    pub quotas: Arc<broker_capabilities::quotas::Quotas>,
     /// Hides its secrets' values in the text of its the host shows (log lines, output).
-    pub redactor: Arc<crate::secrets::Redactor>,
+    pub redactor: Arc<broker_capabilities::secrets::Redactor>,
 }
 
 impl ProviderCapabilities {
@@ -189,6 +189,6 @@ impl HasRooms for HostState {
 
 impl WasiHttpView for HostState {
     fn http(&mut self) -> WasiHttpCtxView<'_> {
-        crate::capabilities::http_egress::http_view(self)
+        broker_capabilities::rooms::http_egress::http_view(self)
     }
 }

@@ -1,10 +1,10 @@
 //! Which provider made which network device (taps, veths, bridges made
 //! through the `network-bridge` capability): written before the device is
 //! made, so no crash leaves a device of a provider's that the host does not
-//! know is its own (see [`crate::network::owners`]).
+//! know is its own (see [`broker_capabilities::network::owners`]).
 
 use super::{Store, db_error, writer};
-use crate::network::owners::{DeviceOwners, OwnedDevice, OwnersError};
+use broker_capabilities::network::owners::{DeviceOwners, OwnedDevice, OwnersError};
 use futures_util::future::BoxFuture;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use std::sync::Arc;
@@ -168,7 +168,7 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
-    use crate::network::owners::OwnedDevice;
+    use broker_capabilities::network::owners::OwnedDevice;
 
     /// Records survive a reopen; a claim of another's name writes nothing.
     #[tokio::test]

@@ -17,7 +17,7 @@
 
 use super::writer::{Job, Pending, Reply, Writer};
 use super::{KV, StoreError, Txn, db_error};
-use crate::capabilities::kv::{
+use broker_capabilities::rooms::kv::{
     Entries, KvBackend, KvChange, KvChanged, KvError, KvQuota, KvWrites, ScanPage, apply_change, pack_page,
 };
 use redb::{Database, ReadableDatabase};
@@ -94,7 +94,7 @@ pub struct MirrorStats {
     pub evictions: u64,
 }
 
-/// The store's [`KvBackend`](crate::capabilities::kv::KvBackend): each namespace
+/// The store's [`KvBackend`](broker_capabilities::rooms::kv::KvBackend): each namespace
 /// mirrored in memory, writes made durable through the store's writer.
 pub struct RedbKv {
     db: Arc<Database>,
@@ -417,7 +417,7 @@ impl KvBackend for RedbKv {
 #[cfg(test)]
 mod tests {
     use super::super::Store;
-    use crate::capabilities::kv::{
+    use broker_capabilities::rooms::kv::{
         Entries, KvBackend, KvChange, KvChanged, KvError, KvQuota, KvWrites, MemoryKv, pack_prefix,
     };
 

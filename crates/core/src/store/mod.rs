@@ -28,9 +28,9 @@ pub(crate) use wal::Txn;
 pub use wal::WalError;
 pub use writer::Pending;
 
-use crate::capabilities::kv::KvWrites;
-use crate::capabilities::process::{ChildRecord, ChildRecords, RecordsError};
-use crate::network::Device;
+use broker_capabilities::rooms::kv::KvWrites;
+use broker_capabilities::rooms::process::{ChildRecord, ChildRecords, RecordsError};
+use broker_capabilities::network::Device;
 use futures_util::future::BoxFuture;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use std::path::{Path, PathBuf};
@@ -803,7 +803,7 @@ mod tests {
     #[test]
     fn start_params_are_kept_apart_and_read_with_one_record() {
         let dir = tempfile::tempdir().unwrap();
-        let mut params = crate::contract::empty_params();
+        let mut params = broker_capabilities::contract::empty_params();
         params.constraints.tags = Some(vec!["kept".into()]);
         let with_params = InstanceRecord { params: Some(Box::new(params.clone())), ..record("fake", "fake-0") };
         {
@@ -864,7 +864,7 @@ mod tests {
     /// the log the same image has none of them (so the test sees the replay).
     #[test]
     fn writes_answered_before_a_crash_survive_it_through_the_log() {
-        use crate::capabilities::kv::KvBackend;
+        use broker_capabilities::rooms::kv::KvBackend;
         let dir = tempfile::tempdir().unwrap();
         let store = open_uncheckpointed(dir.path());
         let provider = ProviderRecord {

@@ -1,6 +1,6 @@
 //! What the host remembers about providers and instances.
 
-use crate::bindings::{HardwareCharacteristics, InstanceStatus, StartInstanceParams};
+use broker_capabilities::bindings::{HardwareCharacteristics, InstanceStatus, StartInstanceParams};
 use serde::{Deserialize, Serialize};
 
 /// A registered provider: where its manifest is, and what it was when added.
@@ -71,7 +71,7 @@ pub const MAX_REPORTED_ENTRIES: usize = 64;
 /// `text` cut to `max` bytes on a character boundary: a record keeps at
 /// most this of what a provider reported (it is held, listed and stored).
 pub fn reported(text: &str, max: usize) -> String {
-    crate::capabilities::log::truncate(text, max).to_owned()
+    broker_capabilities::rooms::log::truncate(text, max).to_owned()
 }
 
 impl From<&HardwareCharacteristics> for Hardware {
@@ -265,8 +265,8 @@ pub fn instance_id_problem(id: &str) -> Option<String> {
     if id.len() > MAX_INSTANCE_ID_BYTES {
         return Some(format!("it is {} bytes long; at most {MAX_INSTANCE_ID_BYTES} are allowed", id.len()));
     }
-    let (at, c) = id.char_indices().find(|(_, c)| c.is_whitespace() || crate::error_text::is_unprintable(*c))?;
-    let kind = if crate::error_text::is_unprintable(c) { "control character" } else { "whitespace" };
+    let (at, c) = id.char_indices().find(|(_, c)| c.is_whitespace() || broker_capabilities::error_text::is_unprintable(*c))?;
+    let kind = if broker_capabilities::error_text::is_unprintable(c) { "control character" } else { "whitespace" };
     Some(format!("it has the {kind} U+{:04X} at byte {at}; ids must be printable without whitespace", c as u32))
 }
 
@@ -275,9 +275,9 @@ pub fn instance_id_problem(id: &str) -> Option<String> {
 pub fn id_for_message(id: &str) -> String {
     const SHOWN: usize = 64;
     match id.char_indices().nth(SHOWN) {
-        None => format!("\"{}\"", crate::error_text::escape_unprintable(id)),
+        None => format!("\"{}\"", broker_capabilities::error_text::escape_unprintable(id)),
         Some((cut, _)) => {
-            format!("\"{}\"… ({} bytes)", crate::error_text::escape_unprintable(&id[..cut]), id.len())
+            format!("\"{}\"… ({} bytes)", broker_capabilities::error_text::escape_unprintable(&id[..cut]), id.len())
         }
     }
 }
@@ -288,7 +288,7 @@ pub struct ObservedNetwork {
     /// RFC 3339, UTC.
     pub observed: String,
     /// The devices and bridges found.
-    pub devices: Vec<crate::network::Device>,
+    pub devices: Vec<broker_capabilities::network::Device>,
 }
 
 /// Now, as RFC 3339 UTC with seconds.

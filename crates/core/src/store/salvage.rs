@@ -17,7 +17,7 @@ use super::{
     CHILDREN, INSTANCE_PARAMS, INSTANCES, KV, OBSERVED_NETWORK, PROVIDERS, ProviderRecord, StoreError, events,
     records::InstanceRecord,
 };
-use crate::capabilities::process::ChildRecord;
+use broker_capabilities::rooms::process::ChildRecord;
 use redb::{Database, Key, ReadableDatabase, ReadableTable, TableDefinition, TableHandle, Value};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
@@ -171,7 +171,7 @@ fn each_table(from: &impl ReadableDatabase, into: Option<&Database>) -> Result<V
     }
     copy!(PROVIDERS, as_json::<ProviderRecord>);
     copy!(INSTANCES, as_json::<InstanceRecord>);
-    copy!(INSTANCE_PARAMS, as_json::<crate::bindings::StartInstanceParams>);
+    copy!(INSTANCE_PARAMS, as_json::<broker_capabilities::bindings::StartInstanceParams>);
     copy!(KV, any_bytes);
     copy!(CHILDREN, as_json::<ChildRecord>);
     copy!(OBSERVED_NETWORK, as_json::<super::ObservedNetwork>);
@@ -180,7 +180,7 @@ fn each_table(from: &impl ReadableDatabase, into: Option<&Database>) -> Result<V
     copy!(super::starts::STARTS, as_json::<super::PendingStart>);
     copy!(super::starts::STOPPING, as_json::<super::StopMark>);
     copy!(super::sandbox_users::SANDBOX_SHARED, as_json::<Vec<std::path::PathBuf>>);
-    copy!(super::devices::DEVICE_OWNERS, as_json::<crate::network::owners::OwnedDevice>);
+    copy!(super::devices::DEVICE_OWNERS, as_json::<broker_capabilities::network::owners::OwnedDevice>);
     // Last: its report is amended below.
     copy!(SANDBOX_USERS, any_uid);
     if let Some(txn) = &write {
@@ -343,7 +343,7 @@ fn keep_aside(data_dir: &Path, path: &Path) -> std::io::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::capabilities::kv::KvBackend;
+    use broker_capabilities::rooms::kv::KvBackend;
     use crate::store::Store;
     use crate::store::tests::record;
 

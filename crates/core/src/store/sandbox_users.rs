@@ -11,7 +11,7 @@ pub(super) const SANDBOX_USERS: TableDefinition<&str, u32> = TableDefinition::ne
 /// what a narrowed grant or a removal no longer gives is taken back.
 pub(super) const SANDBOX_SHARED: TableDefinition<&str, &[u8]> = TableDefinition::new("sandbox_shared");
 
-impl crate::sandbox::UidAllocations for Store {
+impl broker_capabilities::sandbox::UidAllocations for Store {
     fn host_dir(&self) -> &std::path::Path {
         self.data_dir()
     }
@@ -80,7 +80,7 @@ impl Store {
     /// `provider`'s uid, allocated from `base` if it has none (no machine claims: tests).
     #[cfg(test)]
     pub(crate) fn uid_for(&self, provider: &str, base: u32) -> Result<u32, String> {
-        use crate::sandbox::UidAllocations;
+        use broker_capabilities::sandbox::UidAllocations;
         match self.recorded(provider)? {
             Some(uid) => Ok(uid),
             None => {
@@ -112,7 +112,7 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
-    use crate::sandbox::UidAllocations;
+    use broker_capabilities::sandbox::UidAllocations;
 
     #[test]
     fn each_provider_keeps_its_uid_across_reopens_and_none_is_reused() {

@@ -10,7 +10,7 @@
 //! earlier session is a call that process never finished.
 
 use super::{INSTANCES, Store, StoreError, db_error, decode, encoded};
-use crate::bindings::StartInstanceParams;
+use broker_capabilities::bindings::StartInstanceParams;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 
 /// Key: (provider, start key) -> [`PendingStart`] as JSON.
@@ -189,7 +189,7 @@ impl PendingStart {
             started: String::new(),
             nonce: String::new(),
             claimed: None,
-            params: crate::contract::empty_params(),
+            params: broker_capabilities::contract::empty_params(),
         }
     }
 }

@@ -1,6 +1,6 @@
 //! What can go wrong in one call to a provider, each naming provider and method.
 
-use crate::bindings::BrokerError;
+use broker_capabilities::bindings::BrokerError;
 use crate::manifest::Method;
 use std::time::Duration;
 
@@ -67,7 +67,7 @@ pub enum CallError {
         method: Method,
         /// The store's failure.
         #[source]
-        source: crate::capabilities::kv::KvError,
+        source: broker_capabilities::rooms::kv::KvError,
     },
     /// The provider already ran its `max-concurrent-calls`, and none ended
     /// within `queue-wait`.

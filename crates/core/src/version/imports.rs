@@ -1,7 +1,7 @@
 //! Checks a component's imports and exports against what this host offers and
 //! what the manifest grants, so a refusal names the exact import.
 
-use crate::bindings::{CONTRACT_PACKAGE, CONTRACT_VERSION};
+use broker_capabilities::bindings::{CONTRACT_PACKAGE, CONTRACT_VERSION};
 use crate::manifest::Grants;
 use wasmtime::Engine;
 use wasmtime::component::Component;
@@ -98,7 +98,7 @@ fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
     if interface == "types" {
         return Ok(());
     }
-    match crate::runtime::rooms::room(interface) {
+    match broker_capabilities::rooms::room(interface) {
         Some(room) if room.linked_for(grants) => Ok(()),
         Some(room) => Err(ContractError::NotGranted { import: import.to_owned(), grant: room.grant() }),
         None => Err(unsupported("")),
@@ -108,8 +108,8 @@ fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::capabilities::kv::Kv;
-    use crate::runtime::rooms::RoomGrants;
+    use broker_capabilities::rooms::kv::Kv;
+    use broker_capabilities::rooms::RoomGrants;
 
     #[test]
     fn versions_follow_semver_for_zero_majors() {

@@ -11,14 +11,14 @@ pub mod method_stats;
 
 pub use errors::{CallError, describe_broker_error};
 
-use crate::bindings::{
+use broker_capabilities::bindings::{
     BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
 };
-use crate::capabilities::context::{CallContext, CallHooks};
-use crate::capabilities::kv::{Kv, KvWrites};
+use broker_capabilities::rooms::context::{CallContext, CallHooks};
+use broker_capabilities::rooms::kv::{Kv, KvWrites};
 use crate::manifest::{Isolation, Manifest, ManifestError, Method};
-use crate::runtime::quotas::{Quota, Quotas};
-use crate::runtime::rooms::LoadSetup;
+use broker_capabilities::quotas::{Quota, Quotas};
+use broker_capabilities::rooms::LoadSetup;
 use crate::runtime::turnstile::{FIRST_SLICE_TICKS, Lane};
 use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
 use method_stats::Outcome;
@@ -49,7 +49,7 @@ pub enum LoadError {
         source: imports::ContractError,
     },
     /// wasmtime could not link or pre-instantiate it.
-    #[error("provider {provider}: cannot link component: {}", crate::error_text::error_text(&**source))]
+    #[error("provider {provider}: cannot link component: {}", broker_capabilities::error_text::error_text(&**source))]
     Link {
         /// The provider being loaded.
         provider: String,
@@ -76,14 +76,14 @@ pub enum LoadError {
     },
     /// Its data dir's own filesystem could not be made ready.
     #[error(transparent)]
-    DataFs(#[from] crate::providers::data_fs::DataFsError),
+    DataFs(#[from] broker_capabilities::data_fs::DataFsError),
     /// A secret its manifest names could not be read.
     #[error("provider {provider}: {source}")]
     Secret {
         /// The provider being loaded.
         provider: String,
         /// Which secret, and why.
-        source: crate::secrets::SecretError,
+        source: broker_capabilities::secrets::SecretError,
     },
     /// Its manifest or component lies in a data dir, which a provider can write.
     #[error("provider {provider}: {reason}")]
@@ -139,7 +139,7 @@ pub struct ProviderVersion {
     pre: ProviderPre<HostState>,
     capabilities: ProviderCapabilities,
     /// Its config as the guest gets it, secrets filled in; and their redactor.
-    config: Arc<crate::secrets::ProviderConfig>,
+    config: Arc<broker_capabilities::secrets::ProviderConfig>,
     pool: Mutex<Vec<Warm>>,
     stats: Arc<ProviderStats>,
     breaker: breaker::Breaker,
@@ -252,7 +252,7 @@ impl ProviderVersion {
             .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
         let pre = ProviderPre::new(instance_pre)
             .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
-        let config = crate::secrets::ProviderConfig::load(
+        let config = broker_capabilities::secrets::ProviderConfig::load(
             &manifest.name,
             &manifest.config,
             &manifest.secrets,
@@ -391,7 +391,7 @@ impl ProviderVersion {
     }
 
     /// What hides its secrets' values in text the host shows.
-    pub fn redactor(&self) -> &Arc<crate::secrets::Redactor> {
+    pub fn redactor(&self) -> &Arc<broker_capabilities::secrets::Redactor> {
         self.config.redactor()
     }
 
@@ -420,7 +420,7 @@ impl ProviderVersion {
     /// sees them), so that they can commit with the host's record of the
     /// instance. Only [`KvDurability::CallEnd`] providers leave any.
     ///
-    /// [`KvDurability::CallEnd`]: crate::capabilities::kv::KvDurability::CallEnd
+    /// [`KvDurability::CallEnd`]: broker_capabilities::rooms::kv::KvDurability::CallEnd
     pub async fn start_instance_leaving_writes(
         &self,
         hooks: &CallHooks,
@@ -828,9 +828,9 @@ impl ProviderVersion {
 const MAX_ERROR_BYTES: usize = 4096;
 
 /// A provider's typed error with its text cut to [`MAX_ERROR_BYTES`].
-fn cut_broker_error(error: BrokerError, redactor: &crate::secrets::Redactor) -> BrokerError {
+fn cut_broker_error(error: BrokerError, redactor: &broker_capabilities::secrets::Redactor) -> BrokerError {
     // Hidden before it is cut: a secret across the cut would leave a part.
-    let cut = |text: String| crate::capabilities::log::truncate(&redactor.redact(&text), MAX_ERROR_BYTES).to_owned();
+    let cut = |text: String| broker_capabilities::rooms::log::truncate(&redactor.redact(&text), MAX_ERROR_BYTES).to_owned();
     match error {
         BrokerError::InvalidParams(m) => BrokerError::InvalidParams(cut(m)),
         BrokerError::NotFound(m) => BrokerError::NotFound(cut(m)),
@@ -862,7 +862,7 @@ fn narrow(
     host: HostCapabilities,
     manifest: &Manifest,
     quotas: Arc<Quotas>,
-    redactor: Arc<crate::secrets::Redactor>,
+    redactor: Arc<broker_capabilities::secrets::Redactor>,
 ) -> Result<ProviderCapabilities, LoadError> {
     let provider = manifest.name.clone();
     let data_dir = host.data_dirs.join(&manifest.name);
@@ -874,7 +874,7 @@ fn narrow(
         // Its programs that outlived a host may hold the dir: their files do not move under them.
         let children = host
             .backends
-            .of::<crate::capabilities::process::Process>()
+            .of::<broker_capabilities::rooms::process::Process>()
             .and_then(|backend| backend.children(&manifest.name).ok())
             .map_or(0, |names| names.len());
         filesystems.mount(&manifest.name, &data_dir, mib, children)?;
@@ -905,7 +905,7 @@ fn private_dir(dir: &std::path::Path) -> std::io::Result<()> {
     std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700).create(dir)?;
     let fd =
         rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())?;
-    crate::sandbox::acl::make_private(&fd)
+    broker_capabilities::sandbox::acl::make_private(&fd)
 }
 
 #[cfg(test)]
@@ -914,7 +914,7 @@ mod tests {
 
     #[test]
     fn a_providers_error_text_is_cut_and_keeps_its_kind() {
-        let none = crate::secrets::Redactor::default();
+        let none = broker_capabilities::secrets::Redactor::default();
         let long = "é".repeat(MAX_ERROR_BYTES);
         let BrokerError::ZoneUnavailable(cut) = cut_broker_error(BrokerError::ZoneUnavailable(long), &none) else {
             panic!("the kind changed")
@@ -922,7 +922,7 @@ mod tests {
         assert_eq!(cut.len(), MAX_ERROR_BYTES, "cut on a character boundary at the bound");
         assert_eq!(cut_broker_error(BrokerError::NotFound("x".into()), &none), BrokerError::NotFound("x".into()));
         // A secret the guest put in its error is hidden, whatever the kind.
-        let secrets = crate::secrets::Redactor::default();
+        let secrets = broker_capabilities::secrets::Redactor::default();
         secrets.set(vec![("tok-s3cr3t-123".into(), "<secret api>".into())]);
         let said = BrokerError::AccessDenied("token tok-s3cr3t-123 refused".into());
         assert_eq!(cut_broker_error(said, &secrets), BrokerError::AccessDenied("token <secret api> refused".into()));

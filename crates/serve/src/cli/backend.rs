@@ -5,7 +5,7 @@
 use crate::client::{DaemonClient, encode_component};
 use anyhow::{Context, Result};
 use broker_core::broker::Broker;
-use broker_core::capabilities::context::{CallEvent, CallHooks};
+use broker_capabilities::rooms::context::{CallEvent, CallHooks};
 use broker_core::providers::registry::SwapReport;
 use broker_core::providers::view::ProviderView;
 use broker_core::store::{Event, InstanceRecord, ProviderRecord};
@@ -35,8 +35,8 @@ pub struct StartRequest<'a> {
 
 impl StartRequest<'_> {
     /// What the host builds the start's params from.
-    pub fn input(&self) -> broker_core::contract::start::StartInput<'_> {
-        broker_core::contract::start::StartInput {
+    pub fn input(&self) -> broker_capabilities::contract::start::StartInput<'_> {
+        broker_capabilities::contract::start::StartInput {
             params: self.params.as_ref(),
             constraints: self.constraints,
             placement: self.placement,
@@ -130,7 +130,7 @@ impl Backend {
     ) -> Result<InstanceRecord> {
         match self {
             Backend::Embedded(broker) => {
-                let params = broker_core::contract::start::start_params(request.input())?;
+                let params = broker_capabilities::contract::start::start_params(request.input())?;
                 let hooks = CallHooks::with_events(on_event);
                 Ok(broker.start_instance(request.provider, &params, &hooks).await?)
             }

@@ -3,7 +3,7 @@
 use super::UsageError;
 use anyhow::{Context, Result};
 use broker_core::broker::service::machine_lock;
-use broker_core::machine_lock::{LockError, MachineLock, Spec};
+use broker_capabilities::machine_lock::{LockError, MachineLock, Spec};
 use clap::{Args, Subcommand};
 use std::io::Write;
 use std::os::unix::process::ExitStatusExt;

@@ -9,8 +9,8 @@ mod output;
 use anyhow::{Context, Result};
 use backend::Backend;
 use broker_core::broker::Broker;
-use broker_core::capabilities::context::CallEvent;
-use broker_core::contract::constraints;
+use broker_capabilities::rooms::context::CallEvent;
+use broker_capabilities::contract::constraints;
 use broker_core::store::records::status_name;
 use clap::{Args, Parser, Subcommand};
 use std::io::Write;
@@ -615,7 +615,7 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
                 read_bounded(path, max).map_err(|e| UsageError(format!("{flag} {}: {e}", path.display())))
             };
             let user_data = match &args.user_data {
-                Some(path) => Some(read("--user-data", path, broker_core::contract::start::MAX_USER_DATA)?),
+                Some(path) => Some(read("--user-data", path, broker_capabilities::contract::start::MAX_USER_DATA)?),
                 None => None,
             };
             let params = match &args.params {
@@ -626,7 +626,7 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
                 None => None,
             };
             let tags = (args.tags.iter())
-                .map(|t| broker_core::contract::start::parse_tag(t).map_err(|e| UsageError(format!("--tag: {e}"))))
+                .map(|t| broker_capabilities::contract::start::parse_tag(t).map_err(|e| UsageError(format!("--tag: {e}"))))
                 .collect::<Result<Vec<_>, _>>()?;
             let request = backend::StartRequest {
                 provider: &args.provider,
@@ -637,7 +637,7 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
                 params,
             };
             // The same checks the daemon makes, before anything is sent.
-            broker_core::contract::start::start_params(request.input()).map_err(|e| UsageError(e.to_string()))?;
+            broker_capabilities::contract::start::start_params(request.input()).map_err(|e| UsageError(e.to_string()))?;
             let progress = std::sync::Arc::new(output::Progress::new(&args.provider, args.json));
             let shown = progress.clone();
             let started = backend.start_instance(&request, move |event| shown.show(&event)).await;
@@ -659,7 +659,7 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
             let limit = limit.map(|limit| usize::try_from(limit).unwrap_or(usize::MAX));
             let (records, next) = broker_core::broker::page(records, after.as_deref(), limit);
             if let Some(next) = next {
-                eprintln!("more: --after {}", broker_core::error_text::escape_unprintable(&next));
+                eprintln!("more: --after {}", broker_capabilities::error_text::escape_unprintable(&next));
             }
             let views: Vec<output::InstanceView> = records.iter().map(output::InstanceView::from).collect();
             if json {
@@ -776,13 +776,13 @@ async fn provider_test(
         broker_core::broker::service::HostConfig::load(data_dir).map_err(|e| UsageError(e.to_string()))?.sandbox;
     // A recording signs with the host's own credentials, as the daemon would,
     // and fills in the provider's secrets from the host's (stand-ins in what it writes).
-    options.credentials = Some(data_dir.join(broker_core::capabilities::http_egress::signing::CREDENTIALS_DIR));
+    options.credentials = Some(data_dir.join(broker_capabilities::rooms::http_egress::signing::CREDENTIALS_DIR));
     if recording.is_some() && !loaded.secrets.is_empty() {
         let names: Vec<&str> = loaded.secrets.iter().map(|(_, name)| name.as_str()).collect();
-        let dir = format!("DATA_DIR/{}/{}/", broker_core::secrets::SECRETS_DIR, loaded.name);
+        let dir = format!("DATA_DIR/{}/{}/", broker_capabilities::secrets::SECRETS_DIR, loaded.name);
         // The manifest's own name picks the dir: a candidate could claim another provider's.
         if answers.with_secrets {
-            options.secrets = Some(data_dir.join(broker_core::secrets::SECRETS_DIR));
+            options.secrets = Some(data_dir.join(broker_capabilities::secrets::SECRETS_DIR));
             eprintln!(
                 "warning: --with-secrets gives this component the secrets {} of {dir} (the script and reports hold \
                  stand-ins)",
@@ -800,7 +800,7 @@ async fn provider_test(
         eprintln!(
             "warning: config.{first} looks like a secret given inline: it is hidden from the report, but \
              `provider add` refuses it; name it under [secrets] (DATA_DIR/{}/{}/NAME)",
-            broker_core::secrets::SECRETS_DIR,
+            broker_capabilities::secrets::SECRETS_DIR,
             loaded.name
         );
     }
@@ -887,7 +887,7 @@ pub fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         // Colours for a person at a terminal; a log file or a supervisor's journal gets plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .fmt_fields(broker_core::error_text::EscapedFields)
+        .fmt_fields(broker_capabilities::error_text::EscapedFields)
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
@@ -901,7 +901,7 @@ pub fn main() -> std::process::ExitCode {
         Err(e) if e.downcast_ref::<UsageError>().is_some() => {
             eprintln!(
                 "error: {}\n(see `broker --help`)",
-                broker_core::error_text::escape_unprintable(&broker_core::error_text::chain_text(e.chain()))
+                broker_capabilities::error_text::escape_unprintable(&broker_capabilities::error_text::chain_text(e.chain()))
             );
             std::process::ExitCode::from(2)
         }
@@ -909,7 +909,7 @@ pub fn main() -> std::process::ExitCode {
             // Errors quote what providers said: escaped, they cannot drive the terminal.
             eprintln!(
                 "error: {}",
-                broker_core::error_text::escape_unprintable(&broker_core::error_text::chain_text(e.chain()))
+                broker_capabilities::error_text::escape_unprintable(&broker_capabilities::error_text::chain_text(e.chain()))
             );
             std::process::ExitCode::from(1)
         }

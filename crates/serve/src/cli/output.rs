@@ -5,8 +5,8 @@
 
 use super::describe_event;
 use crate::daemon::wire::StartLine;
-use broker_core::capabilities::context::CallEvent;
-use broker_core::error_text::escape_unprintable as esc;
+use broker_capabilities::rooms::context::CallEvent;
+use broker_capabilities::error_text::escape_unprintable as esc;
 use broker_core::providers::view::ProviderView;
 use broker_core::store::records::Hardware;
 use broker_core::store::{InstanceRecord, ProviderRecord};
@@ -78,7 +78,7 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
     }
     writeln!(out, "grants:")?;
     // A daemon newer than this CLI may report a room it does not know: shown as JSON.
-    for (label, shown) in broker_core::runtime::rooms::shown(&v.grants.rooms) {
+    for (label, shown) in broker_capabilities::rooms::shown(&v.grants.rooms) {
         writeln!(out, "  {:<18} {}", esc(&label), esc(&shown))?;
     }
     writeln!(out, "config:     {}", esc(&v.config.to_string()))?;
@@ -250,7 +250,7 @@ mod tests {
 
     fn assert_inert(text: &str) {
         let controls: Vec<char> =
-            text.chars().filter(|c| *c != '\n' && broker_core::error_text::is_unprintable(*c)).collect();
+            text.chars().filter(|c| *c != '\n' && broker_capabilities::error_text::is_unprintable(*c)).collect();
         assert!(controls.is_empty(), "raw {controls:?} in {text:?}");
         assert!(!text.lines().any(|l| l.trim_start_matches('\r').starts_with("forged")), "a forged line in {text:?}");
         assert!(text.contains(r"\x1b[2J\n\rforged\x07\x9b31m"), "{text:?}");

@@ -10,10 +10,10 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use broker_core::bindings::BrokerError;
+use broker_capabilities::bindings::BrokerError;
 use broker_core::broker::{Broker, BrokerServiceError};
-use broker_core::capabilities::context::CallHooks;
-use broker_core::error_text::error_text;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::error_text::error_text;
 use broker_core::groups::{GroupError, Groups};
 use broker_core::providers::registry::RegistryError;
 use broker_core::providers::view::{BreakerView, ProviderView};
@@ -436,7 +436,7 @@ async fn start_instance(
 ) -> ApiResult<Response> {
     let Json(request) = body?;
     let tags: Vec<(String, String)> = request.tags.into_iter().collect();
-    let params = broker_core::contract::start::start_params(broker_core::contract::start::StartInput {
+    let params = broker_capabilities::contract::start::start_params(broker_capabilities::contract::start::StartInput {
         params: request.params.as_ref(),
         constraints: &request.constraints,
         placement: request.placement.as_deref(),

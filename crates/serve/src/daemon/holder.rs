@@ -4,7 +4,7 @@
 //! start: a program that took the `--listen` port while the daemon was down
 //! would be sent the bearer tokens of clients meant for the daemon.
 
-use broker_core::error_text::escape_unprintable;
+use broker_capabilities::error_text::escape_unprintable;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 

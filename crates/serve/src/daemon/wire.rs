@@ -1,7 +1,7 @@
 //! What the API's streaming answers carry, shared by the daemon that writes
 //! them and the CLI that reads them.
 
-use broker_core::capabilities::context::CallEvent;
+use broker_capabilities::rooms::context::CallEvent;
 use broker_core::store::InstanceRecord;
 use broker_core::store::records::{status_from_name, status_name};
 use serde::{Deserialize, Serialize};
@@ -45,7 +45,7 @@ impl StartLine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use broker_core::bindings::InstanceStatus;
+    use broker_capabilities::bindings::InstanceStatus;
 
     #[test]
     fn a_status_line_keeps_its_wire_shape_and_reads_back() {

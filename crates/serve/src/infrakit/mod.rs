@@ -279,7 +279,7 @@ async fn follow_registry(
     let registered: Vec<String> = match broker.registry().list() {
         Ok(list) => list.into_iter().map(|p| p.name).collect(),
         Err(error) => {
-            tracing::warn!(error = %broker_core::error_text::error_text(&error), "cannot list providers for their InfraKit sockets");
+            tracing::warn!(error = %broker_capabilities::error_text::error_text(&error), "cannot list providers for their InfraKit sockets");
             return;
         }
     };

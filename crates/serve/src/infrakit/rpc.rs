@@ -31,7 +31,7 @@ pub struct RpcError {
 impl RpcError {
     /// A plugin error (`-32000`), said as the host says errors.
     pub fn server(error: &(dyn std::error::Error + 'static)) -> RpcError {
-        RpcError { code: SERVER_ERROR, message: broker_core::error_text::error_text(error) }
+        RpcError { code: SERVER_ERROR, message: broker_capabilities::error_text::error_text(error) }
     }
 
     /// Params that are not the method's.

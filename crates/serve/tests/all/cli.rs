@@ -278,7 +278,7 @@ fn what_a_provider_chose_is_printed_escaped() {
     {
         let store = broker_core::store::Store::open(&data).unwrap();
         let kv = store.kv();
-        use broker_core::capabilities::kv::KvBackend;
+        use broker_capabilities::rooms::kv::KvBackend;
         kv.set("hostile", "start-id", b"hostile-1").unwrap();
         kv.set("hostile", "start-zone", zone.as_bytes()).unwrap();
     }
@@ -294,7 +294,7 @@ fn what_a_provider_chose_is_printed_escaped() {
 
     {
         let store = broker_core::store::Store::open(&data).unwrap();
-        use broker_core::capabilities::kv::KvBackend;
+        use broker_capabilities::rooms::kv::KvBackend;
         store.kv().set("hostile", "start-id", b"\x1b[2J\nhostile-2").unwrap();
     }
     let refused = broker(&data, &["instance", "start", "--provider", "hostile"]);

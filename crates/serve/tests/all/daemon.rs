@@ -330,7 +330,7 @@ fn on_start_the_daemon_maintains_its_instances_and_reports_what_differs() {
         let broker = broker_core::broker::Broker::open(dir.path()).unwrap();
         broker.store().remove_instances("fake", std::slice::from_ref(&started[0])).wait().unwrap();
         let fake = runtime.block_on(broker.registry().get("fake")).unwrap();
-        let hooks = broker_core::capabilities::context::CallHooks::default();
+        let hooks = broker_capabilities::rooms::context::CallHooks::default();
         runtime.block_on(fake.stop_instances(&hooks, std::slice::from_ref(&started[1]))).unwrap();
     }
     let daemon = Daemon::start(dir.path());

@@ -2,10 +2,10 @@
 //! broker: drop-in, swap, reload, pin, garbage, removal and its drain.
 
 use broker_core::broker::Broker;
-use broker_core::capabilities::context::CallHooks;
-use broker_core::capabilities::kv::KvBackend;
-use broker_core::capabilities::process::Process;
-use broker_core::contract::empty_params;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::rooms::kv::KvBackend;
+use broker_capabilities::rooms::process::Process;
+use broker_capabilities::contract::empty_params;
 use broker_core::providers::watch::{Change, ProvidersDir};
 use std::path::{Path, PathBuf};
 use std::time::Duration;

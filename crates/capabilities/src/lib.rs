@@ -1,0 +1,39 @@
+#![warn(missing_docs)]
+//! wasm-broker's capabilities: what a provider component may reach, each in a
+//! room of its own ([`rooms`]: its grant, backend, store part, linker and kit
+//! simulation), the contract's bindings and vocabulary, and the host
+//! facilities the rooms stand on (the network, the machine lock, the sandbox
+//! of granted programs, data filesystems, secrets). It links against any store
+//! that holds the rooms' parts ([`rooms::HasRooms`]) and knows nothing of the
+//! host above it: state, versions, the broker and its front ends.
+
+pub mod bindings;
+pub mod contract;
+pub mod data_fs;
+pub mod error_text;
+pub mod machine_lock;
+pub mod network;
+pub mod quotas;
+pub mod rooms;
+pub mod sandbox;
+pub mod secrets;
+
+/// Inputs for the fuzz targets (bolero): random bytes made into text of a
+/// grammar's own tokens, since random Unicode seldom reaches past a parser's
+/// first check.
+#[doc(hidden)]
+pub mod fuzz_text {
+    /// `bytes` as text: a byte below 128 picks a character of `alphabet`, one
+    /// above picks a token of `tokens`.
+    pub fn of(bytes: &[u8], alphabet: &str, tokens: &[&str]) -> String {
+        let chars: Vec<char> = alphabet.chars().collect();
+        let mut text = String::new();
+        for &byte in bytes {
+            match byte {
+                0..=127 => text.push(chars[usize::from(byte) % chars.len()]),
+                _ => text.push_str(tokens[usize::from(byte - 128) % tokens.len()]),
+            }
+        }
+        text
+    }
+}

@@ -1,0 +1,140 @@
+//! The WASI a provider gets: nothing ambient. No env, args, preopened
+//! directories, sockets or name lookups; stdout and stderr become `tracing`
+//! events tagged with the provider.
+
+use crate::quotas::Quotas;
+use crate::secrets::Redactor;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use tokio::io::AsyncWrite;
+use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
+use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder};
+
+/// Longest line kept from guest output; longer lines are split.
+const MAX_LINE_BYTES: usize = 4096;
+
+/// `data_dir` is preopened as `/data`, the guest's only filesystem; output
+/// lines count against the provider's log rate in `quotas`.
+pub fn sandboxed_ctx(provider: &Arc<str>, data_dir: &Path, quotas: &Arc<Quotas>, redactor: &Arc<Redactor>) -> WasiCtx {
+    let mut builder = WasiCtxBuilder::new();
+    let output = |stream| TracingOutput {
+        provider: provider.clone(),
+        stream,
+        quotas: quotas.clone(),
+        redactor: redactor.clone(),
+    };
+    builder
+        .stdout(output("stdout"))
+        .stderr(output("stderr"))
+        .allow_tcp(false)
+        .allow_udp(false)
+        .allow_ip_name_lookup(false);
+    if let Err(e) = builder.preopened_dir(data_dir, crate::rooms::process::GUEST_DATA_DIR, FsPerms::ReadWrite) {
+        // The data dir is made when the provider loads; a guest without it simply has no filesystem.
+        tracing::warn!(provider = &**provider, error = %e, "cannot preopen the provider's data dir");
+    }
+    builder.build()
+}
+
+/// A guest output stream that turns lines into `tracing` events.
+#[derive(Clone)]
+struct TracingOutput {
+    provider: Arc<str>,
+    stream: &'static str,
+    quotas: Arc<Quotas>,
+    redactor: Arc<Redactor>,
+}
+
+impl IsTerminal for TracingOutput {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl StdoutStream for TracingOutput {
+    fn async_stream(&self) -> Box<dyn AsyncWrite + Send + Sync> {
+        Box::new(LineWriter { out: self.clone(), pending: Vec::new() })
+    }
+}
+
+struct LineWriter {
+    out: TracingOutput,
+    pending: Vec<u8>,
+}
+
+impl LineWriter {
+    fn emit(&self, line: &[u8]) {
+        if !self.out.quotas.log_line_allowed(&self.out.provider) {
+            return;
+        }
+        let line = String::from_utf8_lossy(line);
+        let line = self.out.redactor.redact(&line);
+        tracing::info!(provider = &*self.out.provider, stream = self.out.stream, line = %line.trim_end(), "guest output");
+    }
+
+    fn absorb(&mut self, buf: &[u8]) {
+        for &byte in buf {
+            if byte == b'\n' {
+                let line = std::mem::take(&mut self.pending);
+                self.emit(&line);
+            } else {
+                self.pending.push(byte);
+                if self.pending.len() >= MAX_LINE_BYTES {
+                    let line = std::mem::take(&mut self.pending);
+                    self.emit(&line);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for LineWriter {
+    fn drop(&mut self) {
+        if !self.pending.is_empty() {
+            let line = std::mem::take(&mut self.pending);
+            self.emit(&line);
+        }
+    }
+}
+
+impl AsyncWrite for LineWriter {
+    fn poll_write(mut self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        self.absorb(buf);
+        Poll::Ready(Ok(buf.len()))
+    }
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// The `wasi:filesystem` interface as wasmtime-wasi links it.
+const FILESYSTEM_TYPES: &str = "wasi:filesystem/types@0.2.12";
+
+/// Refuse `symlink-at` (`not-permitted`): a guest cannot follow a link out of
+/// `/data` itself, but its granted programs and anything else reading its
+/// data dir could; a provider has no need to make links. Replaces
+/// wasmtime-wasi's implementation, which `add_to_linker_async` installed.
+pub fn refuse_symlinks<T: Send + 'static>(
+    linker: &mut wasmtime::component::Linker<T>,
+    denied: fn(&mut T, &str),
+) -> wasmtime::Result<()> {
+    use wasmtime::component::Resource;
+    use wasmtime_wasi::filesystem::Descriptor;
+    use wasmtime_wasi::p2::bindings::filesystem::types::ErrorCode;
+    linker.allow_shadowing(true);
+    let mut types = linker.instance(FILESYSTEM_TYPES)?;
+    types.func_wrap(
+        "[method]descriptor.symlink-at",
+        move |mut store, (_dir, _target, path): (Resource<Descriptor>, String, String)| {
+            denied(store.data_mut(), &path);
+            Ok((Err::<(), ErrorCode>(ErrorCode::NotPermitted),))
+        },
+    )?;
+    linker.allow_shadowing(false);
+    Ok(())
+}
