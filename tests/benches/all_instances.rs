@@ -7,9 +7,9 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
 use broker_capabilities::bindings::{Instance, InstanceStatus};
+use broker_capabilities::contract::empty_params;
 use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::rooms::kv::MemoryKv;
-use broker_capabilities::contract::empty_params;
 use broker_core::version::ProviderVersion;
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};

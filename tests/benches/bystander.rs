@@ -10,8 +10,8 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_core::broker::Broker;
 use broker_capabilities::rooms::kv::KvBackend;
+use broker_core::broker::Broker;
 use broker_tests::{bundled_manifest_text, percentile, write_manifest};
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -17,9 +17,9 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_core::broker::Broker;
-use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::contract::empty_params;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_core::broker::Broker;
 use broker_tests::{bundled_manifest_text, percentile};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use std::sync::Arc;

@@ -10,11 +10,11 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_core::broker::Broker;
+use broker_capabilities::contract::empty_params;
 use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::rooms::http_egress::signing::AwsSigning;
 use broker_capabilities::rooms::http_egress::{EgressBackend, EgressTarget, HostEgress, HttpGrant, Route};
-use broker_capabilities::contract::empty_params;
+use broker_core::broker::Broker;
 use broker_tests::moto::{Moto, TlsFront};
 use criterion::{Criterion, criterion_group, criterion_main};
 use http_body_util::BodyExt;

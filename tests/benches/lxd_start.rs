@@ -8,11 +8,11 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_core::broker::Broker;
-use broker_capabilities::rooms::context::CallHooks;
-use broker_capabilities::rooms::http_egress::{self, EgressTarget, HttpGrant};
 use broker_capabilities::contract::constraints;
 use broker_capabilities::contract::params_with;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::rooms::http_egress::{self, EgressTarget, HttpGrant};
+use broker_core::broker::Broker;
 use broker_tests::incus::{IncusDaemon, lxd_manifest_text};
 use criterion::{Criterion, criterion_group, criterion_main};
 use http_body_util::{BodyExt, Empty, Full};

@@ -14,10 +14,10 @@
 
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
-use broker_core::broker::Broker;
-use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::contract::constraints;
 use broker_capabilities::contract::params_with;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_core::broker::Broker;
 use broker_tests::{VmPayload, qmp_commands, vm_payload};
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::os::unix::net::UnixStream;

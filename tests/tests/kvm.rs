@@ -9,12 +9,12 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
 use broker_capabilities::bindings::InstanceStatus;
-use broker_core::broker::{Broker, BrokerServiceError};
-use broker_capabilities::rooms::context::CallHooks;
-use broker_capabilities::rooms::process::proc_stat;
 use broker_capabilities::contract::constraints;
 use broker_capabilities::contract::{interface_on, params_with};
 use broker_capabilities::network::netlink::Netlink;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::rooms::process::proc_stat;
+use broker_core::broker::{Broker, BrokerServiceError};
 use broker_tests::netns::{in_netns, make_nic};
 use broker_tests::{VmPayload, qmp_commands, recording_hooks, vm_payload, wasm};
 use std::path::{Path, PathBuf};
@@ -384,9 +384,11 @@ fn qemu_running_with(needle: &str) -> bool {
 
 #[test]
 fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
+    use broker_capabilities::network::Device;
+    use broker_capabilities::network::DeviceToBridge;
+    use broker_capabilities::rooms::process::simulated::{ScriptedChild, ScriptedRun};
     use broker_core::conformance::{self, Answers, KitOptions, Recording, Scripted};
     use broker_core::manifest::Manifest;
-    use broker_capabilities::network::DeviceToBridge;
     use std::sync::Arc;
 
     let payload = vm_payload();
@@ -410,14 +412,18 @@ fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
         let recorded = conformance::run_with(&manifest, options).await.unwrap();
         assert!(recorded.passed(), "{}", recorded.text());
         let script = recording.script();
-        let programs: Vec<&str> = script.runs.iter().map(|r| r.program.as_str()).collect();
+        let section = |key: &str| script.get(key).cloned().unwrap_or_else(|| serde_json::json!([]));
+        let runs: Vec<ScriptedRun> = serde_json::from_value(section("runs")).unwrap();
+        let children: Vec<ScriptedChild> = serde_json::from_value(section("children")).unwrap();
+        let found: Vec<Device> = serde_json::from_value(section("devices")).unwrap();
+        let programs: Vec<&str> = runs.iter().map(|r| r.program.as_str()).collect();
         assert_eq!(programs, ["qemu-img", "genisoimage"]);
-        assert_eq!(script.children.len(), 1, "one VM");
-        let qemu = &script.children[0];
+        assert_eq!(children.len(), 1, "one VM");
+        let qemu = &children[0];
         assert!(qemu.greeting[0].contains("\"QMP\""), "{:?}", qemu.greeting);
         let quit = qemu.answers.iter().find(|a| a.line.contains("\"quit\"")).unwrap();
         assert_eq!(quit.exit, Some(0), "qemu ended after quit");
-        let devices: Vec<&str> = script.devices.iter().map(|d| d.name.as_str()).collect();
+        let devices: Vec<&str> = found.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(devices, ["br-ethk"], "only what the grant covers");
         let start = recorded.cases.iter().find(|c| c.name == "start-instance succeeds").unwrap();
         assert_eq!(start.detail, "started juju-kit-vm1");

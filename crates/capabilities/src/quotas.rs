@@ -4,7 +4,6 @@
 //! something: counted per provider version, shown in `/metrics` as
 //! `broker_quota_refusals_total{…,quota="…"}`.
 
-use crate::rooms::kv::KvQuota;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -65,6 +64,22 @@ pub const DEFAULT_KV_KEYS: usize = 100_000;
 pub const DEFAULT_KV_MIB: u64 = 64;
 /// `[limits]`' default `log-lines-per-second`.
 pub const DEFAULT_LOG_LINES_PER_SECOND: u32 = 100;
+
+/// What one namespace may hold (`kv-keys`, `kv-mib`): keys and bytes (keys
+/// and values together). A change that would grow the namespace past either
+/// is refused; one that shrinks it never is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvQuota {
+    /// Most keys.
+    pub keys: usize,
+    /// Most bytes, keys and values together.
+    pub bytes: usize,
+}
+
+impl KvQuota {
+    /// No bound: for the host's own writes (tools, tests), never a guest's.
+    pub const UNBOUNDED: KvQuota = KvQuota { keys: usize::MAX, bytes: usize::MAX };
+}
 
 /// One provider version's shared bounds and what they refused.
 #[derive(Debug)]

@@ -46,8 +46,8 @@
 //! api-token = "lxd-prod"         # from DATA_DIR/secrets/lxd-prod (0600, the host's user's)
 //! ```
 
-use broker_capabilities::rooms::kv::KvQuota;
 use broker_capabilities::quotas::{self, Quotas};
+use broker_capabilities::rooms::kv::KvQuota;
 use broker_capabilities::sandbox::ProgramLimits;
 use serde::{Deserialize, Deserializer};
 use sha2::{Digest, Sha256};
@@ -543,7 +543,10 @@ impl Manifest {
         // The guest gets it as JSON (broker_capabilities::secrets::ProviderConfig): it must be expressible so.
         serde_json::to_string(&raw.config).map_err(|e| invalid(format!("config: {e}")))?;
         if raw.secrets.len() > broker_capabilities::secrets::MAX_SECRETS {
-            return Err(invalid(format!("[secrets] names more than {} secrets", broker_capabilities::secrets::MAX_SECRETS)));
+            return Err(invalid(format!(
+                "[secrets] names more than {} secrets",
+                broker_capabilities::secrets::MAX_SECRETS
+            )));
         }
         for (key, name) in &raw.secrets {
             if key.is_empty() || key.len() > 128 {
@@ -554,7 +557,8 @@ impl Manifest {
                     "secrets.{key}: config.{key} is given too; a key is either in [config] or filled in from [secrets]"
                 )));
             }
-            broker_capabilities::secrets::check_name("secret", name).map_err(|e| invalid(format!("secrets.{key}: {e}")))?;
+            broker_capabilities::secrets::check_name("secret", name)
+                .map_err(|e| invalid(format!("secrets.{key}: {e}")))?;
         }
         let inline_secrets = broker_capabilities::secrets::inline_secrets(&raw.config);
         Ok(Manifest {

@@ -8,7 +8,7 @@
 //! is for other clients; the daemon refuses to start where another process
 //! holds that address ([`crate::daemon::holder`]).
 
-use crate::daemon::wire::StartLine;
+use crate::wire::StartLine;
 use broker_capabilities::rooms::context::CallEvent;
 use broker_core::store::InstanceRecord;
 use bytes::Bytes;

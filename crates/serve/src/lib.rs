@@ -7,3 +7,5 @@ pub mod cli;
 pub mod client;
 pub mod daemon;
 pub mod infrakit;
+pub mod listen;
+pub mod wire;

@@ -2,13 +2,14 @@
 //! for itself (`unshare(CLONE_NEWNET)` on a thread of its own), with veth
 //! devices standing in for the host's NICs (this kernel has no `dummy` driver).
 
-use broker_core::broker::Broker;
-use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::contract::{empty_params, interface_on};
 use broker_capabilities::network::backend::NetworkBackend;
 use broker_capabilities::network::names::bridge_name;
 use broker_capabilities::network::netlink::Netlink;
 use broker_capabilities::network::{BridgeError, Device, DeviceToBridge};
+use broker_capabilities::rooms::context::CallHooks;
+use broker_core::broker::Broker;
+use broker_core::store::EventKind;
 use broker_tests::netns::{in_netns, make_nic};
 
 async fn add_default_route(gateway: &str, oif: u32) {
@@ -352,7 +353,8 @@ fn a_provider_touches_only_the_devices_it_made() {
         assert!(broker.store().device_owners().owned_by("victim").unwrap().is_empty());
         assert_eq!(broker.store().device_owners().owned_by("attacker").unwrap().len(), 2, "vh2, vh2p");
         assert_eq!(host_state().await, host_before, "and the host's bridge is untouched");
-        let removed = broker.store().events(0, 1000).unwrap().into_iter().rev().find(|e| e.kind == "removed").unwrap();
+        let removed =
+            broker.store().events(0, 1000).unwrap().into_iter().rev().find(|e| e.kind == EventKind::Removed).unwrap();
         assert!(removed.detail.contains("network devices it made deleted: kt1, vh1"), "{}", removed.detail);
     });
 }

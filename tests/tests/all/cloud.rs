@@ -5,10 +5,10 @@
 //! holds the grant's rules before anything leaves.
 
 use broker_capabilities::bindings::BrokerError;
-use broker_core::broker::Broker;
+use broker_capabilities::contract::empty_params;
 use broker_capabilities::rooms::context::{CallEvent, CallHooks};
 use broker_capabilities::rooms::kv::KvBackend;
-use broker_capabilities::contract::empty_params;
+use broker_core::broker::Broker;
 use broker_tests::moto::{Moto, TlsFront};
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;

@@ -2,9 +2,9 @@
 //! boundary intact, through the real fake component, in both isolation modes.
 
 use broker_capabilities::bindings::*;
+use broker_capabilities::contract::constraints;
 use broker_capabilities::rooms::context::{CallEvent, CallHooks};
 use broker_capabilities::rooms::kv::{KvBackend, MemoryKv};
-use broker_capabilities::contract::constraints;
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
 use std::sync::{Arc, Mutex};
 

@@ -2,10 +2,10 @@
 //! modes: it must be correct whether its wasm instance is reused or fresh.
 
 use broker_capabilities::bindings::*;
-use broker_capabilities::rooms::context::CallHooks;
-use broker_capabilities::rooms::kv::{KvBackend, MemoryKv};
 use broker_capabilities::contract::constraints;
 use broker_capabilities::contract::{empty_params, params_with};
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::rooms::kv::{KvBackend, MemoryKv};
 use broker_core::version::{CallError, ProviderVersion};
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
 use std::sync::Arc;

@@ -3,8 +3,8 @@
 //! Most tests drive passes one by one (`converge_once`) so that what each pass
 //! does is checked; the restart test runs the loops as `broker serve` does.
 
-use broker_core::broker::Broker;
 use broker_capabilities::rooms::kv::KvBackend;
+use broker_core::broker::Broker;
 use broker_core::groups::{GroupError, GroupSettings, Groups, Pass};
 use broker_tests::write_manifest;
 use std::path::Path;
@@ -61,7 +61,7 @@ async fn member_ids(groups: &Groups) -> Vec<String> {
 
 fn events_of(broker: &Broker, after: u64) -> Vec<(String, String)> {
     let events = broker.store().events(after, 10_000).unwrap();
-    events.into_iter().filter(|e| e.group.is_some()).map(|e| (e.kind, e.detail)).collect()
+    events.into_iter().filter(|e| e.group.is_some()).map(|e| (e.kind.to_string(), e.detail)).collect()
 }
 
 #[tokio::test]
@@ -235,8 +235,11 @@ async fn a_quorum_group_keeps_exactly_its_logical_ids() {
 async fn destroy_instances_free_and_destroy() {
     let dir = tempfile::tempdir().unwrap();
     let (broker, groups) = host(dir.path(), "").await;
-    let outsider =
-        broker.start_instance("fake", &broker_capabilities::contract::empty_params(), &Default::default()).await.unwrap().id;
+    let outsider = broker
+        .start_instance("fake", &broker_capabilities::contract::empty_params(), &Default::default())
+        .await
+        .unwrap()
+        .id;
     groups.commit_text(&sized(4), false).await.unwrap();
     converge(&groups, "workers").await;
     let ids = member_ids(&groups).await;
@@ -381,8 +384,8 @@ async fn members_spread_over_the_zones_and_an_unavailable_zone_is_skipped() {
 #[tokio::test]
 async fn a_start_turned_away_by_a_full_zone_is_placed_by_the_host_in_the_next() {
     use broker_capabilities::bindings::BrokerError;
-    use broker_core::broker::BrokerServiceError;
     use broker_capabilities::contract::empty_params;
+    use broker_core::broker::BrokerServiceError;
     use broker_core::version::CallError;
     let zone_of = |r: &broker_core::store::InstanceRecord| r.hardware.availability_zone.clone().unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -559,7 +562,7 @@ async fn groups_outlive_their_provider_and_a_bad_stored_spec() {
         spec: serde_json::json!({"ID": "broken", "Properties": {"Instance": {"Plugin": "fake"}, "Bogus": 1}}),
         committed: "2026-01-01T00:00:00Z".into(),
     };
-    let event = broker_core::store::Event::new("test", "fake");
+    let event = broker_core::store::Event::new(broker_core::store::EventKind::Other("test".into()), "fake");
     assert!(broker.store().put_group("broken", &broken, &event, 10).await.unwrap());
     let listed: Vec<String> = groups.inspect().unwrap().into_iter().map(|spec| spec.id).collect();
     assert_eq!(listed, ["workers"], "the bad one is left out, the good one listed");

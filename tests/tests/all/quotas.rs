@@ -2,13 +2,14 @@
 //! memory is bounded, each bound refuses with an error naming it and counts
 //! the refusal, and a bystander provider in the same host keeps answering.
 
+use broker_capabilities::quotas::Quota;
 use broker_capabilities::rooms::context::{
     CallEvent, CallHooks, MAX_STATUS_DATA_BYTES, MAX_STATUS_ENTRIES, MAX_STATUS_VALUE_BYTES,
 };
 use broker_capabilities::rooms::kv::{KvBackend, MemoryKv};
 use broker_core::manifest::Method;
 use broker_core::runtime::Runtime;
-use broker_capabilities::quotas::Quota;
+use broker_core::store::EventKind;
 use broker_core::version::method_stats::Outcome;
 use broker_core::version::{CallError, ProviderVersion};
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
@@ -182,8 +183,8 @@ async fn a_call_that_finds_a_slot_within_queue_wait_runs() {
 /// its recorded instances show as unknown with its error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listing_every_provider_isolates_the_one_that_does_not_answer() {
-    use broker_core::broker::Broker;
     use broker_capabilities::contract::empty_params;
+    use broker_core::broker::Broker;
     use broker_tests::write_manifest;
 
     let dir = tempfile::tempdir().unwrap();
@@ -310,7 +311,7 @@ async fn a_removed_providers_children_are_stopped() {
         assert!(began.elapsed() < Duration::from_secs(15), "the removed provider's child still runs");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == "removed").unwrap();
+    let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == EventKind::Removed).unwrap();
     assert!(removed.detail.contains("1 child process(es) it left running stopped"), "{removed:?}");
 }
 

@@ -3,11 +3,12 @@
 //! A "kill" here is the call's future dropped with the broker, then the state
 //! reopened: what the host wrote before the provider acted is all there is.
 
-use broker_core::broker::Broker;
-use broker_core::broker::reconcile::{HarvestMode, Reconciled};
+use broker_capabilities::contract::empty_params;
 use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::rooms::kv::KvBackend;
-use broker_capabilities::contract::empty_params;
+use broker_core::broker::Broker;
+use broker_core::broker::reconcile::{HarvestMode, Reconciled};
+use broker_core::store::EventKind;
 use broker_tests::write_manifest;
 use std::path::Path;
 use std::sync::Arc;
@@ -100,7 +101,7 @@ async fn a_start_killed_before_its_claim_is_forgotten() {
     assert!(broker.store().interrupted_starts("fake").unwrap().is_empty());
     // The event says it.
     let events = broker.store().events(0, 100).unwrap();
-    let reconciled = events.iter().find(|e| e.kind == "reconciled").unwrap();
+    let reconciled = events.iter().find(|e| e.kind == EventKind::Reconciled).unwrap();
     assert!(reconciled.detail.contains("forgot pending starts: a start"), "{}", reconciled.detail);
 }
 

@@ -5,6 +5,7 @@ use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::rooms::kv::{KvBackend, MemoryKv};
 use broker_core::manifest::Method;
 use broker_core::runtime::Runtime;
+use broker_core::store::EventKind;
 use broker_core::version::method_stats::Outcome;
 use broker_core::version::{CallError, ProviderVersion};
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
@@ -181,8 +182,12 @@ async fn guest_stdout_and_stderr_become_tracing_events_with_the_provider_name() 
 }
 
 /// Host capabilities with a machine lock in a temp dir, and the kv the guest sees.
-fn with_machine_lock()
--> (tempfile::TempDir, broker_capabilities::machine_lock::MachineLock, Arc<MemoryKv>, broker_core::runtime::HostCapabilities) {
+fn with_machine_lock() -> (
+    tempfile::TempDir,
+    broker_capabilities::machine_lock::MachineLock,
+    Arc<MemoryKv>,
+    broker_core::runtime::HostCapabilities,
+) {
     use broker_capabilities::machine_lock::MachineLock;
     let dir = tempfile::tempdir().unwrap();
     let lock = MachineLock::new(dir.path(), "machine-lock", "test").unwrap();
@@ -227,8 +232,10 @@ async fn machine_lock_needs_its_grant_and_cannot_leak() {
     assert!(report.history[1].contains("hostile (lock-leak)"), "{:?}", report.history);
 
     // While the host holds the lock, the guest's acquire times out with Juju's message.
-    let _held =
-        lock.acquire(broker_capabilities::machine_lock::Spec { worker: "host".into(), ..Default::default() }).await.unwrap();
+    let _held = lock
+        .acquire(broker_capabilities::machine_lock::Spec { worker: "host".into(), ..Default::default() })
+        .await
+        .unwrap();
     let err = granted.all_instances(&CallHooks::default()).await.unwrap_err();
     assert!(matches!(err.broker_error(), Some(BrokerError::Timeout(m)) if m == "timeout acquiring mutex"), "{err}");
 }
@@ -326,9 +333,9 @@ async fn calls_arriving_together_on_a_half_open_provider_share_one_reobserve() {
 /// dropped from listings and reported by reconcile, while the valid ones stay.
 #[tokio::test]
 async fn a_provider_cannot_return_an_unprintable_id_or_another_providers_id() {
+    use broker_capabilities::contract::empty_params;
     use broker_core::broker::Broker;
     use broker_core::broker::service::BrokerServiceError;
-    use broker_capabilities::contract::empty_params;
     use broker_tests::write_manifest;
 
     let dir = tempfile::tempdir().unwrap();
@@ -408,7 +415,7 @@ async fn a_provider_cannot_return_an_unprintable_id_or_another_providers_id() {
         assert!(summary.contains(why), "{why} in {summary}");
     }
     let events = broker.store().events(0, 100).unwrap();
-    let event = events.iter().find(|e| e.kind == "reconciled" && e.provider == "hostile").unwrap();
+    let event = events.iter().find(|e| e.kind == EventKind::Reconciled && e.provider == "hostile").unwrap();
     assert!(event.detail.contains("refused ids") && !event.detail.contains('\x1b'), "{:?}", event.detail);
 }
 
@@ -666,9 +673,10 @@ async fn a_child_that_leaves_processes_behind_lives_until_its_sandbox_is_empty()
     );
     assert!(!processes_of(uid).is_empty(), "the sleep runs as the provider's user");
 
-    let stopped = broker_capabilities::rooms::process::stop_children(&*backend, name, std::time::Duration::from_secs(1))
-        .await
-        .unwrap();
+    let stopped =
+        broker_capabilities::rooms::process::stop_children(&*backend, name, std::time::Duration::from_secs(1))
+            .await
+            .unwrap();
     assert_eq!(stopped, 1);
     let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
     while !processes_of(uid).is_empty() {

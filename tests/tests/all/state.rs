@@ -1,9 +1,9 @@
 //! Manifest refusals and the persistent state, through the broker service.
 
-use broker_core::broker::Broker;
+use broker_capabilities::contract::empty_params;
 use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::rooms::kv::KvBackend;
-use broker_capabilities::contract::empty_params;
+use broker_core::broker::Broker;
 use broker_core::manifest::Manifest;
 use broker_core::store::Store;
 use broker_core::version::CallError;

@@ -1,10 +1,11 @@
 //! Hot swap: a provider's component replaced while clients call it, between
 //! the fake (0.1.0) and the same source built as 0.2.0 (`guests/fake-next`).
 
-use broker_core::broker::Broker;
-use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::contract::empty_params;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_core::broker::Broker;
 use broker_core::providers::registry::RegistryError;
+use broker_core::store::EventKind;
 use broker_core::version::ProviderVersion;
 use broker_tests::{bundled_manifest_text, wasm};
 use std::path::Path;
@@ -117,7 +118,7 @@ pub(crate) async fn swapping_under_load_loses_no_call_and_no_instance() {
     let listed: Vec<String> = broker.list_instances(Some("fake")).await.unwrap().into_iter().map(|r| r.id).collect();
     assert_eq!(listed.len(), anchors.len(), "{listed:?}");
     assert!(anchors.iter().all(|a| listed.contains(a)));
-    let swapped = broker.store().events(0, 1000).unwrap().iter().filter(|e| e.kind == "swapped").count();
+    let swapped = broker.store().events(0, 1000).unwrap().iter().filter(|e| e.kind == EventKind::Swapped).count();
     assert_eq!(swapped as u64, swaps);
     assert_eq!(broker.registry().swap_counts().swapped.load(Ordering::Relaxed), swaps);
     // Each swap pruned the copy it replaced: only the serving component is kept.
@@ -187,7 +188,7 @@ async fn refused_candidates_leave_the_old_version_serving() {
     assert_eq!(broker2.registry().get("fake").await.unwrap().describe().await.unwrap().version, "0.1.0");
 
     let refused: Vec<_> =
-        broker.store().events(0, 100).unwrap().into_iter().filter(|e| e.kind == "swap-refused").collect();
+        broker.store().events(0, 100).unwrap().into_iter().filter(|e| e.kind == EventKind::SwapRefused).collect();
     assert_eq!(refused.len(), cases.len());
     for event in &refused {
         assert_eq!(event.old_sha256.as_deref(), Some(original.as_str()));

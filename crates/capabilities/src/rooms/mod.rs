@@ -6,6 +6,7 @@
 pub mod context;
 pub mod denials;
 pub mod http_egress;
+pub mod kit;
 pub mod kv;
 pub mod local_socket;
 pub mod log;

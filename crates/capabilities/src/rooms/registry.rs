@@ -16,6 +16,7 @@
 /// An error a room's preparation or backend gives, its cause kept.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 use crate::rooms::denials::Denials;
+use crate::rooms::kit::KitPart;
 use crate::rooms::{context, http_egress, kv, local_socket, log, machine_lock, network_bridge, process};
 use serde::de::{DeserializeSeed, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
@@ -69,6 +70,10 @@ pub trait Capability: Send + Sync {
     fn granted(&self, grants: &Grants) -> bool;
     /// Its grant's hooks, when the grant is its own (a [`Room`]'s).
     fn section(&self) -> Option<&dyn Section> {
+        None
+    }
+    /// Its part in the conformance kit, if it has one of its own.
+    fn kit(&self) -> Option<&'static dyn KitPart> {
         None
     }
 
@@ -143,6 +148,10 @@ pub trait Room: Send + Sync + Sized + 'static {
     /// sockets, the network): then a sealed sandbox must inject one, and
     /// one it does not inject refuses. A room without (`log`) is never sealed off.
     const REACHES_OUT: bool = true;
+    /// Its part in the conformance kit: what stands in for its backend in a
+    /// scripted run and records the host's in a recorded one. A room that
+    /// reaches out has one, or another room's part stands in for it too.
+    const KIT: Option<&'static dyn KitPart> = None;
     /// Its grant as `[grants]` holds it; the default grants nothing.
     type Grant: GrantValue;
     /// What its calls reach: the host's, or in the kit a simulation or a recording.
@@ -313,6 +322,9 @@ impl<R: Room> Capability for Own<R> {
     }
     fn section(&self) -> Option<&dyn Section> {
         Some(self)
+    }
+    fn kit(&self) -> Option<&'static dyn KitPart> {
+        R::KIT
     }
 }
 

@@ -3,12 +3,12 @@
 //! take the machine lock FIRST, compute the devices to bridge, bridge,
 //! observe the network, record what was observed, release.
 
+use crate::store::{Store, StoreError};
 use broker_capabilities::bindings::InterfaceInfo;
 use broker_capabilities::machine_lock::{LockError, MachineLock, Spec};
 use broker_capabilities::network::backend::NetworkBackend;
 use broker_capabilities::network::names::bridge_name;
 use broker_capabilities::network::{BridgeError, Device, DeviceToBridge};
-use crate::store::{Store, StoreError};
 use futures_util::future::BoxFuture;
 use std::collections::BTreeMap;
 use std::sync::Arc;

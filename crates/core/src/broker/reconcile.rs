@@ -12,8 +12,8 @@
 //! provider starts anything new.
 
 use super::service::Broker;
+use crate::store::{Event, EventKind, InstanceRecord};
 use broker_capabilities::rooms::context::CallHooks;
-use crate::store::{Event, InstanceRecord};
 use clap::ValueEnum;
 
 /// What a reconcile found for one provider.
@@ -261,7 +261,7 @@ impl Broker {
         self.unsettled.settle_all();
         let mut out = Vec::new();
         for (name, found) in names.into_iter().zip(all) {
-            let mut event = Event::new("reconciled", &name);
+            let mut event = Event::new(EventKind::Reconciled, &name);
             event.detail = found.summary();
             if let Err(e) = self.store().append_event(&event).await {
                 tracing::warn!(provider = %name, error = %e, "cannot record a reconcile");
@@ -354,7 +354,8 @@ impl Broker {
         found: &mut Reconciled,
     ) -> Result<(), crate::broker::BrokerServiceError> {
         use std::collections::{HashMap, HashSet};
-        let reported: HashMap<&str, &broker_capabilities::bindings::Instance> = live.iter().map(|i| (i.id.as_str(), i)).collect();
+        let reported: HashMap<&str, &broker_capabilities::bindings::Instance> =
+            live.iter().map(|i| (i.id.as_str(), i)).collect();
         let mut recorded: HashSet<String> = self.store().instances(Some(name))?.into_iter().map(|r| r.id).collect();
 
         for (key, start) in self.store().interrupted_starts(name)? {
@@ -418,7 +419,11 @@ impl Broker {
 }
 
 /// The record of an instance whose start the last process left pending.
-fn adopted(provider: &str, instance: &broker_capabilities::bindings::Instance, start: crate::store::PendingStart) -> InstanceRecord {
+fn adopted(
+    provider: &str,
+    instance: &broker_capabilities::bindings::Instance,
+    start: crate::store::PendingStart,
+) -> InstanceRecord {
     use crate::store::records::{MAX_REPORTED_ENTRIES, MAX_REPORTED_WORD_BYTES, reported, status_name};
     InstanceRecord {
         id: instance.id.clone(),

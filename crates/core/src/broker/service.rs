@@ -1,25 +1,25 @@
 //! The broker service: provider calls plus the host's records of what they did.
 
 use super::host_preparer::{HostPreparer, PrepareError};
-use broker_capabilities::bindings::BrokerError;
-use broker_capabilities::bindings::{Instance, StartInstanceParams};
-use broker_capabilities::rooms::context::{CallHooks, ClaimFn};
-use broker_capabilities::rooms::http_egress::signing::CREDENTIALS_DIR;
-use broker_capabilities::rooms::kv::KvWrites;
-use broker_capabilities::rooms::machine_lock::MachineLockRoom;
-use broker_capabilities::contract::empty_params;
-use broker_capabilities::machine_lock::{LockError, MachineLock};
 use crate::providers::data_dirs::DATA_DIRS;
-use broker_capabilities::data_fs::{DATA_IMAGES, DataFilesystems};
 use crate::providers::{Registry, RegistryError};
 use crate::runtime::{HostCapabilities, Runtime, RuntimeError};
-use broker_capabilities::sandbox::{Sandbox, SandboxConfig, UidAllocations};
 use crate::store::records::{
     Hardware, MAX_REPORTED_ENTRIES, MAX_REPORTED_MESSAGE_BYTES, MAX_REPORTED_WORD_BYTES, id_for_message,
     instance_id_problem, now_rfc3339, reported, status_name,
 };
 use crate::store::{Store, StoreError};
 use crate::version::CallError;
+use broker_capabilities::bindings::BrokerError;
+use broker_capabilities::bindings::{Instance, StartInstanceParams};
+use broker_capabilities::contract::empty_params;
+use broker_capabilities::data_fs::{DATA_IMAGES, DataFilesystems};
+use broker_capabilities::machine_lock::{LockError, MachineLock};
+use broker_capabilities::rooms::context::{CallHooks, ClaimFn};
+use broker_capabilities::rooms::http_egress::signing::CREDENTIALS_DIR;
+use broker_capabilities::rooms::kv::KvWrites;
+use broker_capabilities::rooms::machine_lock::MachineLockRoom;
+use broker_capabilities::sandbox::{Sandbox, SandboxConfig, UidAllocations};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -274,7 +274,9 @@ impl Broker {
             .with::<broker_capabilities::rooms::network_bridge::NetworkBridge>(Arc::new(network))
             // Signed egress with the operator's credentials (DATA_DIR/credentials), the host's alone.
             .with::<broker_capabilities::rooms::http_egress::HttpEgress>(Arc::new(
-                broker_capabilities::rooms::http_egress::HostEgress::with_credentials(store.data_dir().join(CREDENTIALS_DIR)),
+                broker_capabilities::rooms::http_egress::HostEgress::with_credentials(
+                    store.data_dir().join(CREDENTIALS_DIR),
+                ),
             ));
         // Mounting needs root; elsewhere (a developer's host) data dirs stay plain, and it says so.
         let data_filesystems = if rustix::process::geteuid().is_root() {
@@ -284,7 +286,9 @@ impl Broker {
             None
         };
         // The operator's secrets for providers' configs (DATA_DIR/secrets/PROVIDER/NAME).
-        let secrets = broker_capabilities::secrets::SecretSource::dir(store.data_dir().join(broker_capabilities::secrets::SECRETS_DIR));
+        let secrets = broker_capabilities::secrets::SecretSource::dir(
+            store.data_dir().join(broker_capabilities::secrets::SECRETS_DIR),
+        );
         let mut capabilities = HostCapabilities { backends, data_filesystems, secrets, ..on_host };
         adjust(&mut capabilities);
         let registry = Registry::new(runtime, store.clone(), capabilities);

@@ -25,30 +25,22 @@ mod junit;
 pub mod script;
 mod trace;
 
-use broker_capabilities::bindings::{BrokerError, Instance};
-use broker_capabilities::rooms::context::CallEvent;
-use broker_capabilities::rooms::context::CallHooks;
-use broker_capabilities::rooms::denials::Denials;
-use broker_capabilities::rooms::http_egress::{HostEgress, HttpEgress, RecordedEgress};
-use broker_capabilities::rooms::kv::{Kv, MemoryKv};
-use broker_capabilities::rooms::local_socket::{HostSockets, LocalSocket};
-use broker_capabilities::rooms::machine_lock::MachineLockRoom;
-use broker_capabilities::rooms::network_bridge::NetworkBridge;
-use broker_capabilities::rooms::process::{
-    HostProcesses, LiveChildren, MemoryChildRecords, Process, Recorded, RecordedSockets,
-};
-use broker_capabilities::contract::constraints;
-use broker_capabilities::contract::{empty_params, params_with};
-use broker_capabilities::machine_lock::MachineLock;
 use crate::manifest::Manifest;
 use crate::manifest::Method;
-use broker_capabilities::network::backend::HostNetwork;
-use broker_capabilities::rooms::Backends;
 use crate::runtime::{HostCapabilities, Runtime};
 use crate::version::imports::ContractError;
 use crate::version::method_stats::Outcome;
 use crate::version::{CallError, ProviderVersion, describe_broker_error};
-pub use script::{Answers, Recording, Scripted};
+use broker_capabilities::bindings::{BrokerError, Instance};
+use broker_capabilities::contract::constraints;
+use broker_capabilities::contract::{empty_params, params_with};
+use broker_capabilities::rooms::context::CallEvent;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_capabilities::rooms::denials::Denials;
+use broker_capabilities::rooms::kit::KitSetup;
+use broker_capabilities::rooms::process::LiveChildren;
+use broker_capabilities::secrets::{SecretSource, SecretsDir};
+pub use script::{Answers, Recording, Scripted, script_json};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -243,78 +235,38 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
         .tempdir()
         .map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
     let runtime = Runtime::new(None).map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
-    let lock = MachineLock::new(scratch.path(), "machine-lock", "broker-provider-test")
-        .map_err(|e| ConformanceError::Sandbox(e.to_string()))?;
     let manifest = manifest.clone();
     let live_children = Arc::new(LiveChildren::default());
     let (denials, denied) = Denials::collecting();
-    let (kv, data_dirs) = (Arc::new(MemoryKv::default()), scratch.path().join("data"));
+    let data_dirs = scratch.path().join("data");
     let sandbox = broker_capabilities::sandbox::Sandbox::new(options.sandbox.clone(), None);
-    // The sandbox is made of the backends it is given, each named here (no field
-    // defaults to the host's, and a room given none refuses): scripted, or the
-    // host's own recorded.
-    let recording = match &options.answers {
-        Answers::Record(recording) => Some(recording.clone()),
-        Answers::Script(_) => None,
+    let setup = KitSetup {
+        grants: manifest.grants.clone(),
+        scratch: scratch.path().to_owned(),
+        credentials: options.credentials.clone(),
+        live_children: live_children.clone(),
     };
-    let (caps, scripted) = match options.answers {
+    // The sandbox is made of the backends the rooms' kit parts give it (a room
+    // given none refuses): scripted, or the host's own recorded.
+    let sandbox_error = ConformanceError::Sandbox;
+    let (backends, secrets, scripted, recording) = match options.answers {
         Answers::Script(scripted) => {
-            let caps = HostCapabilities {
-                data_dirs,
-                sandbox,
-                backends: Backends::sealed()
-                    .with::<Kv>(kv)
-                    .with::<MachineLockRoom>(Arc::new(lock))
-                    .with::<LocalSocket>(scripted.processes.clone())
-                    .with::<Process>(scripted.processes.clone())
-                    .with::<HttpEgress>(scripted.http.clone())
-                    .with::<NetworkBridge>(scripted.network.clone()),
-                denials,
-                // The kit's data dirs are scratch: a plain directory each.
-                data_filesystems: None,
-                // Stand-ins: a script recorded with the real values holds these in their place.
-                secrets: broker_capabilities::secrets::SecretSource::Placeholders,
-            };
-            (caps, Some(scripted))
+            let backends = scripted.backends(&setup).map_err(sandbox_error)?;
+            // Stand-ins: a script recorded with the real values holds these in their place.
+            (backends, SecretSource::Placeholders, Some(scripted), None)
         }
         Answers::Record(recording) => {
-            recording.note_devices(&manifest).await.map_err(ConformanceError::Sandbox)?;
-            let records = Arc::new(MemoryChildRecords::default());
-            let host_processes = HostProcesses::new(records, live_children.clone());
-            let caps = HostCapabilities {
-                data_dirs,
-                sandbox,
-                backends: Backends::sealed()
-                    .with::<Kv>(kv)
-                    .with::<MachineLockRoom>(Arc::new(lock))
-                    .with::<LocalSocket>(Arc::new(RecordedSockets::new(HostSockets, recording.processes.clone())))
-                    .with::<Process>(Arc::new(Recorded::new(host_processes, recording.processes.clone())))
-                    .with::<HttpEgress>(Arc::new(RecordedEgress::new(
-                        Arc::new(match &options.credentials {
-                            Some(dir) => HostEgress::with_credentials(dir.clone()),
-                            None => HostEgress::default(),
-                        }),
-                        recording.http.clone(),
-                    )))
-                    // The host's kernel; what the provider makes in the run is its own, recorded in memory.
-                    .with::<NetworkBridge>(Arc::new(broker_capabilities::network::owners::OwnedNetwork::new(
-                        Arc::new(HostNetwork),
-                        Arc::new(broker_capabilities::network::owners::MemoryOwners::default()),
-                    ))),
-                denials,
-                // The kit's data dirs are scratch: a plain directory each.
-                data_filesystems: None,
-                // The operator's, as the daemon reads them; the recording holds stand-ins.
-                secrets: match &options.secrets {
-                    Some(dir) => {
-                        broker_capabilities::secrets::SecretSource::Recording(Arc::new(broker_capabilities::secrets::SecretsDir::new(dir.clone())))
-                    }
-                    None => broker_capabilities::secrets::SecretSource::Placeholders,
-                },
+            let backends = recording.backends(&setup).await.map_err(sandbox_error)?;
+            // The operator's, as the daemon reads them; the recording holds stand-ins.
+            let secrets = match &options.secrets {
+                Some(dir) => SecretSource::Recording(Arc::new(SecretsDir::new(dir.clone()))),
+                None => SecretSource::Placeholders,
             };
-            (caps, None)
+            (backends, secrets, None, Some(recording))
         }
     };
+    // The kit's data dirs are scratch: a plain directory each.
+    let caps = HostCapabilities { data_dirs, sandbox, backends, denials, data_filesystems: None, secrets };
     let name = manifest.name.clone();
     // Compiling is CPU-bound: off the async workers.
     let loaded = tokio::task::spawn_blocking(move || ProviderVersion::load(runtime, manifest, caps))
@@ -652,10 +604,10 @@ impl Kit {
 
     /// The instances the provider lists before a recording starts anything.
     async fn note_existing(&mut self) {
-        let tape = self.guard.as_ref().map(|guard| guard.recording.http.clone());
-        tape.iter().for_each(|tape| tape.pause(true));
+        let recording = self.guard.as_ref().map(|guard| guard.recording.clone());
+        recording.iter().for_each(|recording| recording.pause(true));
         let listed = self.provider.all_instances(&CallHooks::default()).await;
-        tape.iter().for_each(|tape| tape.pause(false));
+        recording.iter().for_each(|recording| recording.pause(false));
         match listed {
             Ok(all) => {
                 if let Some(guard) = &mut self.guard {

@@ -14,8 +14,8 @@
 pub mod spec;
 
 use crate::broker::{Broker, BrokerServiceError};
+use crate::store::{Event, EventKind, GroupRecord, InstanceRecord, StoreError};
 use broker_capabilities::rooms::context::CallHooks;
-use crate::store::{Event, GroupRecord, InstanceRecord, StoreError};
 use futures_util::StreamExt;
 use serde::Serialize;
 use spec::{CONFIG_HASH_TAG, GROUP_TAG, Group, GroupSpec, LOGICAL_ID_TAG, Members, SpecError, UpdatePace};
@@ -576,7 +576,7 @@ impl Groups {
         }
         let spec = serde_json::to_value(&group.spec).map_err(|e| SpecError::Parse(e.to_string()))?;
         let record = GroupRecord { spec, committed: crate::store::records::now_rfc3339() };
-        let event = group_event("group-committed", group, plan.clone());
+        let event = group_event(EventKind::GroupCommitted, group, plan.clone());
         // The cap is checked in the write itself: concurrent first commits cannot pass it.
         if !self.broker.store().put_group(group.id(), &record, &event, MAX_GROUPS).await? {
             return Err(GroupError::TooManyGroups(MAX_GROUPS));
@@ -673,11 +673,11 @@ impl Groups {
         let plan = format!("Terminating {} instances to reduce the group size to {}", unique.len(), shrunk.size());
         let spec = serde_json::to_value(&shrunk.spec).map_err(|e| SpecError::Parse(e.to_string()))?;
         let record = GroupRecord { spec, committed: crate::store::records::now_rfc3339() };
-        let event = group_event("group-committed", &shrunk, plan);
+        let event = group_event(EventKind::GroupCommitted, &shrunk, plan);
         self.broker.store().shrink_group(id, &record, &event, &group.provider, &unique).await?;
         self.broker.stop_instances(&group.provider, &unique).await?;
         for stopped in &unique {
-            self.note(&group, "instance-destroyed", format!("{stopped}: destroyed on request")).await;
+            self.note(&group, EventKind::InstanceDestroyed, format!("{stopped}: destroyed on request")).await;
         }
         Ok(())
     }
@@ -690,7 +690,7 @@ impl Groups {
     pub async fn free(&self, id: &str) -> Result<(), GroupError> {
         let (slot, _pass) = self.locked(id, true).await?;
         let provider = self.committed_provider(id)?;
-        let mut event = Event::new("group-freed", &provider);
+        let mut event = Event::new(EventKind::GroupFreed, &provider);
         event.group = Some(id.to_owned());
         self.broker.store().free_group(id, &event, &provider).await?;
         slot.wake.notify_one();
@@ -708,7 +708,7 @@ impl Groups {
         if !registered.iter().any(|p| p.name == provider) {
             return Err(GroupError::ProviderGone { group: id.to_owned(), provider });
         }
-        let mut event = Event::new("group-destroyed", &provider);
+        let mut event = Event::new(EventKind::GroupDestroyed, &provider);
         event.group = Some(id.to_owned());
         let ids = self.broker.store().destroy_group(id, &event, &provider).await?;
         slot.wake.notify_one();
@@ -751,7 +751,7 @@ impl Groups {
                     state.failed_passes,
                     lost.iter().map(|m| format!("{} {}", m.id, m.status)).collect::<Vec<_>>().join(", "),
                 );
-                self.note(&group, "replacement-stopped", why.clone()).await;
+                self.note(&group, EventKind::ReplacementStopped, why.clone()).await;
                 state.halt(why);
                 state.replacing_stopped = true;
                 state.announced = false;
@@ -768,7 +768,7 @@ impl Groups {
             for member in &lost {
                 self.note(
                     &group,
-                    "instance-replaced",
+                    EventKind::InstanceReplaced,
                     format!("{}: {} ({})", member.id, member.status, member.message),
                 )
                 .await;
@@ -803,7 +803,7 @@ impl Groups {
         if state.halted().is_none() && is_converged(&group, &members) {
             if !state.announced {
                 state.announced = true;
-                self.note(&group, "converged", format!("{} instances", members.len())).await;
+                self.note(&group, EventKind::Converged, format!("{} instances", members.len())).await;
             }
         } else {
             state.announced = false;
@@ -827,7 +827,7 @@ impl Groups {
             let surplus: Vec<String> = alive.drain(..alive.len() - target).map(|m| m.id).collect();
             self.broker.stop_instances(&group.provider, &surplus).await?;
             for id in surplus {
-                self.note(group, "instance-destroyed", format!("{id}: surplus")).await;
+                self.note(group, EventKind::InstanceDestroyed, format!("{id}: surplus")).await;
             }
             return Ok(Pass::Changed);
         }
@@ -862,7 +862,7 @@ impl Groups {
         if !extra.is_empty() {
             self.broker.stop_instances(&group.provider, &extra).await?;
             for id in &extra {
-                self.note(group, "instance-destroyed", format!("{id}: its logical id is not the spec's")).await;
+                self.note(group, EventKind::InstanceDestroyed, format!("{id}: its logical id is not the spec's")).await;
             }
         }
         let missing: Vec<Option<String>> = wanted
@@ -923,7 +923,7 @@ impl Groups {
                     match self.start_member(group, lid.as_deref(), placing, distribution.clone()).await {
                         Ok(record) => {
                             lock(&distribution).push(record.id.clone());
-                            self.note(group, "instance-added", record.id).await;
+                            self.note(group, EventKind::InstanceAdded, record.id).await;
                             Ok(())
                         }
                         Err(error) => {
@@ -988,8 +988,11 @@ impl Groups {
                     if lock(&placing.said_unavailable).insert(zone.clone()) {
                         self.note(
                             group,
-                            "zone-unavailable",
-                            format!("{zone}: {}; trying the next zone", broker_capabilities::error_text::error_text(&failed)),
+                            EventKind::ZoneUnavailable,
+                            format!(
+                                "{zone}: {}; trying the next zone",
+                                broker_capabilities::error_text::error_text(&failed)
+                            ),
                         )
                         .await;
                     }
@@ -1057,7 +1060,7 @@ impl Groups {
                     humantime::format_duration(pace.saturating_add(self.settings.update_patience)),
                     old.len()
                 );
-                self.note(group, "update-stopped", why.clone()).await;
+                self.note(group, EventKind::UpdateStopped, why.clone()).await;
                 state.halt(why);
                 return Ok(Pass::Steady);
             }
@@ -1065,16 +1068,20 @@ impl Groups {
         }
         old.sort_by(|a, b| a.id.cmp(&b.id));
         let next = old[0].id.clone();
-        self.note(group, "update-step", format!("{next}: replaced by the committed spec ({} old left)", old.len() - 1))
-            .await;
+        self.note(
+            group,
+            EventKind::UpdateStep,
+            format!("{next}: replaced by the committed spec ({} old left)", old.len() - 1),
+        )
+        .await;
         self.broker.stop_instances(&group.provider, std::slice::from_ref(&next)).await?;
         state.step_at = Some(now);
         Ok(Pass::Changed)
     }
 
     /// An event of the group's; one that cannot be written is logged, and the pass goes on.
-    async fn note(&self, group: &Group, kind: &str, detail: String) {
-        tracing::info!(group = %group.id(), provider = %group.provider, kind, detail = %detail, "group event");
+    async fn note(&self, group: &Group, kind: EventKind, detail: String) {
+        tracing::info!(group = %group.id(), provider = %group.provider, %kind, detail = %detail, "group event");
         if let Err(error) = self.broker.store().append_event(&group_event(kind, group, detail)).await {
             tracing::warn!(group = %group.id(), %error, "a group event was not recorded");
         }
@@ -1128,7 +1135,7 @@ fn provider_changed(group: &Group, was: String) -> GroupError {
     GroupError::ProviderChanged { group: group.id().to_owned(), was, now: group.provider.clone() }
 }
 
-fn group_event(kind: &str, group: &Group, detail: String) -> Event {
+fn group_event(kind: EventKind, group: &Group, detail: String) -> Event {
     let mut event = Event::new(kind, &group.provider);
     event.group = Some(group.id().to_owned());
     event.detail = detail;

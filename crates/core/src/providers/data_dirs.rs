@@ -5,7 +5,7 @@
 //! watched providers dir, and pinning approved manifests at start-up.
 
 use crate::manifest::Manifest;
-use crate::store::{Event, Store};
+use crate::store::{Event, EventKind, Store};
 use std::path::{Path, PathBuf};
 
 /// Providers' data dirs live in `DATA_DIR/data/<name>`: apart from every
@@ -37,7 +37,7 @@ pub fn move_out_of_providers_dir(store: &Store) {
         match move_entries(&old, &new, &keep) {
             Ok(moved) => {
                 tracing::info!(provider = %record.name, from = %old.display(), to = %new.display(), moved, "moved data dir");
-                let mut event = Event::new("data-dir-moved", &record.name);
+                let mut event = Event::new(EventKind::DataDirMoved, &record.name);
                 event.detail = format!("{} entries from {} to {}", moved, old.display(), new.display());
                 let _ = store.append_event(&event).wait();
             }
@@ -59,7 +59,7 @@ pub fn pin_approved_manifests(store: &Store) {
                 // the provider could rewrite it: the operator is told to look.
                 let old_data_dir = store.data_dir().join("providers").join(&record.name);
                 let writable = Path::new(&record.manifest).starts_with(&old_data_dir);
-                let mut event = Event::new("approved-manifest-pinned", &record.name);
+                let mut event = Event::new(EventKind::ApprovedManifestPinned, &record.name);
                 event.detail = format!(
                     "{} is now what grants are measured against{}",
                     record.manifest,

@@ -1,12 +1,12 @@
 //! The providers this host runs: registered in the store, loaded on first use.
 
-use broker_capabilities::rooms::process::{Process, stop_children};
 use crate::manifest::Manifest;
 use crate::runtime::{HostCapabilities, Runtime};
-use crate::store::{Event, ProviderRecord, Store, StoreError, records::now_rfc3339};
+use crate::store::{Event, EventKind, ProviderRecord, Store, StoreError, records::now_rfc3339};
 use crate::version::CallError;
 use crate::version::Serving;
 use crate::version::{LoadError, ProviderVersion};
+use broker_capabilities::rooms::process::{Process, stop_children};
 use futures_util::future::BoxFuture;
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, HashSet};
@@ -242,7 +242,8 @@ impl Registry {
             component: None,
             approved_manifest,
         };
-        let mut event = Event::new(if existing.is_some() { "reloaded" } else { "added" }, &record.name);
+        let mut event =
+            Event::new(if existing.is_some() { EventKind::Reloaded } else { EventKind::Added }, &record.name);
         event.old_sha256 = existing.as_ref().map(|e| e.component_sha256.clone());
         event.new_sha256 = Some(record.component_sha256.clone());
         event.new_version = Some(record.version.clone());
@@ -307,9 +308,10 @@ impl Registry {
     fn check_grant_placement(&self, manifest: &Manifest) -> Result<(), RegistryError> {
         let of = |manifest: &Manifest| {
             let grant = manifest.grants.rooms.of::<Process>();
-            let programs = broker_capabilities::rooms::process::ProcessPolicy::resolve(&grant.process, &[], Path::new("/"))
-                .map(|policy| policy.resolved_programs())
-                .unwrap_or_default();
+            let programs =
+                broker_capabilities::rooms::process::ProcessPolicy::resolve(&grant.process, &[], Path::new("/"))
+                    .map(|policy| policy.resolved_programs())
+                    .unwrap_or_default();
             broker_capabilities::sandbox::granted::GrantedPaths {
                 provider: manifest.name.clone(),
                 read: grant.paths.iter().cloned().chain(programs).chain(grant.devices.iter().cloned()).collect(),
@@ -388,7 +390,7 @@ impl Registry {
         }
         // The taps, veths and bridges it made go with it, and their records.
         let devices = self.release_devices(name).await;
-        let mut event = Event::new("removed", name);
+        let mut event = Event::new(EventKind::Removed, name);
         let mut detail = Vec::new();
         if in_flight > 0 {
             detail.push(format!("after {in_flight} call(s) in flight finished"));
@@ -418,7 +420,8 @@ impl Registry {
     /// Delete the network devices `name` made and drop their records, for its
     /// removal; what was done, for its event (each device it left, with why).
     async fn release_devices(&self, name: &str) -> Vec<String> {
-        let Some(network) = self.capabilities.backends.of::<broker_capabilities::rooms::network_bridge::NetworkBridge>()
+        let Some(network) =
+            self.capabilities.backends.of::<broker_capabilities::rooms::network_bridge::NetworkBridge>()
         else {
             return Vec::new();
         };
@@ -471,7 +474,7 @@ impl Registry {
             path: component.display().to_string(),
             source: std::io::Error::other(e),
         })??;
-        let mut refusal = Event::new("swap-refused", name);
+        let mut refusal = Event::new(EventKind::SwapRefused, name);
         refusal.old_sha256 = Some(serving.sha256().to_owned());
         refusal.new_sha256 = Some(sha256.clone());
         refusal.old_version = Some(record.version.clone());
@@ -530,7 +533,7 @@ impl Registry {
             new_version: info.version,
             checked: check.is_some(),
         };
-        let mut event = Event::new("swapped", name);
+        let mut event = Event::new(EventKind::Swapped, name);
         event.old_sha256 = Some(report.old_sha256.clone());
         event.new_sha256 = Some(report.new_sha256.clone());
         event.old_version = Some(report.old_version.clone());

@@ -8,7 +8,7 @@
 
 use super::registry::{Registry, RegistryError};
 use crate::manifest::Manifest;
-use crate::store::Event;
+use crate::store::{Event, EventKind};
 use std::collections::{BTreeSet, HashMap};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -209,7 +209,7 @@ impl ProvidersDir {
                     let reason = e.to_string();
                     if self.removal_refused.get(&record.name) != Some(&reason) {
                         self.removal_refused.insert(record.name.clone(), reason.clone());
-                        record_event(registry, "remove-refused", &record.name, &reason).await;
+                        record_event(registry, EventKind::RemoveRefused, &record.name, &reason).await;
                         changes.push(Change::Refused(record.name, reason));
                     }
                 }
@@ -221,12 +221,12 @@ impl ProvidersDir {
 
 async fn refuse(registry: &Registry, name: &str, reason: String) -> Change {
     let reason = reason.split_whitespace().collect::<Vec<_>>().join(" ");
-    record_event(registry, "watch-refused", name, &reason).await;
+    record_event(registry, EventKind::WatchRefused, name, &reason).await;
     Change::Refused(name.to_owned(), reason)
 }
 
-async fn record_event(registry: &Registry, kind: &str, name: &str, reason: &str) {
-    tracing::warn!(provider = name, kind, reason, "providers directory");
+async fn record_event(registry: &Registry, kind: EventKind, name: &str, reason: &str) {
+    tracing::warn!(provider = name, %kind, reason, "providers directory");
     let mut event = Event::new(kind, name);
     event.detail = reason.to_owned();
     if let Err(e) = registry.store().append_event(&event).await {

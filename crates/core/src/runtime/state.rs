@@ -1,12 +1,12 @@
 //! The data of one guest store.
 
 use super::GuestLimiter;
+use broker_capabilities::network::backend::NetworkBackend;
 use broker_capabilities::rooms::denials::Denials;
 use broker_capabilities::rooms::kv::{Kv, KvBackend};
 use broker_capabilities::rooms::network_bridge::NetworkBridge;
 use broker_capabilities::rooms::process::{ChildRecords, HostProcesses, Process};
 use broker_capabilities::rooms::wasi;
-use broker_capabilities::network::backend::NetworkBackend;
 use broker_capabilities::rooms::{Backends, HasRooms, Parts, PreparedParts, RoomGrants, StoreSetup};
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -6,6 +6,137 @@ use serde::{Deserialize, Serialize};
 
 pub(super) const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
 
+/// What an [`Event`] records; stored and served as its kebab-case name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    /// A provider was added.
+    Added,
+    /// A provider was added again over itself (its manifest or component changed).
+    Reloaded,
+    /// A candidate replaced the version serving.
+    Swapped,
+    /// A candidate was refused; the version serving kept serving.
+    SwapRefused,
+    /// A provider was removed.
+    Removed,
+    /// The providers directory dropped a manifest whose provider still has instances.
+    RemoveRefused,
+    /// The providers directory held a manifest that could not be loaded.
+    WatchRefused,
+    /// The records were reconciled with what the provider reports.
+    Reconciled,
+    /// A provider's data dir was moved to where this host keeps them.
+    DataDirMoved,
+    /// A provider loaded from the approved manifest, its file having changed.
+    ApprovedManifestPinned,
+    /// A group spec was committed.
+    GroupCommitted,
+    /// A group started a member.
+    InstanceAdded,
+    /// A group stopped a member.
+    InstanceDestroyed,
+    /// A group replaced a member that was gone.
+    InstanceReplaced,
+    /// A group stopped replacing members (they kept failing).
+    ReplacementStopped,
+    /// A rolling update replaced one member.
+    UpdateStep,
+    /// A rolling update stopped.
+    UpdateStopped,
+    /// A zone turned a start away.
+    ZoneUnavailable,
+    /// A group reached its spec.
+    Converged,
+    /// A group was freed: its members left running, unmanaged.
+    GroupFreed,
+    /// A group was destroyed with its members.
+    GroupDestroyed,
+    /// A kind this build does not know (written by a newer one): kept as read.
+    Other(String),
+}
+
+impl EventKind {
+    /// Every kind this build writes.
+    pub const ALL: [EventKind; 21] = [
+        EventKind::Added,
+        EventKind::Reloaded,
+        EventKind::Swapped,
+        EventKind::SwapRefused,
+        EventKind::Removed,
+        EventKind::RemoveRefused,
+        EventKind::WatchRefused,
+        EventKind::Reconciled,
+        EventKind::DataDirMoved,
+        EventKind::ApprovedManifestPinned,
+        EventKind::GroupCommitted,
+        EventKind::InstanceAdded,
+        EventKind::InstanceDestroyed,
+        EventKind::InstanceReplaced,
+        EventKind::ReplacementStopped,
+        EventKind::UpdateStep,
+        EventKind::UpdateStopped,
+        EventKind::ZoneUnavailable,
+        EventKind::Converged,
+        EventKind::GroupFreed,
+        EventKind::GroupDestroyed,
+    ];
+
+    /// Its name, as stored, served and printed.
+    pub fn as_str(&self) -> &str {
+        match self {
+            EventKind::Added => "added",
+            EventKind::Reloaded => "reloaded",
+            EventKind::Swapped => "swapped",
+            EventKind::SwapRefused => "swap-refused",
+            EventKind::Removed => "removed",
+            EventKind::RemoveRefused => "remove-refused",
+            EventKind::WatchRefused => "watch-refused",
+            EventKind::Reconciled => "reconciled",
+            EventKind::DataDirMoved => "data-dir-moved",
+            EventKind::ApprovedManifestPinned => "approved-manifest-pinned",
+            EventKind::GroupCommitted => "group-committed",
+            EventKind::InstanceAdded => "instance-added",
+            EventKind::InstanceDestroyed => "instance-destroyed",
+            EventKind::InstanceReplaced => "instance-replaced",
+            EventKind::ReplacementStopped => "replacement-stopped",
+            EventKind::UpdateStep => "update-step",
+            EventKind::UpdateStopped => "update-stopped",
+            EventKind::ZoneUnavailable => "zone-unavailable",
+            EventKind::Converged => "converged",
+            EventKind::GroupFreed => "group-freed",
+            EventKind::GroupDestroyed => "group-destroyed",
+            EventKind::Other(name) => name,
+        }
+    }
+
+    /// The kind named `name`; one this build does not know is kept as [`EventKind::Other`].
+    pub fn named(name: &str) -> EventKind {
+        EventKind::ALL
+            .into_iter()
+            .find(|kind| kind.as_str() == name)
+            .unwrap_or_else(|| EventKind::Other(name.to_owned()))
+    }
+}
+
+impl std::fmt::Display for EventKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
+impl Serialize for EventKind {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for EventKind {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        Ok(EventKind::named(&name))
+    }
+}
+
 /// One thing that happened to a provider, with both versions where two are involved.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -15,11 +146,8 @@ pub struct Event {
     pub seq: u64,
     /// RFC 3339, UTC.
     pub time: String,
-    /// `added`, `reloaded`, `swapped`, `swap-refused`, `removed`, `remove-refused`,
-    /// `watch-refused`, `reconciled`; a group's `group-committed`,
-    /// `instance-added`, `instance-destroyed`, `instance-replaced`, `update-step`,
-    /// `update-stopped`, `zone-unavailable`, `converged`, `group-freed`, `group-destroyed`.
-    pub kind: String,
+    /// What happened.
+    pub kind: EventKind,
     /// The provider it happened to.
     pub provider: String,
     /// The group it happened in (`group-committed`, `instance-added`, …), if any.
@@ -45,11 +173,11 @@ pub struct Event {
 impl Event {
     /// An event of `kind` for `provider`, timed now, with no versions or detail;
     /// the store assigns `seq`.
-    pub fn new(kind: &str, provider: &str) -> Event {
+    pub fn new(kind: EventKind, provider: &str) -> Event {
         Event {
             seq: 0,
             time: super::records::now_rfc3339(),
-            kind: kind.to_owned(),
+            kind,
             provider: provider.to_owned(),
             group: None,
             old_sha256: None,
@@ -118,19 +246,39 @@ impl Store {
 mod tests {
     use super::*;
 
+    /// Each kind is stored under its own name and read back as itself; a
+    /// kind a newer build wrote is kept as read, not refused.
+    #[test]
+    fn event_kinds_are_stored_by_name_and_an_unknown_one_is_kept() {
+        let mut names: Vec<&str> = EventKind::ALL.iter().map(|k| k.as_str()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), EventKind::ALL.len(), "two kinds share a name");
+        for kind in EventKind::ALL {
+            let json = serde_json::to_string(&kind).unwrap();
+            assert_eq!(json, format!("\"{}\"", kind.as_str()));
+            assert_eq!(serde_json::from_str::<EventKind>(&json).unwrap(), kind);
+        }
+        assert_eq!(serde_json::to_string(&EventKind::SwapRefused).unwrap(), "\"swap-refused\"");
+        let newer: EventKind = serde_json::from_str("\"instance-migrated\"").unwrap();
+        assert_eq!(newer, EventKind::Other("instance-migrated".into()));
+        assert_eq!(serde_json::to_string(&newer).unwrap(), "\"instance-migrated\"");
+        assert_eq!(format!("{:<8}|", EventKind::Added), "added   |");
+    }
+
     #[test]
     fn events_are_numbered_in_order_and_survive_a_reopen() {
         let dir = tempfile::tempdir().unwrap();
         {
             let store = Store::open(dir.path()).unwrap();
-            assert_eq!(store.append_event(&Event::new("added", "a")).wait().unwrap(), 1);
-            let mut swap = Event::new("swapped", "a");
+            assert_eq!(store.append_event(&Event::new(EventKind::Added, "a")).wait().unwrap(), 1);
+            let mut swap = Event::new(EventKind::Swapped, "a");
             swap.old_sha256 = Some("01".into());
             swap.new_sha256 = Some("02".into());
             assert_eq!(store.append_event(&swap).wait().unwrap(), 2);
         }
         let store = Store::open(dir.path()).unwrap();
-        assert_eq!(store.append_event(&Event::new("removed", "a")).wait().unwrap(), 3);
+        assert_eq!(store.append_event(&Event::new(EventKind::Removed, "a")).wait().unwrap(), 3);
         let all = store.events(0, 100).unwrap();
         assert_eq!(
             all.iter().map(|e| (e.seq, e.kind.as_str())).collect::<Vec<_>>(),
@@ -145,8 +293,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         let seqs = |store: &Store| store.events(0, 1000).unwrap().iter().map(|e| e.seq).collect::<Vec<_>>();
-        let append =
-            |keep: u64| store.write(move |txn| append_keeping(txn, &Event::new("added", "a"), keep)).wait().unwrap();
+        let append = |keep: u64| {
+            store.write(move |txn| append_keeping(txn, &Event::new(EventKind::Added, "a"), keep)).wait().unwrap()
+        };
         for _ in 0..30 {
             append(20);
         }

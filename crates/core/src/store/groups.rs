@@ -138,16 +138,12 @@ fn group_tags() -> Vec<String> {
 fn members_in(txn: &Txn<'_>, provider: &str, id: &str) -> Result<Vec<String>, StoreError> {
     let table = txn.open_table(super::INSTANCES).map_err(db_error)?;
     let mut members = Vec::new();
-    for entry in table.range((provider, "")..).map_err(db_error)? {
-        let (key, value) = entry.map_err(db_error)?;
-        let (owner, instance) = key.value();
-        if owner != provider {
-            break;
-        }
-        let record: super::InstanceRecord = decode("instance", value.value())?;
+    super::each_of_owner(&*table, provider, |instance, value| {
+        let record: super::InstanceRecord = decode("instance", value)?;
         if record.instance_tags.get("infrakit.group").is_some_and(|group| group == id) {
             members.push(instance.to_owned());
         }
-    }
+        Ok(())
+    })?;
     Ok(members)
 }

@@ -216,14 +216,10 @@ fn read_namespace(db: &Database, name: &str) -> Result<Entries, StoreError> {
     let txn = db.begin_read().map_err(db_error)?;
     let table = txn.open_table(KV).map_err(db_error)?;
     let mut entries = Entries::default();
-    for entry in table.range((name, "")..).map_err(db_error)? {
-        let (key, value) = entry.map_err(db_error)?;
-        let (namespace, key) = key.value();
-        if namespace != name {
-            break;
-        }
-        entries.insert(key.to_owned(), value.value().to_vec());
-    }
+    super::each_of_owner(&table, name, |key, value| {
+        entries.insert(key.to_owned(), value.to_vec());
+        Ok(())
+    })?;
     Ok(entries)
 }
 

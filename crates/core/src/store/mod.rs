@@ -18,7 +18,7 @@ mod starts;
 mod wal;
 mod writer;
 
-pub use events::Event;
+pub use events::{Event, EventKind};
 pub use groups::GroupRecord;
 pub use starts::{PendingStart, StopMark};
 
@@ -28,9 +28,9 @@ pub(crate) use wal::Txn;
 pub use wal::WalError;
 pub use writer::Pending;
 
+use broker_capabilities::network::Device;
 use broker_capabilities::rooms::kv::KvWrites;
 use broker_capabilities::rooms::process::{ChildRecord, ChildRecords, RecordsError};
-use broker_capabilities::network::Device;
 use futures_util::future::BoxFuture;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use std::path::{Path, PathBuf};
@@ -549,26 +549,28 @@ impl Store {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(INSTANCES).map_err(db_error)?;
         let mut records = Vec::new();
-        let entries = match provider {
-            Some(p) => table.range((p, "")..).map_err(db_error)?,
-            None => table.iter().map_err(db_error)?,
+        // One record that does not decode hides no other: it is named, and
+        // `broker store recover` leaves it out.
+        let mut keep = |owner: &str, id: &str, value: &[u8]| match decode::<records::ListedRecord>("instance", value) {
+            Ok(record) => records.push(record.into()),
+            Err(error) => tracing::error!(
+                provider = owner,
+                instance_id = id,
+                %error,
+                "an instance record does not decode: left out (`broker store check` names it, `broker store recover` drops it)"
+            ),
         };
-        for entry in entries {
-            let (key, value) = entry.map_err(db_error)?;
-            let (owner, id) = key.value();
-            if provider.is_some_and(|p| owner != p) {
-                break;
-            }
-            // One record that does not decode hides no other: it is named, and
-            // `broker store recover` leaves it out.
-            match decode::<records::ListedRecord>("instance", value.value()) {
-                Ok(record) => records.push(record.into()),
-                Err(error) => tracing::error!(
-                    provider = owner,
-                    instance_id = id,
-                    %error,
-                    "an instance record does not decode: left out (`broker store check` names it, `broker store recover` drops it)"
-                ),
+        match provider {
+            Some(owner) => each_of_owner(&table, owner, |id, value| {
+                keep(owner, id, value);
+                Ok(())
+            })?,
+            None => {
+                for entry in table.iter().map_err(db_error)? {
+                    let (key, value) = entry.map_err(db_error)?;
+                    let (owner, id) = key.value();
+                    keep(owner, id, value.value());
+                }
             }
         }
         Ok(records)
@@ -652,6 +654,27 @@ fn replay_change(txn: &redb::WriteTransaction, table: &str, key: &[u8], value: O
     }
 }
 
+/// Visit, in key order, each entry `owner` has in `table`, a table keyed
+/// `(owner, key)`: the one range scan every "entries of one provider" read is.
+fn each_of_owner<T>(
+    table: &T,
+    owner: &str,
+    mut visit: impl FnMut(&str, &[u8]) -> Result<(), StoreError>,
+) -> Result<(), StoreError>
+where
+    T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
+{
+    for entry in table.range((owner, "")..).map_err(db_error)? {
+        let (key, value) = entry.map_err(db_error)?;
+        let (found, key) = key.value();
+        if found != owner {
+            break;
+        }
+        visit(key, value.value())?;
+    }
+    Ok(())
+}
+
 fn decode<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, StoreError> {
     serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt { what, source: Arc::new(e) })
 }
@@ -701,13 +724,11 @@ impl ChildRecords for RedbChildren {
         let txn = self.db.begin_read().map_err(records_error)?;
         let table = txn.open_table(CHILDREN).map_err(records_error)?;
         let mut records = Vec::new();
-        for entry in table.range((provider, "")..).map_err(records_error)? {
-            let (key, value) = entry.map_err(records_error)?;
-            if key.value().0 != provider {
-                break;
-            }
-            records.push(serde_json::from_slice(value.value()).map_err(records_error)?);
-        }
+        each_of_owner(&table, provider, |_, value| {
+            records.push(decode("child record", value)?);
+            Ok(())
+        })
+        .map_err(records_error)?;
         Ok(records)
     }
 }
@@ -876,7 +897,7 @@ mod tests {
             component: None,
             approved_manifest: None,
         };
-        store.put_provider(&provider, &Event::new("added", "fake")).wait().unwrap();
+        store.put_provider(&provider, &Event::new(EventKind::Added, "fake")).wait().unwrap();
         store.put_new_instance(&record("fake", "fake-0")).wait().unwrap();
         store.put_new_instance(&record("fake", "fake-1")).wait().unwrap();
         store.remove_instances("fake", &["fake-1".into()]).wait().unwrap();

@@ -265,7 +265,8 @@ pub fn instance_id_problem(id: &str) -> Option<String> {
     if id.len() > MAX_INSTANCE_ID_BYTES {
         return Some(format!("it is {} bytes long; at most {MAX_INSTANCE_ID_BYTES} are allowed", id.len()));
     }
-    let (at, c) = id.char_indices().find(|(_, c)| c.is_whitespace() || broker_capabilities::error_text::is_unprintable(*c))?;
+    let (at, c) =
+        id.char_indices().find(|(_, c)| c.is_whitespace() || broker_capabilities::error_text::is_unprintable(*c))?;
     let kind = if broker_capabilities::error_text::is_unprintable(c) { "control character" } else { "whitespace" };
     Some(format!("it has the {kind} U+{:04X} at byte {at}; ids must be printable without whitespace", c as u32))
 }

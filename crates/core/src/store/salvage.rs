@@ -343,9 +343,9 @@ fn keep_aside(data_dir: &Path, path: &Path) -> std::io::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use broker_capabilities::rooms::kv::KvBackend;
     use crate::store::Store;
     use crate::store::tests::record;
+    use broker_capabilities::rooms::kv::KvBackend;
 
     /// A closed store of 200 instance records and 200 kv entries.
     fn populated() -> tempfile::TempDir {

@@ -111,13 +111,8 @@ impl Store {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(STARTS).map_err(db_error)?;
         let mut out = Vec::new();
-        for entry in table.range((provider, "")..).map_err(db_error)? {
-            let (key, value) = entry.map_err(db_error)?;
-            let (owner, key) = key.value();
-            if owner != provider {
-                break;
-            }
-            match decode::<PendingStart>("pending start", value.value()) {
+        super::each_of_owner(&table, provider, |key, value| {
+            match decode::<PendingStart>("pending start", value) {
                 Ok(start) if start.session != self.session => out.push((key.to_owned(), start)),
                 Ok(_) => {}
                 // Unreadable, so never resolvable: dropped, and said.
@@ -126,7 +121,8 @@ impl Store {
                     out.push((key.to_owned(), PendingStart::unreadable()));
                 }
             }
-        }
+            Ok(())
+        })?;
         Ok(out)
     }
 
@@ -147,18 +143,14 @@ impl Store {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(STOPPING).map_err(db_error)?;
         let mut out = Vec::new();
-        for entry in table.range((provider, "")..).map_err(db_error)? {
-            let (key, value) = entry.map_err(db_error)?;
-            let (owner, id) = key.value();
-            if owner != provider {
-                break;
-            }
+        super::each_of_owner(&table, provider, |id, value| {
             // An unreadable mark still says a stop was asked.
-            let session = decode::<StopMark>("stop mark", value.value()).map_or(0, |mark| mark.session);
+            let session = decode::<StopMark>("stop mark", value).map_or(0, |mark| mark.session);
             if session != self.session {
                 out.push(id.to_owned());
             }
-        }
+            Ok(())
+        })?;
         Ok(out)
     }
 }

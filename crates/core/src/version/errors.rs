@@ -1,7 +1,7 @@
 //! What can go wrong in one call to a provider, each naming provider and method.
 
-use broker_capabilities::bindings::BrokerError;
 use crate::manifest::Method;
+use broker_capabilities::bindings::BrokerError;
 use std::time::Duration;
 
 /// Why one call to a provider did not return its answer.

@@ -1,8 +1,8 @@
 //! Checks a component's imports and exports against what this host offers and
 //! what the manifest grants, so a refusal names the exact import.
 
-use broker_capabilities::bindings::{CONTRACT_PACKAGE, CONTRACT_VERSION};
 use crate::manifest::Grants;
+use broker_capabilities::bindings::{CONTRACT_PACKAGE, CONTRACT_VERSION};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
@@ -108,8 +108,8 @@ fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use broker_capabilities::rooms::kv::Kv;
     use broker_capabilities::rooms::RoomGrants;
+    use broker_capabilities::rooms::kv::Kv;
 
     #[test]
     fn versions_follow_semver_for_zero_majors() {

@@ -11,16 +11,16 @@ pub mod method_stats;
 
 pub use errors::{CallError, describe_broker_error};
 
+use crate::manifest::{Isolation, Manifest, ManifestError, Method};
+use crate::runtime::turnstile::{FIRST_SLICE_TICKS, Lane};
+use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
 use broker_capabilities::bindings::{
     BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
 };
-use broker_capabilities::rooms::context::{CallContext, CallHooks};
-use broker_capabilities::rooms::kv::{Kv, KvWrites};
-use crate::manifest::{Isolation, Manifest, ManifestError, Method};
 use broker_capabilities::quotas::{Quota, Quotas};
 use broker_capabilities::rooms::LoadSetup;
-use crate::runtime::turnstile::{FIRST_SLICE_TICKS, Lane};
-use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
+use broker_capabilities::rooms::context::{CallContext, CallHooks};
+use broker_capabilities::rooms::kv::{Kv, KvWrites};
 use method_stats::Outcome;
 use std::future::Future;
 use std::pin::Pin;
@@ -830,7 +830,8 @@ const MAX_ERROR_BYTES: usize = 4096;
 /// A provider's typed error with its text cut to [`MAX_ERROR_BYTES`].
 fn cut_broker_error(error: BrokerError, redactor: &broker_capabilities::secrets::Redactor) -> BrokerError {
     // Hidden before it is cut: a secret across the cut would leave a part.
-    let cut = |text: String| broker_capabilities::rooms::log::truncate(&redactor.redact(&text), MAX_ERROR_BYTES).to_owned();
+    let cut =
+        |text: String| broker_capabilities::rooms::log::truncate(&redactor.redact(&text), MAX_ERROR_BYTES).to_owned();
     match error {
         BrokerError::InvalidParams(m) => BrokerError::InvalidParams(cut(m)),
         BrokerError::NotFound(m) => BrokerError::NotFound(cut(m)),

@@ -4,8 +4,8 @@
 
 use crate::client::{DaemonClient, encode_component};
 use anyhow::{Context, Result};
-use broker_core::broker::Broker;
 use broker_capabilities::rooms::context::{CallEvent, CallHooks};
+use broker_core::broker::Broker;
 use broker_core::providers::registry::SwapReport;
 use broker_core::providers::view::ProviderView;
 use broker_core::store::{Event, InstanceRecord, ProviderRecord};

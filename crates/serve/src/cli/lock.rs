@@ -2,8 +2,8 @@
 
 use super::UsageError;
 use anyhow::{Context, Result};
-use broker_core::broker::service::machine_lock;
 use broker_capabilities::machine_lock::{LockError, MachineLock, Spec};
+use broker_core::broker::service::machine_lock;
 use clap::{Args, Subcommand};
 use std::io::Write;
 use std::os::unix::process::ExitStatusExt;

@@ -8,9 +8,9 @@ mod output;
 
 use anyhow::{Context, Result};
 use backend::Backend;
-use broker_core::broker::Broker;
-use broker_capabilities::rooms::context::CallEvent;
 use broker_capabilities::contract::constraints;
+use broker_capabilities::rooms::context::CallEvent;
+use broker_core::broker::Broker;
 use broker_core::store::records::status_name;
 use clap::{Args, Parser, Subcommand};
 use std::io::Write;
@@ -626,7 +626,9 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
                 None => None,
             };
             let tags = (args.tags.iter())
-                .map(|t| broker_capabilities::contract::start::parse_tag(t).map_err(|e| UsageError(format!("--tag: {e}"))))
+                .map(|t| {
+                    broker_capabilities::contract::start::parse_tag(t).map_err(|e| UsageError(format!("--tag: {e}")))
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             let request = backend::StartRequest {
                 provider: &args.provider,
@@ -637,7 +639,8 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
                 params,
             };
             // The same checks the daemon makes, before anything is sent.
-            broker_capabilities::contract::start::start_params(request.input()).map_err(|e| UsageError(e.to_string()))?;
+            broker_capabilities::contract::start::start_params(request.input())
+                .map_err(|e| UsageError(e.to_string()))?;
             let progress = std::sync::Arc::new(output::Progress::new(&args.provider, args.json));
             let shown = progress.clone();
             let started = backend.start_instance(&request, move |event| shown.show(&event)).await;
@@ -812,14 +815,12 @@ async fn provider_test(
         std::fs::write(path, report.redacted_json(&script))
             .with_context(|| format!("cannot write the recorded script {}", path.display()))?;
         // On stderr: the report alone goes to stdout, whatever its format.
-        eprintln!(
-            "recorded {} http exchange(s), {} run(s), {} child(ren), {} device(s) to {}",
-            script.http.len(),
-            script.runs.len(),
-            script.children.len(),
-            script.devices.len(),
-            path.display()
-        );
+        let counts: Vec<String> = script
+            .iter()
+            .map(|(section, value)| format!("{} {section}", value.as_array().map_or(1, Vec::len)))
+            .collect();
+        let counts = if counts.is_empty() { "nothing".to_owned() } else { counts.join(", ") };
+        eprintln!("recorded {counts} to {}", path.display());
     }
     match format {
         ReportFormat::Text => write!(out, "{}", report.text())?,
@@ -901,7 +902,9 @@ pub fn main() -> std::process::ExitCode {
         Err(e) if e.downcast_ref::<UsageError>().is_some() => {
             eprintln!(
                 "error: {}\n(see `broker --help`)",
-                broker_capabilities::error_text::escape_unprintable(&broker_capabilities::error_text::chain_text(e.chain()))
+                broker_capabilities::error_text::escape_unprintable(&broker_capabilities::error_text::chain_text(
+                    e.chain()
+                ))
             );
             std::process::ExitCode::from(2)
         }
@@ -909,7 +912,9 @@ pub fn main() -> std::process::ExitCode {
             // Errors quote what providers said: escaped, they cannot drive the terminal.
             eprintln!(
                 "error: {}",
-                broker_capabilities::error_text::escape_unprintable(&broker_capabilities::error_text::chain_text(e.chain()))
+                broker_capabilities::error_text::escape_unprintable(&broker_capabilities::error_text::chain_text(
+                    e.chain()
+                ))
             );
             std::process::ExitCode::from(1)
         }

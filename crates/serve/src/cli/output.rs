@@ -4,9 +4,9 @@
 //! drive the terminal; `--json` output is escaped by serde.
 
 use super::describe_event;
-use crate::daemon::wire::StartLine;
-use broker_capabilities::rooms::context::CallEvent;
+use crate::wire::StartLine;
 use broker_capabilities::error_text::escape_unprintable as esc;
+use broker_capabilities::rooms::context::CallEvent;
 use broker_core::providers::view::ProviderView;
 use broker_core::store::records::Hardware;
 use broker_core::store::{InstanceRecord, ProviderRecord};
@@ -375,7 +375,7 @@ mod tests {
         let short = ProviderRecord { component_sha256: "ab".into(), ..record.clone() };
         assert!(printed(|out| provider_table(out, &[short])).contains(" ab "));
 
-        let mut event = broker_core::store::Event::new("swap-refused", "x");
+        let mut event = broker_core::store::Event::new(broker_core::store::EventKind::SwapRefused, "x");
         event.new_version = Some(HOSTILE.into());
         event.detail = format!("validate-config failed: {HOSTILE}");
         let text = printed(|out| event_lines(out, &[event.clone()]));

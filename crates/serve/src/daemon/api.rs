@@ -2,7 +2,7 @@
 //! malformed is a 4xx with `{"error": "..."}`, never a 500.
 
 use super::MAX_BODY_BYTES;
-use super::wire::StartLine;
+use crate::wire::StartLine;
 use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
@@ -11,9 +11,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use broker_capabilities::bindings::BrokerError;
-use broker_core::broker::{Broker, BrokerServiceError};
-use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::error_text::error_text;
+use broker_capabilities::rooms::context::CallHooks;
+use broker_core::broker::{Broker, BrokerServiceError};
 use broker_core::groups::{GroupError, Groups};
 use broker_core::providers::registry::RegistryError;
 use broker_core::providers::view::{BreakerView, ProviderView};
@@ -157,7 +157,7 @@ where
     }
 }
 
-/// The routes, each request bounded (see [`super::listen::bounded_request`]).
+/// The routes, each request bounded (see [`crate::listen::bounded_request_up_to`]).
 pub(crate) fn router_with(
     broker: Shared,
     groups: Arc<Groups>,
@@ -184,7 +184,7 @@ pub(crate) fn router_with(
         .route("/v1/groups/{id}/free", post(free_group))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(move |request, next| {
-            super::listen::bounded_request(body_timeout, request, next)
+            crate::listen::bounded_request_up_to(body_timeout, MAX_BODY_BYTES, request, next)
         }))
         .with_state(ApiState { broker, groups, detached })
 }
@@ -696,4 +696,73 @@ async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
     text.push_str("# TYPE broker_swap_refusals_total counter\n");
     text.push_str(&format!("broker_swap_refusals_total {}\n", swaps.refused.load(Ordering::Relaxed)));
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+}
+
+#[cfg(test)]
+mod fuzz {
+    use axum::body::Body;
+    use axum::http::Request;
+    use broker_core::broker::Broker;
+    use tower::ServiceExt;
+
+    /// Fuzzed (bolero): any body, to any route that takes one, any query,
+    /// is answered 2xx or 4xx with `{"error": …}` JSON: never a 5xx, never a
+    /// panic. (A broker with no providers: every start or add fails early,
+    /// which is the code under attack here.)
+    #[test]
+    fn fuzz_api_requests() {
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let broker = std::sync::Arc::new(Broker::open(dir.path()).unwrap());
+        let groups = broker_core::groups::Groups::new(broker.clone(), Default::default());
+        let app = super::router_with(broker, groups, Default::default(), std::time::Duration::from_secs(1));
+        // A panic is the failure bolero reports: the router is never used after one.
+        let (app, runtime) = (std::panic::AssertUnwindSafe(app), std::panic::AssertUnwindSafe(runtime));
+        let routes = [
+            ("POST", "/v1/instances"),
+            ("POST", "/v1/providers"),
+            ("POST", "/v1/providers/fake/swap"),
+            ("GET", "/v1/instances?"),
+            ("GET", "/v1/events?"),
+            ("GET", "/v1/lock?"),
+            ("DELETE", "/v1/instances/"),
+        ];
+        bolero::check!().with_iterations(3_000).with_type::<(u8, Vec<u8>, String)>().for_each(
+            |(route, body, query)| {
+                let (method, path) = routes[usize::from(*route) % routes.len()];
+                let encoded: String = url_safe(query);
+                let uri = if path.ends_with(['?', '/']) { format!("{path}{encoded}") } else { path.to_owned() };
+                let Ok(request) = Request::builder()
+                    .method(method)
+                    .uri(&uri)
+                    .header("content-type", "application/json")
+                    .body(Body::from(body.clone()))
+                else {
+                    return;
+                };
+                // Through the wrapper (a whole capture), not its field.
+                let router = std::ops::Deref::deref(&app).clone();
+                let response = runtime.block_on(router.oneshot(request)).unwrap();
+                let status = response.status();
+                assert!(!status.is_server_error(), "{method} {uri}: {status}");
+                if status.is_client_error() {
+                    let bytes = runtime.block_on(axum::body::to_bytes(response.into_body(), 1 << 20)).unwrap();
+                    let answer: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                    assert!(answer["error"].is_string(), "{method} {uri}: {answer}");
+                }
+            },
+        );
+    }
+
+    /// `text` as a URI may carry it: what is not unreserved is %-escaped.
+    fn url_safe(text: &str) -> String {
+        text.bytes()
+            .map(|b| match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'=' | b'&' => {
+                    (b as char).to_string()
+                }
+                other => format!("%{other:02X}"),
+            })
+            .collect()
+    }
 }

@@ -8,13 +8,11 @@
 mod api;
 mod auth;
 pub mod holder;
-pub mod listen;
 mod progress;
-pub mod wire;
 
+pub use crate::listen::ServeLimits;
 pub use auth::BearerToken;
 pub(crate) use auth::check_loopback;
-pub use listen::ServeLimits;
 
 use anyhow::{Context, Result};
 use broker_core::broker::Broker;
@@ -134,12 +132,12 @@ pub async fn serve(
             let app = api::router_with(broker.clone(), groups.clone(), detached.clone(), limits.body_timeout)
                 .layer(axum::middleware::from_fn_with_state(token, auth::require_bearer));
             tracing::info!(addr = %addr, "broker daemon serving on TCP (bearer token required)");
-            Some(tokio::spawn(listen::serve(listener, app, limits, until_stopped(stopped.clone()), "tcp")))
+            Some(tokio::spawn(crate::listen::serve(listener, app, limits, until_stopped(stopped.clone()), "tcp")))
         }
     };
     tracing::info!(socket = %socket.display(), "broker daemon serving");
     let app = api::router_with(broker, groups.clone(), detached.clone(), limits.body_timeout);
-    listen::serve(listener, app, limits, until_stopped(stopped), "unix").await;
+    crate::listen::serve(listener, app, limits, until_stopped(stopped), "unix").await;
     let _ = std::fs::remove_file(socket);
     // Both listeners drained first: a request still on TCP may yet start work.
     if let Some(over_tcp) = over_tcp {

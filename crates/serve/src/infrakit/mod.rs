@@ -21,7 +21,7 @@ pub mod group;
 pub mod instance;
 pub mod rpc;
 
-use crate::daemon::ServeLimits;
+use crate::listen::ServeLimits;
 use anyhow::{Context, Result};
 use axum::Router;
 use axum::body::Bytes;
@@ -142,7 +142,7 @@ fn router(state: SocketState, body_timeout: Duration) -> Router {
         .route("/info/api.json", get(api_info))
         .layer(DefaultBodyLimit::max(MAX_RPC_BODY_BYTES))
         .layer(axum::middleware::from_fn(move |request, next| {
-            crate::daemon::listen::bounded_request_up_to(body_timeout, MAX_RPC_BODY_BYTES, request, next)
+            crate::listen::bounded_request_up_to(body_timeout, MAX_RPC_BODY_BYTES, request, next)
         }))
         .with_state(state)
 }
@@ -216,7 +216,7 @@ impl Sockets {
         let state = SocketState { plugin, detached: self.detached.clone(), calls: self.calls.clone() };
         let app = router(state, self.limits.body_timeout);
         let stopped = stop.clone().cancelled_owned();
-        let task = tokio::spawn(crate::daemon::listen::serve(listener, app, self.limits, stopped, "infrakit"));
+        let task = tokio::spawn(crate::listen::serve(listener, app, self.limits, stopped, "infrakit"));
         tracing::info!(socket = %path.display(), "InfraKit plugin serving");
         Ok(Served { path, identity, stop, task })
     }

@@ -1,12 +1,13 @@
 //! The providers directory a daemon watches, rescanned by hand on a real
 //! broker: drop-in, swap, reload, pin, garbage, removal and its drain.
 
-use broker_core::broker::Broker;
+use broker_capabilities::contract::empty_params;
 use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::rooms::kv::KvBackend;
 use broker_capabilities::rooms::process::Process;
-use broker_capabilities::contract::empty_params;
+use broker_core::broker::Broker;
 use broker_core::providers::watch::{Change, ProvidersDir};
+use broker_core::store::EventKind;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -51,7 +52,7 @@ async fn version(broker: &Broker) -> String {
 }
 
 fn event_kinds(broker: &Broker) -> Vec<String> {
-    broker.store().events(0, 100).unwrap().into_iter().map(|e| e.kind).collect()
+    broker.store().events(0, 100).unwrap().into_iter().map(|e| e.kind.to_string()).collect()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -179,7 +180,7 @@ async fn while_a_removal_drains_new_calls_are_refused_and_then_it_is_gone() {
     std::fs::remove_file(fake.manifest()).unwrap();
     drop(held);
     assert_eq!(removing.await.unwrap(), [Change::Removed("fake".into())]);
-    let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == "removed").unwrap();
+    let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == EventKind::Removed).unwrap();
     assert_eq!(removed.detail, "after 1 call(s) in flight finished");
 }
 
@@ -268,7 +269,7 @@ async fn old_data_dirs_move_out_of_the_providers_directory() {
         // A record from before grants were pinned.
         let mut record = broker.store().provider("fake").unwrap().unwrap();
         record.approved_manifest = None;
-        let downgraded = broker_core::store::Event::new("downgraded-by-the-test", "fake");
+        let downgraded = broker_core::store::Event::new(EventKind::Other("downgraded-by-the-test".into()), "fake");
         broker.store().put_provider(&record, &downgraded).await.unwrap();
     }
     // As a host from before left it: no data/fake, the files beside the manifest.
@@ -285,7 +286,7 @@ async fn old_data_dirs_move_out_of_the_providers_directory() {
     let pinned = broker.store().provider("fake").unwrap().unwrap().approved_manifest;
     assert_eq!(pinned.as_deref(), Some(std::fs::read_to_string(drop_in.manifest()).unwrap().as_str()));
     let events = broker.store().events(0, 100).unwrap();
-    let note = events.iter().find(|e| e.kind == "approved-manifest-pinned").expect("the operator is told");
+    let note = events.iter().find(|e| e.kind == EventKind::ApprovedManifestPinned).expect("the operator is told");
     assert!(note.detail.contains("review its [grants]"), "{}", note.detail);
 }
 
@@ -298,7 +299,7 @@ async fn a_version_held_but_not_in_use_does_not_delay_a_removal() {
     assert_eq!(held.in_flight(), 0, "the use ended with the call");
     std::fs::remove_file(fake.manifest()).unwrap();
     assert_eq!(watched.rescan(broker.registry()).await, [Change::Removed("fake".into())]);
-    let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == "removed").unwrap();
+    let removed = broker.store().events(0, 100).unwrap().into_iter().find(|e| e.kind == EventKind::Removed).unwrap();
     assert_eq!(removed.detail, "", "no call was in flight");
     drop(held);
 }

@@ -49,6 +49,7 @@ use wasmtime_wasi_http::{
     Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView,
 };
 
+pub mod kit;
 pub mod rules;
 pub mod script;
 pub mod signing;
@@ -926,6 +927,7 @@ impl Room for HttpEgress {
     const INTERFACE: &'static str = "wasi:http";
     const GRANT: &'static str = "http";
     const LINKING: Linking = Linking::Always;
+    const KIT: Option<&'static dyn crate::rooms::kit::KitPart> = Some(&kit::HttpKit);
     type Grant = HttpGrant;
     type Backend = dyn EgressBackend;
     type Ctx = EgressCtx;

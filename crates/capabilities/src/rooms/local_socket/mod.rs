@@ -21,9 +21,9 @@ pub use backend::HostSockets;
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::local_socket as wit;
+use crate::rooms::HasRooms;
 use crate::rooms::denials::Denials;
 use crate::rooms::view::{View, ViewOf};
-use crate::rooms::HasRooms;
 use crate::rooms::{Linking, Room, StoreSetup};
 use futures_util::future::BoxFuture;
 use std::path::{Component, Path, PathBuf};

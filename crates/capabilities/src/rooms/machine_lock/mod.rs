@@ -5,10 +5,11 @@
 pub use crate::machine_lock::{LockError, LockGuard, MachineLock, Spec};
 
 mod host;
+pub mod kit;
 
 use crate::bindings::broker::provider::machine_lock::{self as wit};
-use crate::rooms::view::{View, ViewOf};
 use crate::rooms::HasRooms;
+use crate::rooms::view::{View, ViewOf};
 use crate::rooms::{Linking, Room, StoreSetup};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -67,6 +68,7 @@ impl Room for MachineLockRoom {
     const INTERFACE: &'static str = INTERFACE;
     const GRANT: &'static str = "machine-lock";
     const LINKING: Linking = Linking::Always;
+    const KIT: Option<&'static dyn crate::rooms::kit::KitPart> = Some(&kit::MachineLockKit);
     type Grant = bool;
     type Backend = MachineLock;
     type Ctx = MachineLockCtx;

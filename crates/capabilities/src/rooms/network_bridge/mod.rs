@@ -12,15 +12,17 @@
 //! naming the owner, and are noted as any other refusal (the kit's
 //! "no call touches an ungranted capability").
 
+pub mod kit;
+
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::network_bridge::{self as wit};
-use crate::rooms::denials::Denials;
 use crate::error_text::escape_unprintable;
 use crate::network::backend::HostNetwork;
 use crate::network::backend::NetworkBackend;
 use crate::network::owners::{DeviceOwners, OwnedDevice, adopt_tap, settled_owner};
 use crate::network::{BridgeError, Device, DeviceToBridge, check_name, names};
 use crate::rooms::HasRooms;
+use crate::rooms::denials::Denials;
 use crate::rooms::{GrantLine, GrantValue, Linking, Room, StoreSetup};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -622,6 +624,7 @@ impl Room for NetworkBridge {
     const INTERFACE: &'static str = INTERFACE;
     const GRANT: &'static str = "bridge";
     const LINKING: Linking = Linking::Always;
+    const KIT: Option<&'static dyn crate::rooms::kit::KitPart> = Some(&kit::BridgeKit);
     type Grant = Option<BridgeGrant>;
     type Backend = dyn NetworkBackend;
     type Ctx = BridgeCtx;

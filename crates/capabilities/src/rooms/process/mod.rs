@@ -12,6 +12,7 @@
 
 mod backend;
 mod children;
+pub mod kit;
 mod on_host;
 mod policy;
 pub mod simulated;
@@ -28,10 +29,10 @@ pub use tape::{ProcessTape, RecordedSockets};
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::process::{self as wit, ChildStatus, Output};
-use crate::rooms::denials::Denials;
-use crate::rooms::view::{View, ViewOf};
 use crate::rooms::BoxError;
 use crate::rooms::HasRooms;
+use crate::rooms::denials::Denials;
+use crate::rooms::view::{View, ViewOf};
 use crate::rooms::{GrantLine, GrantValue, Linking, LoadSetup, Room, StoreSetup};
 use nix::sys::signal::Signal;
 use serde::{Deserialize, Serialize};
@@ -428,6 +429,7 @@ impl Room for Process {
     const GRANT: &'static str = "process";
     const MORE_KEYS: &'static [&'static str] = &["paths", "paths-rw", "devices", "env"];
     const LINKING: Linking = Linking::Always;
+    const KIT: Option<&'static dyn crate::rooms::kit::KitPart> = Some(&kit::ProgramsKit);
     type Grant = ProcessGrant;
     type Backend = dyn ProcessBackend;
     type Ctx = ProcessCtx;

@@ -24,21 +24,11 @@ pub const MAX_VALUE_BYTES: usize = 1 << 20;
 /// Most a `scan` returns at once: a larger one is refused (scan a narrower prefix).
 pub const MAX_SCAN_BYTES: usize = 16 << 20;
 
-/// What one namespace may hold (`kv-keys`, `kv-mib`): keys and bytes (keys
-/// and values together). A change that would grow the namespace past either
-/// is refused; one that shrinks it never is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvQuota {
-    /// Most keys.
-    pub keys: usize,
-    /// Most bytes, keys and values together.
-    pub bytes: usize,
-}
+pub mod kit;
+
+pub use crate::quotas::KvQuota;
 
 impl KvQuota {
-    /// No bound: for the host's own writes (tools, tests), never a guest's.
-    pub const UNBOUNDED: KvQuota = KvQuota { keys: usize::MAX, bytes: usize::MAX };
-
     fn check(&self, entries: &Entries, key: &str, value_len: usize) -> Result<(), KvError> {
         let old = entries.get(key).map(|v| key.len() + v.len());
         let keys = entries.len() + usize::from(old.is_none());
@@ -583,6 +573,7 @@ impl Room for Kv {
     const INTERFACE: &'static str = INTERFACE;
     const GRANT: &'static str = "kv";
     const LINKING: Linking = Linking::WhenGranted;
+    const KIT: Option<&'static dyn crate::rooms::kit::KitPart> = Some(&kit::KvKit);
     type Grant = bool;
     type Backend = dyn KvBackend;
     type Ctx = KvCtx;
