@@ -3,8 +3,8 @@
 
 A cycle across crates does not compile; one inside a crate does, so CI checks it
 here: module A depends on B when a file of A names `crate::B` (or `super::B`
-from A's root file). Test code is left out (`#[cfg(test)]` onwards in a file:
-tests sit at the end of each file by this project's convention). Usage:
+from A's root file), in code: comments, strings and `#[cfg(test)]` items are
+left out. Usage:
 scripts/module-cycles.py CRATE_SRC_DIR...
 """
 import os
@@ -15,7 +15,9 @@ import sys
 # types (bindgen's `with`), and the rooms implement the bindings' traits.
 ALLOWED = {("bindings", "rooms")}
 
-USE = re.compile(r"\bcrate::(?:\{([^}]*)\}|(\w+))")
+STRING = re.compile(r'r(#*)"(?:.|\n)*?"\1|b?"(?:\\.|[^"\\])*"|' + r"b?'(?:\\.|[^'\\])'")
+COMMENT = re.compile(r"//[^\n]*|/\*(?:.|\n)*?\*/")
+PATH = re.compile(r"\b(crate|super)::")
 
 
 def modules(src):
@@ -26,22 +28,76 @@ def modules(src):
         if entry in ("lib.rs", "main.rs"):
             continue
         if os.path.isdir(path):
-            files = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs if f.endswith(".rs")]
-            found[entry] = files
+            found[entry] = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs if f.endswith(".rs")]
         elif entry.endswith(".rs"):
             found[entry[:-3]] = [path]
     return found
 
 
-def names(text):
-    for group, single in USE.findall(text):
-        if single:
-            yield single
+def code_of(text):
+    """The text without comments, string literals and `#[cfg(test)]` items."""
+    out, i = [], 0
+    while i < len(text):
+        comment, string = COMMENT.match(text, i), STRING.match(text, i)
+        if comment:
+            i = comment.end()
+        elif string and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
+            out.append('""')
+            i = string.end()
         else:
-            for item in group.split(","):
-                item = item.strip()
-                if item:
-                    yield re.split(r"::|\s", item)[0]
+            out.append(text[i])
+            i += 1
+    code = "".join(out)
+    # A `#[cfg(test)]` item ends at its first `;` or at the brace closing its first `{`.
+    while (at := code.find("#[cfg(test)]")) >= 0:
+        j = at + len("#[cfg(test)]")
+        semi, brace = code.find(";", j), code.find("{", j)
+        if brace < 0 or (0 <= semi < brace):
+            end = semi + 1 if semi >= 0 else len(code)
+        else:
+            depth, end = 0, brace
+            while end < len(code):
+                depth += {"{": 1, "}": -1}.get(code[end], 0)
+                end += 1
+                if depth == 0:
+                    break
+        code = code[:at] + code[end:]
+    return code
+
+
+def first_segments(tree):
+    """The first segment of each path in a `use` tree's braces: `a::{b, c}, d` -> a, d."""
+    depth, item, out = 0, "", []
+    for ch in tree + ",":
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            name = re.split(r"::|\s|\{", item.strip(), maxsplit=1)[0]
+            if name:
+                out.append(name)
+            item = ""
+        else:
+            item += ch
+    return out
+
+
+def names(code, root_file):
+    """Modules named from `crate::` (anywhere) or `super::` (from a module's root file)."""
+    for found in PATH.finditer(code):
+        if found.group(1) == "super" and not root_file:
+            continue
+        rest = code[found.end():]
+        if rest.startswith("{"):
+            depth, end = 0, 0
+            for end, ch in enumerate(rest):
+                depth += {"{": 1, "}": -1}.get(ch, 0)
+                if depth == 0:
+                    break
+            yield from first_segments(rest[1:end])
+        elif (word := re.match(r"\w+", rest)):
+            yield word.group(0)
 
 
 def graph(src):
@@ -50,10 +106,10 @@ def graph(src):
     for mod, files in mods.items():
         for path in files:
             with open(path, encoding="utf-8") as f:
-                text = f.read()
-            text = text.split("#[cfg(test)]", 1)[0]
-            text = re.sub(r"//.*", "", text)
-            for name in names(text):
+                code = code_of(f.read())
+            # `super::` in a module's root file (mod.rs, or the module's own file) is the crate root.
+            root_file = os.path.basename(path) == "mod.rs" and os.path.dirname(path) == os.path.join(src, mod) or path == os.path.join(src, mod + ".rs")
+            for name in names(code, root_file):
                 if name in mods and name != mod and (mod, name) not in ALLOWED:
                     edges[mod].add(name)
     return edges

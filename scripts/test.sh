@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every check CI runs: formatting, clippy, unit and end-to-end tests (which
-# build the guests), and the benchmarks in test mode. Needs only rustup.
+# build the guests), and the benchmarks in test mode. Needs rustup and python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each step's start, in seconds since the run began, on stderr: where CI's time goes.

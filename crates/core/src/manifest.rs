@@ -397,6 +397,11 @@ impl Limits {
 }
 
 impl Manifest {
+    /// The provider's name: unique on this host.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// What this asks for beyond `approved`: new grants and loosened bounds, named.
     pub fn widening(&self, approved: &Manifest) -> Option<String> {
         // A secret it names that the approved one did not is the operator's to approve too.
@@ -439,8 +444,7 @@ struct RawManifest {
 pub struct Manifest {
     /// The manifest file, as given.
     pub path: PathBuf,
-    /// The provider's name: unique on this host.
-    pub name: String,
+    pub(crate) name: String,
     /// The component file, resolved against the manifest's directory.
     pub component: PathBuf,
     pub(crate) sha256: Option<String>,

@@ -78,7 +78,7 @@ pub fn section_value<T: serde::de::DeserializeOwned + Default>(
     key: &str,
 ) -> Result<T, String> {
     match section.remove(key) {
-        None | Some(Value::Null) => Ok(T::default()),
+        None => Ok(T::default()),
         Some(value) => serde_json::from_value(value).map_err(|e| format!("script section `{key}`: {e}")),
     }
 }

@@ -184,7 +184,11 @@ impl KitOptions {
     /// or an empty one (every host call it would answer is then unscripted).
     pub fn beside(manifest: &Manifest) -> Result<KitOptions, ConformanceError> {
         let path = script_path(&manifest.path);
-        let script = if path.exists() { load_script(&path)? } else { Scripted::missing(&path) };
+        let script = match path.exists() {
+            true => load_script(&path)?,
+            false => Scripted::missing(&path)
+                .map_err(|reason| ConformanceError::Script { path: path.display().to_string(), reason })?,
+        };
         Ok(KitOptions {
             answers: Answers::Script(Arc::new(script)),
             strict: false,

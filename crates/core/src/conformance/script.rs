@@ -37,18 +37,14 @@ impl Scripted {
     }
 
     /// No script at `path`: every host call it would answer is unscripted, and says so.
-    pub(crate) fn missing(path: &std::path::Path) -> Scripted {
-        let why = format!("no script at {}", path.display());
-        // An empty file has no section to refuse.
-        Scripted::from_file(Map::new(), Some(&why)).unwrap_or(Scripted { simulations: Vec::new() })
+    pub(crate) fn missing(path: &std::path::Path) -> Result<Scripted, String> {
+        Scripted::from_file(Map::new(), Some(&format!("no script at {}", path.display())))
     }
 
     /// Set up the simulations a script file's JSON describes.
     pub fn parse(text: &str) -> Result<Scripted, String> {
-        match serde_json::from_str(text).map_err(|e| format!("invalid script: {e}"))? {
-            Value::Object(file) => Scripted::from_file(file, None),
-            _ => Err("invalid script: not a JSON object".to_owned()),
-        }
+        let Sections(file) = serde_json::from_str(text).map_err(|e| format!("invalid script: {e}"))?;
+        Scripted::from_file(file, None)
     }
 
     /// The sealed sandbox's backends: each part's stand-in.
@@ -64,6 +60,32 @@ impl Scripted {
     /// Scripted answers nobody asked for (yet): HTTP exchanges, runs and children.
     pub fn remaining(&self) -> usize {
         self.simulations.iter().map(|sim| sim.remaining()).sum()
+    }
+}
+
+/// A script file's sections: a JSON object whose keys appear once each.
+struct Sections(Map<String, Value>);
+
+impl<'de> serde::Deserialize<'de> for Sections {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Sections;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object of script sections")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Sections, A::Error> {
+                let mut sections = Map::new();
+                while let Some((key, value)) = map.next_entry::<String, Value>()? {
+                    if sections.contains_key(&key) {
+                        return Err(serde::de::Error::custom(format!("duplicate section `{key}`")));
+                    }
+                    sections.insert(key, value);
+                }
+                Ok(Sections(sections))
+            }
+        }
+        deserializer.deserialize_map(Visit)
     }
 }
 
@@ -116,4 +138,23 @@ pub enum Answers {
     Script(Arc<Scripted>),
     /// The real granted capabilities, every call written down.
     Record(Arc<Recording>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Scripted;
+
+    /// Every section is some room's, appears once and holds what the room reads.
+    #[test]
+    fn a_script_refuses_unknown_duplicate_and_null_sections() {
+        let refused = |text: &str| Scripted::parse(text).err().unwrap_or_default();
+        assert!(Scripted::parse("{}").is_ok());
+        let full = r#"{"http": [], "runs": [], "children": [], "devices": [], "owners": {}}"#;
+        assert!(Scripted::parse(full).is_ok());
+        assert!(refused(r#"{"htp": []}"#).contains("unknown section `htp`"), "{}", refused(r#"{"htp": []}"#));
+        assert!(refused(r#"{"http": [], "http": []}"#).contains("duplicate section `http`"));
+        assert!(refused(r#"{"runs": null}"#).contains("script section `runs`"));
+        assert!(refused(r#"{"devices": [{"name": 1}]}"#).contains("script section `devices`"));
+        assert!(refused("[]").starts_with("invalid script"));
+    }
 }

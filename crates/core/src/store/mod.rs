@@ -708,7 +708,7 @@ impl ChildRecords for RedbChildren {
         let txn = self.db.begin_read().map_err(records_error)?;
         let table = txn.open_table(CHILDREN).map_err(records_error)?;
         let value = table.get((provider, name)).map_err(records_error)?;
-        value.map(|v| serde_json::from_slice(v.value()).map_err(records_error)).transpose()
+        value.map(|v| decode("child", v.value()).map_err(records_error)).transpose()
     }
 
     fn remove(&self, provider: &str, name: &str) -> BoxFuture<'static, Result<(), RecordsError>> {
@@ -725,7 +725,7 @@ impl ChildRecords for RedbChildren {
         let table = txn.open_table(CHILDREN).map_err(records_error)?;
         let mut records = Vec::new();
         each_of_owner(&table, provider, |_, value| {
-            records.push(decode("child record", value)?);
+            records.push(decode("child", value)?);
             Ok(())
         })
         .map_err(records_error)?;

@@ -10,7 +10,6 @@ use anyhow::{Context, Result};
 use backend::Backend;
 use broker_capabilities::contract::constraints;
 use broker_capabilities::rooms::context::CallEvent;
-use broker_core::broker::Broker;
 use broker_core::store::records::status_name;
 use clap::{Args, Parser, Subcommand};
 use std::io::Write;
@@ -445,10 +444,11 @@ struct ServeOptions {
     groups: broker_core::groups::GroupSettings,
 }
 
+/// What is the operator's to fix (exit 2) is checked here; the daemon itself
+/// is composed in one place, [`crate::daemon::run`].
 async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: ServeOptions) -> Result<()> {
     let ServeOptions { listen, token_file, providers_dir, kv_mirror_bytes, limits, harvest, infrakit_dir, groups } =
         options;
-    let providers_dir = providers_dir.as_path();
     // Before the state is opened: a second daemon would only be told the database is busy.
     if crate::client::DaemonClient::probe(socket).await.is_some() {
         anyhow::bail!("another broker daemon is serving on {}", socket.display());
@@ -463,94 +463,9 @@ async fn serve(data_dir: &std::path::Path, socket: &std::path::Path, options: Se
         }
         _ => None,
     };
-    // A CLI command working on the state itself (no daemon was serving when it
-    // began) is let finish: a supervisor's restart racing it does not fail.
-    let patience = std::time::Duration::from_secs(30);
-    let broker = Broker::open_when_free(data_dir, patience, async || true)
-        .await
-        .with_context(|| format!("cannot open the broker state in {}", data_dir.display()))?;
-    broker.store().kv().set_mirror_budget(kv_mirror_bytes);
-    let watched = broker_core::providers::watch::ProvidersDir::new(providers_dir)
-        .with_context(|| format!("cannot watch the providers directory {}", providers_dir.display()))?;
-    let broker = std::sync::Arc::new(broker);
-    // Juju's agent maintains its instances when it starts; here that runs
-    // beside the API, and each provider's result is an event. Held first, so
-    // no start the API takes can be harvested as unknown.
-    broker.hold_starts_for_harvest(harvest);
-    // Before any provider runs: what a killed host spawned but never recorded.
-    let reaped = broker.reap_unrecorded_children();
-    if !reaped.is_empty() {
-        tracing::warn!(count = reaped.len(), "killed processes left running without a child record");
-    }
-    broker.prune_stale_device_records().await;
-    let reconciling = broker.clone();
-    tokio::spawn(async move { reconciling.reconcile_after_restart(harvest).await });
-
-    let (stop, stopping) = tokio::sync::watch::channel(false);
-    let until_stopping = |mut stopping: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = stopping.wait_for(|stop| *stop).await;
-    };
-    // And while it runs: what a program left behind outside every record (its
-    // record was forgotten, its sandbox escaped the group) does not live on.
-    let reaping = broker.clone();
-    let reap_stop = until_stopping(stopping.clone());
-    let reaper = tokio::spawn(async move {
-        tokio::pin!(reap_stop);
-        let mut every = tokio::time::interval(REAP_EVERY);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        every.tick().await;
-        loop {
-            tokio::select! {
-                _ = every.tick() => {}
-                _ = &mut reap_stop => return,
-            }
-            let broker = reaping.clone();
-            let reaped = tokio::task::spawn_blocking(move || broker.reap_unrecorded_older_than(REAP_EVERY))
-                .await
-                .unwrap_or_default();
-            if !reaped.is_empty() {
-                tracing::warn!(count = reaped.len(), "killed processes running without a child record");
-            }
-        }
-    });
-    let watching = broker.clone();
-    let watch_stop = until_stopping(stopping.clone());
-    let watcher = tokio::spawn(async move {
-        let (settle, poll) = (std::time::Duration::from_millis(200), std::time::Duration::from_secs(2));
-        broker_core::providers::watch::watch(watched, watching.registry(), settle, poll, watch_stop).await;
-    });
-    let stop = std::sync::Arc::new(stop);
-    let signalled = stop.clone();
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        let _ = signalled.send(true);
-    });
     let serving = crate::daemon::Serving { tcp, infrakit_dir, groups };
-    let served = crate::daemon::serve(broker, socket, serving, limits, until_stopping(stopping)).await;
-    // Served to the end or failed to start: either way the watcher stops too, and a
-    // rescan in progress (a swap, a removal draining) finishes first.
-    let _ = stop.send(true);
-    // Bounded as the drain is: a rescan's swap queued behind others must not
-    // outlast the supervisor's patience.
-    if tokio::time::timeout(limits.drain, watcher).await.is_err() {
-        tracing::warn!("the providers directory's rescan was still running when the drain ran out");
-    }
-    // A reap in progress holds the broker: it ends (it is bounded by /proc's size) before the state closes.
-    let _ = reaper.await;
-    served
-}
-
-/// Resolves on SIGTERM or SIGINT.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    tracing::info!("shutting down: no new requests; finishing those in flight");
+    let options = crate::daemon::DaemonOptions { providers_dir, kv_mirror_bytes, limits, harvest, serving };
+    crate::daemon::run(data_dir, socket, options).await
 }
 
 async fn provider(backend: &Backend, command: ProviderCommand, out: &mut impl Write) -> Result<()> {
@@ -782,7 +697,7 @@ async fn provider_test(
     options.credentials = Some(data_dir.join(broker_capabilities::rooms::http_egress::signing::CREDENTIALS_DIR));
     if recording.is_some() && !loaded.secrets.is_empty() {
         let names: Vec<&str> = loaded.secrets.iter().map(|(_, name)| name.as_str()).collect();
-        let dir = format!("DATA_DIR/{}/{}/", broker_capabilities::secrets::SECRETS_DIR, loaded.name);
+        let dir = format!("DATA_DIR/{}/{}/", broker_capabilities::secrets::SECRETS_DIR, loaded.name());
         // The manifest's own name picks the dir: a candidate could claim another provider's.
         if answers.with_secrets {
             options.secrets = Some(data_dir.join(broker_capabilities::secrets::SECRETS_DIR));
@@ -804,7 +719,7 @@ async fn provider_test(
             "warning: config.{first} looks like a secret given inline: it is hidden from the report, but \
              `provider add` refuses it; name it under [secrets] (DATA_DIR/{}/{}/NAME)",
             broker_capabilities::secrets::SECRETS_DIR,
-            loaded.name
+            loaded.name()
         );
     }
     let report = broker_core::conformance::run_with(&loaded, options)
@@ -864,10 +779,6 @@ async fn store_command(
     }
     Ok(if report.is_sound() { 0 } else { 1 })
 }
-
-/// How often `broker serve` ends processes of its providers' users that no
-/// child record holds (and how old such a process must be).
-const REAP_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The `broker` command: parse the arguments, log to stderr, run, and turn
 /// the outcome into the exit code (2 for usage errors). The `broker` binary

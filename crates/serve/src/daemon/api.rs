@@ -6,9 +6,10 @@ use crate::wire::StartLine;
 use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::handler::Handler;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::MethodRouter;
 use axum::{Json, Router};
 use broker_capabilities::bindings::BrokerError;
 use broker_capabilities::error_text::error_text;
@@ -157,6 +158,65 @@ where
     }
 }
 
+/// One route of the API, declared once in [`routes`]: the router is built
+/// from that list and `openapi.json` is checked against it (the seam from
+/// which the operators' page will derive the document).
+pub(crate) struct Route {
+    /// `GET`, `POST`, `PUT` or `DELETE`.
+    #[cfg_attr(
+        not(test),
+        allow(dead_code, reason = "read by the OpenAPI check; the operators' page will derive the document from it")
+    )]
+    pub(crate) method: &'static str,
+    /// Its path, `{name}` for a parameter (as axum and OpenAPI both spell it).
+    pub(crate) path: &'static str,
+    handler: MethodRouter<ApiState>,
+}
+
+/// A route's constructor per method: the method it is listed under is the one it serves.
+macro_rules! method {
+    ($($name:ident => $method:literal),*) => {
+        impl Route {
+            $(
+                fn $name<H: Handler<T, ApiState>, T: 'static>(path: &'static str, handler: H) -> Route {
+                    Route { method: $method, path, handler: axum::routing::$name(handler) }
+                }
+            )*
+        }
+    };
+}
+
+method!(get => "GET", post => "POST", put => "PUT", delete => "DELETE");
+
+/// Every route of the API.
+pub(crate) fn routes() -> Vec<Route> {
+    vec![
+        Route::get("/healthz", || async { "ok\n" }),
+        Route::get("/metrics", metrics),
+        Route::get("/openapi.json", openapi),
+        Route::get("/v1/providers", list_providers),
+        Route::post("/v1/providers", add_provider),
+        Route::get("/v1/providers/{name}", show_provider),
+        Route::delete("/v1/providers/{name}", remove_provider),
+        Route::post("/v1/providers/{name}/swap", swap_provider),
+        Route::get("/v1/instances", list_instances),
+        Route::post("/v1/instances", start_instance),
+        Route::delete("/v1/instances/{id}", stop_instance),
+        Route::post("/v1/instances/{id}/maintain", maintain_instance),
+        Route::get("/v1/events", events),
+        Route::get("/v1/lock", lock_report),
+        Route::get("/v1/groups", list_groups),
+        Route::post("/v1/groups", commit_group),
+        Route::get("/v1/groups/{id}", describe_group),
+        Route::delete("/v1/groups/{id}", destroy_group),
+        Route::get("/v1/groups/{id}/spec", group_spec),
+        Route::get("/v1/groups/{id}/size", group_size),
+        Route::put("/v1/groups/{id}/size", set_group_size),
+        Route::post("/v1/groups/{id}/destroy-instances", destroy_group_instances),
+        Route::post("/v1/groups/{id}/free", free_group),
+    ]
+}
+
 /// The routes, each request bounded (see [`crate::listen::bounded_request_up_to`]).
 pub(crate) fn router_with(
     broker: Shared,
@@ -164,24 +224,9 @@ pub(crate) fn router_with(
     detached: Detached,
     body_timeout: std::time::Duration,
 ) -> Router {
-    Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/metrics", get(metrics))
-        .route("/openapi.json", get(openapi))
-        .route("/v1/providers", get(list_providers).post(add_provider))
-        .route("/v1/providers/{name}", get(show_provider).delete(remove_provider))
-        .route("/v1/providers/{name}/swap", post(swap_provider))
-        .route("/v1/instances", get(list_instances).post(start_instance))
-        .route("/v1/instances/{id}", axum::routing::delete(stop_instance))
-        .route("/v1/instances/{id}/maintain", post(maintain_instance))
-        .route("/v1/events", get(events))
-        .route("/v1/lock", get(lock_report))
-        .route("/v1/groups", get(list_groups).post(commit_group))
-        .route("/v1/groups/{id}", get(describe_group).delete(destroy_group))
-        .route("/v1/groups/{id}/spec", get(group_spec))
-        .route("/v1/groups/{id}/size", get(group_size).put(set_group_size))
-        .route("/v1/groups/{id}/destroy-instances", post(destroy_group_instances))
-        .route("/v1/groups/{id}/free", post(free_group))
+    // Two methods on one path are merged into one method router by axum.
+    let router = routes().into_iter().fold(Router::new(), |router, route| router.route(route.path, route.handler));
+    router
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(move |request, next| {
             crate::listen::bounded_request_up_to(body_timeout, MAX_BODY_BYTES, request, next)
@@ -696,6 +741,28 @@ async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
     text.push_str("# TYPE broker_swap_refusals_total counter\n");
     text.push_str(&format!("broker_swap_refusals_total {}\n", swaps.refused.load(Ordering::Relaxed)));
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+}
+
+#[cfg(test)]
+mod route_list {
+    /// `openapi.json` documents exactly the routes the router serves: a route
+    /// added, removed or renamed without its document fails here.
+    #[test]
+    fn the_openapi_document_has_every_route_and_no_other() {
+        let document: serde_json::Value = serde_json::from_str(super::OPENAPI).unwrap();
+        let mut documented: Vec<(String, String)> = Vec::new();
+        for (path, item) in document["paths"].as_object().unwrap() {
+            for method in item.as_object().unwrap().keys().filter(|key| *key != "parameters") {
+                documented.push((method.to_uppercase(), path.clone()));
+            }
+        }
+        let mut routed: Vec<(String, String)> =
+            super::routes().iter().map(|r| (r.method.to_owned(), r.path.to_owned())).collect();
+        documented.sort();
+        routed.sort();
+        assert_eq!(routed.len(), 23);
+        assert_eq!(documented, routed);
+    }
 }
 
 #[cfg(test)]

@@ -9,10 +9,12 @@ mod api;
 mod auth;
 pub mod holder;
 mod progress;
+mod root;
 
 pub use crate::listen::ServeLimits;
 pub use auth::BearerToken;
 pub(crate) use auth::check_loopback;
+pub use root::{DaemonOptions, run};
 
 use anyhow::{Context, Result};
 use broker_core::broker::Broker;
