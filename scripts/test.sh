@@ -39,6 +39,7 @@ for provider in fake kvm lxd ec2; do
         "guests/target/wasm32-wasip2/release/$provider.wasm" --manifest "guests/$provider/provider.toml" --strict
 done
 # Every benchmark once, as a test (criterion's test mode under `cargo test`):
-# they must keep working. Built in one go, on the release build above (`cargo
-# bench` would build the host again in its own profile).
-cargo test --release -p broker-tests --benches
+# they must keep working. One binary (tests/benches/all), on the release build
+# above: `--workspace`, not `-p broker-tests`, or the workspace's dev-dependencies
+# unify other features and the host crates are built again (3 min).
+cargo test --release --workspace --bench all

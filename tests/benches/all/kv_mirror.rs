@@ -10,7 +10,7 @@
 
 use broker_capabilities::rooms::kv::KvBackend;
 use broker_core::store::Store;
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 
 const KEYS: usize = 10_000;
 
@@ -44,4 +44,3 @@ fn kv_mirror(c: &mut Criterion) {
 }
 
 criterion_group!(benches, kv_mirror);
-criterion_main!(benches);

@@ -14,7 +14,7 @@ use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::rooms::http_egress::{self, EgressTarget, HttpGrant};
 use broker_core::broker::Broker;
 use broker_tests::incus::{IncusDaemon, lxd_manifest_text};
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 use http_body_util::{BodyExt, Empty, Full};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
@@ -108,4 +108,3 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);

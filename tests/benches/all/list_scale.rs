@@ -18,7 +18,7 @@ use broker_capabilities::contract::empty_params;
 use broker_capabilities::rooms::context::CallHooks;
 use broker_core::broker::Broker;
 use broker_tests::bundled_manifest_text;
-use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, criterion_group};
 use std::sync::Arc;
 
 /// A host with the fake provider and `instances` of its instances recorded.
@@ -104,4 +104,3 @@ fn list_scale(c: &mut Criterion) {
 }
 
 criterion_group!(benches, list_scale);
-criterion_main!(benches);

@@ -16,7 +16,7 @@ use broker_capabilities::contract::empty_params;
 use broker_capabilities::rooms::context::CallHooks;
 use broker_core::broker::Broker;
 use broker_tests::{bundled_manifest_text, wasm};
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -172,4 +172,3 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);

@@ -19,7 +19,7 @@ use broker_capabilities::contract::params_with;
 use broker_capabilities::rooms::context::CallHooks;
 use broker_core::broker::Broker;
 use broker_tests::{VmPayload, qmp_commands, vm_payload};
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -166,4 +166,3 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);

@@ -9,7 +9,7 @@
 #![allow(clippy::unwrap_used)] // benchmarks: a panic is the failure report
 
 use broker_capabilities::sandbox::{Grants, Lifetime, Sandbox};
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 use std::path::Path;
 use std::process::Stdio;
 
@@ -56,4 +56,3 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);

@@ -12,7 +12,7 @@ use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::rooms::kv::MemoryKv;
 use broker_core::version::ProviderVersion;
 use broker_tests::{fake_manifest_extra, load_provider, runtime};
-use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, criterion_group};
 use serde::Deserialize;
 use std::hint::black_box;
 use std::io::{BufRead, BufReader, Write};
@@ -152,4 +152,3 @@ fn all_instances(c: &mut Criterion) {
 }
 
 criterion_group!(benches, all_instances);
-criterion_main!(benches);

@@ -13,7 +13,7 @@
 use broker_capabilities::rooms::kv::KvBackend;
 use broker_core::broker::Broker;
 use broker_tests::{bundled_manifest_text, percentile, write_manifest};
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -91,4 +91,3 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);

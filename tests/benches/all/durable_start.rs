@@ -21,7 +21,7 @@ use broker_capabilities::contract::empty_params;
 use broker_capabilities::rooms::context::CallHooks;
 use broker_core::broker::Broker;
 use broker_tests::{bundled_manifest_text, percentile};
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -160,4 +160,3 @@ fn bench_healthz(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench, bench_healthz);
-criterion_main!(benches);

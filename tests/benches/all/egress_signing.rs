@@ -10,7 +10,7 @@
 use broker_capabilities::rooms::http_egress::rules::Rules;
 use broker_capabilities::rooms::http_egress::signing::AwsSigning;
 use broker_capabilities::rooms::http_egress::{EgressBackend, EgressTarget, HostEgress, HttpGrant, Route};
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 use http_body_util::BodyExt;
 use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
@@ -96,4 +96,3 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);

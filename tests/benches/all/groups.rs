@@ -19,7 +19,7 @@
 use broker_core::broker::Broker;
 use broker_core::groups::{GroupSettings, Groups, Pass};
 use broker_tests::bundled_manifest_text;
-use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, criterion_group};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -111,4 +111,3 @@ fn bench_groups(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench_groups);
-criterion_main!(benches);

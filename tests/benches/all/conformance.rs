@@ -10,7 +10,7 @@
 use broker_core::conformance::{self, KitOptions};
 use broker_core::manifest::Manifest;
 use broker_tests::bundled_manifest;
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 use std::time::Duration;
 
 fn suites(c: &mut Criterion) {
@@ -33,4 +33,3 @@ fn suites(c: &mut Criterion) {
 }
 
 criterion_group!(benches, suites);
-criterion_main!(benches);

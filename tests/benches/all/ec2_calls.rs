@@ -16,7 +16,7 @@ use broker_capabilities::rooms::http_egress::signing::AwsSigning;
 use broker_capabilities::rooms::http_egress::{EgressBackend, EgressTarget, HostEgress, HttpGrant, Route};
 use broker_core::broker::Broker;
 use broker_tests::moto::{Moto, TlsFront};
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 use http_body_util::BodyExt;
 use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
@@ -121,4 +121,3 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);
