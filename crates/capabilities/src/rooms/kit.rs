@@ -96,3 +96,30 @@ pub fn put_section<T: serde::Serialize>(file: &mut Map<String, Value>, key: &str
         file.insert(key.to_owned(), value);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A scripted sandbox made of the kit's parts gives every room that
+    /// reaches out a stand-in: none is left to refuse for want of one.
+    #[test]
+    fn the_kit_parts_stand_in_for_every_room_that_reaches_out() {
+        let scratch = tempfile::tempdir().unwrap();
+        let setup = KitSetup {
+            grants: Grants::default(),
+            scratch: scratch.path().to_owned(),
+            credentials: None,
+            live_children: Arc::default(),
+        };
+        assert_eq!(super::super::unserved(&Backends::sealed()).len(), 6, "sealed, nothing is served");
+        let mut backends = Backends::sealed();
+        for part in parts() {
+            backends = part.scripted(Map::new(), None).unwrap().install(backends, &setup).unwrap();
+        }
+        assert_eq!(super::super::unserved(&backends), Vec::<&str>::new());
+        let mut keys = script_keys();
+        keys.sort();
+        assert_eq!(keys, ["children", "devices", "http", "owners", "runs"], "each key owned once");
+    }
+}

@@ -13,8 +13,6 @@
 //! Rooms link against any store type that holds their parts ([`HasRooms`],
 //! as wasmtime-wasi's `WasiView`): nothing here names the host's store.
 
-/// An error a room's preparation or backend gives, its cause kept.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 use crate::rooms::denials::Denials;
 use crate::rooms::kit::KitPart;
 use crate::rooms::{context, http_egress, kv, local_socket, log, machine_lock, network_bridge, process};
@@ -30,6 +28,9 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use wasmtime::component::{Linker, ResourceTable};
 use wasmtime_wasi_http::WasiHttpView;
+
+/// An error a room's preparation or backend gives, its cause kept.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// A store's data that holds the rooms' parts: what every room links against.
 /// `wasi:http` is a room too, so the store is a `WasiHttpView`; its impl
@@ -413,6 +414,18 @@ macro_rules! registered {
                 }
             )*
             Ok(())
+        }
+
+        /// The rooms that reach outside the host but that `backends` gives
+        /// nothing to reach: what a sealed sandbox made of them would refuse.
+        pub fn unserved(backends: &Backends) -> Vec<&'static str> {
+            let mut unserved = Vec::new();
+            $(
+                if <$room as Room>::REACHES_OUT && backends.of::<$room>().is_none() {
+                    unserved.push(<$room as Room>::INTERFACE);
+                }
+            )*
+            unserved
         }
     };
 }
