@@ -3,7 +3,7 @@
 //! socket. Each test starts its own incusd in namespaces of its own
 //! (broker_tests::incus) and stops it by pid at the end.
 
-// A test binary of its own, as lxd.rs: real VMs and containers share no process
+// A test binary of its own, as broker-serve's kvm.rs: real VMs and containers share no process
 // and no test threads with the rest of the suite (in one binary with it, a VM
 // here twice failed to boot within its deadline; cause not yet found).
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report

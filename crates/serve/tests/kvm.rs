@@ -2,8 +2,10 @@
 //! component, real taps on a real bridge in a network namespace the test makes.
 //! The VMs boot Debian's kernel with a busybox initramfs (scripts/vm-payload.sh)
 //! whose init prints `BROKER-VM-UP mem_kb=… cpus=… mac=…` on the serial console.
+//! In `broker-serve`'s tests, not `broker-core`'s: its restart test SIGKILLs
+//! `broker serve` (this package's binary) with VMs running.
 
-// A test binary of its own, as lxd.rs: real VMs and containers share no process
+// A test binary of its own, as core's lxd.rs: real VMs and containers share no process
 // and no test threads with the rest of the suite (in one binary with it, a VM
 // here twice failed to boot within its deadline; cause not yet found).
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
@@ -471,7 +473,7 @@ fn daemon_json(socket: &Path, path: &str) -> serde_json::Value {
 /// `broker serve` on `data`, its log in `log`; returns once it listens.
 fn serve(data: &Path, harvest: &str, log_path: &Path) -> std::process::Child {
     let log = std::fs::File::create(log_path).unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_broker-daemon"))
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_broker"))
         .arg("--data-dir")
         .arg(data)
         .args(["-v", "serve", "--harvest", harvest])

@@ -1,6 +1,7 @@
-//! The end-to-end tests across the host and the built guests, one binary
-//! (wasmtime and cranelift are linked once), but for the real-VM and
-//! real-container tests (`tests/kvm.rs`, `tests/lxd.rs`), which run alone.
+//! The end-to-end tests of the core with the built guests, one binary
+//! (wasmtime and cranelift are linked once), but for the real-container
+//! tests (`tests/lxd.rs`) and the real-VM ones (`broker-serve`'s
+//! `tests/kvm.rs`), which run alone.
 //! Each module is one subject;
 //! `guest_tests` names a test of each guest the guest build makes, so a guest
 //! added without a test does not compile.
