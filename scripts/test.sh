@@ -18,6 +18,8 @@ bash scripts/incus-image.sh target/incus-image
 cargo fmt --all --check
 # A cycle between crates does not compile; one between a crate's modules is refused here.
 python3 scripts/module-cycles.py
+# An error names its cause once: in its message or as its source(), not both.
+python3 scripts/error-causes.py
 (cd guests && cargo fmt --all --check)
 
 # Host workspace; the guest build runs inside it (tests/artifacts/build.rs).

@@ -30,7 +30,7 @@ pub const MIN_DATA_MIB: u64 = 16;
 #[derive(Debug, thiserror::Error)]
 pub enum DataFsError {
     /// A file operation on the image or the mount point failed.
-    #[error("cannot {action} {path} for provider {provider}'s data dir: {source}")]
+    #[error("cannot {action} {path} for provider {provider}'s data dir: {}", crate::error_text::cause_text(.cause))]
     Io {
         /// The provider.
         provider: String,
@@ -39,8 +39,7 @@ pub enum DataFsError {
         /// The file or directory.
         path: String,
         /// The error.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Its files cannot move into a filesystem of its own while programs it
     /// started may still write them.
@@ -184,7 +183,7 @@ impl Drop for DataFilesystems {
 /// What `action` on `path` failing means for `provider`'s data dir.
 fn io(provider: &str, action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DataFsError {
     let (provider, path) = (provider.to_owned(), path.display().to_string());
-    move |source| DataFsError::Io { provider, action, path, source }
+    move |source| DataFsError::Io { provider, action, path, cause: source }
 }
 
 /// Whether `dir` is the root of a filesystem other than its parent's.

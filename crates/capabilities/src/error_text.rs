@@ -1,7 +1,9 @@
 //! One line for an error and its causes, as the CLI prints it and the API
-//! answers it. Many of this crate's errors already quote their cause in their
-//! message (`cannot read {path}: {source}`); a cause is added only when the
-//! text so far does not already say it. Text a provider chose is escaped
+//! answers it. The host's errors name a cause once: either in their message
+//! (`cannot read {path}: {}`, the cause's own text by [`cause_text`], and then
+//! it is a field, not their `source()`), or as their `source()`, never both
+//! (scripts/error-causes.py refuses both). Foreign errors may still repeat
+//! a cause: one is added only when the text so far does not already say it. Text a provider chose is escaped
 //! before a terminal shows it ([`escape_unprintable`]).
 
 use std::borrow::Cow;
@@ -68,6 +70,12 @@ pub fn chain_text<'a>(chain: impl IntoIterator<Item = &'a (dyn Error + 'static)>
         }
     }
     text
+}
+
+/// A cause as a message that names it says it: its text and its own causes',
+/// each once (a message with this in it has no `source()` of its own).
+pub fn cause_text(cause: &(dyn Error + 'static)) -> String {
+    error_text(cause)
 }
 
 /// [`chain_text`] of `err` and its sources.
@@ -138,8 +146,8 @@ mod tests {
 
     #[derive(Debug, thiserror::Error)]
     enum Outer {
-        #[error("cannot read {path}: {source}")]
-        Quoting { path: String, source: std::io::Error },
+        #[error("cannot read {path}: {}", crate::error_text::cause_text(.cause))]
+        Quoting { path: String, cause: std::io::Error },
         #[error("cannot load")]
         Silent(#[source] std::io::Error),
     }
@@ -147,7 +155,7 @@ mod tests {
     #[test]
     fn a_cause_the_message_quotes_is_said_once_and_a_silent_one_is_added() {
         let missing = || std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
-        let quoting = Outer::Quoting { path: "/x".into(), source: missing() };
+        let quoting = Outer::Quoting { path: "/x".into(), cause: missing() };
         assert_eq!(error_text(&quoting), "cannot read /x: no such file");
         assert_eq!(error_text(&Outer::Silent(missing())), "cannot load: no such file");
         let wrapped = anyhow::Error::new(quoting).context("cannot swap");

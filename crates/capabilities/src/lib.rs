@@ -6,6 +6,22 @@
 //! of granted programs, data filesystems, secrets). It links against any store
 //! that holds the rooms' parts ([`rooms::HasRooms`]) and knows nothing of the
 //! host above it: state, versions, the broker and its front ends.
+//!
+//! # Public surface
+//! What `broker-core` and `broker-serve` build on; the rest is `pub(crate)`
+//! (`unreachable_pub` is on, and an item is `pub` only when another crate
+//! names it):
+//! - [`rooms`]: the registry ([`rooms::ROOMS`], [`rooms::add_to_linker`],
+//!   [`rooms::Grants`], [`rooms::Backends`], [`rooms::Parts`]) that a store
+//!   implementing [`rooms::HasRooms`] links against; each room's backend
+//!   trait, host backend and kit part.
+//! - [`bindings`]: the contract's generated types; [`contract`]: Juju's
+//!   constraints and the start params the host builds.
+//! - The host facilities the core drives at load and cleanup: [`network`]
+//!   (netlink, device owners), [`sandbox`] (programs' users, cgroups),
+//!   [`data_fs`], [`machine_lock`], [`secrets`] (the redactor, credentials),
+//!   [`quotas`].
+//! - [`error_text`]: one line per error chain, escaped for a terminal.
 
 pub mod bindings;
 pub mod contract;

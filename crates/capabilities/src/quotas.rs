@@ -122,7 +122,7 @@ impl Quotas {
     /// and stderr, the host's warnings about it) may be written now. A
     /// suppressed one is counted; how many were suppressed is said, once,
     /// before the next line that passes.
-    pub fn log_line_allowed(&self, provider: &str) -> bool {
+    pub(crate) fn log_line_allowed(&self, provider: &str) -> bool {
         match self.log_lines.admit(Instant::now()) {
             Admit::Suppress => {
                 self.refused(Quota::LogLines, 1);

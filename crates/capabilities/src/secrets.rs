@@ -39,18 +39,18 @@ use std::sync::{Arc, Mutex, RwLock};
 pub const SECRETS_DIR: &str = "secrets";
 
 /// The largest secret read.
-pub const MAX_SECRET_BYTES: u64 = 64 << 10;
+pub(crate) const MAX_SECRET_BYTES: u64 = 64 << 10;
 
 /// The shortest secret taken: anything shorter could not be told from
 /// ordinary text, so it could not be redacted.
-pub const MIN_SECRET_BYTES: usize = 8;
+pub(crate) const MIN_SECRET_BYTES: usize = 8;
 
 /// Most secrets one manifest may name.
 pub const MAX_SECRETS: usize = 32;
 
 /// Why a file that should be the host's alone was refused.
 #[derive(Debug, thiserror::Error)]
-pub enum PrivateFileError {
+pub(crate) enum PrivateFileError {
     /// No file by that name.
     #[error("no such file: write it (0600, the host's user's)")]
     Missing,
@@ -81,13 +81,13 @@ pub enum PrivateFileError {
         max: u64,
     },
     /// The dir or the file could not be opened or read.
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
 }
 
 /// What identifies a file's version: a changed one is read again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FileVersion {
+pub(crate) struct FileVersion {
     dev: u64,
     ino: u64,
     size: i64,
@@ -96,7 +96,7 @@ pub struct FileVersion {
 }
 
 /// A file of the operator's that only the host's user may read.
-pub struct PrivateFile {
+pub(crate) struct PrivateFile {
     fd: OwnedFd,
     /// Its version, to tell whether a cached reading is still good.
     pub version: FileVersion,
@@ -104,7 +104,7 @@ pub struct PrivateFile {
 
 impl PrivateFile {
     /// Its content, at most `max` bytes (checked before opening too).
-    pub fn read(self, max: u64) -> std::io::Result<Vec<u8>> {
+    pub(crate) fn read(self, max: u64) -> std::io::Result<Vec<u8>> {
         let mut bytes = Vec::new();
         std::fs::File::from(self.fd).take(max + 1).read_to_end(&mut bytes)?;
         if bytes.len() as u64 > max {
@@ -117,7 +117,7 @@ impl PrivateFile {
 /// Open `dir/name` for reading: beneath `dir`, never through a link, and
 /// only a regular file of at most `max` bytes, owned by the host's user and
 /// neither readable nor writable by anyone else.
-pub fn open_private(dir: &Path, name: &str, max: u64) -> Result<PrivateFile, PrivateFileError> {
+pub(crate) fn open_private(dir: &Path, name: &str, max: u64) -> Result<PrivateFile, PrivateFileError> {
     let root = rustix::fs::open(dir, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty()).map_err(
         |e| match e {
             rustix::io::Errno::NOENT => PrivateFileError::Missing,
@@ -190,7 +190,7 @@ pub struct Secret(Arc<str>);
 
 impl Secret {
     /// The value, for the one place it goes.
-    pub fn expose(&self) -> &str {
+    pub(crate) fn expose(&self) -> &str {
         &self.0
     }
 }
@@ -281,7 +281,7 @@ impl SecretSource {
 }
 
 /// What stands in for a secret in the kit's scripted sandbox and its recordings.
-pub fn placeholder(name: &str) -> String {
+pub(crate) fn placeholder(name: &str) -> String {
     format!("kit-secret:{name}")
 }
 

@@ -3,6 +3,18 @@
 //! `environs.InstanceBroker` contract (`wit/`) with the capabilities of
 //! `broker-capabilities`, keeps the host's state, serves the broker and
 //! InfraKit's groups over any provider, and tests providers in the kit.
+//!
+//! # Public surface
+//! What `broker-serve` (the CLI, the daemon, InfraKit's sockets) builds on;
+//! the rest is `pub(crate)` (`unreachable_pub` is on, and an item is `pub`
+//! only when another crate names it):
+//! - [`broker`]: the broker service (start, stop, list, reconcile) and the
+//!   host's config; [`groups`]: InfraKit's group plugin over it.
+//! - [`providers`]: the registry of providers (add, swap, remove, watch);
+//!   [`version`]: one loaded provider version and its errors;
+//!   [`manifest`]: `provider.toml`.
+//! - [`runtime`]: the engine and a store's data; [`store`]: the host's state.
+//! - [`conformance`]: the kit behind `broker provider test`.
 
 pub mod broker;
 pub mod conformance;

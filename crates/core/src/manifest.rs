@@ -55,12 +55,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Largest linear memory any provider may ask for.
-pub const MAX_GUEST_MEMORY_BYTES: u64 = 4 << 30;
+pub(crate) const MAX_GUEST_MEMORY_BYTES: u64 = 4 << 30;
 
 /// Most a provider may let its guest hand the host in one call (`call-data-mib`).
-pub const MAX_CALL_DATA_MIB: u64 = 1024;
+pub(crate) const MAX_CALL_DATA_MIB: u64 = 1024;
 /// Most a provider's kv namespace may hold (`kv-mib`): it is mirrored in memory.
-pub const MAX_KV_MIB: u64 = 1024;
+pub(crate) const MAX_KV_MIB: u64 = 1024;
 /// Most memory a provider's programs may be given together (`program-memory-mib`): 1 TiB.
 const MAX_PROGRAM_MEMORY_MIB: u64 = 1 << 20;
 /// Most processes a provider's programs may be given together (`program-pids`).
@@ -68,22 +68,22 @@ const MAX_PROGRAM_PIDS: u64 = 65_536;
 /// Largest `/tmp` of a provider's programs (`tmp-mib`): 64 GiB (it is memory).
 const MAX_TMP_MIB: u64 = 1 << 16;
 /// Largest data dir filesystem (`data-mib`): 1 TiB, sparse.
-pub const MAX_DATA_MIB: u64 = 1 << 20;
+pub(crate) const MAX_DATA_MIB: u64 = 1 << 20;
 pub use broker_capabilities::data_fs::MIN_DATA_MIB;
 /// Most calls one provider may run at once (`max-concurrent-calls`): the
 /// engine's instance pool is shared by every provider.
-pub const MAX_CONCURRENT_CALLS: usize = 128;
+pub(crate) const MAX_CONCURRENT_CALLS: usize = 128;
 
 /// Why a manifest or its component could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
     /// The manifest file could not be read (or is not a regular file).
-    #[error("cannot read manifest {path}: {source}")]
+    #[error("cannot read manifest {path}: {}", broker_capabilities::error_text::cause_text(.cause))]
     Read {
         /// The manifest.
         path: String,
         /// Why it could not be read.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The text is not an acceptable manifest.
     #[error("invalid manifest {path}: {message}")]
@@ -94,14 +94,14 @@ pub enum ManifestError {
         message: String,
     },
     /// The component the manifest names could not be read.
-    #[error("cannot read component {path} named by manifest {manifest}: {source}")]
+    #[error("cannot read component {path} named by manifest {manifest}: {}", broker_capabilities::error_text::cause_text(.cause))]
     Component {
         /// The manifest naming it.
         manifest: String,
         /// The component, resolved against the manifest's directory.
         path: String,
         /// Why it could not be read.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The component's bytes do not hash to the manifest's `sha256` pin.
     #[error("component {path} does not match the manifest's sha256 pin: expected {expected}, found {actual}")]
@@ -142,42 +142,42 @@ pub(crate) struct Limits {
     /// Crash policy: this many traps, deadline overruns or limits within
     /// `breaker-window` put the provider half-open (0 turns it off).
     #[serde(default = "default_breaker_failures")]
-    pub breaker_failures: usize,
+    pub(crate) breaker_failures: usize,
     #[serde(default = "default_breaker_window", deserialize_with = "duration")]
-    pub breaker_window: Duration,
+    pub(crate) breaker_window: Duration,
     /// Most data the guest may hand the host in one host call or one answer
     /// (strings and lists as the host holds them once lifted), in MiB.
     #[serde(default = "default_call_data_mib")]
-    pub call_data_mib: u64,
+    pub(crate) call_data_mib: u64,
     /// Most instances one `all-instances` answer may hold.
     #[serde(default = "default_max_records")]
-    pub max_records: usize,
+    pub(crate) max_records: usize,
     /// Log lines per second the provider may write, over all its calls (a
     /// burst of ten seconds' worth is let through at once).
     #[serde(default = "default_log_lines_per_second")]
     pub log_lines_per_second: u32,
     /// Calls of this provider that run at once; more wait up to `queue-wait`.
     #[serde(default = "default_max_concurrent_calls")]
-    pub max_concurrent_calls: usize,
+    pub(crate) max_concurrent_calls: usize,
     /// How long a call waits for a free slot before it is refused as busy.
     #[serde(default = "default_queue_wait", deserialize_with = "duration")]
-    pub queue_wait: Duration,
+    pub(crate) queue_wait: Duration,
     /// Most keys in the provider's kv namespace.
     #[serde(default = "default_kv_keys")]
-    pub kv_keys: usize,
+    pub(crate) kv_keys: usize,
     /// Most bytes (keys and values) in the provider's kv namespace, in MiB.
     #[serde(default = "default_kv_mib")]
-    pub kv_mib: u64,
+    pub(crate) kv_mib: u64,
     /// Size of its data dir's own filesystem, in MiB (0: none, on the host's filesystem).
     #[serde(default = "default_data_mib")]
     pub data_mib: u64,
     /// Memory of all its programs together, in MiB (a cgroup of the provider's;
     /// pages of their /tmp count as theirs).
     #[serde(default = "default_program_memory_mib")]
-    pub program_memory_mib: u64,
+    pub(crate) program_memory_mib: u64,
     /// Processes and threads of all its programs together.
     #[serde(default = "default_program_pids")]
-    pub program_pids: u64,
+    pub(crate) program_pids: u64,
     /// Size of the one tmpfs its programs share as `/tmp` and `/dev/shm`, in MiB.
     #[serde(default = "default_tmp_mib")]
     pub tmp_mib: u64,
@@ -268,7 +268,7 @@ impl Default for Limits {
 /// `start-instance`, which defaults to 10 minutes.
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
-pub struct Deadlines {
+pub(crate) struct Deadlines {
     #[serde(default, deserialize_with = "optional_duration")]
     pub(crate) default: Option<Duration>,
     #[serde(default, deserialize_with = "optional_duration")]
@@ -336,7 +336,7 @@ impl std::fmt::Display for Method {
 
 impl Deadlines {
     /// The longest any call may take.
-    pub fn longest(&self) -> Duration {
+    pub(crate) fn longest(&self) -> Duration {
         Method::ALL.iter().map(|m| self.for_method(*m)).max().unwrap_or(DEFAULT_DEADLINE)
     }
 
@@ -357,20 +357,20 @@ pub use broker_capabilities::rooms::Grants;
 
 impl Limits {
     /// What a provider version's stores share: its kv namespace's bounds, its log rate.
-    pub fn quotas(&self) -> Quotas {
+    pub(crate) fn quotas(&self) -> Quotas {
         let kv = KvQuota { keys: self.kv_keys, bytes: (self.kv_mib << 20) as usize };
         Quotas::new(kv, self.log_lines_per_second)
     }
 
     /// What its granted programs may take together among them.
-    pub fn programs(&self) -> ProgramLimits {
+    pub(crate) fn programs(&self) -> ProgramLimits {
         ProgramLimits { memory_mib: self.program_memory_mib, pids: self.program_pids, tmp_mib: self.tmp_mib }
     }
 
     /// The bounds that hold a provider to its share of the host which these
     /// loosen against `approved`, each named: like a new grant, the
     /// operator's to approve. (A deadline or a pool's size is the provider's own.)
-    pub fn loosening(&self, approved: &Limits) -> Option<String> {
+    pub(crate) fn loosening(&self, approved: &Limits) -> Option<String> {
         // data-mib 0 is no filesystem of its own: no bound at all.
         let data = |mib: u64| if mib == 0 { u64::MAX } else { mib };
         let bounds = [
@@ -463,10 +463,10 @@ pub struct Manifest {
 }
 
 /// The largest manifest the host reads.
-pub const MAX_MANIFEST_BYTES: u64 = 1 << 20;
+pub(crate) const MAX_MANIFEST_BYTES: u64 = 1 << 20;
 
 /// Most bytes of a component the host reads (the bundled ones are under 1 MiB).
-pub const MAX_COMPONENT_BYTES: u64 = 64 << 20;
+pub(crate) const MAX_COMPONENT_BYTES: u64 = 64 << 20;
 
 impl Manifest {
     /// Read and parse a manifest. Only a regular file of at most
@@ -479,9 +479,9 @@ impl Manifest {
     }
 
     /// As [`Manifest::load`], with the text it was parsed from (what an operator approved).
-    pub fn load_with_text(path: &Path) -> Result<(Manifest, String), ManifestError> {
+    pub(crate) fn load_with_text(path: &Path) -> Result<(Manifest, String), ManifestError> {
         let text = read_manifest_text(path)
-            .map_err(|source| ManifestError::Read { path: path.display().to_string(), source })?;
+            .map_err(|source| ManifestError::Read { path: path.display().to_string(), cause: source })?;
         Ok((Manifest::parse(path, &text)?, text))
     }
 
@@ -581,7 +581,7 @@ impl Manifest {
 
     /// Refuse config values that look like secrets given inline (`provider
     /// add`): the store would keep them and `provider show` print them.
-    pub fn refuse_inline_secrets(&self) -> Result<(), ManifestError> {
+    pub(crate) fn refuse_inline_secrets(&self) -> Result<(), ManifestError> {
         let Some(first) = self.inline_secrets.first() else { return Ok(()) };
         let key = first.split(['.', '[']).next().unwrap_or(first);
         Err(ManifestError::Invalid {
@@ -599,12 +599,12 @@ impl Manifest {
 
     /// Read the component's bytes, checking the sha256 pin if there is one.
     /// Returns the bytes and their sha256.
-    pub fn read_component(&self) -> Result<(Vec<u8>, String), ManifestError> {
+    pub(crate) fn read_component(&self) -> Result<(Vec<u8>, String), ManifestError> {
         let bytes =
             read_regular_file(&self.component, MAX_COMPONENT_BYTES).map_err(|source| ManifestError::Component {
                 manifest: self.path.display().to_string(),
                 path: self.component.display().to_string(),
-                source,
+                cause: source,
             })?;
         let actual = hex::encode(Sha256::digest(&bytes));
         if let Some(expected) = &self.sha256
@@ -719,7 +719,7 @@ fn resolved(path: &Path) -> PathBuf {
 }
 
 /// Refuse `path` (a manifest or component) if it is inside `data_dirs`.
-pub fn check_loadable(path: &Path, data_dirs: &Path) -> Result<(), String> {
+pub(crate) fn check_loadable(path: &Path, data_dirs: &Path) -> Result<(), String> {
     let root = resolved(data_dirs);
     let target = resolved(path);
     if target.starts_with(&root) {

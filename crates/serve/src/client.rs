@@ -20,18 +20,18 @@ use wasmtime_wasi_http::io::TokioIo;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ClientError {
-    #[error("cannot reach the broker daemon on {socket}: {source}")]
-    Connect { socket: String, source: std::io::Error },
-    #[error("the broker daemon on {socket} broke off: {source}")]
-    Http { socket: String, source: broker_core::runtime::BoxError },
+    #[error("cannot reach the broker daemon on {socket}: {}", broker_capabilities::error_text::cause_text(.cause))]
+    Connect { socket: String, cause: std::io::Error },
+    #[error("the broker daemon on {socket} broke off: {}", broker_capabilities::error_text::cause_text(&**.cause))]
+    Http { socket: String, cause: broker_core::runtime::BoxError },
     /// The daemon refused the request; the message is its `error`.
     #[error("{message}")]
     Refused { status: u16, message: String },
     /// A streamed call ran and failed; the message is the daemon's.
     #[error("{0}")]
     Failed(String),
-    #[error("the broker daemon's answer to {path} does not parse: {source}")]
-    Decode { path: String, source: serde_json::Error },
+    #[error("the broker daemon's answer to {path} does not parse: {}", broker_capabilities::error_text::cause_text(.cause))]
+    Decode { path: String, cause: serde_json::Error },
 }
 
 /// Where `broker serve` listens, known to answer.
@@ -50,7 +50,7 @@ impl DaemonClient {
     /// accepting a connection: a dead daemon's listening socket can outlive
     /// it for a while in a process that inherited it, and takes connections
     /// nobody will ever answer.
-    pub async fn probe(socket: &Path) -> Option<DaemonClient> {
+    pub(crate) async fn probe(socket: &Path) -> Option<DaemonClient> {
         let client = DaemonClient { socket: socket.to_owned() };
         let asked = tokio::time::timeout(PROBE_PATIENCE, client.send(Method::GET, "/healthz", None));
         match asked.await {
@@ -60,7 +60,7 @@ impl DaemonClient {
     }
 
     /// One request; the answer's JSON body as `T`, or the daemon's refusal.
-    pub async fn call<T: DeserializeOwned>(
+    pub(crate) async fn call<T: DeserializeOwned>(
         &self,
         method: Method,
         path: &str,
@@ -72,12 +72,12 @@ impl DaemonClient {
         if !status.is_success() {
             return Err(refusal(status, &bytes));
         }
-        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode { path: path.to_owned(), source: e })
+        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode { path: path.to_owned(), cause: e })
     }
 
     /// `POST /v1/instances`: each status update to `on_event` as it arrives,
     /// then the record of the started instance.
-    pub async fn start_instance(
+    pub(crate) async fn start_instance(
         &self,
         request: serde_json::Value,
         on_event: impl Fn(CallEvent),
@@ -97,7 +97,7 @@ impl DaemonClient {
             while let Some(end) = pending.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = pending.drain(..=end).collect();
                 let decoded: StartLine =
-                    serde_json::from_slice(&line).map_err(|e| ClientError::Decode { path: PATH.into(), source: e })?;
+                    serde_json::from_slice(&line).map_err(|e| ClientError::Decode { path: PATH.into(), cause: e })?;
                 match decoded {
                     StartLine::Started { instance } => return Ok(*instance),
                     StartLine::Failed { error } => return Err(ClientError::Failed(error)),
@@ -116,13 +116,15 @@ impl DaemonClient {
     ) -> Result<http::Response<hyper::body::Incoming>, ClientError> {
         let body = body.map(|b| b.to_string()).unwrap_or_default();
         send_unix(&self.socket, method, path, body).await.map_err(|failed| match failed {
-            SendError::Connect(source) => ClientError::Connect { socket: self.socket.display().to_string(), source },
+            SendError::Connect(source) => {
+                ClientError::Connect { socket: self.socket.display().to_string(), cause: source }
+            }
             SendError::Http(source) => self.broke_off(source),
         })
     }
 
     fn broke_off(&self, source: impl Into<broker_core::runtime::BoxError>) -> ClientError {
-        ClientError::Http { socket: self.socket.display().to_string(), source: source.into() }
+        ClientError::Http { socket: self.socket.display().to_string(), cause: source.into() }
     }
 }
 
@@ -170,7 +172,7 @@ fn refusal(status: StatusCode, body: &[u8]) -> ClientError {
 
 /// `text` as one path segment or query value: unreserved characters as they
 /// are, every other byte percent-encoded.
-pub fn encode_component(text: &str) -> String {
+pub(crate) fn encode_component(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for byte in text.bytes() {
         if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {

@@ -27,14 +27,14 @@ use tokio::sync::Semaphore;
 pub struct ServeLimits {
     /// A request's head (line and headers) must arrive within this, and so
     /// must the next request's on a kept-alive connection: an idle one closes.
-    pub header_timeout: Duration,
+    pub(crate) header_timeout: Duration,
     /// A request's body must arrive whole within this (408 otherwise).
-    pub body_timeout: Duration,
+    pub(crate) body_timeout: Duration,
     /// Connections open at once; the next waits in the kernel's backlog.
-    pub max_connections: usize,
+    pub(crate) max_connections: usize,
     /// After the stop, how long the requests in flight have to finish before
     /// their connections are closed.
-    pub drain: Duration,
+    pub(crate) drain: Duration,
 }
 
 impl Default for ServeLimits {
@@ -49,7 +49,7 @@ impl Default for ServeLimits {
 }
 
 /// A listener the loop accepts from: the unix socket or loopback TCP.
-pub trait Accept: Send + 'static {
+pub(crate) trait Accept: Send + 'static {
     /// A connection.
     type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
     /// The next connection.
@@ -76,7 +76,7 @@ impl Accept for tokio::net::TcpListener {
 /// Serve `app` on `listener` until `stop` resolves, then drain: the listener
 /// closes, idle connections close, and requests in flight have
 /// `limits.drain` to finish. Returns once drained (or the drain timed out).
-pub async fn serve(
+pub(crate) async fn serve(
     mut listener: impl Accept,
     app: Router,
     limits: ServeLimits,
@@ -137,16 +137,21 @@ pub async fn serve(
 }
 
 /// Longest request target the API takes (414 past it).
-pub const MAX_URI_BYTES: usize = 8 << 10;
+pub(crate) const MAX_URI_BYTES: usize = 8 << 10;
 /// Most bytes of headers the API takes (431 past it). Beyond hyper's own
 /// buffer (~400 KiB) hyper answers 431 itself, with no body.
-pub const MAX_HEADER_BYTES: usize = 32 << 10;
+pub(crate) const MAX_HEADER_BYTES: usize = 32 << 10;
 
 /// Every request passes here, inside the routes' layers: its target and
 /// headers are bounded, its body read whole within `timeout` and at most
 /// `max_body` bytes (408, 413), and every error answer, axum's own
 /// rejections of a path or a query included, is `{"error": "..."}` JSON.
-pub async fn bounded_request_up_to(timeout: Duration, max_body: usize, request: Request, next: Next) -> Response {
+pub(crate) async fn bounded_request_up_to(
+    timeout: Duration,
+    max_body: usize,
+    request: Request,
+    next: Next,
+) -> Response {
     let (parts, body) = request.into_parts();
     let target = parts.uri.path_and_query().map_or(0, |p| p.as_str().len());
     if target > MAX_URI_BYTES {

@@ -31,7 +31,7 @@ impl From<CallEvent> for StartLine {
 impl StartLine {
     /// The call event this line reports, if it is one (an unknown status name is
     /// not: the daemon only writes names `status_name` gives).
-    pub fn call_event(&self) -> Option<CallEvent> {
+    pub(crate) fn call_event(&self) -> Option<CallEvent> {
         match self {
             StartLine::Status { status, info, data } => {
                 Some(CallEvent::Status { status: status_from_name(status)?, info: info.clone(), data: data.clone() })

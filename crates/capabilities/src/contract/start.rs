@@ -12,11 +12,11 @@ use serde_json::Value;
 /// to the daemon (64 KiB); EC2 itself takes 16 KiB.
 pub const MAX_USER_DATA: usize = 48 << 10;
 /// The most instance tags one start takes, and their sizes (EC2's).
-pub const MAX_TAGS: usize = 50;
+pub(crate) const MAX_TAGS: usize = 50;
 /// The longest tag key.
-pub const MAX_TAG_KEY: usize = 128;
+pub(crate) const MAX_TAG_KEY: usize = 128;
 /// The longest tag value.
-pub const MAX_TAG_VALUE: usize = 256;
+pub(crate) const MAX_TAG_VALUE: usize = 256;
 
 /// Why what the user gave makes no start.
 #[derive(Debug, thiserror::Error)]
@@ -25,13 +25,12 @@ pub enum StartParamsError {
     #[error("params: {0}")]
     Params(String),
     /// The constraint text.
-    #[error("invalid constraints {text:?}: {source}")]
+    #[error("invalid constraints {text:?}: {}", crate::error_text::cause_text(.cause))]
     Constraints {
         /// As given.
         text: String,
         /// What is wrong with it.
-        #[source]
-        source: ConstraintsError,
+        cause: ConstraintsError,
     },
     /// More user data than [`MAX_USER_DATA`].
     #[error("user data is {0} bytes; the host takes at most {MAX_USER_DATA}")]
@@ -131,7 +130,7 @@ pub fn start_params(input: StartInput<'_>) -> Result<StartInstanceParams, StartP
     };
     if !input.constraints.trim().is_empty() {
         params.constraints = constraints::parse(input.constraints)
-            .map_err(|source| StartParamsError::Constraints { text: input.constraints.to_owned(), source })?;
+            .map_err(|source| StartParamsError::Constraints { text: input.constraints.to_owned(), cause: source })?;
     }
     if let Some(placement) = input.placement {
         params.placement = Some(placement.to_owned());

@@ -8,12 +8,12 @@ use std::time::{Duration, SystemTime};
 /// The log is rotated to `<name>.log.1` past this size.
 const ROTATE_BYTES: u64 = 1 << 20;
 
-pub struct History {
+pub(crate) struct History {
     path: PathBuf,
 }
 
 /// Go's `time.Duration` text for whole seconds, as Juju prints them: `0s`, `5s`, `2m0s`, `1h0m0s`.
-pub fn go_duration(d: Duration) -> String {
+pub(crate) fn go_duration(d: Duration) -> String {
     let secs = d.as_secs_f64().round() as u64;
     let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
     match (h, m) {
@@ -29,17 +29,17 @@ fn timestamp(at: SystemTime) -> String {
     rfc3339.trim_end_matches('Z').replacen('T', " ", 1)
 }
 
-pub fn line(at: SystemTime, agent: &str, holder: &str, waited: Duration, held: Duration) -> String {
+pub(crate) fn line(at: SystemTime, agent: &str, holder: &str, waited: Duration, held: Duration) -> String {
     format!("{} {agent}: {holder}, waited {}, held {}", timestamp(at), go_duration(waited), go_duration(held))
 }
 
 impl History {
-    pub fn new(path: PathBuf) -> History {
+    pub(crate) fn new(path: PathBuf) -> History {
         History { path }
     }
 
     /// Append one line; failures are logged, never fatal to a release.
-    pub fn append(&self, agent: &str, holder: &str, waited: Duration, held: Duration) {
+    pub(crate) fn append(&self, agent: &str, holder: &str, waited: Duration, held: Duration) {
         let text = line(SystemTime::now(), agent, holder, waited, held);
         if let Err(e) = self.try_append(&text) {
             tracing::warn!(path = %self.path.display(), error = %e, "cannot write machine lock history");
@@ -57,7 +57,7 @@ impl History {
     }
 
     /// The last `n` lines, oldest first.
-    pub fn tail(&self, n: usize) -> Vec<String> {
+    pub(crate) fn tail(&self, n: usize) -> Vec<String> {
         let text = std::fs::read_to_string(&self.path).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(n)..].iter().map(|l| l.to_string()).collect()

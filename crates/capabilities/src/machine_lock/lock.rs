@@ -34,13 +34,12 @@ pub enum LockError {
     #[error("cancelled acquiring mutex")]
     Cancelled,
     /// The lock file or its directory failed.
-    #[error("machine lock {path}: {source}")]
+    #[error("machine lock {path}: {}", crate::error_text::cause_text(.cause))]
     Io {
         /// The lock file's path.
         path: String,
         /// The OS error.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// A bad lock name, worker or comment.
     #[error("invalid lock spec: {0}")]
@@ -48,7 +47,7 @@ pub enum LockError {
 }
 
 /// The longest `worker` an acquirer may give, in bytes.
-pub const MAX_WORKER_BYTES: usize = 64;
+pub(crate) const MAX_WORKER_BYTES: usize = 64;
 /// The longest `comment` an acquirer may give, in bytes.
 pub const MAX_COMMENT_BYTES: usize = 256;
 
@@ -318,7 +317,7 @@ impl MachineLock {
 }
 
 fn io_error(path: &Path, e: std::io::Error) -> LockError {
-    LockError::Io { path: path.display().to_string(), source: e }
+    LockError::Io { path: path.display().to_string(), cause: e }
 }
 
 fn holder_path(lock: &Path) -> PathBuf {
@@ -420,11 +419,6 @@ impl LockGuard {
         drop(file);
         self.inner.lock_state().holder = None;
         self.inner.changed.notify_waiters();
-    }
-
-    /// False once released.
-    pub fn is_held(&self) -> bool {
-        self.file.is_some()
     }
 
     /// How long the acquire waited for it.

@@ -6,8 +6,10 @@
 mod history;
 mod lock;
 
-pub use history::go_duration;
-pub use lock::{LockError, LockGuard, MAX_COMMENT_BYTES, MAX_WORKER_BYTES, MachineLock, Party, Report, Spec};
+pub(crate) use lock::LockGuard;
+pub use lock::{LockError, MAX_COMMENT_BYTES, MachineLock, Report, Spec};
+#[cfg(test)]
+pub(crate) use lock::{MAX_WORKER_BYTES, Party};
 
 #[cfg(test)]
 pub(crate) mod tests {
@@ -28,9 +30,12 @@ pub(crate) mod tests {
         let file = dir.path().join("not-a-dir");
         std::fs::write(&file, "").unwrap();
         let Err(err) = MachineLock::new(&file, "machine-lock", "test-agent") else { panic!("a lock inside a file") };
-        assert!(matches!(&err, LockError::Io { path, .. } if path.starts_with(&*file.to_string_lossy())), "{err}");
-        let source = std::error::Error::source(&err).expect("a source");
-        assert!(source.downcast_ref::<std::io::Error>().is_some(), "{source:?}");
+        let LockError::Io { path, cause } = &err else { panic!("not an i/o error: {err}") };
+        assert!(path.starts_with(&*file.to_string_lossy()), "{err}");
+        assert_eq!(cause.raw_os_error(), Some(nix::libc::ENOTDIR), "{err}");
+        // Named once: in the message, not again as its source.
+        assert!(std::error::Error::source(&err).is_none());
+        assert!(err.to_string().ends_with(&cause.to_string()), "{err}");
     }
 
     /// A spec commented `testing` (also for the capability's tests).

@@ -73,7 +73,7 @@ pub struct Device {
 
 /// This boot's id (`/proc/sys/kernel/random/boot_id`): the devices the host
 /// makes do not outlive a boot, so neither do the records of who made them.
-pub fn boot_id() -> Option<&'static str> {
+pub(crate) fn boot_id() -> Option<&'static str> {
     static BOOT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     BOOT.get_or_init(|| std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok().map(|id| id.trim().to_owned()))
         .as_deref()
@@ -83,16 +83,15 @@ pub fn boot_id() -> Option<&'static str> {
 #[derive(Debug, thiserror::Error)]
 pub enum BridgeError {
     /// A netlink request the kernel refused.
-    #[error("netlink: {0}")]
-    Netlink(#[source] rtnetlink::Error),
+    #[error("netlink: {}", crate::error_text::cause_text(.0))]
+    Netlink(rtnetlink::Error),
     /// A system call of the bridger's own (a tap's ioctls, the netlink socket).
-    #[error("netlink: {what}: {source}")]
+    #[error("netlink: {what}: {}", crate::error_text::cause_text(.cause))]
     Io {
         /// What was being done.
         what: String,
         /// The OS error.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// No device of that name.
     #[error("device {0:?} not found")]
@@ -147,7 +146,7 @@ pub(crate) fn parse_mac(text: &str) -> Result<Vec<u8>, BridgeError> {
 /// Where a device to bridge stands: `Ok(true)` already in the wanted bridge
 /// (nothing to do), `Ok(false)` in none, an error when in another. The one
 /// rule for the kernel and the simulation alike.
-pub fn already_bridged(change: &DeviceToBridge, existing: Option<String>) -> Result<bool, BridgeError> {
+pub(crate) fn already_bridged(change: &DeviceToBridge, existing: Option<String>) -> Result<bool, BridgeError> {
     match existing {
         None => Ok(false),
         Some(existing) if existing == change.bridge => Ok(true),

@@ -132,7 +132,7 @@ impl Netlink {
     /// spawned on the current tokio runtime.
     pub fn connect() -> Result<Netlink, BridgeError> {
         let (connection, handle, _) =
-            rtnetlink::new_connection().map_err(|source| BridgeError::Io { what: "connect".into(), source })?;
+            rtnetlink::new_connection().map_err(|source| BridgeError::Io { what: "connect".into(), cause: source })?;
         tokio::spawn(connection);
         Ok(Netlink { handle })
     }

@@ -106,7 +106,7 @@ pub async fn settled_owner(
 /// recorded owners (only a privileged process sets a tap's owner, and a
 /// provider's user is its alone unless `[sandbox] user` makes one user of
 /// all). Whether it was taken.
-pub async fn adopt_tap(
+pub(crate) async fn adopt_tap(
     owners: &dyn DeviceOwners,
     provider: &str,
     device: &Device,
@@ -170,7 +170,7 @@ pub struct MemoryOwners {
 impl MemoryOwners {
     /// A record that already names `devices` (name, provider): the kit's
     /// script seeds what other providers made.
-    pub fn seeded(devices: impl IntoIterator<Item = (String, OwnedDevice)>) -> MemoryOwners {
+    pub(crate) fn seeded(devices: impl IntoIterator<Item = (String, OwnedDevice)>) -> MemoryOwners {
         MemoryOwners { devices: Mutex::new(devices.into_iter().collect()) }
     }
 

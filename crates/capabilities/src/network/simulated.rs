@@ -147,7 +147,7 @@ impl SimNetwork {
         for taken in [name, peer] {
             if state.devices.contains_key(taken) {
                 let source = std::io::Error::from_raw_os_error(nix::libc::EEXIST);
-                return Err(BridgeError::Io { what: taken.to_owned(), source });
+                return Err(BridgeError::Io { what: taken.to_owned(), cause: source });
             }
         }
         for (end, other) in [(name, peer), (peer, name)] {

@@ -47,7 +47,7 @@ pub(crate) fn attach_request(name: &str) -> Result<TunRequest, BridgeError> {
 }
 
 fn os_error(what: &str) -> BridgeError {
-    BridgeError::Io { what: what.to_owned(), source: std::io::Error::last_os_error() }
+    BridgeError::Io { what: what.to_owned(), cause: std::io::Error::last_os_error() }
 }
 
 /// Make a persistent tap named `name` owned by `owner` (only that user may
@@ -59,7 +59,7 @@ pub fn create_persistent_tap(name: &str, owner: u32, exclusive: bool) -> Result<
         .read(true)
         .write(true)
         .open("/dev/net/tun")
-        .map_err(|source| BridgeError::Io { what: "open /dev/net/tun".into(), source })?;
+        .map_err(|source| BridgeError::Io { what: "open /dev/net/tun".into(), cause: source })?;
     let flags = IFF_TAP | IFF_NO_PI | if exclusive { IFF_TUN_EXCL } else { 0 };
     let mut request = TunRequest { name: [0; 16], flags, rest: [0; 22] };
     request.name[..name.len()].copy_from_slice(name.as_bytes());

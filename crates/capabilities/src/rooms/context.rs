@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
 
 /// Its interface in the contract package.
-pub const INTERFACE: &str = "context";
+pub(crate) const INTERFACE: &str = "context";
 
 /// What a guest reports during a call.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -37,10 +37,10 @@ pub enum CallEvent {
 }
 
 /// Where a call's [`CallEvent`]s go.
-pub type EventSink = Arc<dyn Fn(CallEvent) + Send + Sync>;
+pub(crate) type EventSink = Arc<dyn Fn(CallEvent) + Send + Sync>;
 /// Juju's DistributionGroup: ids of the instances to keep a new one apart from;
 /// an `Err` reaches the guest as a provider error.
-pub type DistributionGroupFn = Arc<dyn Fn() -> Result<Vec<String>, String> + Send + Sync>;
+pub(crate) type DistributionGroupFn = Arc<dyn Fn() -> Result<Vec<String>, String> + Send + Sync>;
 
 /// Records the id a start claims (`claim-instance-id`) durably before the
 /// guest goes on; an `Err` reaches the guest as the error it carries.
@@ -107,7 +107,7 @@ impl CallContext {
 }
 
 /// What the context interface needs from the store: the resource table.
-pub struct ContextView<'a> {
+pub(crate) struct ContextView<'a> {
     /// The store's table, where `call-context` handles live.
     pub table: &'a mut ResourceTable,
 }
@@ -129,7 +129,7 @@ const MAX_INFO_BYTES: usize = 4096;
 /// Most status `data` entries kept from one `set-status`.
 pub const MAX_STATUS_ENTRIES: usize = 32;
 /// Longest status `data` key kept.
-pub const MAX_STATUS_KEY_BYTES: usize = 128;
+pub(crate) const MAX_STATUS_KEY_BYTES: usize = 128;
 /// Longest status `data` value kept.
 pub const MAX_STATUS_VALUE_BYTES: usize = 1024;
 /// Most status `data` kept from one `set-status`, keys and values together.
@@ -138,7 +138,7 @@ pub const MAX_STATUS_DATA_BYTES: usize = 8192;
 /// Status `data` as the host keeps it, and how many entries were cut short
 /// or left out. A status is held (queued for a client, kept as the
 /// instance's latest) long after the call, so it never holds more than this.
-pub fn cut_status_data(data: Vec<(String, String)>) -> (Vec<(String, String)>, u64) {
+pub(crate) fn cut_status_data(data: Vec<(String, String)>) -> (Vec<(String, String)>, u64) {
     let given = data.len();
     let mut kept = Vec::new();
     let (mut bytes, mut shortened) = (0, 0u64);

@@ -73,7 +73,7 @@ pub fn script_keys() -> Vec<&'static str> {
 }
 
 /// One key of a script section: its value, or the default when absent.
-pub fn section_value<T: serde::de::DeserializeOwned + Default>(
+pub(crate) fn section_value<T: serde::de::DeserializeOwned + Default>(
     section: &mut Map<String, Value>,
     key: &str,
 ) -> Result<T, String> {
@@ -84,7 +84,7 @@ pub fn section_value<T: serde::de::DeserializeOwned + Default>(
 }
 
 /// Write `value` under `key` unless it is empty (`[]`, `{}`).
-pub fn put_section<T: serde::Serialize>(file: &mut Map<String, Value>, key: &str, value: &T) {
+pub(crate) fn put_section<T: serde::Serialize>(file: &mut Map<String, Value>, key: &str, value: &T) {
     let value = serde_json::to_value(value).unwrap_or(Value::Null);
     let empty = match &value {
         Value::Array(items) => items.is_empty(),

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use wasmtime::component::{HasSelf, Linker};
 
 /// Its interface in the contract package.
-pub const INTERFACE: &str = "log";
+pub(crate) const INTERFACE: &str = "log";
 
 /// Longest message kept; the rest is cut so a guest cannot flood the logs with one line.
 const MAX_MESSAGE_BYTES: usize = 4096;

@@ -40,7 +40,7 @@ pub trait HasRooms: WasiHttpView + Send + 'static {
     fn rooms(&mut self) -> (&mut Parts, &mut ResourceTable);
 
     /// `R`'s part of this store and the resource table, for its view.
-    fn room<R: Room>(&mut self) -> (&mut R::Ctx, &mut ResourceTable)
+    fn room<R: Registered>(&mut self) -> (&mut R::Ctx, &mut ResourceTable)
     where
         Self: Sized,
     {
@@ -256,7 +256,7 @@ impl GrantValue for bool {
 }
 
 /// A [`Room`] registered in [`ROOMS`].
-pub struct Own<R>(PhantomData<fn() -> R>);
+pub(crate) struct Own<R>(PhantomData<fn() -> R>);
 
 impl<R> Own<R> {
     pub(crate) const ROOM: Own<R> = Own(PhantomData);
@@ -378,7 +378,7 @@ impl<R: Room> Section for Own<R> {
 
 /// A capability with no grant of its own, linked for every provider (the
 /// call context: what the host lends a call, nothing the provider reaches).
-pub struct NoGrant {
+pub(crate) struct NoGrant {
     pub(crate) interface: &'static str,
 }
 
@@ -397,10 +397,41 @@ impl Capability for NoGrant {
     }
 }
 
+/// A room in [`registered!`]'s list, at its place there: where a store's
+/// [`Parts`] keep its part, so a host call finds it by index, not by search.
+pub trait Registered: Room {
+    /// The room's place in the list (and in every store's parts).
+    const AT: usize;
+}
+
+/// Each room's [`Registered::AT`], counted along the list.
+macro_rules! number_rooms {
+    ($at:expr;) => {};
+    ($at:expr; $room:ty $(, $rest:ty)*) => {
+        impl Registered for $room {
+            const AT: usize = $at;
+        }
+        number_rooms!($at + 1; $($rest),*);
+    };
+}
+
 /// The registered rooms, once: [`ROOMS`] for the host at large, and
 /// [`add_to_linker`], generic over the store, for the linker.
 macro_rules! registered {
     ($($room:ty),* $(,)?) => {
+        number_rooms!(0; $($room),*);
+
+        /// Each room's part that refuses every call, in the list's order.
+        fn refusing_parts() -> Vec<Part> {
+            vec![$(Part::new::<$room>(Default::default())),*]
+        }
+
+        /// Each room's part found at its place (a type check that panics if not).
+        #[cfg(test)]
+        fn find_every_part(parts: &mut Parts) {
+            $(let _ = parts.of::<$room>();)*
+        }
+
         /// Every capability this host provides, besides WASI (linked for all,
         /// nothing ambient in it) and `types` (no functions).
         pub static ROOMS: &[&dyn Capability] = &[&NoGrant { interface: context::INTERFACE }, $(&Own::<$room>::ROOM),*];
@@ -418,7 +449,8 @@ macro_rules! registered {
 
         /// The rooms that reach outside the host but that `backends` gives
         /// nothing to reach: what a sealed sandbox made of them would refuse.
-        pub fn unserved(backends: &Backends) -> Vec<&'static str> {
+        #[cfg(test)]
+        pub(crate) fn unserved(backends: &Backends) -> Vec<&'static str> {
             let mut unserved = Vec::new();
             $(
                 if <$room as Room>::REACHES_OUT && backends.of::<$room>().is_none() {
@@ -637,7 +669,6 @@ impl Backends {
 
 /// One room's part of a store, with its room's call hooks.
 pub struct Part {
-    room: TypeId,
     ctx: Box<dyn Any + Send>,
     begin_call: fn(&mut (dyn Any + Send), &Arc<AtomicBool>),
     end_call: fn(&mut (dyn Any + Send), &mut ResourceTable),
@@ -646,7 +677,6 @@ pub struct Part {
 impl Part {
     fn new<R: Room>(ctx: R::Ctx) -> Part {
         Part {
-            room: TypeId::of::<R>(),
             ctx: Box::new(ctx),
             begin_call: |ctx, abort| {
                 if let Some(ctx) = ctx.downcast_mut::<R::Ctx>() {
@@ -662,27 +692,30 @@ impl Part {
     }
 }
 
-/// The rooms' parts of one store.
-#[derive(Default)]
+/// The rooms' parts of one store, each at its room's [`Registered::AT`].
 pub struct Parts(Vec<Part>);
 
+impl Default for Parts {
+    /// Every room's part refusing every call.
+    fn default() -> Self {
+        Parts(refusing_parts())
+    }
+}
+
 impl Parts {
-    /// Each room's part of a new store, its grant from `grants`.
+    /// Each room's part of a new store, its grant from `grants`
+    /// (`sections()` is the registered list, in its order).
     pub fn new(grants: &RoomGrants, backends: &Backends, store: &StoreSetup<'_>) -> Self {
         Parts(sections().map(|s| s.part(grants.get(s.key()), backends, store)).collect())
     }
 
-    /// `R`'s part; one that refuses every call if the store was made without it.
-    pub fn of<R: Room>(&mut self) -> &mut R::Ctx {
-        let at = match self.0.iter().position(|p| p.room == TypeId::of::<R>() && p.ctx.is::<R::Ctx>()) {
-            Some(at) => at,
-            None => {
-                self.0.push(Part::new::<R>(R::Ctx::default()));
-                self.0.len() - 1
-            }
-        };
-        // Just found or pushed, with its type checked.
-        self.0[at].ctx.downcast_mut::<R::Ctx>().expect("a room's part has the room's type")
+    /// `R`'s part: at its place, one type check (every store has every
+    /// registered room's part, [`Parts::new`] and `default` alike).
+    pub fn of<R: Registered>(&mut self) -> &mut R::Ctx {
+        self.0
+            .get_mut(R::AT)
+            .and_then(|part| part.ctx.downcast_mut::<R::Ctx>())
+            .expect("a store's parts are the registered rooms, in their order")
     }
 
     /// Each room's [`Room::begin_call`].
@@ -753,6 +786,7 @@ mod tests {
     #[tokio::test]
     async fn every_room_has_its_part_in_a_store() {
         let mut parts = Parts::default();
+        find_every_part(&mut parts);
         let ctx = parts.of::<local_socket::LocalSocket>();
         assert!(!ctx.granted());
         let provider: Arc<str> = "p".into();
@@ -770,6 +804,7 @@ mod tests {
         let mut parts = Parts::new(&grants, &Backends::default(), &store);
         assert!(parts.of::<local_socket::LocalSocket>().granted());
         assert_eq!(parts.0.len(), sections().count());
+        find_every_part(&mut parts);
         // The kit's sealed backends: a room it gave none refuses, granted or not, saying why.
         let mut parts = Parts::new(&grants, &Backends::sealed(), &store);
         let sealed = parts.of::<local_socket::LocalSocket>();

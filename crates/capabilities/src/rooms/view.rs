@@ -13,7 +13,7 @@ pub struct View<'a, C> {
 }
 
 /// [`View`] over `C`, as bindgen's `add_to_linker` names it.
-pub struct ViewOf<C>(PhantomData<fn() -> C>);
+pub(crate) struct ViewOf<C>(PhantomData<fn() -> C>);
 
 impl<C: 'static> HasData for ViewOf<C> {
     type Data<'a> = View<'a, C>;

@@ -156,7 +156,7 @@ pub fn make_private(fd: impl AsFd) -> std::io::Result<()> {
 }
 
 /// Give `uid` read and write on a granted device node.
-pub fn grant_device(node: impl AsFd, uid: u32) -> std::io::Result<()> {
+pub(crate) fn grant_device(node: impl AsFd, uid: u32) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let _one = one_change_at_a_time();
     // The node the host opened (O_PATH) and checked, named through its
@@ -179,7 +179,7 @@ pub fn grant_device(node: impl AsFd, uid: u32) -> std::io::Result<()> {
 
 /// Give `uid` what it needs to run a granted program bound from outside
 /// `/usr` (`file`, an `O_PATH` descriptor): read and execute.
-pub fn grant_program(file: impl AsFd, uid: u32) -> std::io::Result<()> {
+pub(crate) fn grant_program(file: impl AsFd, uid: u32) -> std::io::Result<()> {
     grant(reopen(file)?, uid, READ | SEARCH)
 }
 
@@ -189,7 +189,7 @@ pub fn grant_program(file: impl AsFd, uid: u32) -> std::io::Result<()> {
 /// Nothing of those directories becomes visible to the sandboxed program,
 /// whose mount namespace has only what is bound. Each directory is opened
 /// from `/` without following a link.
-pub fn grant_search_to_ancestors(path: &std::path::Path, uid: u32) -> std::io::Result<()> {
+pub(crate) fn grant_search_to_ancestors(path: &std::path::Path, uid: u32) -> std::io::Result<()> {
     for dir in path.ancestors().skip(1) {
         let fd = match super::granted::open_unlinked(dir) {
             Ok(Some(fd)) => fd,
@@ -243,7 +243,7 @@ pub fn reopen(opath: impl AsFd) -> std::io::Result<OwnedFd> {
 /// sandbox user: the dir itself and, the first time (a data dir made before
 /// confinement, or moved), everything already in it. Nothing below it is
 /// followed through a link.
-pub fn share_data_dir(dir: impl AsFd, uid: u32) -> std::io::Result<()> {
+pub(crate) fn share_data_dir(dir: impl AsFd, uid: u32) -> std::io::Result<()> {
     let root = reopen(dir)?;
     if has_default(&root, uid)? {
         return grant(&root, uid, READ | WRITE | SEARCH);
@@ -258,7 +258,7 @@ pub fn share_data_dir(dir: impl AsFd, uid: u32) -> std::io::Result<()> {
 /// theirs to use. Done the first time: a path whose top already has the entry
 /// is left as it is (under `paths`, files the operator adds later are as
 /// readable as their mode makes them). Nothing below it is followed.
-pub fn share_granted(top: impl AsFd, uid: u32, writable: bool) -> std::io::Result<()> {
+pub(crate) fn share_granted(top: impl AsFd, uid: u32, writable: bool) -> std::io::Result<()> {
     let stat = rustix::fs::fstat(&top)?;
     let (walk, perm) = match rustix::fs::FileType::from_raw_mode(stat.st_mode) {
         rustix::fs::FileType::Directory if writable => (Walk::Writable, READ | WRITE | SEARCH),

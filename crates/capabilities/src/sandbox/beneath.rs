@@ -18,12 +18,12 @@ pub enum BeneathError {
         path: String,
     },
     /// Any other failure of the open.
-    #[error("{path}: {source}")]
+    #[error("{path}: {}", crate::error_text::cause_text(.cause))]
     Io {
         /// The path as the host names it.
         path: String,
         /// The errno.
-        source: Errno,
+        cause: Errno,
     },
 }
 
@@ -39,7 +39,7 @@ fn error(root: &Path, relative: &Path, errno: Errno) -> BeneathError {
     let path = root.join(relative).display().to_string();
     match errno {
         Errno::ELOOP | Errno::EXDEV => BeneathError::Escapes { path },
-        source => BeneathError::Io { path, source },
+        source => BeneathError::Io { path, cause: source },
     }
 }
 
@@ -69,7 +69,7 @@ pub fn append(dir: &OwnedFd, shown_as: &Path, name: &str) -> Result<std::fs::Fil
         .map_err(|e| error(shown_as, Path::new(name), e))?;
     let stat = nix::sys::stat::fstat(&fd).map_err(|e| error(shown_as, Path::new(name), e))?;
     if stat.st_mode & nix::libc::S_IFMT != nix::libc::S_IFREG {
-        return Err(BeneathError::Io { path: shown_as.join(name).display().to_string(), source: Errno::EINVAL });
+        return Err(BeneathError::Io { path: shown_as.join(name).display().to_string(), cause: Errno::EINVAL });
     }
     Ok(std::fs::File::from(fd))
 }

@@ -23,7 +23,7 @@ const GROUP: &str = "wasm-broker";
 
 /// Which cgroup hierarchy the machine has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Hierarchy {
+pub(crate) enum Hierarchy {
     /// The unified hierarchy (`cgroup.controllers` at the root).
     V2,
     /// Separate `memory` and `pids` hierarchies.
@@ -31,7 +31,7 @@ pub enum Hierarchy {
 }
 
 /// The machine's hierarchy, if the host can make groups in it.
-pub fn hierarchy() -> Option<Hierarchy> {
+pub(crate) fn hierarchy() -> Option<Hierarchy> {
     if !rustix::process::geteuid().is_root() {
         return None;
     }
@@ -47,9 +47,7 @@ pub fn hierarchy() -> Option<Hierarchy> {
 
 /// One provider's group, made and bounded; what a program needs to join it.
 #[derive(Debug)]
-pub struct ProviderGroup {
-    /// The group's directories (one under v2, memory and pids under v1).
-    dirs: Vec<PathBuf>,
+pub(crate) struct ProviderGroup {
     /// `cgroup.procs` of each, open for writing.
     procs: Vec<OwnedFd>,
 }
@@ -61,7 +59,7 @@ fn write_file(dir: &Path, name: &str, value: &str) -> std::io::Result<()> {
 impl ProviderGroup {
     /// Make (or find) the group `key` of one provider (see [`super::Sandbox::bounds_key`])
     /// and set its bounds: `memory_mib` of memory, `pids` processes and threads.
-    pub fn new(hierarchy: Hierarchy, key: &str, memory_mib: u64, pids: u64) -> std::io::Result<ProviderGroup> {
+    pub(crate) fn new(hierarchy: Hierarchy, key: &str, memory_mib: u64, pids: u64) -> std::io::Result<ProviderGroup> {
         let memory = memory_mib.saturating_mul(1 << 20).to_string();
         let dirs = match hierarchy {
             Hierarchy::V2 => {
@@ -98,23 +96,12 @@ impl ProviderGroup {
             let flags = OFlags::WRONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW;
             procs.push(rustix::fs::open(dir.join("cgroup.procs"), flags, Mode::empty())?);
         }
-        Ok(ProviderGroup { dirs, procs })
+        Ok(ProviderGroup { procs })
     }
 
     /// The descriptors a program writes `0` to, to join the group.
     pub(crate) fn join_fds(&self) -> Vec<i32> {
         self.procs.iter().map(|fd| fd.as_raw_fd()).collect()
-    }
-
-    /// The processes in the group now.
-    pub fn pids(&self) -> Vec<u32> {
-        pids_in(&self.dirs)
-    }
-
-    /// Kill every process in the group (what a removed provider left
-    /// running, daemonized ones included); how many were killed.
-    pub fn kill_all(&self) -> usize {
-        kill_all_in(&self.dirs)
     }
 }
 
@@ -154,7 +141,7 @@ fn kill_all_in(dirs: &[PathBuf]) -> usize {
 
 /// The dirs of group `key`, whether or not this process made them (a
 /// provider removed after a restart).
-pub fn dirs_of(key: &str) -> Vec<PathBuf> {
+pub(crate) fn dirs_of(key: &str) -> Vec<PathBuf> {
     match hierarchy() {
         Some(Hierarchy::V2) => vec![Path::new(ROOT).join(GROUP).join(key)],
         Some(Hierarchy::V1) => {
@@ -210,7 +197,7 @@ mod tests {
         let out = command.output().unwrap();
         assert!(!String::from_utf8_lossy(&out.stdout).contains("survived"), "{out:?}");
         assert!(!out.status.success());
-        assert!(group.pids().is_empty());
+        assert!(pids_in(&dirs_of(&key)).is_empty());
         drop(group);
         // Raised and lowered again on the group as it stands (a manifest changed).
         drop(ProviderGroup::new(hierarchy, &key, 4096, 64).unwrap());

@@ -16,7 +16,7 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 /// Where claims are kept unless `[sandbox] uid-claims` says otherwise.
-pub const DEFAULT_CLAIMS_DIR: &str = "/var/lib/wasm-broker/uids";
+pub(crate) const DEFAULT_CLAIMS_DIR: &str = "/var/lib/wasm-broker/uids";
 
 /// A claim is a few hundred bytes; anything longer is not one of ours.
 const MAX_CLAIM_BYTES: u64 = 8192;
@@ -36,7 +36,7 @@ struct Claim {
 
 /// Why a uid could not be claimed or is another's.
 #[derive(Debug, thiserror::Error)]
-pub enum ClaimError {
+pub(crate) enum ClaimError {
     /// The uid is claimed by another host or provider on this machine.
     #[error(
         "uid {uid} is claimed on this machine by provider {provider:?} of the broker host at {data_dir} ({file}): two hosts' providers would run as one user. Give one host another `[sandbox] uid-base`, or remove the other host's provider"
@@ -52,27 +52,27 @@ pub enum ClaimError {
         file: String,
     },
     /// The claims directory or a claim could not be read or written.
-    #[error("uid claims in {dir}: {source}")]
+    #[error("uid claims in {dir}: {}", crate::error_text::cause_text(.cause))]
     Io {
         /// The claims directory.
         dir: String,
         /// The I/O error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
 /// This host's view of the machine's claims.
 #[derive(Debug, Clone)]
-pub struct UidClaims {
+pub(crate) struct UidClaims {
     dir: PathBuf,
     me: Claim,
 }
 
 impl UidClaims {
     /// Claims in `dir` for the host whose data dir is `data_dir` (which must exist).
-    pub fn new(dir: PathBuf, data_dir: &Path) -> Result<UidClaims, ClaimError> {
+    pub(crate) fn new(dir: PathBuf, data_dir: &Path) -> Result<UidClaims, ClaimError> {
         let stat = rustix::fs::stat(data_dir)
-            .map_err(|e| ClaimError::Io { dir: dir.display().to_string(), source: e.into() })?;
+            .map_err(|e| ClaimError::Io { dir: dir.display().to_string(), cause: e.into() })?;
         let me = Claim {
             data_dir: data_dir.display().to_string(),
             dev: stat.st_dev,
@@ -83,7 +83,7 @@ impl UidClaims {
     }
 
     fn io(&self, source: impl Into<std::io::Error>) -> ClaimError {
-        ClaimError::Io { dir: self.dir.display().to_string(), source: source.into() }
+        ClaimError::Io { dir: self.dir.display().to_string(), cause: source.into() }
     }
 
     /// The claims directory, made if missing (root's, 0700), locked: one host changes claims at a time.
@@ -155,7 +155,7 @@ impl UidClaims {
     /// Make sure `uid`, recorded for `provider` by this host, is claimed by it:
     /// claimed now if no one has (a host from before claims), refused if
     /// another host or provider holds it.
-    pub fn confirm(&self, provider: &str, uid: u32) -> Result<(), ClaimError> {
+    pub(crate) fn confirm(&self, provider: &str, uid: u32) -> Result<(), ClaimError> {
         let dir = self.locked()?;
         let mine = self.mine(provider);
         match self.read(&dir, uid)? {
@@ -174,7 +174,7 @@ impl UidClaims {
 
     /// The first uid from `from` (below `end`) that no one holds (or whose
     /// claim is stale), claimed for `provider`.
-    pub fn claim_from(&self, provider: &str, from: u32, end: u32) -> Result<Option<u32>, ClaimError> {
+    pub(crate) fn claim_from(&self, provider: &str, from: u32, end: u32) -> Result<Option<u32>, ClaimError> {
         let dir = self.locked()?;
         let mine = self.mine(provider);
         for uid in from..end {
@@ -196,7 +196,7 @@ impl UidClaims {
     }
 
     /// Give up a claim this host made for `provider` and did not use (another load won the race).
-    pub fn release(&self, provider: &str, uid: u32) -> Result<(), ClaimError> {
+    pub(crate) fn release(&self, provider: &str, uid: u32) -> Result<(), ClaimError> {
         let dir = self.locked()?;
         if self.read(&dir, uid)? == Some(self.mine(provider)) {
             rustix::fs::unlinkat(&dir, uid.to_string(), rustix::fs::AtFlags::empty()).map_err(|e| self.io(e))?;

@@ -10,7 +10,7 @@ use std::os::unix::process::CommandExt;
 
 /// Resource limits of every confined program (and so of bubblewrap, which
 /// needs a few processes and descriptors of its own).
-pub const LIMITS: [(Resource, u64); 3] = [
+pub(crate) const LIMITS: [(Resource, u64); 3] = [
     // Per user: with a user per provider, this bounds one provider's process table.
     (Resource::RLIMIT_NPROC, 512),
     (Resource::RLIMIT_NOFILE, 1024),
@@ -21,13 +21,13 @@ const CLOSE_RANGE_CLOEXEC: nix::libc::c_uint = 1 << 2;
 
 /// What the child does to itself besides the fixed steps.
 #[derive(Debug, Default)]
-pub struct BeforeExec {
+pub(crate) struct BeforeExec {
     /// Descriptors bubblewrap is handed (binds, its info pipe): kept open on exec.
     pub keep: Vec<i32>,
     /// `cgroup.procs` descriptors to write `0` to: the child joins those groups.
     pub join: Vec<i32>,
     /// `RLIMIT_AS` where no group bounds the memory (bytes; 0: none).
-    pub address_space: u64,
+    pub(crate) address_space: u64,
     /// Taps to attach to, as the provider's user, in the host's network
     /// namespace, each left open at its descriptor number for the program.
     pub taps: Vec<(crate::network::tap::TunRequest, i32)>,
@@ -39,7 +39,7 @@ pub struct BeforeExec {
 /// controlling terminal to inject keystrokes into, and one process group the
 /// host can signal whole), the limits, `no_new_privs`, and every descriptor
 /// but 0-2 and `keep` closed on exec.
-pub fn confine_before_exec(command: &mut std::process::Command, before: BeforeExec) {
+pub(crate) fn confine_before_exec(command: &mut std::process::Command, before: BeforeExec) {
     // SAFETY: the closure makes only async-signal-safe system calls (write,
     // open, close, setsid, setrlimit, prctl, close_range, fcntl) on values it
     // owns, and does not allocate (`before` was made before the fork).

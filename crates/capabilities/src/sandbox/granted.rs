@@ -36,7 +36,7 @@ impl Bound {
 
 /// Open `path` (absolute) without following a link in any component: an
 /// `O_PATH` descriptor, or `None` when the host lacks it.
-pub fn open_unlinked(path: &Path) -> Result<Option<OwnedFd>, SandboxError> {
+pub(crate) fn open_unlinked(path: &Path) -> Result<Option<OwnedFd>, SandboxError> {
     if !is_plain_absolute(path) {
         return Err(SandboxError::GrantedPath {
             path: path.display().to_string(),

@@ -26,8 +26,6 @@ mod exec;
 pub mod granted;
 pub mod scratch;
 
-pub use exec::LIMITS;
-
 /// What all of one provider's programs may take together (`[limits]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProgramLimits {
@@ -76,14 +74,14 @@ pub enum SandboxError {
     #[error("granted device {0:?} must be a character or block device node under /dev, named without links or `..`")]
     BadDevice(String),
     /// A POSIX ACL for the sandbox user could not be set.
-    #[error("cannot share {path} with the sandbox user {uid}: {source}")]
+    #[error("cannot share {path} with the sandbox user {uid}: {}", crate::error_text::cause_text(.cause))]
     Share {
         /// The file or directory shared.
         path: String,
         /// The sandbox user.
         uid: u32,
         /// Why the ACL could not be set.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// A granted path the host will not act on: a link in it, or where another can replace it.
     #[error("granted path {path} is refused: {reason}")]
@@ -94,14 +92,14 @@ pub enum SandboxError {
         reason: String,
     },
     /// The programs' bounds (their cgroup, their `/tmp`) could not be set up.
-    #[error("cannot bound provider {provider:?}'s programs ({what}): {source}")]
+    #[error("cannot bound provider {provider:?}'s programs ({what}): {}", crate::error_text::cause_text(.cause))]
     Bounds {
         /// The provider.
         provider: String,
         /// Which bound.
         what: &'static str,
         /// Why.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// No uid could be allocated or recorded for the provider.
     #[error("cannot allocate a sandbox user for provider {provider:?}: {reason}")]
@@ -114,7 +112,7 @@ pub enum SandboxError {
 }
 
 /// Names a guest may set in a granted program's environment without a grant.
-pub const BASE_ENV: [&str; 6] = ["LANG", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "TZ", "TERM"];
+pub(crate) const BASE_ENV: [&str; 6] = ["LANG", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "TZ", "TERM"];
 
 /// Names no manifest can grant: the dynamic loader, libc and common
 /// interpreters load code or files named by them.
@@ -146,7 +144,7 @@ fn never_granted(name: &str) -> bool {
 }
 
 /// Check the names a manifest grants (`env = [...]`).
-pub fn check_env_grant(names: &[String]) -> Result<(), SandboxError> {
+pub(crate) fn check_env_grant(names: &[String]) -> Result<(), SandboxError> {
     for name in names {
         let plain =
             !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
@@ -158,7 +156,7 @@ pub fn check_env_grant(names: &[String]) -> Result<(), SandboxError> {
 }
 
 /// Check the environment a guest asks for against the allow-list and `granted`.
-pub fn check_env(env: &[(String, String)], granted: &[String]) -> Result<(), SandboxError> {
+pub(crate) fn check_env(env: &[(String, String)], granted: &[String]) -> Result<(), SandboxError> {
     for (name, _) in env {
         if never_granted(name) {
             return Err(SandboxError::EnvNeverGranted(name.clone()));
@@ -179,16 +177,16 @@ pub struct SandboxConfig {
     /// One uid for every provider's programs instead of a uid per provider.
     pub user: Option<u32>,
     /// First uid of the per-provider range (default 2000000000).
-    pub uid_base: Option<u32>,
+    pub(crate) uid_base: Option<u32>,
     /// The machine's directory of uid claims, shared by every broker host on
     /// it (default `/var/lib/wasm-broker/uids`).
-    pub uid_claims: Option<PathBuf>,
+    pub(crate) uid_claims: Option<PathBuf>,
 }
 
 pub(crate) const DEFAULT_UID_BASE: u32 = 2_000_000_000;
 /// The range of per-provider uids the store hands out: base .. base + this;
 /// the next range up is for sandboxes without a store.
-pub const UID_RANGE: u32 = 1 << 24;
+pub(crate) const UID_RANGE: u32 = 1 << 24;
 
 /// Where per-provider uids are kept, so that one is never reused for another provider.
 pub trait UidAllocations: Send + Sync {
@@ -224,7 +222,7 @@ impl Clone for BwrapError {
 }
 
 /// The oldest bubblewrap with `--disable-userns`.
-pub const MIN_BWRAP: &str = "0.8.0";
+pub(crate) const MIN_BWRAP: &str = "0.8.0";
 
 /// The host's sandbox: bubblewrap and who the programs run as.
 #[derive(Clone)]
@@ -356,7 +354,7 @@ impl Sandbox {
     pub fn confine(&self, provider: &str, grants: &Grants<'_>) -> Result<Confinement, SandboxError> {
         let bwrap = self.bwrap()?;
         let uid = self.uid_for(provider)?;
-        let share = |path: &Path, source| SandboxError::Share { path: path.display().to_string(), uid, source };
+        let share = |path: &Path, source| SandboxError::Share { path: path.display().to_string(), uid, cause: source };
         let data_dir = granted::open_unlinked(grants.data_dir)?.ok_or_else(|| {
             share(grants.data_dir, std::io::Error::new(std::io::ErrorKind::NotFound, "the data dir is missing"))
         })?;
@@ -431,7 +429,7 @@ impl Sandbox {
             }
         }
         granted::bind_order(&mut binds);
-        let bounds = |what, source| SandboxError::Bounds { provider: provider.to_owned(), what, source };
+        let bounds = |what, source| SandboxError::Bounds { provider: provider.to_owned(), what, cause: source };
         let limits = grants.limits;
         // Without root there is nothing to mount or group: bubblewrap's own sized
         // tmpfs and RLIMIT_AS are what is left (README: confinement by host kind).
@@ -622,16 +620,11 @@ impl Confinement {
 
     /// The first descriptor number past every one a command of this
     /// confinement hands bubblewrap (with `info_fd`): where passed taps go.
-    pub fn next_free_fd(&self, info_fd: Option<i32>) -> i32 {
+    pub(crate) fn next_free_fd(&self, info_fd: Option<i32>) -> i32 {
         use std::os::fd::AsRawFd;
         let scratch = self.scratch.iter().flat_map(|s| s.iter().map(|fd| fd.as_raw_fd()));
         let used = self.binds.iter().map(|b| b.raw()).chain(scratch).chain(info_fd);
         used.max().unwrap_or(2).max(2) + 1
-    }
-
-    /// The processes in the provider's cgroup now (empty without one).
-    pub fn group_pids(&self) -> Vec<u32> {
-        self.group.as_ref().map(|g| g.pids()).unwrap_or_default()
     }
 
     /// As [`Confinement::command`], bubblewrap writing what it made (the pid

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 pub(crate) const RUN: &str = "/run/wasm-broker";
 
 /// Where scratch tmpfs `key` is mounted.
-pub fn mount_point(key: &str) -> PathBuf {
+pub(crate) fn mount_point(key: &str) -> PathBuf {
     Path::new(RUN).join(key)
 }
 

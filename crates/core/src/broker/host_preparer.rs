@@ -34,12 +34,12 @@ pub enum PrepareError {
     #[error("cannot discover observed network config: {0}")]
     Observe(BridgeError),
     /// The observed devices could not be stored.
-    #[error("cannot record observed network config: {0}")]
-    Record(#[source] StoreError),
+    #[error("cannot record observed network config: {}", broker_capabilities::error_text::cause_text(.0))]
+    Record(StoreError),
 }
 
 /// Where observed network config is kept (the host's store).
-pub trait ObservedNetworkSink: Sync {
+pub(crate) trait ObservedNetworkSink: Sync {
     /// Durable when the future is done.
     fn record<'a>(&'a self, observed: &'a [Device]) -> BoxFuture<'a, Result<(), StoreError>>;
 }
@@ -55,7 +55,7 @@ impl ObservedNetworkSink for Store {
 /// parent that is not an existing device is a bridge to make, over the host
 /// device that `host_bridges` maps to it, or else the device whose Juju bridge
 /// name it is (`br-eth0` over `eth0`).
-pub fn host_changes(
+pub(crate) fn host_changes(
     network_info: &[InterfaceInfo],
     devices: &[Device],
     host_bridges: &BTreeMap<String, String>,
@@ -82,8 +82,8 @@ pub(crate) struct HostPreparer<'a> {
     pub lock: &'a MachineLock,
     pub network: &'a dyn NetworkBackend,
     pub sink: &'a dyn ObservedNetworkSink,
-    pub host_bridges: &'a BTreeMap<String, String>,
-    pub lock_timeout: Option<Duration>,
+    pub(crate) host_bridges: &'a BTreeMap<String, String>,
+    pub(crate) lock_timeout: Option<Duration>,
 }
 
 impl HostPreparer<'_> {
@@ -116,7 +116,7 @@ impl HostPreparer<'_> {
     }
 
     /// Returns the changes made (empty when none were needed).
-    pub async fn prepare(
+    pub(crate) async fn prepare(
         &self,
         network_info: &[InterfaceInfo],
         abort: Arc<AtomicBool>,
@@ -196,7 +196,7 @@ mod tests {
             Box::pin(async {
                 let n = self.note("observe");
                 if n > 1 && self.fail_second_observe {
-                    return Err(BridgeError::Io { what: "observe".into(), source: std::io::Error::other("failed") });
+                    return Err(BridgeError::Io { what: "observe".into(), cause: std::io::Error::other("failed") });
                 }
                 if n > 1 && self.observe_nothing_after_bridge {
                     return Ok(vec![]);
@@ -208,7 +208,7 @@ mod tests {
             Box::pin(async move {
                 self.note(&format!("bridge {}->{}", change.device, change.bridge));
                 if self.fail_bridge {
-                    return Err(BridgeError::Io { what: "bridge".into(), source: std::io::Error::other("failed") });
+                    return Err(BridgeError::Io { what: "bridge".into(), cause: std::io::Error::other("failed") });
                 }
                 NetworkBackend::bridge(&self.network, change).await
             })

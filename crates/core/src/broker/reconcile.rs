@@ -73,7 +73,7 @@ impl HarvestMode {
     }
 
     /// Whether new starts must wait for the harvest (it would take theirs for unknown).
-    pub fn stops_unknown(self) -> bool {
+    pub(crate) fn stops_unknown(self) -> bool {
         matches!(self, HarvestMode::Unknown | HarvestMode::All)
     }
 }

@@ -67,14 +67,14 @@ pub enum BrokerServiceError {
         providers: String,
     },
     /// A started instance could not be recorded, so it was stopped.
-    #[error("provider {provider}: started {id} but could not record it ({source}); the instance was stopped again")]
+    #[error("provider {provider}: started {id} but could not record it ({}); the instance was stopped again", broker_capabilities::error_text::cause_text(.cause))]
     RecordFailed {
         /// The provider that started it.
         provider: String,
         /// The instance id.
         id: String,
         /// The store's failure.
-        source: StoreError,
+        cause: StoreError,
     },
     /// The provider returned an id the host does not take, so the instance was stopped.
     #[error(
@@ -495,7 +495,7 @@ impl Broker {
             Err(source) => {
                 // As Juju's provisioner does: an instance the host cannot record is stopped.
                 let _ = wasm.stop_instances(&CallHooks::default(), std::slice::from_ref(&record.id)).await;
-                Err(BrokerServiceError::RecordFailed { provider: provider.to_owned(), id: record.id, source })
+                Err(BrokerServiceError::RecordFailed { provider: provider.to_owned(), id: record.id, cause: source })
             }
         }
     }
@@ -770,7 +770,7 @@ impl Broker {
 
     /// A provider's records, in id order (the store's key order), read off
     /// the async workers: thousands of them take milliseconds.
-    pub async fn records_of(&self, name: &str) -> Result<Vec<InstanceRecord>, StoreError> {
+    pub(crate) async fn records_of(&self, name: &str) -> Result<Vec<InstanceRecord>, StoreError> {
         let (store, name) = (self.store.clone(), name.to_owned());
         tokio::task::spawn_blocking(move || store.instances(Some(&name))).await.map_err(|_| StoreError::ReadPanicked)?
     }
@@ -782,7 +782,7 @@ impl Broker {
     /// whole answer: one bad entry must not hide the provider's other instances,
     /// nor every other provider's in a listing of all, and it could be neither
     /// shown safely nor acted on.
-    pub fn screen_reported(
+    pub(crate) fn screen_reported(
         &self,
         provider: &str,
         live: Vec<Instance>,

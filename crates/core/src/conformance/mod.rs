@@ -40,11 +40,11 @@ use broker_capabilities::rooms::denials::Denials;
 use broker_capabilities::rooms::kit::KitSetup;
 use broker_capabilities::rooms::process::LiveChildren;
 use broker_capabilities::secrets::{SecretSource, SecretsDir};
-pub use script::{Answers, Recording, Scripted, script_json};
+pub use script::{Answers, Recording, Scripted};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
-pub use trace::HostCallLog;
+pub(crate) use trace::HostCallLog;
 
 /// One scenario's outcome.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -279,7 +279,7 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     let provider = match loaded {
         Ok(provider) => provider,
         // Importing what the manifest does not grant is a finding about the component, not a kit failure.
-        Err(crate::version::LoadError::Contract { source: source @ ContractError::NotGranted { .. }, .. }) => {
+        Err(crate::version::LoadError::Contract { cause: source @ ContractError::NotGranted { .. }, .. }) => {
             let case =
                 Case { name: UNGRANTED, passed: false, detail: source.to_string(), trace: Vec::new(), skipped: false };
             return Ok(Report {

@@ -128,7 +128,7 @@ impl Recording {
 }
 
 /// A script file's sections as its JSON.
-pub fn script_json(file: &Map<String, Value>) -> String {
+pub(crate) fn script_json(file: &Map<String, Value>) -> String {
     serde_json::to_string_pretty(file).unwrap_or_default() + "\n"
 }
 

@@ -18,22 +18,22 @@ const MAX_LINE: usize = 240;
 
 /// The host calls seen so far, oldest first.
 #[derive(Debug, Default, Clone)]
-pub struct HostCallLog(Arc<Mutex<Vec<String>>>, Arc<broker_capabilities::secrets::Redactor>);
+pub(crate) struct HostCallLog(Arc<Mutex<Vec<String>>>, Arc<broker_capabilities::secrets::Redactor>);
 
 impl HostCallLog {
     /// A log whose lines have the provider's secrets hidden before they are cut.
-    pub fn redacting(redactor: Arc<broker_capabilities::secrets::Redactor>) -> HostCallLog {
+    pub(crate) fn redacting(redactor: Arc<broker_capabilities::secrets::Redactor>) -> HostCallLog {
         HostCallLog(Arc::default(), redactor)
     }
 
     /// A dispatcher that writes the host calls made under it to this log.
-    pub fn dispatch(&self) -> tracing::Dispatch {
+    pub(crate) fn dispatch(&self) -> tracing::Dispatch {
         use tracing_subscriber::layer::SubscriberExt;
         tracing::Dispatch::new(tracing_subscriber::registry().with(Capture { log: self.clone() }))
     }
 
     /// The calls since the last take.
-    pub fn take(&self) -> Vec<String> {
+    pub(crate) fn take(&self) -> Vec<String> {
         std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()))
     }
 

@@ -63,7 +63,7 @@ impl Default for GroupSettings {
 }
 
 /// The most groups one host keeps: each has a loop and listings of its own.
-pub const MAX_GROUPS: usize = 1000;
+pub(crate) const MAX_GROUPS: usize = 1000;
 
 /// One member as `describe` shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
@@ -154,7 +154,7 @@ impl Groups {
     }
 
     /// Whether convergence loops run in this process (`broker serve`).
-    pub fn converging(&self) -> bool {
+    pub(crate) fn converging(&self) -> bool {
         self.serving.load(std::sync::atomic::Ordering::SeqCst)
     }
 

@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// The tag naming the group an instance belongs to.
-pub const GROUP_TAG: &str = "infrakit.group";
+pub(crate) const GROUP_TAG: &str = "infrakit.group";
 /// The tag holding the hash of the Instance and Flavor sections it was made from.
 pub const CONFIG_HASH_TAG: &str = "infrakit.config.hash";
 /// The tag holding a quorum member's logical id.
@@ -32,13 +32,13 @@ pub const LOGICAL_ID_TAG: &str = "infrakit.logical_id";
 /// Largest spec file read.
 pub const MAX_SPEC_BYTES: usize = 64 * 1024;
 /// Largest group: every member is a provider call and a record.
-pub const MAX_GROUP_SIZE: u32 = 10_000;
+pub(crate) const MAX_GROUP_SIZE: u32 = 10_000;
 /// Longest group id or logical id: they are tags, URL segments and event text.
-pub const MAX_ID_BYTES: usize = 128;
+pub(crate) const MAX_ID_BYTES: usize = 128;
 /// Longest `Updating.Duration`: a replacement healthy for a day is settled.
-pub const MAX_UPDATE_DURATION: Duration = Duration::from_secs(24 * 3600);
+pub(crate) const MAX_UPDATE_DURATION: Duration = Duration::from_secs(24 * 3600);
 /// The flavors this host has built in.
-pub const FLAVORS: [&str; 1] = ["vanilla"];
+pub(crate) const FLAVORS: [&str; 1] = ["vanilla"];
 
 /// Why a spec was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -77,7 +77,7 @@ pub struct GroupSpec {
 #[serde(deny_unknown_fields, rename_all = "PascalCase")]
 pub struct GroupProperties {
     /// How many, or which.
-    pub allocation: Allocation,
+    pub(crate) allocation: Allocation,
     /// The provider and what to start.
     pub instance: PluginSection,
     /// How to prepare each instance.
@@ -85,7 +85,7 @@ pub struct GroupProperties {
     pub flavor: Option<PluginSection>,
     /// How a rolling update paces itself.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub updating: Option<Updating>,
+    pub(crate) updating: Option<Updating>,
 }
 
 /// `Allocation`: a size (a scaled group) or logical ids (a quorum group), not both.
@@ -97,7 +97,7 @@ pub struct Allocation {
     pub size: Option<u32>,
     /// Named members, one instance each.
     #[serde(rename = "LogicalIDs", default, skip_serializing_if = "Option::is_none")]
-    pub logical_ids: Option<Vec<String>>,
+    pub(crate) logical_ids: Option<Vec<String>>,
 }
 
 /// `Instance` or `Flavor`: a plugin's name and its properties.
@@ -163,7 +163,7 @@ pub enum Members {
 
 /// When a rolling update's replacement counts as settled.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub enum UpdatePace {
+pub(crate) enum UpdatePace {
     /// As soon as it is healthy.
     #[default]
     Healthy,
@@ -183,9 +183,9 @@ pub struct Group {
     /// How many, or which.
     pub members: Members,
     /// The hash of the Instance and Flavor sections (`infrakit.config.hash`).
-    pub config_hash: String,
+    pub(crate) config_hash: String,
     /// How a rolling update paces itself.
-    pub pace: UpdatePace,
+    pub(crate) pace: UpdatePace,
     /// What every member is started with, but for the group's tags.
     params: StartInstanceParams,
 }
@@ -323,7 +323,7 @@ impl Group {
 
     /// What a new member is started with: the spec's params, tagged as the
     /// group's (and as `logical_id`, in a quorum group).
-    pub fn params_for(&self, logical_id: Option<&str>) -> StartInstanceParams {
+    pub(crate) fn params_for(&self, logical_id: Option<&str>) -> StartInstanceParams {
         let mut params = self.params.clone();
         if let Some(config) = &mut params.instance_config {
             config.tags.push((GROUP_TAG.into(), self.id().into()));
@@ -338,7 +338,7 @@ impl Group {
 
 /// Why a group id or logical id is refused: they are tags, URL segments and
 /// file names' worth of text, so 1 to 128 of `A-Z a-z 0-9 . _ -`, not starting with `.`.
-pub fn id_problem(id: &str) -> Option<String> {
+pub(crate) fn id_problem(id: &str) -> Option<String> {
     if id.is_empty() || id.len() > MAX_ID_BYTES {
         return Some(format!("must be 1 to {MAX_ID_BYTES} bytes"));
     }
@@ -402,7 +402,7 @@ fn instance_config(user_data: String, tags: BTreeMap<String, String>, base: Opti
 /// JSON with sorted keys; base32 of 20 bytes of digest, lower case, 32
 /// characters), but with SHA-256: the same spec in another key order or
 /// layout hashes the same; a change to either section starts a rolling update.
-pub fn config_hash(instance: &PluginSection, flavor: Option<&PluginSection>) -> String {
+pub(crate) fn config_hash(instance: &PluginSection, flavor: Option<&PluginSection>) -> String {
     let mut digest = sha2::Sha256::new();
     digest.update(canonical_json(&serde_json::to_value(instance).unwrap_or_default()));
     digest.update(canonical_json(&serde_json::to_value(flavor).unwrap_or_default()));

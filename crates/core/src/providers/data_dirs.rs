@@ -10,12 +10,12 @@ use std::path::{Path, PathBuf};
 
 /// Providers' data dirs live in `DATA_DIR/data/<name>`: apart from every
 /// directory the host loads manifests or components from.
-pub const DATA_DIRS: &str = "data";
+pub(crate) const DATA_DIRS: &str = "data";
 
 /// Data dirs used to be `DATA_DIR/providers/<name>`, inside the directory
 /// `broker serve` watches for manifests. Move what a registered provider kept
 /// there to `DATA_DIR/data/<name>`, leaving only its manifest and component.
-pub fn move_out_of_providers_dir(store: &Store) {
+pub(crate) fn move_out_of_providers_dir(store: &Store) {
     let providers = match store.providers() {
         Ok(providers) => providers,
         Err(e) => {
@@ -49,7 +49,7 @@ pub fn move_out_of_providers_dir(store: &Store) {
 /// Records made before grants were pinned carry no approved manifest: pin the
 /// manifest as it is at the first start that knows better, so from now on the
 /// watcher and restarts refuse a widening of it.
-pub fn pin_approved_manifests(store: &Store) {
+pub(crate) fn pin_approved_manifests(store: &Store) {
     let Ok(providers) = store.providers() else { return };
     for mut record in providers.into_iter().filter(|r| r.approved_manifest.is_none()) {
         match Manifest::load_with_text(Path::new(&record.manifest)) {

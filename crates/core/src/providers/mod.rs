@@ -7,4 +7,5 @@ pub mod registry;
 pub mod view;
 pub mod watch;
 
-pub use registry::{CandidateCheck, Registry, RegistryError};
+pub(crate) use registry::CandidateCheck;
+pub use registry::{Registry, RegistryError};

@@ -37,12 +37,12 @@ pub enum RegistryError {
         count: usize,
     },
     /// Its `validate-config` refused the manifest's config.
-    #[error("provider {name:?} rejected its config: {source}")]
+    #[error("provider {name:?} rejected its config: {}", broker_capabilities::error_text::cause_text(.cause))]
     ConfigRejected {
         /// The provider.
         name: String,
         /// What the call returned.
-        source: CallError,
+        cause: CallError,
     },
     /// The provider version could not be loaded.
     #[error(transparent)]
@@ -54,20 +54,20 @@ pub enum RegistryError {
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The manifest path could not be resolved.
-    #[error("cannot resolve manifest path {path}: {source}")]
+    #[error("cannot resolve manifest path {path}: {}", broker_capabilities::error_text::cause_text(.cause))]
     Path {
         /// The path as given.
         path: String,
         /// The I/O error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// A swap candidate's component could not be read or kept.
-    #[error("cannot read candidate component {path}: {source}")]
+    #[error("cannot read candidate component {path}: {}", broker_capabilities::error_text::cause_text(.cause))]
     Candidate {
         /// The candidate's path, or where it was to be kept.
         path: String,
         /// The I/O error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The candidate failed a check; nothing changed.
     #[error("swap of {name:?} refused; version {serving} keeps serving: {reason}")]
@@ -177,7 +177,7 @@ pub struct Retired {
 const CHILD_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How long a retired version's counters stay in `/metrics`: a few scrape intervals.
-pub const RETIRED_METRICS_FOR: std::time::Duration = std::time::Duration::from_secs(600);
+pub(crate) const RETIRED_METRICS_FOR: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Swaps since this process started, for `/metrics` (the event log has them all).
 #[derive(Debug, Default)]
@@ -211,7 +211,7 @@ impl Registry {
     /// Re-adding from the same manifest reloads it.
     pub async fn add(&self, manifest_path: &Path) -> Result<ProviderRecord, RegistryError> {
         let path = std::fs::canonicalize(manifest_path)
-            .map_err(|source| RegistryError::Path { path: manifest_path.display().to_string(), source })?;
+            .map_err(|source| RegistryError::Path { path: manifest_path.display().to_string(), cause: source })?;
         let (_, text) = Manifest::load_with_text(&path).map_err(LoadError::from)?;
         self.add_read(&path, text).await
     }
@@ -219,9 +219,9 @@ impl Registry {
     /// As [`Registry::add`], with the manifest's text as the caller read and
     /// checked it: what is applied is what was checked, whatever the file says
     /// by now. Parsed against the manifest's resolved path, as a restart will.
-    pub async fn add_read(&self, manifest_path: &Path, text: String) -> Result<ProviderRecord, RegistryError> {
+    pub(crate) async fn add_read(&self, manifest_path: &Path, text: String) -> Result<ProviderRecord, RegistryError> {
         let path = std::fs::canonicalize(manifest_path)
-            .map_err(|source| RegistryError::Path { path: manifest_path.display().to_string(), source })?;
+            .map_err(|source| RegistryError::Path { path: manifest_path.display().to_string(), cause: source })?;
         let manifest = Manifest::parse(&path, &text).map_err(LoadError::from)?;
         manifest.refuse_inline_secrets().map_err(LoadError::from)?;
         let approved_manifest = Some(text);
@@ -294,11 +294,11 @@ impl Registry {
         // Compiling is CPU-bound: keep it off the async workers.
         let provider = tokio::task::spawn_blocking(move || ProviderVersion::load(runtime, manifest, capabilities))
             .await
-            .map_err(|e| RegistryError::Path { path: name.clone(), source: std::io::Error::other(e) })??;
+            .map_err(|e| RegistryError::Path { path: name.clone(), cause: std::io::Error::other(e) })??;
         provider
             .validate_config(&provider.guest_config())
             .await
-            .map_err(|source| RegistryError::ConfigRejected { name: name.clone(), source })?;
+            .map_err(|source| RegistryError::ConfigRejected { name: name.clone(), cause: source })?;
         Ok(Arc::new(provider))
     }
 
@@ -331,7 +331,7 @@ impl Registry {
         let data_dir = self.store.data_dir();
         let data_dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_owned());
         broker_capabilities::sandbox::granted::check_placement(&of(manifest), &others, &data_dir)
-            .map_err(|source| LoadError::Prepare { provider: manifest.name.clone(), source: Box::new(source) })?;
+            .map_err(|source| LoadError::Prepare { provider: manifest.name.clone(), cause: Box::new(source) })?;
         Ok(())
     }
 
@@ -464,7 +464,7 @@ impl Registry {
         let owned = name.to_owned();
         let (sha256, kept) = tokio::task::spawn_blocking(move || {
             let bytes = crate::manifest::read_regular_file(&path, crate::manifest::MAX_COMPONENT_BYTES)
-                .map_err(|source| RegistryError::Candidate { path: path.display().to_string(), source })?;
+                .map_err(|source| RegistryError::Candidate { path: path.display().to_string(), cause: source })?;
             let sha256 = hex::encode(Sha256::digest(&bytes));
             let kept = keep_component(&components, &owned, &sha256, &bytes)?;
             Ok::<_, RegistryError>((sha256, kept))
@@ -472,7 +472,7 @@ impl Registry {
         .await
         .map_err(|e| RegistryError::Candidate {
             path: component.display().to_string(),
-            source: std::io::Error::other(e),
+            cause: std::io::Error::other(e),
         })??;
         let mut refusal = Event::new(EventKind::SwapRefused, name);
         refusal.old_sha256 = Some(serving.sha256().to_owned());
@@ -716,7 +716,7 @@ impl Drop for Draining<'_> {
 fn keep_component(dir: &Path, name: &str, sha256: &str, bytes: &[u8]) -> Result<PathBuf, RegistryError> {
     // `sha256` was computed here from the bytes: 64 hex digits.
     let path = dir.join(format!("{name}-{}.wasm", &sha256[..16]));
-    let io = |source| RegistryError::Candidate { path: path.display().to_string(), source };
+    let io = |source| RegistryError::Candidate { path: path.display().to_string(), cause: source };
     if !path.exists() {
         std::fs::create_dir_all(dir).map_err(io)?;
         let staging = dir.join(format!(".{name}-{}.tmp", &sha256[..16]));

@@ -14,7 +14,7 @@ impl GuestLimiter {
     }
 
     /// What limit was refused, if any, since the store was made.
-    pub fn hit(&self) -> Option<&str> {
+    pub(crate) fn hit(&self) -> Option<&str> {
         self.hit.as_deref()
     }
 }

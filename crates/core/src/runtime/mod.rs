@@ -8,7 +8,8 @@ mod ticker;
 pub mod turnstile;
 
 pub(crate) use limits::GuestLimiter;
-pub use state::{HostCapabilities, HostState, ProviderCapabilities};
+pub use state::HostCapabilities;
+pub(crate) use state::{HostState, ProviderCapabilities};
 
 use crate::manifest::MAX_GUEST_MEMORY_BYTES;
 use std::path::Path;
@@ -19,7 +20,7 @@ use wasmtime::{Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, P
 
 /// How often the epoch advances: a long-running guest passes its turn on
 /// this often (see [`turnstile`]), and a call's deadline is checked.
-pub const EPOCH_TICK: Duration = Duration::from_millis(1);
+pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(1);
 
 /// A cause from wasmtime, kept whole (its own causes reachable through `source`).
 pub use broker_capabilities::rooms::BoxError;
@@ -28,19 +29,33 @@ pub use broker_capabilities::rooms::BoxError;
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     /// wasmtime refused the engine's configuration.
-    #[error("cannot configure the wasm engine: {0}")]
-    Engine(#[source] BoxError),
+    #[error("cannot configure the wasm engine: {}", broker_capabilities::error_text::cause_text(&**.0))]
+    Engine(BoxError),
     /// The on-disk compilation cache could not be set up.
-    #[error("cannot configure the wasm engine: cache: {0}")]
-    Cache(#[source] BoxError),
+    #[error("cannot configure the wasm engine: cache: {}", broker_capabilities::error_text::cause_text(&**.0))]
+    Cache(BoxError),
     /// The bytes are not a component this engine can compile.
-    #[error("cannot compile component {path}: {}", broker_capabilities::error_text::error_text(&**source))]
+    #[error("cannot compile component {path}: {}", broker_capabilities::error_text::cause_text(&**.cause))]
     Compile {
         /// The component file.
         path: String,
         /// wasmtime's error.
-        #[source]
-        source: BoxError,
+        cause: BoxError,
+    },
+    /// A core wasm module (a `wasm32-wasip1` or `wasm32-unknown-unknown`
+    /// build), which has no imports or exports of the contract's types.
+    #[error(
+        "{path} is a core wasm module, not a component: build the provider for wasm32-wasip2 (`cargo build --target wasm32-wasip2`)"
+    )]
+    CoreModule {
+        /// The file.
+        path: String,
+    },
+    /// Not wasm at all.
+    #[error("{path} is not a wasm component (it does not begin with the wasm magic bytes `\\0asm`)")]
+    NotWasm {
+        /// The file.
+        path: String,
     },
     /// The engine's instance slots are all reserved by the providers loaded.
     #[error(
@@ -55,8 +70,8 @@ pub enum RuntimeError {
         free: usize,
     },
     /// The thread that advances the epoch could not be spawned.
-    #[error("cannot start the epoch thread, without which no guest deadline holds: {0}")]
-    Ticker(#[source] std::io::Error),
+    #[error("cannot start the epoch thread, without which no guest deadline holds: {}", broker_capabilities::error_text::cause_text(.0))]
+    Ticker(std::io::Error),
 }
 
 /// Guest instances the engine's pool holds, for all providers together.
@@ -75,7 +90,7 @@ pub struct Runtime {
 /// Instance slots held for one provider version while it is loaded: no other
 /// provider can take them, and it never uses more (its calls at once and its
 /// warm pool are bounded by what it reserved).
-pub struct SlotReservation {
+pub(crate) struct SlotReservation {
     runtime: Arc<Runtime>,
     slots: usize,
 }
@@ -122,7 +137,7 @@ impl Runtime {
     }
 
     /// Reserve `slots` instance slots for `provider`, while the reservation lives.
-    pub fn reserve(self: &Arc<Self>, provider: &str, slots: usize) -> Result<SlotReservation, RuntimeError> {
+    pub(crate) fn reserve(self: &Arc<Self>, provider: &str, slots: usize) -> Result<SlotReservation, RuntimeError> {
         let mut reserved = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
         let free = INSTANCE_SLOTS - *reserved;
         if slots > free {
@@ -147,8 +162,15 @@ impl Runtime {
     }
 
     pub(crate) fn compile(&self, path: &Path, bytes: &[u8]) -> Result<Component, RuntimeError> {
+        let path_text = || path.display().to_string();
+        // The preamble: magic, then a u16 version and a u16 layer (0: core module, 1: component).
+        match bytes.get(..8) {
+            Some([0, b'a', b's', b'm', _, _, 0, 0]) => return Err(RuntimeError::CoreModule { path: path_text() }),
+            Some([0, b'a', b's', b'm', ..]) => {}
+            _ => return Err(RuntimeError::NotWasm { path: path_text() }),
+        }
         Component::new(&self.engine, bytes)
-            .map_err(|e| RuntimeError::Compile { path: path.display().to_string(), source: e.into_boxed_dyn_error() })
+            .map_err(|e| RuntimeError::Compile { path: path_text(), cause: e.into_boxed_dyn_error() })
     }
 
     /// A linker with WASI (nothing ambient), `wasi:http` (each request checked
@@ -190,4 +212,32 @@ fn pooling_config() -> PoolingAllocationConfig {
         .table_keep_resident(16 << 10)
         .async_stack_keep_resident(64 << 10);
     pooling
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `wasm32-wasip1` build is a core module: the error says so and what
+    /// to build instead, not wasmtime's "component parser" text.
+    #[test]
+    fn a_core_module_or_not_wasm_is_named_for_what_it_is() {
+        let runtime = Runtime::new(None).unwrap();
+        let path = Path::new("provider.wasm");
+        // The smallest core module: the preamble alone (version 1, layer 0).
+        let core = runtime.compile(path, b"\0asm\x01\0\0\0").err().map(|e| e.to_string());
+        assert_eq!(
+            core.as_deref(),
+            Some(
+                "provider.wasm is a core wasm module, not a component: build the provider for wasm32-wasip2 (`cargo build --target wasm32-wasip2`)"
+            )
+        );
+        for not_wasm in [&b""[..], b"\0as", b"#!/bin/sh\necho hi\n"] {
+            let refused = runtime.compile(path, not_wasm).err();
+            assert!(matches!(refused, Some(RuntimeError::NotWasm { .. })), "{refused:?}");
+        }
+        // A component's preamble (layer 1) goes on to wasmtime, whose error is kept.
+        let truncated = runtime.compile(path, b"\0asm\x0d\0\x01\0").err();
+        assert!(matches!(truncated, Some(RuntimeError::Compile { .. })), "{truncated:?}");
+    }
 }

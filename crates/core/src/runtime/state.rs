@@ -89,7 +89,7 @@ impl HostCapabilities {
 
 /// What one provider's stores get: the host capabilities narrowed to its grants.
 #[derive(Clone)]
-pub struct ProviderCapabilities {
+pub(crate) struct ProviderCapabilities {
     pub(crate) host: HostCapabilities,
     pub(crate) data_dir: PathBuf,
     /// The grants of the capabilities in rooms.
@@ -107,7 +107,7 @@ impl ProviderCapabilities {
     /// sockets, bridges, outgoing HTTP): then what it writes to kv must be
     /// durable before the effect it describes happens, and is made durable
     /// per change rather than at the call's end.
-    pub fn acts_outside_the_store(&self) -> bool {
+    pub(crate) fn acts_outside_the_store(&self) -> bool {
         self.rooms.act_outside_the_store()
     }
 }
@@ -155,7 +155,7 @@ impl HostState {
     }
 
     /// A guest's `symlink-at` was refused: noted like any refused host call.
-    pub fn symlink_refused(&mut self, path: &str) {
+    pub(crate) fn symlink_refused(&mut self, path: &str) {
         // The path is the guest's: shown escaped and cut short.
         let shown: String = path.chars().take(64).collect();
         let message = format!("symlink-at {shown:?} refused: providers may not make symbolic links in /data");

@@ -11,13 +11,13 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 use wasmtime::Engine;
 
-pub struct EpochTicker {
+pub(crate) struct EpochTicker {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl EpochTicker {
-    pub fn start(engine: Engine, tick: Duration, turnstile: Arc<Turnstile>) -> std::io::Result<Self> {
+    pub(crate) fn start(engine: Engine, tick: Duration, turnstile: Arc<Turnstile>) -> std::io::Result<Self> {
         Self::start_on(std::thread::Builder::new(), engine, tick, turnstile)
     }
 

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Ticks a call runs before it needs a turn (1–2 epoch ticks: the first is partial).
-pub const FIRST_SLICE_TICKS: u64 = 2;
+pub(crate) const FIRST_SLICE_TICKS: u64 = 2;
 
 /// The host's turns, and the long-runners holding them.
 pub struct Turnstile {
@@ -41,7 +41,7 @@ pub struct Turnstile {
 }
 
 /// Turns for a host whose executor has `workers` threads: one fewer, at least one.
-pub fn turns_for(workers: usize) -> usize {
+pub(crate) fn turns_for(workers: usize) -> usize {
     workers.saturating_sub(1).max(1)
 }
 
@@ -69,14 +69,14 @@ impl Turnstile {
     }
 
     /// A lane for one provider (version); `taken` counts the turns its guests take.
-    pub fn lane(self: &Arc<Self>, taken: Arc<AtomicU64>) -> Lane {
+    pub(crate) fn lane(self: &Arc<Self>, taken: Arc<AtomicU64>) -> Lane {
         Lane { turnstile: self.clone(), places: Arc::new(Semaphore::new(self.count)), taken }
     }
 
     /// While somebody waits, take the turns of long-runners that have been in
     /// one host call for more than a tick; forget slots that hold none. Run at
     /// every epoch tick.
-    pub fn sweep(&self) {
+    pub(crate) fn sweep(&self) {
         let contended = self.waiting.load(Ordering::Relaxed) > 0;
         let mut holders = lock(&self.holders);
         holders.retain(|weak| {
@@ -95,7 +95,7 @@ impl Turnstile {
 
 /// One provider's way to the turnstile.
 #[derive(Clone)]
-pub struct Lane {
+pub(crate) struct Lane {
     turnstile: Arc<Turnstile>,
     places: Arc<Semaphore>,
     taken: Arc<AtomicU64>,
@@ -105,12 +105,12 @@ impl Lane {
     /// Whether the provider already has long-runners holding or waiting for
     /// every place of its lane: then a new call of it starts in the queue, as
     /// its first slice would only take a worker from somebody else.
-    pub fn is_full(&self) -> bool {
+    pub(crate) fn is_full(&self) -> bool {
         self.places.available_permits() == 0
     }
 
     /// The turn-keeping of one store.
-    pub fn store_turn(&self) -> StoreTurn {
+    pub(crate) fn store_turn(&self) -> StoreTurn {
         StoreTurn { lane: self.clone(), slot: Arc::new(Slot::default()), holding: false }
     }
 }
@@ -138,7 +138,7 @@ struct Slot {
 
 /// The turn of one store's guest (in its `HostState`). The epoch callback and
 /// the call hook drive it; the call's end gives back whatever it holds.
-pub struct StoreTurn {
+pub(crate) struct StoreTurn {
     lane: Lane,
     slot: Arc<Slot>,
     /// This store holds a turn, or is waiting for one (then the guest is not running).
@@ -146,12 +146,12 @@ pub struct StoreTurn {
 }
 
 /// Waits for a turn; wasmtime resumes the guest when it is done.
-pub type TurnFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+pub(crate) type TurnFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 impl StoreTurn {
     /// The guest reached its epoch deadline: give back the turn it holds,
     /// let the executor run others, and wait for the next turn.
-    pub fn next_turn(&mut self) -> TurnFuture {
+    pub(crate) fn next_turn(&mut self) -> TurnFuture {
         self.release();
         self.holding = true;
         let (lane, slot) = (self.lane.clone(), self.slot.clone());
@@ -177,7 +177,7 @@ impl StoreTurn {
 
     /// Give back the turn held, if any (the call ended, or the next turn is
     /// due); whether one was held.
-    pub fn release(&mut self) -> bool {
+    pub(crate) fn release(&mut self) -> bool {
         if !std::mem::take(&mut self.holding) {
             return false;
         }
@@ -187,7 +187,7 @@ impl StoreTurn {
     }
 
     /// The guest calls into the host: from now the sweeper may take its turn.
-    pub fn entering_host(&mut self) {
+    pub(crate) fn entering_host(&mut self) {
         if self.holding {
             lock(&self.slot.state).in_host_since = Some(Instant::now());
         }
@@ -195,7 +195,7 @@ impl StoreTurn {
 
     /// The host call returns: whether its turn was taken meanwhile, so the
     /// guest must queue for one before it runs on.
-    pub fn returning_from_host(&mut self) -> bool {
+    pub(crate) fn returning_from_host(&mut self) -> bool {
         if !self.holding {
             return false;
         }
@@ -228,7 +228,7 @@ impl Drop for Waiting<'_> {
 /// Let the executor run what else is ready, this task going to the back of
 /// its worker's queue: after giving a turn back, so the store given it runs
 /// before this task goes on (tokio puts it where only this worker looks).
-pub async fn yield_once() {
+pub(crate) async fn yield_once() {
     YieldOnce(false).await
 }
 

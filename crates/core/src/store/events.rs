@@ -191,7 +191,7 @@ impl Event {
 
 /// How many events the log keeps: the oldest go as new ones come (a group
 /// replacing members forever must not fill the disk).
-pub const MAX_EVENTS: u64 = 100_000;
+pub(crate) const MAX_EVENTS: u64 = 100_000;
 
 /// Most old events one append removes: a log longer than the bound (a lower
 /// bound than the one it was written under) shrinks over appends, each cheap.
@@ -224,7 +224,7 @@ fn append_keeping(txn: &super::Txn<'_>, event: &Event, keep: u64) -> Result<u64,
 
 impl Store {
     /// Append an event; returns its sequence number.
-    pub fn append_event(&self, event: &Event) -> Pending<u64> {
+    pub(crate) fn append_event(&self, event: &Event) -> Pending<u64> {
         let event = event.clone();
         self.write(move |txn| append(txn, &event))
     }

@@ -42,7 +42,7 @@ impl Store {
     /// destroying named members. A crash, or a failed stop, leaves them
     /// marked and ungrouped: the restart's reconcile stops them, and the
     /// group never counts them again nor stops another in their place.
-    pub fn shrink_group(
+    pub(crate) fn shrink_group(
         &self,
         id: &str,
         record: &GroupRecord,

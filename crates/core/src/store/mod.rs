@@ -20,13 +20,15 @@ mod writer;
 
 pub use events::{Event, EventKind};
 pub use groups::GroupRecord;
-pub use starts::{PendingStart, StopMark};
+pub(crate) use starts::{PendingStart, StopMark};
 
-pub use kv::{MIRROR_BUDGET_BYTES, MirrorStats, RedbKv};
-pub use records::{InstanceRecord, ObservedNetwork, ProviderRecord};
+pub use kv::MIRROR_BUDGET_BYTES;
+pub(crate) use kv::RedbKv;
+pub(crate) use records::ObservedNetwork;
+pub use records::{InstanceRecord, ProviderRecord};
 pub(crate) use wal::Txn;
-pub use wal::WalError;
-pub use writer::Pending;
+pub(crate) use wal::WalError;
+pub(crate) use writer::Pending;
 
 use broker_capabilities::network::Device;
 use broker_capabilities::rooms::kv::KvWrites;
@@ -54,19 +56,18 @@ const OBSERVED_NETWORK: TableDefinition<&str, &[u8]> = TableDefinition::new("obs
 const CHILDREN: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("children");
 
 /// Most instance config tags a record keeps once labelled (`Instance.Label`).
-pub const MAX_INSTANCE_TAGS: usize = 128;
+pub(crate) const MAX_INSTANCE_TAGS: usize = 128;
 
 /// Why the state database could not be opened, read or written.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// The state file or its directory could not be created or opened.
-    #[error("state database {path}: {source}")]
+    #[error("state database {path}: {}", broker_capabilities::error_text::cause_text(.cause))]
     Open {
         /// `state.redb` in the data dir.
         path: String,
         /// redb's error.
-        #[source]
-        source: Arc<redb::Error>,
+        cause: Arc<redb::Error>,
     },
     /// The data dir may be written by others than its owner: whoever can
     /// write it can replace the state, the machine lock or a provider's data dir.
@@ -80,25 +81,23 @@ pub enum StoreError {
         mode: u32,
     },
     /// A read, write or commit failed.
-    #[error("state database: {0}")]
-    Db(#[source] Arc<redb::Error>),
+    #[error("state database: {}", broker_capabilities::error_text::cause_text(&**.0))]
+    Db(Arc<redb::Error>),
     /// A record could not be serialized; nothing was written.
-    #[error("cannot encode a {what} record: {source}")]
+    #[error("cannot encode a {what} record: {}", broker_capabilities::error_text::cause_text(.cause))]
     Encode {
         /// The kind of record (`provider`, `instance`, …).
         what: &'static str,
         /// serde_json's error.
-        #[source]
-        source: Arc<serde_json::Error>,
+        cause: Arc<serde_json::Error>,
     },
     /// A stored record does not decode.
-    #[error("state database holds a corrupt {what} record: {source}")]
+    #[error("state database holds a corrupt {what} record: {}", broker_capabilities::error_text::cause_text(.cause))]
     Corrupt {
         /// The kind of record (`provider`, `instance`, …).
         what: &'static str,
         /// serde_json's error.
-        #[source]
-        source: Arc<serde_json::Error>,
+        cause: Arc<serde_json::Error>,
     },
     /// The write-ahead log could not be opened, replayed or appended to.
     #[error(transparent)]
@@ -153,7 +152,7 @@ fn db_error(err: impl Into<redb::Error>) -> StoreError {
 
 /// A record as JSON, or why it cannot be (kept until a write needs it).
 fn encoded(what: &'static str, value: &impl serde::Serialize) -> Result<Vec<u8>, StoreError> {
-    serde_json::to_vec(value).map_err(|e| StoreError::Encode { what, source: Arc::new(e) })
+    serde_json::to_vec(value).map_err(|e| StoreError::Encode { what, cause: Arc::new(e) })
 }
 
 /// The state file's page cache in the daemon's memory (redb's default is 1
@@ -213,7 +212,7 @@ impl Store {
         }
         let opened = salvage::caught(|| Self::open_with(data_dir, checkpoints));
         match opened {
-            Ok(Err(StoreError::Open { source, .. } | StoreError::Db(source)))
+            Ok(Err(StoreError::Open { cause: source, .. } | StoreError::Db(source)))
                 if matches!(
                     &*source,
                     redb::Error::Corrupted(_)
@@ -223,13 +222,13 @@ impl Store {
             {
                 Err(StoreError::Damaged { path: shown(), reason: source.to_string() })
             }
-            Ok(Err(StoreError::Open { source, .. } | StoreError::Db(source)))
+            Ok(Err(StoreError::Open { cause: source, .. } | StoreError::Db(source)))
                 if matches!(&*source, redb::Error::DatabaseAlreadyOpen) =>
             {
                 Err(StoreError::Busy { path: shown() })
             }
             // Whatever else failed in opening it, the error names the file.
-            Ok(Err(StoreError::Db(source))) => Err(StoreError::Open { path: shown(), source }),
+            Ok(Err(StoreError::Db(source))) => Err(StoreError::Open { path: shown(), cause: source }),
             Ok(opened) => opened,
             Err(payload) => {
                 let reason = format!("redb panicked reading it: {}", salvage::panic_text(&*payload));
@@ -241,7 +240,7 @@ impl Store {
     fn open_with(data_dir: &Path, checkpoints: wal::Checkpoints) -> Result<Store, StoreError> {
         let open_error = |source: redb::Error| StoreError::Open {
             path: state_file(data_dir).display().to_string(),
-            source: Arc::new(source),
+            cause: Arc::new(source),
         };
         let log_error = |error: WalError| StoreError::Log(Arc::new(error));
         // The state holds every provider's kv (their secrets too): the host's alone.
@@ -307,7 +306,7 @@ impl Store {
     }
 
     /// Record the host network HostPreparer observed after bridging.
-    pub fn put_observed_network(&self, devices: &[Device]) -> Pending<()> {
+    pub(crate) fn put_observed_network(&self, devices: &[Device]) -> Pending<()> {
         let record = ObservedNetwork { observed: records::now_rfc3339(), devices: devices.to_vec() };
         let bytes = encoded("observed network", &record);
         self.write(move |txn| {
@@ -382,12 +381,15 @@ impl Store {
     /// Record an instance a provider has just started, unless its id is already
     /// recorded for another provider: checked in the same write transaction, so two
     /// starts cannot both take one id. Returns that other provider, and then
-    /// writes nothing.
-    pub fn put_new_instance(&self, record: &InstanceRecord) -> Pending<Option<String>> {
+    /// writes nothing. (The host's starts record with their kv changes and
+    /// pending start, [`Store::put_started_instance`]; this is the record alone.)
+    #[cfg(test)]
+    pub(crate) fn put_new_instance(&self, record: &InstanceRecord) -> Pending<Option<String>> {
         self.put_instance_resolving(record, None, false)
     }
 
-    /// As [`Store::put_new_instance`]; the pending start `pending` (of the
+    /// Record an instance unless its id is recorded for another provider
+    /// (returned; nothing is written); the pending start `pending` (of the
     /// record's provider) goes in the same commit, whatever the outcome: a
     /// refused record leaves nothing pending either. With `fresh` (a start's
     /// answer), an id already recorded for the same provider is refused too
@@ -429,15 +431,17 @@ impl Store {
 
     /// Record an instance whose start was left pending as `key` by an earlier
     /// process, removing the pending start in the same commit.
-    pub fn put_adopted_instance(&self, record: &InstanceRecord, key: &str) -> Pending<Option<String>> {
+    pub(crate) fn put_adopted_instance(&self, record: &InstanceRecord, key: &str) -> Pending<Option<String>> {
         self.put_instance_resolving(record, Some(key.to_owned()), false)
     }
 
-    /// As [`Store::put_new_instance`], committing in the same transaction the
+    /// Record an instance a provider has just started, unless its id is
+    /// recorded for another provider (returned; nothing is written),
+    /// committing in the same transaction the
     /// kv changes of the call that started the instance (the provider's own
     /// state and the host's record of it are durable together or not at
     /// all), and the removal of its pending start, `pending`.
-    pub fn put_started_instance(
+    pub(crate) fn put_started_instance(
         &self,
         record: &InstanceRecord,
         writes: KvWrites,
@@ -511,7 +515,7 @@ impl Store {
     }
 
     /// The providers `ids` are recorded for, those recorded at all, in one read.
-    pub fn owners_of<'a>(
+    pub(crate) fn owners_of<'a>(
         &self,
         ids: impl IntoIterator<Item = &'a str>,
     ) -> Result<std::collections::HashMap<String, String>, StoreError> {
@@ -584,7 +588,7 @@ fn check_not_exposed(data_dir: &Path) -> Result<(), StoreError> {
     use std::os::unix::fs::PermissionsExt;
     let shown = data_dir.display().to_string();
     let meta = std::fs::metadata(data_dir)
-        .map_err(|e| StoreError::Open { path: shown.clone(), source: Arc::new(redb::Error::Io(e)) })?;
+        .map_err(|e| StoreError::Open { path: shown.clone(), cause: Arc::new(redb::Error::Io(e)) })?;
     let mode = meta.permissions().mode() & 0o7777;
     if mode & 0o022 != 0 {
         return Err(StoreError::Exposed { path: shown, mode });
@@ -676,7 +680,7 @@ where
 }
 
 fn decode<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, StoreError> {
-    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt { what, source: Arc::new(e) })
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt { what, cause: Arc::new(e) })
 }
 
 /// Child records in the `children` table.

@@ -62,11 +62,11 @@ pub struct Hardware {
 }
 
 /// Longest text a record keeps of what a provider reported (a name, a zone, an address).
-pub const MAX_REPORTED_WORD_BYTES: usize = 256;
+pub(crate) const MAX_REPORTED_WORD_BYTES: usize = 256;
 /// Longest status message a record keeps.
-pub const MAX_REPORTED_MESSAGE_BYTES: usize = 4096;
+pub(crate) const MAX_REPORTED_MESSAGE_BYTES: usize = 4096;
 /// Most list entries (tags, addresses) a record keeps.
-pub const MAX_REPORTED_ENTRIES: usize = 64;
+pub(crate) const MAX_REPORTED_ENTRIES: usize = 64;
 
 /// `text` cut to `max` bytes on a character boundary: a record keeps at
 /// most this of what a provider reported (it is held, listed and stored).
@@ -253,12 +253,12 @@ pub fn short_sha256(hash: &str) -> &str {
 }
 
 /// The longest instance id the host takes from a provider, in bytes.
-pub const MAX_INSTANCE_ID_BYTES: usize = 255;
+pub(crate) const MAX_INSTANCE_ID_BYTES: usize = 255;
 
 /// Why the host refuses an instance id a provider returned, if it does: an id
 /// is recorded, printed and passed back on the command line, so it must be
 /// 1 to 255 bytes with no whitespace and no control characters.
-pub fn instance_id_problem(id: &str) -> Option<String> {
+pub(crate) fn instance_id_problem(id: &str) -> Option<String> {
     if id.is_empty() {
         return Some("it is empty".into());
     }
@@ -293,7 +293,7 @@ pub struct ObservedNetwork {
 }
 
 /// Now, as RFC 3339 UTC with seconds.
-pub fn now_rfc3339() -> String {
+pub(crate) fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }
 

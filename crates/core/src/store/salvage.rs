@@ -281,7 +281,7 @@ pub fn recover(data_dir: &Path) -> Result<SalvageReport, StoreError> {
     let path = state_file(data_dir);
     let io = |at: &Path, e: std::io::Error| StoreError::Open {
         path: at.display().to_string(),
-        source: std::sync::Arc::new(redb::Error::Io(e)),
+        cause: std::sync::Arc::new(redb::Error::Io(e)),
     };
     let mut report = SalvageReport::of(&path);
     // Not a file to recover (missing, unreadable, held): nothing is touched.

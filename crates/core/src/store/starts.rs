@@ -39,7 +39,7 @@ pub struct PendingStart {
 /// A stop the host has asked a provider for and not yet seen through.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub struct StopMark {
+pub(crate) struct StopMark {
     /// The store session that asked.
     pub session: u64,
     /// When it was asked, RFC 3339, UTC.
@@ -53,7 +53,7 @@ impl Store {
     }
 
     /// Record a start about to be asked of `provider`; returns its key.
-    pub async fn put_pending_start(&self, provider: &str, start: &PendingStart) -> Result<String, StoreError> {
+    pub(crate) async fn put_pending_start(&self, provider: &str, start: &PendingStart) -> Result<String, StoreError> {
         let key = self.next_start_key();
         self.pending_start_write(provider, &key, start).await?;
         Ok(key)
@@ -81,7 +81,7 @@ impl Store {
     }
 
     /// Note the id the guest claimed for the start `key`; `false` if the start is not pending.
-    pub async fn claim_pending_start(&self, provider: &str, key: &str, id: &str) -> Result<bool, StoreError> {
+    pub(crate) async fn claim_pending_start(&self, provider: &str, key: &str, id: &str) -> Result<bool, StoreError> {
         let (provider, key, id) = (provider.to_owned(), key.to_owned(), id.to_owned());
         self.write(move |txn| {
             let mut table = txn.open_table(STARTS).map_err(db_error)?;
@@ -97,7 +97,7 @@ impl Store {
     }
 
     /// Forget a pending start (it failed, or was resolved).
-    pub async fn remove_pending_start(&self, provider: &str, key: &str) -> Result<(), StoreError> {
+    pub(crate) async fn remove_pending_start(&self, provider: &str, key: &str) -> Result<(), StoreError> {
         let (provider, key) = (provider.to_owned(), key.to_owned());
         self.write(move |txn| {
             txn.open_table(STARTS).map_err(db_error)?.remove((provider.as_str(), key.as_str())).map_err(db_error)?;

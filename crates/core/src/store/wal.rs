@@ -81,13 +81,12 @@ impl Default for Checkpoints {
 #[derive(Debug, thiserror::Error)]
 pub enum WalError {
     /// Opening, reading, writing or syncing it failed.
-    #[error("write-ahead log {path}: {source}")]
+    #[error("write-ahead log {path}: {}", broker_capabilities::error_text::cause_text(.cause))]
     Io {
         /// The log file.
         path: String,
         /// The I/O error.
-        #[source]
-        source: io::Error,
+        cause: io::Error,
     },
     /// Something other than a regular file is at its path.
     #[error("write-ahead log {path} is not a regular file")]
@@ -151,7 +150,7 @@ impl Wal {
     /// anything but a regular file.
     pub(crate) fn open(path: &Path, checkpoints: Checkpoints) -> Result<Wal, WalError> {
         let shown = || path.display().to_string();
-        let io_error = |source| WalError::Io { path: shown(), source };
+        let io_error = |source| WalError::Io { path: shown(), cause: source };
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -371,7 +370,7 @@ impl Wal {
     }
 
     fn io_error(&self, source: io::Error) -> WalError {
-        WalError::Io { path: self.path.display().to_string(), source }
+        WalError::Io { path: self.path.display().to_string(), cause: source }
     }
 
     #[cfg(test)]
@@ -385,7 +384,7 @@ impl Wal {
 
 /// A write transaction whose inserts and removes are noted for the log.
 /// Reads go straight to redb.
-pub struct Txn<'t> {
+pub(crate) struct Txn<'t> {
     txn: &'t WriteTransaction,
     changes: RefCell<Vec<u8>>,
 }
@@ -403,7 +402,7 @@ impl<'t> Txn<'t> {
         Some(self.changes.into_inner()).filter(|frame| frame.len() > FRAME_HEADER_LEN)
     }
 
-    pub fn open_table<K: Key + 'static, V: Value + 'static>(
+    pub(crate) fn open_table<K: Key + 'static, V: Value + 'static>(
         &self,
         definition: TableDefinition<'static, K, V>,
     ) -> Result<LoggedTable<'_, K, V>, TableError> {
@@ -412,14 +411,14 @@ impl<'t> Txn<'t> {
 }
 
 /// A table of a [`Txn`]: reads through `Deref`, writes noted.
-pub struct LoggedTable<'t, K: Key + 'static, V: Value + 'static> {
+pub(crate) struct LoggedTable<'t, K: Key + 'static, V: Value + 'static> {
     table: redb::Table<'t, K, V>,
     definition: TableDefinition<'static, K, V>,
     changes: &'t RefCell<Vec<u8>>,
 }
 
 impl<K: Key + 'static, V: Value + 'static> LoggedTable<'_, K, V> {
-    pub fn insert<'k, 'v>(
+    pub(crate) fn insert<'k, 'v>(
         &mut self,
         key: impl Borrow<K::SelfType<'k>>,
         value: impl Borrow<V::SelfType<'v>>,
@@ -429,7 +428,7 @@ impl<K: Key + 'static, V: Value + 'static> LoggedTable<'_, K, V> {
         self.table.insert(key, value)
     }
 
-    pub fn remove<'k>(
+    pub(crate) fn remove<'k>(
         &mut self,
         key: impl Borrow<K::SelfType<'k>>,
     ) -> Result<Option<redb::AccessGuard<'_, V>>, redb::StorageError> {

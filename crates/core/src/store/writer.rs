@@ -342,7 +342,7 @@ mod tests {
         move |txn| {
             if value == u64::MAX {
                 let refusal = serde_json::from_str::<u64>("refused on purpose").unwrap_err();
-                return Err(StoreError::Encode { what: "test", source: std::sync::Arc::new(refusal) });
+                return Err(StoreError::Encode { what: "test", cause: std::sync::Arc::new(refusal) });
             }
             txn.open_table(T).map_err(super::super::db_error)?.insert(key, value).map_err(super::super::db_error)?;
             Ok(key)

@@ -33,7 +33,7 @@ struct State {
 
 impl Breaker {
     /// `failures == 0` turns the breaker off.
-    pub fn new(failures: usize, window: Duration) -> Breaker {
+    pub(crate) fn new(failures: usize, window: Duration) -> Breaker {
         Breaker { failures, window, state: Mutex::default(), probe: Default::default() }
     }
 
@@ -42,7 +42,7 @@ impl Breaker {
     }
 
     /// Count a call's outcome; true if this failure tripped the breaker.
-    pub fn record(&self, outcome: Outcome, now: Instant) -> bool {
+    pub(crate) fn record(&self, outcome: Outcome, now: Instant) -> bool {
         if self.failures == 0 || !matches!(outcome, Outcome::Trap | Outcome::Deadline | Outcome::Limit) {
             return false;
         }
@@ -59,14 +59,14 @@ impl Breaker {
         false
     }
 
-    pub fn is_half_open(&self) -> bool {
+    pub(crate) fn is_half_open(&self) -> bool {
         self.state().half_open
     }
 
     /// Before a call on a half-open breaker: run `probe` (the re-observe) unless
     /// one is running, in which case wait for it and take its verdict. `Ok` if
     /// the breaker is closed afterwards; otherwise the failed probe's reason.
-    pub async fn reobserve<F, Fut>(&self, probe: F) -> Result<(), String>
+    pub(crate) async fn reobserve<F, Fut>(&self, probe: F) -> Result<(), String>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<(), String>>,
@@ -95,18 +95,18 @@ impl Breaker {
     }
 
     /// The re-observe passed: serve again, with a clean slate.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         let mut state = self.state();
         state.half_open = false;
         state.recent.clear();
     }
 
     /// How often it went half-open.
-    pub fn trips(&self) -> u64 {
+    pub(crate) fn trips(&self) -> u64 {
         self.state().trips
     }
 
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         format!("{} traps, deadline overruns or limits within {:?}", self.failures, self.window)
     }
 }

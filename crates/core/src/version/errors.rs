@@ -59,15 +59,14 @@ pub enum CallError {
     },
     /// The host could not make the call's kv changes durable (the host's
     /// storage failed, not the provider).
-    #[error("provider {provider}: {method}: the host could not make its kv changes durable: {source}")]
+    #[error("provider {provider}: {method}: the host could not make its kv changes durable: {}", broker_capabilities::error_text::cause_text(.cause))]
     Storage {
         /// The provider called.
         provider: String,
         /// The export called.
         method: Method,
         /// The store's failure.
-        #[source]
-        source: broker_capabilities::rooms::kv::KvError,
+        cause: broker_capabilities::rooms::kv::KvError,
     },
     /// The provider already ran its `max-concurrent-calls`, and none ended
     /// within `queue-wait`.
@@ -107,7 +106,7 @@ impl CallError {
 }
 
 /// `invalid-params: …` style text for a contract error.
-pub fn describe_broker_error(error: &BrokerError) -> String {
+pub(crate) fn describe_broker_error(error: &BrokerError) -> String {
     let (kind, message) = match error {
         BrokerError::InvalidParams(m) => ("invalid params", m),
         BrokerError::NotFound(m) => ("not found", m),

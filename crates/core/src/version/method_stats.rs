@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Upper bounds of the latency histogram, in seconds: from a warm call (µs) to a VM start (minutes).
-pub const BUCKETS_SECONDS: [f64; 12] = [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 300.0];
+pub(crate) const BUCKETS_SECONDS: [f64; 12] =
+    [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 300.0];
 
 /// How a call ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

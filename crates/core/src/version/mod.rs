@@ -9,7 +9,8 @@ mod errors;
 pub mod imports;
 pub mod method_stats;
 
-pub use errors::{CallError, describe_broker_error};
+pub use errors::CallError;
+pub(crate) use errors::describe_broker_error;
 
 use crate::manifest::{Isolation, Manifest, ManifestError, Method};
 use crate::runtime::turnstile::{FIRST_SLICE_TICKS, Lane};
@@ -41,49 +42,49 @@ pub enum LoadError {
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
     /// Its imports or exports do not fit this host and the manifest's grants.
-    #[error("provider {provider}: {source}")]
+    #[error("provider {provider}: {}", broker_capabilities::error_text::cause_text(.cause))]
     Contract {
         /// The provider being loaded.
         provider: String,
         /// The offending import or missing export.
-        source: imports::ContractError,
+        cause: imports::ContractError,
     },
     /// wasmtime could not link or pre-instantiate it.
-    #[error("provider {provider}: cannot link component: {}", broker_capabilities::error_text::error_text(&**source))]
+    #[error("provider {provider}: cannot link component: {}", broker_capabilities::error_text::cause_text(&**.cause))]
     Link {
         /// The provider being loaded.
         provider: String,
         /// wasmtime's error.
-        source: crate::runtime::BoxError,
+        cause: crate::runtime::BoxError,
     },
     /// A room could not make its grant ready (programs looked up and confined).
-    #[error("provider {provider}: {source}")]
+    #[error("provider {provider}: {}", broker_capabilities::error_text::cause_text(&**.cause))]
     Prepare {
         /// The provider being loaded.
         provider: String,
         /// The room's error.
-        source: crate::runtime::BoxError,
+        cause: crate::runtime::BoxError,
     },
     /// Its data dir could not be created.
-    #[error("provider {provider}: cannot make its data dir {path}: {source}")]
+    #[error("provider {provider}: cannot make its data dir {path}: {}", broker_capabilities::error_text::cause_text(.cause))]
     DataDir {
         /// The provider being loaded.
         provider: String,
         /// The data dir on the host.
         path: String,
         /// The I/O error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Its data dir's own filesystem could not be made ready.
     #[error(transparent)]
     DataFs(#[from] broker_capabilities::data_fs::DataFsError),
     /// A secret its manifest names could not be read.
-    #[error("provider {provider}: {source}")]
+    #[error("provider {provider}: {}", broker_capabilities::error_text::cause_text(.cause))]
     Secret {
         /// The provider being loaded.
         provider: String,
         /// Which secret, and why.
-        source: broker_capabilities::secrets::SecretError,
+        cause: broker_capabilities::secrets::SecretError,
     },
     /// Its manifest or component lies in a data dir, which a provider can write.
     #[error("provider {provider}: {reason}")]
@@ -243,22 +244,22 @@ impl ProviderVersion {
         let component = runtime.compile(&manifest.component, &bytes)?;
         let provider = manifest.name.clone();
         imports::check(runtime.engine(), &component, &manifest.grants)
-            .map_err(|source| LoadError::Contract { provider: provider.clone(), source })?;
+            .map_err(|source| LoadError::Contract { provider: provider.clone(), cause: source })?;
         let linker = runtime
             .linker(&manifest.grants)
-            .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
+            .map_err(|e| LoadError::Link { provider: provider.clone(), cause: e.into_boxed_dyn_error() })?;
         let instance_pre = linker
             .instantiate_pre(&component)
-            .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
+            .map_err(|e| LoadError::Link { provider: provider.clone(), cause: e.into_boxed_dyn_error() })?;
         let pre = ProviderPre::new(instance_pre)
-            .map_err(|e| LoadError::Link { provider: provider.clone(), source: e.into_boxed_dyn_error() })?;
+            .map_err(|e| LoadError::Link { provider: provider.clone(), cause: e.into_boxed_dyn_error() })?;
         let config = broker_capabilities::secrets::ProviderConfig::load(
             &manifest.name,
             &manifest.config,
             &manifest.secrets,
             capabilities.secrets.clone(),
         )
-        .map_err(|source| LoadError::Secret { provider: provider.clone(), source })?;
+        .map_err(|source| LoadError::Secret { provider: provider.clone(), cause: source })?;
         let config = Arc::new(config);
         let quotas = Arc::new(manifest.limits.quotas());
         let stats = Arc::new(ProviderStats { quotas, ..ProviderStats::default() });
@@ -386,7 +387,7 @@ impl ProviderVersion {
 
     /// Its config as its guest gets it (the manifest's `[config]` as JSON,
     /// `[secrets]` filled in): what `validate-config` is to be given.
-    pub fn guest_config(&self) -> Arc<str> {
+    pub(crate) fn guest_config(&self) -> Arc<str> {
         self.config.for_guest()
     }
 
@@ -421,7 +422,7 @@ impl ProviderVersion {
     /// instance. Only [`KvDurability::CallEnd`] providers leave any.
     ///
     /// [`KvDurability::CallEnd`]: broker_capabilities::rooms::kv::KvDurability::CallEnd
-    pub async fn start_instance_leaving_writes(
+    pub(crate) async fn start_instance_leaving_writes(
         &self,
         hooks: &CallHooks,
         params: &StartInstanceParams,
@@ -603,7 +604,7 @@ impl ProviderVersion {
         let Some(kv) = self.capabilities.host.kv() else { return Ok(()) };
         kv.persist(writes).await.map_err(|source| {
             tracing::error!(provider = &*self.name, method = method.name(), keys, error = %source, "kv changes not persisted");
-            CallError::Storage { provider: self.name.to_string(), method, source }
+            CallError::Storage { provider: self.name.to_string(), method, cause: source }
         })
     }
 
@@ -868,7 +869,7 @@ fn narrow(
     let provider = manifest.name.clone();
     let data_dir = host.data_dirs.join(&manifest.name);
     let data_dir_error =
-        |source| LoadError::DataDir { provider: provider.clone(), path: data_dir.display().to_string(), source };
+        |source| LoadError::DataDir { provider: provider.clone(), path: data_dir.display().to_string(), cause: source };
     private_dir(&host.data_dirs).and_then(|()| private_dir(&data_dir)).map_err(data_dir_error)?;
     // Before a room sets the dir's owner and ACLs: they belong on the mount.
     if let (Some(filesystems), mib @ 1..) = (&host.data_filesystems, manifest.limits.data_mib) {
@@ -893,7 +894,7 @@ fn narrow(
         backends: &host.backends,
         programs: manifest.limits.programs(),
     };
-    let prepared = rooms.prepare(&load).map_err(|source| LoadError::Prepare { provider, source })?;
+    let prepared = rooms.prepare(&load).map_err(|source| LoadError::Prepare { provider, cause: source })?;
     Ok(ProviderCapabilities { host, data_dir, rooms: rooms.clone(), prepared, quotas, redactor })
 }
 

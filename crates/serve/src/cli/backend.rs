@@ -16,26 +16,26 @@ use std::path::Path;
 /// How long a command waits for the state file another broker process holds.
 const STATE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
-pub enum Backend {
+pub(crate) enum Backend {
     Embedded(std::sync::Arc<Broker>),
     Daemon(DaemonClient),
 }
 
 /// A start as the CLI asks for it.
-pub struct StartRequest<'a> {
-    pub provider: &'a str,
+pub(crate) struct StartRequest<'a> {
+    pub(crate) provider: &'a str,
     /// Juju's syntax, already parsed once by the caller to catch usage errors.
-    pub constraints: &'a str,
-    pub placement: Option<&'a str>,
-    pub user_data: Option<Vec<u8>>,
-    pub tags: Vec<(String, String)>,
+    pub(crate) constraints: &'a str,
+    pub(crate) placement: Option<&'a str>,
+    pub(crate) user_data: Option<Vec<u8>>,
+    pub(crate) tags: Vec<(String, String)>,
     /// `StartInstanceParams` as JSON.
-    pub params: Option<serde_json::Value>,
+    pub(crate) params: Option<serde_json::Value>,
 }
 
 impl StartRequest<'_> {
     /// What the host builds the start's params from.
-    pub fn input(&self) -> broker_capabilities::contract::start::StartInput<'_> {
+    pub(crate) fn input(&self) -> broker_capabilities::contract::start::StartInput<'_> {
         broker_capabilities::contract::start::StartInput {
             params: self.params.as_ref(),
             constraints: self.constraints,
@@ -48,7 +48,7 @@ impl StartRequest<'_> {
 
 impl Backend {
     /// The daemon on `socket` if one answers there, else the state in `data_dir`.
-    pub async fn open(data_dir: &Path, socket: &Path) -> Result<Backend> {
+    pub(crate) async fn open(data_dir: &Path, socket: &Path) -> Result<Backend> {
         if let Some(client) = DaemonClient::probe(socket).await {
             tracing::debug!(socket = %socket.display(), "talking to the broker daemon");
             return Ok(Backend::Daemon(client));
@@ -68,7 +68,7 @@ impl Backend {
         Ok(Backend::Embedded(std::sync::Arc::new(broker)))
     }
 
-    pub async fn add_provider(&self, manifest: &Path) -> Result<ProviderRecord> {
+    pub(crate) async fn add_provider(&self, manifest: &Path) -> Result<ProviderRecord> {
         match self {
             Backend::Embedded(broker) => Ok(broker.registry().add(manifest).await?),
             Backend::Daemon(client) => {
@@ -79,14 +79,14 @@ impl Backend {
         }
     }
 
-    pub async fn list_providers(&self) -> Result<Vec<ProviderRecord>> {
+    pub(crate) async fn list_providers(&self) -> Result<Vec<ProviderRecord>> {
         match self {
             Backend::Embedded(broker) => Ok(broker.registry().list_shown()?),
             Backend::Daemon(client) => Ok(client.call(Method::GET, "/v1/providers", None).await?),
         }
     }
 
-    pub async fn show_provider(&self, name: &str) -> Result<ProviderView> {
+    pub(crate) async fn show_provider(&self, name: &str) -> Result<ProviderView> {
         match self {
             Backend::Embedded(broker) => {
                 let (record, manifest) = broker.registry().show(name)?;
@@ -98,7 +98,7 @@ impl Backend {
         }
     }
 
-    pub async fn remove_provider(&self, name: &str) -> Result<()> {
+    pub(crate) async fn remove_provider(&self, name: &str) -> Result<()> {
         match self {
             Backend::Embedded(broker) => Ok(broker.registry().remove(name).await?),
             Backend::Daemon(client) => {
@@ -109,7 +109,7 @@ impl Backend {
         }
     }
 
-    pub async fn swap(&self, name: &str, component: &Path, check: bool) -> Result<SwapReport> {
+    pub(crate) async fn swap(&self, name: &str, component: &Path, check: bool) -> Result<SwapReport> {
         match self {
             Backend::Embedded(broker) => {
                 let kit = broker_core::conformance::ConformanceCheck;
@@ -123,7 +123,7 @@ impl Backend {
         }
     }
 
-    pub async fn start_instance(
+    pub(crate) async fn start_instance(
         &self,
         request: &StartRequest<'_>,
         on_event: impl Fn(CallEvent) + Send + Sync + 'static,
@@ -157,7 +157,7 @@ impl Backend {
         }
     }
 
-    pub async fn list_instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>> {
+    pub(crate) async fn list_instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>> {
         match self {
             Backend::Embedded(broker) => Ok(broker.list_instances(provider).await?),
             Backend::Daemon(client) => {
@@ -172,7 +172,7 @@ impl Backend {
 
     /// Stop `ids` (through `provider`, or each through the one the host recorded
     /// it for); returns each provider asked with the ids it stopped.
-    pub async fn stop_instances(&self, ids: Vec<String>, provider: Option<&str>) -> StopReport {
+    pub(crate) async fn stop_instances(&self, ids: Vec<String>, provider: Option<&str>) -> StopReport {
         let mut report = StopReport::default();
         match self {
             Backend::Embedded(broker) => {
@@ -221,7 +221,7 @@ impl Backend {
     }
 
     /// Run `maintain-instance`; returns the provider that did.
-    pub async fn maintain_instance(&self, id: &str, provider: Option<&str>) -> Result<String> {
+    pub(crate) async fn maintain_instance(&self, id: &str, provider: Option<&str>) -> Result<String> {
         match self {
             Backend::Embedded(broker) => {
                 let owner = match provider {
@@ -238,7 +238,7 @@ impl Backend {
         }
     }
 
-    pub async fn events(&self, after: u64, limit: usize) -> Result<Vec<Event>> {
+    pub(crate) async fn events(&self, after: u64, limit: usize) -> Result<Vec<Event>> {
         match self {
             Backend::Embedded(broker) => Ok(broker.store().events(after, limit)?),
             Backend::Daemon(client) => {
@@ -264,10 +264,10 @@ struct Stopped {
 /// What `instance stop` did with each id: stopped (with its provider), not
 /// known to the host (nothing to stop), or failed (the ids of one call, and why).
 #[derive(Default)]
-pub struct StopReport {
-    pub stopped: Vec<(String, String)>,
-    pub unknown: Vec<String>,
-    pub failed: Vec<(String, anyhow::Error)>,
+pub(crate) struct StopReport {
+    pub(crate) stopped: Vec<(String, String)>,
+    pub(crate) unknown: Vec<String>,
+    pub(crate) failed: Vec<(String, anyhow::Error)>,
 }
 
 fn provider_query(provider: Option<&str>) -> String {

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 #[derive(Debug, Args)]
 #[command(args_conflicts_with_subcommands = true)]
-pub struct LockArgs {
+pub(crate) struct LockArgs {
     #[command(subcommand)]
     command: Option<LockCommand>,
     /// Use the group lock `machine-lock-<GROUP>` instead of `machine-lock`.
@@ -56,7 +56,7 @@ fn open(data_dir: &Path, group: Option<&str>) -> Result<MachineLock> {
 }
 
 /// Returns the process exit code.
-pub async fn run(data_dir: &Path, args: LockArgs, out: &mut impl Write) -> Result<u8> {
+pub(crate) async fn run(data_dir: &Path, args: LockArgs, out: &mut impl Write) -> Result<u8> {
     let lock = open(data_dir, args.group.as_deref())?;
     match args.command {
         None => {

@@ -25,18 +25,18 @@ use std::path::PathBuf;
                   WebAssembly components that get nothing but what their manifest grants; the host keeps \
                   the state, in --data-dir.\n\nExit codes: 0 success, 1 the operation failed, 2 usage error."
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     /// Where the host keeps its state and compiled-component cache.
     #[arg(long, global = true, env = "BROKER_DATA_DIR", default_value_os_t = default_data_dir())]
-    pub data_dir: PathBuf,
+    pub(crate) data_dir: PathBuf,
     /// The daemon's socket (default DATA_DIR/broker.sock). `serve` listens on it; every
     /// other command talks to the daemon there when one answers, and opens the state
     /// in DATA_DIR itself when none does. The output is the same either way.
     #[arg(long, global = true, env = "BROKER_SOCKET", value_name = "PATH")]
-    pub socket: Option<PathBuf>,
+    pub(crate) socket: Option<PathBuf>,
     /// More logging on stderr (-v info, -vv debug); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
-    pub verbose: u8,
+    pub(crate) verbose: u8,
     #[command(subcommand)]
     pub(crate) command: Command,
 }
@@ -318,7 +318,7 @@ pub(crate) fn read_bounded(path: &std::path::Path, max: usize) -> std::io::Resul
 /// A mistake in how the command was called (exit code 2), found after parsing.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-pub struct UsageError(pub String);
+pub(crate) struct UsageError(pub String);
 
 /// A daemon timeout: 1 s to 1 h (0 would cut every client off; a huge one
 /// overflows the timer's arithmetic).
@@ -339,7 +339,7 @@ fn default_data_dir() -> PathBuf {
 
 /// Run the CLI; returns the exit code of a successful run (errors exit 1, or 2
 /// for a [`UsageError`]).
-pub async fn run(mut cli: Cli) -> Result<u8> {
+pub(crate) async fn run(mut cli: Cli) -> Result<u8> {
     let mut stdout = std::io::stdout().lock();
     // Made absolute once, here: the component cache, the daemon and the
     // sandbox all need absolute paths, and a relative one would mean another
@@ -621,7 +621,7 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
 }
 
 /// Text of a status event, as the CLI prints it.
-pub fn describe_event(event: &CallEvent) -> String {
+pub(crate) fn describe_event(event: &CallEvent) -> String {
     match event {
         CallEvent::Status { status, info, .. } if info.is_empty() => status_name(*status).to_owned(),
         CallEvent::Status { status, info, .. } => format!("{}: {info}", status_name(*status)),

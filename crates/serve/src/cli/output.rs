@@ -16,22 +16,22 @@ use std::io::Write;
 /// An instance as `--json` prints it.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub struct InstanceView {
-    pub id: String,
-    pub provider: String,
-    pub status: String,
+pub(crate) struct InstanceView {
+    pub(crate) id: String,
+    pub(crate) provider: String,
+    pub(crate) status: String,
     #[serde(skip_serializing_if = "String::is_empty")]
-    pub message: String,
+    pub(crate) message: String,
     #[serde(skip_serializing_if = "String::is_empty")]
-    pub display_name: String,
-    pub hardware: Hardware,
-    pub tags: Vec<String>,
+    pub(crate) display_name: String,
+    pub(crate) hardware: Hardware,
+    pub(crate) tags: Vec<String>,
     /// The instance config's tags the start was given (`--tag`, a group's).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
-    pub instance_tags: std::collections::BTreeMap<String, String>,
-    pub addresses: Vec<String>,
+    pub(crate) instance_tags: std::collections::BTreeMap<String, String>,
+    pub(crate) addresses: Vec<String>,
     #[serde(skip_serializing_if = "String::is_empty")]
-    pub created: String,
+    pub(crate) created: String,
 }
 
 impl From<&InstanceRecord> for InstanceView {
@@ -52,11 +52,11 @@ impl From<&InstanceRecord> for InstanceView {
 }
 
 /// One line of text, escaped.
-pub fn line(out: &mut impl Write, text: &str) -> std::io::Result<()> {
+pub(crate) fn line(out: &mut impl Write, text: &str) -> std::io::Result<()> {
     writeln!(out, "{}", esc(text))
 }
 
-pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Result<()> {
+pub(crate) fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Result<()> {
     writeln!(out, "name:       {}", esc(&v.name))?;
     writeln!(out, "version:    {}", esc(&v.version))?;
     writeln!(out, "manifest:   {}", esc(&v.manifest))?;
@@ -94,7 +94,7 @@ pub fn provider_details(out: &mut impl Write, v: &ProviderView) -> std::io::Resu
 /// Status updates as they happen, on stderr so stdout stays parseable: in a
 /// terminal one line redrawn with the time so far, otherwise a line each, or
 /// with `--json` the API's NDJSON lines.
-pub struct Progress {
+pub(crate) struct Progress {
     provider: String,
     style: ProgressStyle,
     started: std::time::Instant,
@@ -110,7 +110,7 @@ enum ProgressStyle {
 }
 
 impl Progress {
-    pub fn new(provider: &str, json: bool) -> Self {
+    pub(crate) fn new(provider: &str, json: bool) -> Self {
         use std::io::IsTerminal;
         let style = match (json, std::io::stderr().is_terminal()) {
             (true, _) => ProgressStyle::Json,
@@ -120,7 +120,7 @@ impl Progress {
         Progress { provider: provider.to_owned(), style, started: std::time::Instant::now(), live: Default::default() }
     }
 
-    pub fn show(&self, event: &CallEvent) {
+    pub(crate) fn show(&self, event: &CallEvent) {
         let mut err = std::io::stderr().lock();
         // Progress is best effort: a closed stderr must not fail the start.
         let _ = match self.style {
@@ -140,7 +140,7 @@ impl Progress {
     }
 
     /// End a redrawn line, keeping its last state on screen.
-    pub fn finish(&self) {
+    pub(crate) fn finish(&self) {
         if self.live.swap(false, std::sync::atomic::Ordering::Relaxed) {
             let _ = writeln!(std::io::stderr());
         }
@@ -167,7 +167,7 @@ fn table(out: &mut impl Write, header: &[&str], rows: &[Vec<String>]) -> std::io
     Ok(())
 }
 
-pub fn provider_table(out: &mut impl Write, records: &[ProviderRecord]) -> std::io::Result<()> {
+pub(crate) fn provider_table(out: &mut impl Write, records: &[ProviderRecord]) -> std::io::Result<()> {
     let rows: Vec<Vec<String>> = records
         .iter()
         .map(|r| {
@@ -182,7 +182,7 @@ pub fn provider_table(out: &mut impl Write, records: &[ProviderRecord]) -> std::
     table(out, &["NAME", "VERSION", "SHA256", "MANIFEST"], &rows)
 }
 
-pub fn instance_table(out: &mut impl Write, views: &[InstanceView]) -> std::io::Result<()> {
+pub(crate) fn instance_table(out: &mut impl Write, views: &[InstanceView]) -> std::io::Result<()> {
     let rows: Vec<Vec<String>> = views
         .iter()
         .map(|v| {
@@ -199,7 +199,7 @@ pub fn instance_table(out: &mut impl Write, views: &[InstanceView]) -> std::io::
 }
 
 /// One line per event: `seq time kind provider old -> new detail`.
-pub fn event_lines(out: &mut impl Write, events: &[broker_core::store::Event]) -> std::io::Result<()> {
+pub(crate) fn event_lines(out: &mut impl Write, events: &[broker_core::store::Event]) -> std::io::Result<()> {
     let short =
         |sha: &Option<String>| sha.as_deref().map(broker_core::store::records::short_sha256).unwrap_or("-").to_owned();
     for e in events {
@@ -216,7 +216,7 @@ pub fn event_lines(out: &mut impl Write, events: &[broker_core::store::Event]) -
 }
 
 /// `broker store check` / `recover`: per table, what was read, what was not.
-pub fn salvage_report(
+pub(crate) fn salvage_report(
     out: &mut impl Write,
     report: &broker_core::store::salvage::SalvageReport,
 ) -> std::io::Result<()> {

@@ -31,9 +31,9 @@ type Shared = Arc<Broker>;
 /// run to its end whether or not its client stays (the drain waits for it).
 #[derive(Clone)]
 pub(crate) struct ApiState {
-    pub broker: Shared,
-    pub groups: Arc<Groups>,
-    pub detached: tokio_util::task::TaskTracker,
+    pub(crate) broker: Shared,
+    pub(crate) groups: Arc<Groups>,
+    pub(crate) detached: tokio_util::task::TaskTracker,
 }
 
 impl axum::extract::FromRef<ApiState> for Shared {
@@ -57,7 +57,7 @@ impl axum::extract::FromRef<ApiState> for tokio_util::task::TaskTracker {
 type Detached = tokio_util::task::TaskTracker;
 
 /// An error as the API reports it.
-pub struct ApiError(StatusCode, String);
+pub(crate) struct ApiError(StatusCode, String);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -654,7 +654,7 @@ fn per_method(text: &mut String, sources: &[Source]) {
 
 /// The API described in OpenAPI 3.0 (kept beside this file; a test sends a
 /// request to every path and method it names).
-pub const OPENAPI: &str = include_str!("openapi.json");
+pub(crate) const OPENAPI: &str = include_str!("openapi.json");
 
 async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()

@@ -18,8 +18,8 @@ const MIN_TOKEN_CHARS: usize = 16;
 pub(crate) enum AuthError {
     #[error("--listen {0}: plain HTTP with a bearer token is only offered on a loopback address (127.0.0.1, ::1)")]
     NotLoopback(SocketAddr),
-    #[error("cannot read token file {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    #[error("cannot read token file {path}: {}", broker_capabilities::error_text::cause_text(.cause))]
+    Read { path: String, cause: std::io::Error },
     #[error("token file {path} is readable by group or others (mode {mode:o}); chmod 600 it")]
     Exposed { path: String, mode: u32 },
     #[error("token file {path} holds fewer than {MIN_TOKEN_CHARS} characters")]
@@ -28,13 +28,13 @@ pub(crate) enum AuthError {
 
 /// The token every TCP request must present.
 #[derive(Clone)]
-pub struct BearerToken(Arc<str>);
+pub(crate) struct BearerToken(Arc<str>);
 
 impl BearerToken {
     /// Read the token file: private to its owner, at least 16 characters (surrounding whitespace ignored).
     pub(crate) fn load(path: &Path) -> Result<BearerToken, AuthError> {
         let shown = path.display().to_string();
-        let read = |source| AuthError::Read { path: shown.clone(), source };
+        let read = |source| AuthError::Read { path: shown.clone(), cause: source };
         let mode = std::fs::metadata(path).map_err(read)?.permissions().mode();
         if mode & 0o077 != 0 {
             return Err(AuthError::Exposed { path: shown, mode: mode & 0o777 });
@@ -62,7 +62,7 @@ pub(crate) fn check_loopback(addr: SocketAddr) -> Result<(), AuthError> {
 }
 
 /// Middleware: 401 unless the request carries the token (`/healthz` excepted).
-pub async fn require_bearer(State(token): State<BearerToken>, request: Request, next: Next) -> Response {
+pub(crate) async fn require_bearer(State(token): State<BearerToken>, request: Request, next: Next) -> Response {
     if request.uri().path() == "/healthz" {
         return next.run(request).await;
     }

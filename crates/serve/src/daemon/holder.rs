@@ -10,15 +10,15 @@ use std::path::Path;
 
 /// The socket listening where the daemon would, and its process if found.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Holder {
+pub(crate) struct Holder {
     /// The address it listens on (the one asked for, or a wildcard covering it).
-    pub local: SocketAddr,
+    pub(crate) local: SocketAddr,
     /// The socket's owner.
-    pub uid: u32,
+    pub(crate) uid: u32,
     /// The socket's inode.
-    pub inode: u64,
+    pub(crate) inode: u64,
     /// A process holding it, with its command line (escaped, cut).
-    pub process: Option<(u32, String)>,
+    pub(crate) process: Option<(u32, String)>,
 }
 
 impl std::fmt::Display for Holder {
@@ -39,7 +39,7 @@ const MAX_COMMAND_CHARS: usize = 200;
 
 /// `cmdline`'s NUL-separated arguments as one line, each unprintable character
 /// escaped (a command line is whatever its program chose), cut.
-pub fn shown_command(cmdline: &[u8]) -> String {
+pub(crate) fn shown_command(cmdline: &[u8]) -> String {
     let text = String::from_utf8_lossy(cmdline);
     let joined = text.trim_end_matches('\0').replace('\0', " ");
     let escaped = escape_unprintable(&joined);
@@ -52,7 +52,7 @@ pub fn shown_command(cmdline: &[u8]) -> String {
 
 /// The socket listening on `wanted` (or on the wildcard of its family, or
 /// `::` covering IPv4), in this network namespace, and who holds it.
-pub fn find(wanted: SocketAddr) -> Option<Holder> {
+pub(crate) fn find(wanted: SocketAddr) -> Option<Holder> {
     find_in(Path::new("/proc"), wanted)
 }
 

@@ -7,14 +7,15 @@
 
 mod api;
 mod auth;
-pub mod holder;
+pub(crate) mod holder;
 mod progress;
 mod root;
 
 pub use crate::listen::ServeLimits;
-pub use auth::BearerToken;
+pub(crate) use auth::BearerToken;
 pub(crate) use auth::check_loopback;
-pub use root::{DaemonOptions, run};
+pub(crate) use root::DaemonOptions;
+pub(crate) use root::run;
 
 use anyhow::{Context, Result};
 use broker_core::broker::Broker;
@@ -23,21 +24,21 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Largest request body accepted; anything bigger gets 413.
-pub const MAX_BODY_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_BODY_BYTES: usize = 64 * 1024;
 
 /// The default socket: `DATA_DIR/broker.sock`.
-pub fn default_socket(data_dir: &Path) -> PathBuf {
+pub(crate) fn default_socket(data_dir: &Path) -> PathBuf {
     data_dir.join("broker.sock")
 }
 
 /// Where the API listens besides its unix socket: bound when made, before
 /// the daemon does anything else, so a port another process holds stops the
 /// start at once, naming that process.
-pub struct TcpListen {
+pub(crate) struct TcpListen {
     /// A loopback address; any other is refused.
-    pub addr: std::net::SocketAddr,
+    pub(crate) addr: std::net::SocketAddr,
     /// What every request but `/healthz` must present as `Authorization: Bearer`.
-    pub token: BearerToken,
+    pub(crate) token: BearerToken,
     listener: std::net::TcpListener,
 }
 
@@ -45,7 +46,7 @@ impl TcpListen {
     /// Bind `addr` (loopback only). An address another socket listens on is
     /// refused, saying by whom when this host can tell: clients would send
     /// that program the bearer token meant for the daemon.
-    pub fn bind(addr: std::net::SocketAddr, token: BearerToken) -> Result<TcpListen> {
+    pub(crate) fn bind(addr: std::net::SocketAddr, token: BearerToken) -> Result<TcpListen> {
         check_loopback(addr)?;
         let listener = std::net::TcpListener::bind(addr).map_err(|error| match error.kind() {
             std::io::ErrorKind::AddrInUse => {
@@ -68,11 +69,11 @@ impl TcpListen {
 #[derive(Default)]
 pub struct Serving {
     /// Also the API on loopback TCP.
-    pub tcp: Option<TcpListen>,
+    pub(crate) tcp: Option<TcpListen>,
     /// Also InfraKit's plugin sockets in this directory.
-    pub infrakit_dir: Option<PathBuf>,
+    pub(crate) infrakit_dir: Option<PathBuf>,
     /// The groups' convergence loops.
-    pub groups: broker_core::groups::GroupSettings,
+    pub(crate) groups: broker_core::groups::GroupSettings,
 }
 
 /// Serve the API on `socket` (and on loopback TCP behind a bearer token, and

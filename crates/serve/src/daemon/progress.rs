@@ -10,9 +10,9 @@ use std::sync::Mutex;
 use tokio::sync::Notify;
 
 /// Lines a start may have waiting for its client.
-pub const QUEUED_LINES: usize = 64;
+pub(crate) const QUEUED_LINES: usize = 64;
 
-pub struct ProgressQueue<T> {
+pub(crate) struct ProgressQueue<T> {
     capacity: usize,
     state: Mutex<State<T>>,
     ready: Notify,
@@ -26,7 +26,7 @@ struct State<T> {
 }
 
 impl<T> ProgressQueue<T> {
-    pub fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize) -> Self {
         let state = State { lines: VecDeque::new(), last: None, closed: false, coalesced: 0 };
         ProgressQueue { capacity: capacity.max(1), state: Mutex::new(state), ready: Notify::new() }
     }
@@ -36,7 +36,7 @@ impl<T> ProgressQueue<T> {
     }
 
     /// Queue an intermediate line, replacing the newest waiting one when full.
-    pub fn push(&self, line: T) {
+    pub(crate) fn push(&self, line: T) {
         {
             let mut state = self.state();
             if state.closed {
@@ -52,7 +52,7 @@ impl<T> ProgressQueue<T> {
     }
 
     /// The final line: delivered after every line queued, then nothing more.
-    pub fn finish(&self, line: T) {
+    pub(crate) fn finish(&self, line: T) {
         {
             let mut state = self.state();
             state.last = Some(line);
@@ -62,12 +62,12 @@ impl<T> ProgressQueue<T> {
     }
 
     /// Lines replaced so far because the client was behind.
-    pub fn coalesced(&self) -> u64 {
+    pub(crate) fn coalesced(&self) -> u64 {
         self.state().coalesced
     }
 
     /// The next line, waiting for one; `None` after the final line.
-    pub async fn next(&self) -> Option<T> {
+    pub(crate) async fn next(&self) -> Option<T> {
         loop {
             // Made before looking, so a push between the look and the wait is not missed.
             let pushed = self.ready.notified();

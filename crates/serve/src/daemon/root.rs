@@ -12,21 +12,21 @@ use std::path::{Path, PathBuf};
 const REAP_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What `broker serve` is asked to do, its usage already checked.
-pub struct DaemonOptions {
+pub(crate) struct DaemonOptions {
     /// The manifests directory watched for providers.
-    pub providers_dir: PathBuf,
+    pub(crate) providers_dir: PathBuf,
     /// The most kv held in memory across providers.
-    pub kv_mirror_bytes: usize,
+    pub(crate) kv_mirror_bytes: usize,
     /// The bounds on each connection and request, and the drain.
-    pub limits: ServeLimits,
+    pub(crate) limits: ServeLimits,
     /// What to do with instances a provider reports that no record has.
-    pub harvest: broker_core::broker::reconcile::HarvestMode,
+    pub(crate) harvest: broker_core::broker::reconcile::HarvestMode,
     /// What is served besides the unix socket, and the groups' settings.
-    pub serving: Serving,
+    pub(crate) serving: Serving,
 }
 
 /// Run the daemon on `data_dir`, its API on `socket`, until SIGTERM or SIGINT.
-pub async fn run(data_dir: &Path, socket: &Path, options: DaemonOptions) -> Result<()> {
+pub(crate) async fn run(data_dir: &Path, socket: &Path, options: DaemonOptions) -> Result<()> {
     let DaemonOptions { providers_dir, kv_mirror_bytes, limits, harvest, serving } = options;
     let providers_dir = providers_dir.as_path();
     // A CLI command working on the state itself (no daemon was serving when it

@@ -15,12 +15,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// Nothing answers on the socket.
-    #[error("cannot reach the InfraKit plugin on {socket}: {source}")]
+    #[error("cannot reach the InfraKit plugin on {socket}: {}", broker_capabilities::error_text::cause_text(.cause))]
     Connect {
         /// The socket.
         socket: String,
         /// Why.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The exchange broke off or did not parse.
     #[error("the InfraKit plugin on {socket} answered unreadably: {why}")]
@@ -99,7 +99,7 @@ impl InfrakitClient {
         let response =
             crate::client::send_unix(&self.socket, method, path, body).await.map_err(|failed| match failed {
                 crate::client::SendError::Connect(source) => {
-                    ClientError::Connect { socket: self.socket.display().to_string(), source }
+                    ClientError::Connect { socket: self.socket.display().to_string(), cause: source }
                 }
                 crate::client::SendError::Http(why) => self.unreadable(why),
             })?;

@@ -10,10 +10,10 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 
 /// The interface and version this socket speaks; a client refuses any other.
-pub const GROUP_API: (&str, &str) = ("Group", "0.1.1");
+pub(crate) const GROUP_API: (&str, &str) = ("Group", "0.1.1");
 
 /// The methods, as `/info/api.json` lists them, with an example of each one's params.
-pub fn methods() -> Vec<(&'static str, Value)> {
+pub(crate) fn methods() -> Vec<(&'static str, Value)> {
     vec![
         ("Group.CommitGroup", json!({"Name": "group", "Spec": {"ID": "workers", "Properties": {}}, "Pretend": true})),
         ("Group.DescribeGroup", json!({"Name": "group", "ID": "workers"})),
@@ -71,7 +71,7 @@ fn server(error: broker_core::groups::GroupError) -> RpcError {
 }
 
 /// One call of the group plugin; `None` if it has no such method.
-pub async fn call(groups: &Arc<Groups>, method: &str, raw: Value) -> Option<Result<Value, RpcError>> {
+pub(crate) async fn call(groups: &Arc<Groups>, method: &str, raw: Value) -> Option<Result<Value, RpcError>> {
     let outcome = match method {
         "Group.CommitGroup" => commit(groups, raw).await,
         "Group.DescribeGroup" => describe(groups, raw).await,
@@ -121,7 +121,7 @@ async fn describe(groups: &Arc<Groups>, raw: Value) -> Result<Value, RpcError> {
 }
 
 /// A member as InfraKit's `instance.Description`: its status in `Properties`.
-pub fn instance_description(member: &MemberDescription) -> Value {
+pub(crate) fn instance_description(member: &MemberDescription) -> Value {
     let mut described = json!({
         "ID": member.id,
         "Tags": member.tags,

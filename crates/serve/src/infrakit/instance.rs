@@ -11,14 +11,14 @@ use serde_json::{Value, json};
 use std::collections::BTreeMap;
 
 /// The interface and version this socket speaks.
-pub const INSTANCE_API: (&str, &str) = ("Instance", "0.6.1");
+pub(crate) const INSTANCE_API: (&str, &str) = ("Instance", "0.6.1");
 /// Most labels one `Label` call sets.
-pub const MAX_LABELS: usize = 64;
+pub(crate) const MAX_LABELS: usize = 64;
 /// Longest label key and value.
-pub const MAX_LABEL_BYTES: usize = 256;
+pub(crate) const MAX_LABEL_BYTES: usize = 256;
 
 /// The methods, as `/info/api.json` lists them, with an example of each one's params.
-pub fn methods() -> Vec<(&'static str, Value)> {
+pub(crate) fn methods() -> Vec<(&'static str, Value)> {
     let spec = json!({"Properties": {"Constraints": "mem=1G"}, "Tags": {"role": "worker"}, "Init": "", "LogicalID": null, "Attachments": []});
     vec![
         ("Instance.Validate", json!({"Type": "", "Properties": {"Constraints": "mem=1G"}})),
@@ -100,7 +100,7 @@ fn spec_error(error: &broker_core::groups::spec::SpecError) -> RpcError {
 }
 
 /// One call of `provider`'s instance plugin; `None` if it has no such method.
-pub async fn call(broker: &Broker, provider: &str, method: &str, raw: Value) -> Option<Result<Value, RpcError>> {
+pub(crate) async fn call(broker: &Broker, provider: &str, method: &str, raw: Value) -> Option<Result<Value, RpcError>> {
     let outcome = match method {
         "Instance.Validate" => params::<Validate>(raw).and_then(|p| {
             start_params("Properties", &p.properties, &[], BTreeMap::new(), true).map_err(|e| spec_error(&e))?;

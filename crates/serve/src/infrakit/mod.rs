@@ -17,8 +17,8 @@
 //! are answered "busy"), and [`MAX_CONNECTIONS`] connections per socket.
 
 pub mod client;
-pub mod group;
-pub mod instance;
+pub(crate) mod group;
+pub(crate) mod instance;
 pub mod rpc;
 
 use crate::listen::ServeLimits;
@@ -38,7 +38,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// The group plugin's socket name.
-pub const GROUP_SOCKET: &str = "group";
+pub(crate) const GROUP_SOCKET: &str = "group";
 /// How often the provider sockets are matched to the registry.
 const FOLLOW_REGISTRY: Duration = Duration::from_secs(1);
 /// Largest request body a plugin socket takes (a group spec is at most 64 KiB).
@@ -46,12 +46,12 @@ const MAX_RPC_BODY_BYTES: usize = 128 * 1024;
 /// Calls in flight at once over all the plugin sockets. A call runs to its
 /// end even if its client goes, so without this a client that sends and
 /// hangs up could pile up work without limit.
-pub const MAX_CALLS: usize = 64;
+pub(crate) const MAX_CALLS: usize = 64;
 /// Connections open at once per plugin socket.
-pub const MAX_CONNECTIONS: usize = 64;
+pub(crate) const MAX_CONNECTIONS: usize = 64;
 
 /// InfraKit's own default: `~/.infrakit/plugins`.
-pub fn default_dir() -> Option<PathBuf> {
+pub(crate) fn default_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".infrakit").join("plugins"))
 }
 

@@ -10,7 +10,7 @@ use serde_json::Value;
 /// The body is not JSON.
 pub const PARSE_ERROR: i64 = -32700;
 /// JSON, but not a JSON-RPC request.
-pub const INVALID_REQUEST: i64 = -32600;
+pub(crate) const INVALID_REQUEST: i64 = -32600;
 /// No such method on this plugin.
 pub const METHOD_NOT_FOUND: i64 = -32601;
 /// The params are not the method's.
@@ -30,50 +30,50 @@ pub struct RpcError {
 
 impl RpcError {
     /// A plugin error (`-32000`), said as the host says errors.
-    pub fn server(error: &(dyn std::error::Error + 'static)) -> RpcError {
+    pub(crate) fn server(error: &(dyn std::error::Error + 'static)) -> RpcError {
         RpcError { code: SERVER_ERROR, message: broker_capabilities::error_text::error_text(error) }
     }
 
     /// Params that are not the method's.
-    pub fn params(why: impl std::fmt::Display) -> RpcError {
+    pub(crate) fn params(why: impl std::fmt::Display) -> RpcError {
         RpcError { code: INVALID_PARAMS, message: format!("invalid params: {why}") }
     }
 }
 
 /// A request, read leniently enough to answer even a bad one with its id.
 #[derive(Debug, Deserialize)]
-pub struct Request {
+pub(crate) struct Request {
     /// `"2.0"`; absent is taken as 2.0, as gorilla does.
     #[serde(default)]
-    pub jsonrpc: Option<String>,
+    pub(crate) jsonrpc: Option<String>,
     /// `Interface.Method`.
-    pub method: String,
+    pub(crate) method: String,
     /// An object, or an array of one object.
     #[serde(default)]
-    pub params: Value,
+    pub(crate) params: Value,
     /// Echoed in the answer.
     #[serde(default)]
-    pub id: Value,
+    pub(crate) id: Value,
 }
 
 /// The answer to one request.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct Response {
+pub(crate) struct Response {
     /// Always `"2.0"`.
-    pub jsonrpc: String,
+    pub(crate) jsonrpc: String,
     /// The method's result, when it succeeded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub result: Option<Value>,
+    pub(crate) result: Option<Value>,
     /// Why it failed, when it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<RpcError>,
+    pub(crate) error: Option<RpcError>,
     /// The request's id.
-    pub id: Value,
+    pub(crate) id: Value,
 }
 
 impl Response {
     /// The answer of `outcome` to the request of `id`.
-    pub fn of(id: Value, outcome: Result<Value, RpcError>) -> Response {
+    pub(crate) fn of(id: Value, outcome: Result<Value, RpcError>) -> Response {
         match outcome {
             Ok(result) => Response { jsonrpc: "2.0".into(), result: Some(result), error: None, id },
             Err(error) => Response { jsonrpc: "2.0".into(), result: None, error: Some(error), id },
@@ -82,7 +82,7 @@ impl Response {
 }
 
 /// Read a request from `body`: the request, or the answer to send at once.
-pub fn read_request(body: &[u8]) -> Result<Request, Response> {
+pub(crate) fn read_request(body: &[u8]) -> Result<Request, Response> {
     let value: Value = serde_json::from_slice(body).map_err(|e| {
         Response::of(Value::Null, Err(RpcError { code: PARSE_ERROR, message: format!("the body is not JSON: {e}") }))
     })?;
@@ -101,7 +101,7 @@ pub fn read_request(body: &[u8]) -> Result<Request, Response> {
 
 /// A field InfraKit's Go clients may send as `null` (a nil map or slice):
 /// read as its default, as Go's decoder does.
-pub fn or_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+pub(crate) fn or_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
 where
     D: serde::Deserializer<'de>,
     T: Default + Deserialize<'de>,
@@ -111,7 +111,7 @@ where
 
 /// A method's params as `T` (fields it does not know are ignored, as
 /// InfraKit's servers do: a newer client's extra field breaks nothing): an object, or an array holding exactly one.
-pub fn params<T: DeserializeOwned>(params: Value) -> Result<T, RpcError> {
+pub(crate) fn params<T: DeserializeOwned>(params: Value) -> Result<T, RpcError> {
     let object = match params {
         Value::Array(mut items) if items.len() == 1 => items.remove(0),
         Value::Array(items) => {

@@ -9,35 +9,35 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// `broker --data-dir DATA_DIR ARGS…`, run to its end (talking to a daemon if one serves there).
-pub fn broker(data_dir: &Path, args: &[&str]) -> Output {
+pub(crate) fn broker(data_dir: &Path, args: &[&str]) -> Output {
     broker_command(data_dir, args).output().expect("run broker")
 }
 
 /// `broker --data-dir DATA_DIR ARGS…`, to run as the caller wants (no
 /// inherited log level or socket).
-pub fn broker_command(data_dir: &Path, args: &[&str]) -> Command {
+pub(crate) fn broker_command(data_dir: &Path, args: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_broker"));
     command.arg("--data-dir").arg(data_dir).args(args).env_remove("RUST_LOG").env_remove("BROKER_SOCKET");
     command
 }
 
-pub struct Daemon {
+pub(crate) struct Daemon {
     pub child: Child,
     pub socket: PathBuf,
     data_dir: PathBuf,
 }
 
 impl Daemon {
-    pub fn start(data_dir: &Path) -> Daemon {
+    pub(crate) fn start(data_dir: &Path) -> Daemon {
         Daemon::start_with(data_dir, &[])
     }
 
-    pub fn start_with(data_dir: &Path, serve_args: &[&str]) -> Daemon {
+    pub(crate) fn start_with(data_dir: &Path, serve_args: &[&str]) -> Daemon {
         Daemon::spawn(data_dir, serve_args, Stdio::null())
     }
 
     /// A daemon logging at `info` to `log`.
-    pub fn start_logging(data_dir: &Path, log: &Path) -> Daemon {
+    pub(crate) fn start_logging(data_dir: &Path, log: &Path) -> Daemon {
         Daemon::spawn(data_dir, &["-v"], std::fs::File::create(log).unwrap().into())
     }
 
@@ -61,18 +61,18 @@ impl Daemon {
         Daemon { child, socket, data_dir: data_dir.to_owned() }
     }
 
-    pub fn request(&self, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String) {
+    pub(crate) fn request(&self, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String) {
         request(&self.socket, method, path, body)
     }
 
     /// SIGTERM, then its exit status once it has drained.
-    pub fn terminate(&mut self) -> std::process::ExitStatus {
+    pub(crate) fn terminate(&mut self) -> std::process::ExitStatus {
         let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
         nix::sys::signal::kill(pid, nix::sys::signal::SIGTERM).unwrap();
         self.child.wait().unwrap()
     }
 
-    pub fn json(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
+    pub(crate) fn json(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
         let (status, text) = self.request(method, path, body.map(str::as_bytes));
         (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")))
     }
@@ -89,7 +89,7 @@ impl Drop for Daemon {
 /// Detach what a killed daemon left mounted under `dir` (its providers' data
 /// filesystems: a daemon that is killed leaves them, on purpose, for the next
 /// one to use), so the test's directory can go.
-pub fn detach_mounts_under(dir: &Path) {
+pub(crate) fn detach_mounts_under(dir: &Path) {
     let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else { return };
     for line in table.lines() {
         let Some(point) = line.split(' ').nth(4) else { continue };
@@ -100,12 +100,12 @@ pub fn detach_mounts_under(dir: &Path) {
 }
 
 /// One request on the unix socket; returns the status and the (de-chunked) body.
-pub fn request(socket: &Path, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String) {
+pub(crate) fn request(socket: &Path, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String) {
     exchange(UnixStream::connect(socket).unwrap(), method, path, body, "")
 }
 
 /// One request on `stream`, with `headers` (each ending in CRLF) added.
-pub fn exchange(
+pub(crate) fn exchange(
     mut stream: impl Read + Write,
     method: &str,
     path: &str,
@@ -143,7 +143,7 @@ fn dechunk(mut rest: &str) -> String {
 }
 
 /// The bundled fake's manifest, with `line` added to its [config].
-pub fn fake_manifest(dir: &Path, line: &str) -> String {
+pub(crate) fn fake_manifest(dir: &Path, line: &str) -> String {
     let text = guest_artifacts::manifest_text("fake");
     let path = dir.join("fake.toml");
     std::fs::write(&path, format!("{text}{line}\n")).unwrap();

@@ -13,7 +13,7 @@ use std::sync::Arc;
 const HTTP: &str = "http";
 
 /// wasi:http's part in the kit.
-pub struct HttpKit;
+pub(crate) struct HttpKit;
 
 impl KitPart for HttpKit {
     fn keys(&self) -> &'static [&'static str] {

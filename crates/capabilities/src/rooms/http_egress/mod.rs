@@ -63,7 +63,7 @@ const DEFAULT_FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(120);
 /// The request bodies one provider version's signed requests may hold at
 /// once while the host reads, checks and signs them (KiB): four of the
 /// largest, however many requests the guest opens.
-pub const SIGNED_BODIES_IN_FLIGHT_KIB: u32 = 4 * (rules::MAX_SIGNED_BODY as u32 / 1024);
+pub(crate) const SIGNED_BODIES_IN_FLIGHT_KIB: u32 = 4 * (rules::MAX_SIGNED_BODY as u32 / 1024);
 
 /// What a provider version's signed requests may buffer at once: a request
 /// waits for room (its call's deadline bounds the wait), so the host's memory
@@ -96,8 +96,9 @@ impl SignedBodies {
         self.0.clone().acquire_many_owned(kib).await.ok()
     }
 
-    /// KiB free now (tests).
-    pub fn available_kib(&self) -> usize {
+    /// KiB free now.
+    #[cfg(test)]
+    fn available_kib(&self) -> usize {
         self.0.available_permits()
     }
 }
@@ -485,14 +486,14 @@ pub enum EgressError {
         scheme: String,
     },
     /// The target could not be reached.
-    #[error("cannot connect to {target} for authority `{authority}`: {source}")]
+    #[error("cannot connect to {target} for authority `{authority}`: {}", crate::error_text::cause_text(.cause))]
     Connect {
         /// The granted authority.
         authority: String,
         /// Where the grant sends it.
         target: String,
         /// The connect's or the handshake's error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Connecting (or the HTTP handshake) took longer than the connect timeout.
     #[error("connecting to {target} for authority `{authority}` timed out")]
@@ -503,22 +504,22 @@ pub enum EgressError {
         target: String,
     },
     /// TLS to an `https` target failed: an unknown CA, a certificate for another name, …
-    #[error("TLS to {target} for authority `{authority}` failed: {source}")]
+    #[error("TLS to {target} for authority `{authority}` failed: {}", crate::error_text::cause_text(.cause))]
     Tls {
         /// The granted authority.
         authority: String,
         /// Where the grant sends it.
         target: String,
         /// What failed.
-        source: tls::TlsError,
+        cause: tls::TlsError,
     },
     /// The host could not sign: its credentials are missing or unusable. Nothing was sent.
-    #[error("cannot sign the request for authority `{authority}`: {source}")]
+    #[error("cannot sign the request for authority `{authority}`: {}", crate::error_text::cause_text(.cause))]
     Signing {
         /// The granted authority.
         authority: String,
         /// What failed (never the secret).
-        source: signing::SigningError,
+        cause: signing::SigningError,
     },
     /// The grant's rules refuse the request. Nothing was sent.
     #[error("request for authority `{authority}` {refused}")]
@@ -545,14 +546,14 @@ impl EgressError {
             EgressError::NotGranted { .. } | EgressError::NoBackend | EgressError::Refused { .. } => {
                 HttpError::HttpRequestDenied
             }
-            EgressError::Tls { source, .. } if source.is_certificate() => HttpError::TlsCertificateError,
+            EgressError::Tls { cause: source, .. } if source.is_certificate() => HttpError::TlsCertificateError,
             EgressError::Tls { .. } => HttpError::TlsProtocolError,
             EgressError::Signing { authority, .. } => HttpError::InternalError(Some(format!(
                 "the host cannot sign requests for `{authority}` now: its log says why"
             ))),
             EgressError::NoAuthority => HttpError::HttpRequestUriInvalid,
             EgressError::Scheme { .. } => HttpError::HttpProtocolError,
-            EgressError::Connect { source, .. } => match source.kind() {
+            EgressError::Connect { cause: source, .. } => match source.kind() {
                 std::io::ErrorKind::NotFound => HttpError::DestinationNotFound,
                 std::io::ErrorKind::PermissionDenied => HttpError::HttpRequestDenied,
                 _ => HttpError::ConnectionRefused,
@@ -607,7 +608,7 @@ impl EgressBackend for HostEgress {
 /// The `wasi:http` hooks of one provider's stores: its grant and its egress
 /// backend, nothing else. The default grants nothing and reaches nothing.
 #[derive(Clone, Default)]
-pub struct EgressHooks {
+pub(crate) struct EgressHooks {
     provider: Arc<str>,
     grant: Arc<HttpGrant>,
     /// `None` without the grant, or in a sandbox that gives no backend.
@@ -788,7 +789,7 @@ async fn signed(
         .rules
         .check_request(&parts.headers, parts.uri.query(), &body)
         .map_err(|refused| EgressError::Refused { authority: authority.to_owned(), refused })?;
-    let failed = |source| EgressError::Signing { authority: authority.to_owned(), source };
+    let failed = |source| EgressError::Signing { authority: authority.to_owned(), cause: source };
     let credentials = credentials
         .ok_or_else(|| failed(signing::SigningError::NoCredentialsDir { name: signing.credentials.clone() }))?
         .get(&signing.credentials)
@@ -853,14 +854,14 @@ async fn send_with(
     let connect_timeout = options.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
     let first_byte_timeout = options.first_byte_timeout.unwrap_or(DEFAULT_FIRST_BYTE_TIMEOUT);
     let connect_error =
-        |source| EgressError::Connect { authority: authority.clone(), target: target.to_string(), source };
+        |source| EgressError::Connect { authority: authority.clone(), target: target.to_string(), cause: source };
     let timed_out = || EgressError::ConnectTimeout { authority: authority.clone(), target: target.to_string() };
 
     let stream = match tokio::time::timeout(connect_timeout, connect(route)).await.map_err(|_| timed_out())? {
         Ok(stream) => stream,
         Err(ConnectFailure::Io(source)) => return Err(connect_error(source)),
         Err(ConnectFailure::Tls(source)) => {
-            return Err(EgressError::Tls { authority: authority.clone(), target: target.to_string(), source });
+            return Err(EgressError::Tls { authority: authority.clone(), target: target.to_string(), cause: source });
         }
     };
     let handshake = hyper::client::conn::http1::handshake::<_, WasiBody>(TokioIo::new(stream));

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 /// The largest request body the host reads to check and sign.
-pub const MAX_SIGNED_BODY: usize = 4 << 20;
+pub(crate) const MAX_SIGNED_BODY: usize = 4 << 20;
 
 /// A grant's rules (all optional; none: anything the credential can do).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -51,7 +51,7 @@ fn shown(text: &str) -> String {
 
 /// Headers that could make the server read a request otherwise than the
 /// host did: an action from a header, a compressed or re-framed body.
-pub fn check_headers(headers: &http::HeaderMap) -> Result<(), Refused> {
+pub(crate) fn check_headers(headers: &http::HeaderMap) -> Result<(), Refused> {
     if headers.contains_key("x-amz-target") {
         return Err(refused("actions", "x-amz-target names an action the host does not read: refused"));
     }
@@ -75,7 +75,12 @@ impl Rules {
 
     /// Check one whole request as the server will read it: its headers
     /// ([`check_headers`]), then its query string and body ([`Rules::check`]).
-    pub fn check_request(&self, headers: &http::HeaderMap, query: Option<&str>, body: &[u8]) -> Result<(), Refused> {
+    pub(crate) fn check_request(
+        &self,
+        headers: &http::HeaderMap,
+        query: Option<&str>,
+        body: &[u8],
+    ) -> Result<(), Refused> {
         if !self.any() {
             return Ok(());
         }

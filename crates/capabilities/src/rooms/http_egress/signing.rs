@@ -77,7 +77,7 @@ struct Cached {
 }
 
 /// `DATA_DIR/credentials`: the credentials grants name, read as they change.
-pub struct CredentialsDir {
+pub(crate) struct CredentialsDir {
     dir: PathBuf,
     cache: Mutex<HashMap<String, Cached>>,
 }
@@ -95,13 +95,13 @@ pub fn check_name(name: &str) -> Result<(), String> {
 
 impl CredentialsDir {
     /// The credentials under `dir` (`DATA_DIR/credentials`).
-    pub fn new(dir: PathBuf) -> CredentialsDir {
+    pub(crate) fn new(dir: PathBuf) -> CredentialsDir {
         CredentialsDir { dir, cache: Mutex::default() }
     }
 
     /// The credentials called `name`, read again if its file changed (and,
     /// from an AWS profile, every [`PROFILE_REREAD`]).
-    pub async fn get(&self, name: &str) -> Result<Credentials, SigningError> {
+    pub(crate) async fn get(&self, name: &str) -> Result<Credentials, SigningError> {
         let path = self.dir.join(format!("{name}.toml"));
         let refuse = |reason: String| SigningError::Credentials { name: name.to_owned(), path: path.clone(), reason };
         check_name(name).map_err(refuse)?;
@@ -229,7 +229,8 @@ async fn from_aws_profile(
 /// The headers a signature consists of: a guest's own are dropped before
 /// signing (it cannot sign, nor make the host send its forgery), and they
 /// never come back to it.
-pub const SIGNING_HEADERS: [&str; 4] = ["authorization", "x-amz-date", "x-amz-security-token", "x-amz-content-sha256"];
+pub(crate) const SIGNING_HEADERS: [&str; 4] =
+    ["authorization", "x-amz-date", "x-amz-security-token", "x-amz-content-sha256"];
 
 /// How a grant signs.
 #[derive(Debug, Clone, PartialEq, Eq)]

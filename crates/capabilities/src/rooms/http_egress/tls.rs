@@ -31,7 +31,7 @@ pub enum TlsError {
 
 impl TlsError {
     /// Whether the peer's certificate was what failed (not the transport).
-    pub fn is_certificate(&self) -> bool {
+    pub(crate) fn is_certificate(&self) -> bool {
         match self {
             TlsError::Handshake(e) => {
                 e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()).is_some_and(|e| {
@@ -77,7 +77,7 @@ fn ca_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError
 }
 
 /// The client config for a grant: the machine's roots and the `ca-file`'s.
-pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+pub(crate) fn client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, TlsError> {
     let key = ca_file.map(|path| (path.to_owned(), std::fs::metadata(path).and_then(|m| m.modified()).ok()));
     if let Some(config) = configs().lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok(config.clone());

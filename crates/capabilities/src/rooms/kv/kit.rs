@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use std::sync::Arc;
 
 /// kv's part in the kit.
-pub struct KvKit;
+pub(crate) struct KvKit;
 
 impl KitPart for KvKit {
     fn keys(&self) -> &'static [&'static str] {

@@ -15,10 +15,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use wasmtime::component::{HasSelf, Linker};
 
 /// Its interface in the contract package.
-pub const INTERFACE: &str = "kv";
+pub(crate) const INTERFACE: &str = "kv";
 
 /// Keys longer than this are refused.
-pub const MAX_KEY_BYTES: usize = 1024;
+pub(crate) const MAX_KEY_BYTES: usize = 1024;
 /// Values larger than this are refused.
 pub const MAX_VALUE_BYTES: usize = 1 << 20;
 /// Most a `scan` returns at once: a larger one is refused (scan a narrower prefix).
@@ -94,13 +94,8 @@ impl Entries {
         Some(old)
     }
 
-    /// The entries whose key starts with `prefix`, in key order.
-    pub fn with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = (&'a String, &'a Vec<u8>)> + 'a {
-        self.with_prefix_after(prefix, None)
-    }
-
-    /// As [`Entries::with_prefix`], only keys that sort after `after`.
-    pub fn with_prefix_after<'a>(
+    /// The entries whose key starts with `prefix` and sorts after `after`, in key order.
+    pub(crate) fn with_prefix_after<'a>(
         &'a self,
         prefix: &'a str,
         after: Option<&str>,
@@ -303,7 +298,7 @@ pub fn apply_change(entries: &mut Entries, key: &str, change: KvChange, quota: K
 }
 
 /// Append one scan entry to `out` in the wire format of `kv.scan`.
-pub fn pack_entry(out: &mut Vec<u8>, key: &str, value: &[u8]) {
+pub(crate) fn pack_entry(out: &mut Vec<u8>, key: &str, value: &[u8]) {
     out.extend_from_slice(&(key.len() as u32).to_le_bytes());
     out.extend_from_slice(key.as_bytes());
     out.extend_from_slice(&(value.len() as u32).to_le_bytes());
@@ -351,7 +346,7 @@ pub fn pack_page(entries: &Entries, prefix: &str, after: Option<&str>, max_bytes
 }
 
 /// Decode a little-endian i64 counter as `increment` stores it.
-pub fn decode_counter(bytes: &[u8]) -> Result<i64, KvError> {
+pub(crate) fn decode_counter(bytes: &[u8]) -> Result<i64, KvError> {
     let array: [u8; 8] = bytes
         .try_into()
         .map_err(|_| KvError::Invalid(format!("increment: value is {} bytes, not an 8-byte integer", bytes.len())))?;
@@ -425,7 +420,7 @@ pub enum KvDurability {
 
 /// Keys a call may leave to be persisted at its end; past this many, the
 /// changes so far are persisted at once (the set stays bounded).
-pub const MAX_UNPERSISTED_KEYS: usize = 1024;
+pub(crate) const MAX_UNPERSISTED_KEYS: usize = 1024;
 
 /// Per-store context: which namespace this guest may touch, where it lives,
 /// and what its calls changed but have not persisted yet.

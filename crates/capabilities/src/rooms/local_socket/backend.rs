@@ -15,7 +15,7 @@ use tokio::net::UnixStream;
 
 /// The host's unix sockets, reached beneath the data dir only.
 #[derive(Clone, Copy, Default)]
-pub struct HostSockets;
+pub(crate) struct HostSockets;
 
 impl SocketBackend for HostSockets {
     fn connect<'a>(self: Arc<Self>, at: SocketAt<'a>) -> BoxFuture<'a, Result<Box<dyn Connection>, SocketError>> {
@@ -36,16 +36,16 @@ struct StreamConnection {
 
 async fn connect_beneath(data_dir: &Path, relative: &Path, guest_path: &str) -> Result<UnixStream, SocketError> {
     let dir = nix::fcntl::open(data_dir, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
-        .map_err(|source| SocketError::DataDir { path: guest_path.to_owned(), source })?;
+        .map_err(|source| SocketError::DataDir { path: guest_path.to_owned(), cause: source })?;
     let how = OpenHow::new()
         .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
         .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
     let socket = nix::fcntl::openat2(&dir, relative, how).map_err(|errno| match errno {
         Errno::ENOENT | Errno::ENOTDIR => SocketError::Missing(guest_path.to_owned()),
         Errno::ELOOP | Errno::EXDEV => SocketError::Escapes(guest_path.to_owned()),
-        other => SocketError::Open { path: guest_path.to_owned(), source: other },
+        other => SocketError::Open { path: guest_path.to_owned(), cause: other },
     })?;
-    let stat = fstat(&socket).map_err(|source| SocketError::Open { path: guest_path.to_owned(), source })?;
+    let stat = fstat(&socket).map_err(|source| SocketError::Open { path: guest_path.to_owned(), cause: source })?;
     match SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT {
         SFlag::S_IFSOCK => {}
         // O_PATH | O_NOFOLLOW opens a final symlink itself rather than failing.
@@ -56,7 +56,7 @@ async fn connect_beneath(data_dir: &Path, relative: &Path, guest_path: &str) -> 
     let by_handle = format!("/proc/self/fd/{}", socket.as_raw_fd());
     let stream = UnixStream::connect(&by_handle).await.map_err(|e| match e.kind() {
         std::io::ErrorKind::ConnectionRefused => SocketError::NotListening(guest_path.to_owned()),
-        _ => SocketError::Connect { path: guest_path.to_owned(), source: e },
+        _ => SocketError::Connect { path: guest_path.to_owned(), cause: e },
     })?;
     drop(socket);
     Ok(stream)

@@ -17,7 +17,7 @@
 mod backend;
 mod host;
 
-pub use backend::HostSockets;
+pub(crate) use backend::HostSockets;
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::local_socket as wit;
@@ -32,10 +32,10 @@ use std::time::Duration;
 use wasmtime::component::Linker;
 
 /// Its interface in the contract package.
-pub const INTERFACE: &str = "local-socket";
+pub(crate) const INTERFACE: &str = "local-socket";
 
 /// A line longer than this is refused rather than buffered without end.
-pub const MAX_LINE_BYTES: usize = 1 << 20;
+pub(crate) const MAX_LINE_BYTES: usize = 1 << 20;
 /// Open connections one store may hold at once.
 pub const MAX_CONNECTIONS: usize = 32;
 const GUEST_DATA_PREFIX: &str = "/data/";
@@ -65,28 +65,28 @@ pub enum SocketError {
     #[error("nobody is listening on {0:?}")]
     NotListening(String),
     /// The data dir itself could not be opened.
-    #[error("cannot connect to {path:?}: data dir: {source}")]
+    #[error("cannot connect to {path:?}: data dir: {}", crate::error_text::cause_text(.cause))]
     DataDir {
         /// As the guest wrote it.
         path: String,
         /// From opening the data dir.
-        source: nix::errno::Errno,
+        cause: nix::errno::Errno,
     },
     /// Opening or checking the socket's path beneath the data dir failed.
-    #[error("cannot connect to {path:?}: {source}")]
+    #[error("cannot connect to {path:?}: {}", crate::error_text::cause_text(.cause))]
     Open {
         /// As the guest wrote it.
         path: String,
         /// From `openat2` or `fstat`.
-        source: nix::errno::Errno,
+        cause: nix::errno::Errno,
     },
     /// Connecting failed for another reason than nobody listening.
-    #[error("cannot connect to {path:?}: {source}")]
+    #[error("cannot connect to {path:?}: {}", crate::error_text::cause_text(.cause))]
     Connect {
         /// As the guest wrote it.
         path: String,
         /// From `connect`.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The store already holds [`MAX_CONNECTIONS`].
     #[error("too many open connections (at most {MAX_CONNECTIONS})")]
@@ -101,8 +101,8 @@ pub enum SocketError {
     #[error("line is not UTF-8")]
     NotUtf8,
     /// Reading or writing the stream failed.
-    #[error("socket i/o: {0}")]
-    Io(#[source] std::io::Error),
+    #[error("socket i/o: {}", crate::error_text::cause_text(.0))]
+    Io(std::io::Error),
 }
 
 impl From<SocketError> for BrokerError {
@@ -132,7 +132,7 @@ pub struct SocketAt<'a> {
     /// The provider asking.
     pub provider: &'a str,
     /// As the provider wrote it (`/data/run/vm.qmp`).
-    pub guest_path: &'a str,
+    pub(crate) guest_path: &'a str,
     /// The provider's data dir on the host, and the path below it.
     pub data_dir: &'a Path,
     /// `guest_path` without its `/data/`: plain components only.
@@ -162,7 +162,7 @@ impl HeldConnection {
     }
 
     /// The next line, or `None` at the end of the stream.
-    pub async fn receive_line(&mut self, timeout: Duration) -> Result<Option<String>, SocketError> {
+    pub(crate) async fn receive_line(&mut self, timeout: Duration) -> Result<Option<String>, SocketError> {
         self.0.receive_line(timeout).await
     }
 }

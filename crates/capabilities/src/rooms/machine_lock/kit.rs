@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use std::sync::Arc;
 
 /// The machine lock's part in the kit.
-pub struct MachineLockKit;
+pub(crate) struct MachineLockKit;
 
 fn scratch_lock(setup: &KitSetup) -> Result<Arc<MachineLock>, String> {
     MachineLock::new(&setup.scratch, "machine-lock", "broker-provider-test").map(Arc::new).map_err(|e| e.to_string())

@@ -2,7 +2,8 @@
 //! itself ([`MachineLock`]) is a host facility ([`crate::machine_lock`]),
 //! which the host and `broker lock` use too.
 
-pub use crate::machine_lock::{LockError, LockGuard, MachineLock, Spec};
+pub(crate) use crate::machine_lock::LockGuard;
+pub use crate::machine_lock::{LockError, MachineLock, Spec};
 
 mod host;
 pub mod kit;
@@ -16,7 +17,7 @@ use std::sync::atomic::AtomicBool;
 use wasmtime::component::{Linker, Resource, ResourceTable};
 
 /// Its interface in the contract package.
-pub const INTERFACE: &str = "machine-lock";
+pub(crate) const INTERFACE: &str = "machine-lock";
 
 /// The host object behind a guest's `lock-guard`.
 pub struct HeldLock(LockGuard);

@@ -19,7 +19,7 @@ const DEVICES: &str = "devices";
 const OWNERS: &str = "owners";
 
 /// The network bridge's part in the kit.
-pub struct BridgeKit;
+pub(crate) struct BridgeKit;
 
 impl KitPart for BridgeKit {
     fn keys(&self) -> &'static [&'static str] {

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use wasmtime::component::{HasSelf, Linker};
 
 /// Its interface in the contract package.
-pub const INTERFACE: &str = "network-bridge";
+pub(crate) const INTERFACE: &str = "network-bridge";
 
 /// `[grants.bridge]`: names, or prefixes when they end in `*`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,7 +45,7 @@ pub struct BridgeGrant {
     /// Host bridges (ones no provider made: HostPreparer's, the operator's)
     /// it may attach its own devices to; nothing else is done to them.
     #[serde(default, rename = "attach-to", skip_serializing_if = "Vec::is_empty")]
-    pub attach_to: Vec<String>,
+    pub(crate) attach_to: Vec<String>,
 }
 
 fn matches(patterns: &[String], name: &str) -> bool {

@@ -24,7 +24,7 @@ pub struct Launch<'a> {
     /// The granted name, as the provider asked for it (what scripts and tapes hold).
     pub program: &'a str,
     /// The arguments as the provider wrote them (`/data/...`).
-    pub guest_args: &'a [String],
+    pub(crate) guest_args: &'a [String],
     /// The program on the host, and the arguments and environment in host paths.
     pub path: &'a Path,
     /// Translated to host paths.

@@ -36,15 +36,16 @@ pub struct ChildRecord {
 
 impl ChildRecord {
     /// Whether the child's sandbox still has a process in it.
-    pub fn sandbox_lives(&self) -> bool {
+    pub(crate) fn sandbox_lives(&self) -> bool {
         self.sandbox.is_some_and(|(pid, start)| {
             proc_stat(pid).is_some_and(|(now, state)| now == start && state != 'Z' && state != 'X')
         })
     }
 }
 
-/// The child records' storage failed; its cause is kept (the real store's
-/// database or decoding error) and is this error's `source()`.
+/// The child records' storage failed; its cause is kept, typed (the real
+/// store's database or decoding error), and named in the message (so it is
+/// not this error's `source()` as well).
 #[derive(Debug)]
 pub struct RecordsError {
     source: Box<dyn std::error::Error + Send + Sync>,
@@ -52,15 +53,11 @@ pub struct RecordsError {
 
 impl std::fmt::Display for RecordsError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "child records: {}", self.source)
+        write!(f, "child records: {}", crate::error_text::cause_text(&*self.source))
     }
 }
 
-impl std::error::Error for RecordsError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.source)
-    }
-}
+impl std::error::Error for RecordsError {}
 
 impl RecordsError {
     /// The store's failure, its cause kept.
@@ -69,7 +66,7 @@ impl RecordsError {
     }
 
     /// What failed, as the storage said it.
-    pub fn cause(&self) -> &(dyn std::error::Error + Send + Sync) {
+    pub fn cause(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
         &*self.source
     }
 }
@@ -370,13 +367,14 @@ mod tests {
         }
     }
 
-    /// The storage's own error stays reachable as the source, typed.
+    /// The storage's own error stays reachable, typed.
     #[test]
     fn a_records_error_keeps_its_cause() {
         let err = RecordsError::new(std::io::Error::other("disk gone"));
         assert_eq!(err.to_string(), "child records: disk gone");
-        let source = std::error::Error::source(&err).expect("a source");
-        assert!(source.downcast_ref::<std::io::Error>().is_some(), "{source:?}");
+        assert!(err.cause().downcast_ref::<std::io::Error>().is_some(), "{:?}", err.cause());
+        // Named once: in the message, not again as its source.
+        assert!(std::error::Error::source(&err).is_none());
     }
 
     #[test]

@@ -17,7 +17,7 @@ const RUNS: &str = "runs";
 const CHILDREN: &str = "children";
 
 /// The programs' part in the kit (the process and local-socket rooms').
-pub struct ProgramsKit;
+pub(crate) struct ProgramsKit;
 
 impl KitPart for ProgramsKit {
     fn keys(&self) -> &'static [&'static str] {

@@ -23,9 +23,10 @@ pub use children::{
     ChildRecord, ChildRecords, LiveChildren, Liveness, MemoryChildRecords, RecordsError, proc_stat, reap_unrecorded,
 };
 pub use on_host::{HostProcesses, MAX_OUTPUT_BYTES};
-pub use policy::{GUEST_DATA_DIR, PolicyError, ProcessPolicy};
-pub use simulated::SimProcesses;
-pub use tape::{ProcessTape, RecordedSockets};
+pub use policy::ProcessPolicy;
+pub(crate) use policy::{GUEST_DATA_DIR, PolicyError};
+pub(crate) use simulated::SimProcesses;
+pub(crate) use tape::{ProcessTape, RecordedSockets};
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::process::{self as wit, ChildStatus, Output};
@@ -43,7 +44,7 @@ use std::time::Duration;
 use wasmtime::component::{Linker, Resource};
 
 /// Its interface in the contract package.
-pub const INTERFACE: &str = "process";
+pub(crate) const INTERFACE: &str = "process";
 
 /// The host object behind a guest's `child` handle.
 pub struct HeldChild {
@@ -372,13 +373,13 @@ fn shown_list(items: Vec<String>) -> String {
 
 /// Why a provider's programs cannot be made ready when it loads.
 #[derive(Debug, thiserror::Error)]
-pub enum ProcessPrepareError {
+pub(crate) enum ProcessPrepareError {
     /// The granted programs or paths are refused.
-    #[error("grants: {0}")]
-    Grant(#[source] PolicyError),
+    #[error("grants: {}", crate::error_text::cause_text(.0))]
+    Grant(PolicyError),
     /// The programs cannot be confined, or the env grant is refused.
-    #[error("sandbox: {0}")]
-    Sandbox(#[source] crate::sandbox::SandboxError),
+    #[error("sandbox: {}", crate::error_text::cause_text(.0))]
+    Sandbox(crate::sandbox::SandboxError),
 }
 
 /// Stop every child `provider` left running and forget them: what a provider

@@ -27,7 +27,7 @@ pub enum PolicyError {
 }
 
 /// The guest's name for its own data dir.
-pub const GUEST_DATA_DIR: &str = "/data";
+pub(crate) const GUEST_DATA_DIR: &str = "/data";
 
 /// Resolved grants for `process`.
 #[derive(Debug, Clone)]
@@ -114,13 +114,13 @@ impl ProcessPolicy {
     }
 
     /// The same policy with `names` granted to the programs' environment.
-    pub fn with_env(self, names: &[String]) -> Result<ProcessPolicy, crate::sandbox::SandboxError> {
+    pub(crate) fn with_env(self, names: &[String]) -> Result<ProcessPolicy, crate::sandbox::SandboxError> {
         crate::sandbox::check_env_grant(names)?;
         Ok(ProcessPolicy { env: names.to_vec(), ..self })
     }
 
     /// Check the environment a guest asks for: allow-listed names only.
-    pub fn check_env(&self, env: &[(String, String)]) -> Result<(), crate::sandbox::SandboxError> {
+    pub(crate) fn check_env(&self, env: &[(String, String)]) -> Result<(), crate::sandbox::SandboxError> {
         crate::sandbox::check_env(env, &self.env)
     }
 
@@ -149,7 +149,7 @@ impl ProcessPolicy {
     /// Check and translate one argument (or env value): every path in it — at
     /// its start or after `=`, `,` or `:` — must be in the data dir (written
     /// `/data/...` by the guest, rewritten to the host path) or a granted path.
-    pub fn translate(&self, arg: &str) -> Result<String, PolicyError> {
+    pub(crate) fn translate(&self, arg: &str) -> Result<String, PolicyError> {
         // No `..` anywhere, so relative paths (resolved in the data dir, the
         // child's working directory) cannot climb out either.
         if arg.split(['/', ',', '=', ':']).any(|part| part == "..") {

@@ -111,14 +111,14 @@ struct Table {
 
 /// The simulated programs and children of one kit run.
 #[derive(Default)]
-pub struct SimProcesses {
+pub(crate) struct SimProcesses {
     table: Mutex<Table>,
     unexpected: Mutex<Vec<String>>,
 }
 
 impl SimProcesses {
     /// Runs are answered in order; each spawn takes the next scripted child of its program.
-    pub fn new(runs: Vec<ScriptedRun>, children: Vec<ScriptedChild>) -> SimProcesses {
+    pub(crate) fn new(runs: Vec<ScriptedRun>, children: Vec<ScriptedChild>) -> SimProcesses {
         let table = Table { runs: runs.into(), spawns: children.into(), ..Table::default() };
         SimProcesses { table: Mutex::new(table), unexpected: Mutex::default() }
     }
@@ -137,12 +137,12 @@ impl SimProcesses {
     }
 
     /// Host calls the script had no answer for since the last call.
-    pub fn take_unexpected(&self) -> Vec<String> {
+    pub(crate) fn take_unexpected(&self) -> Vec<String> {
         std::mem::take(&mut *self.unexpected.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Scripted runs and children nobody asked for (yet).
-    pub fn remaining(&self) -> usize {
+    pub(crate) fn remaining(&self) -> usize {
         let table = self.lock();
         table.runs.len() + table.spawns.len()
     }
@@ -205,7 +205,7 @@ impl SimProcesses {
     }
 
     /// The child spawned under `name`, until it is forgotten.
-    pub fn adopt(&self, provider: &str, name: &str) -> Option<ChildRecord> {
+    pub(crate) fn adopt(&self, provider: &str, name: &str) -> Option<ChildRecord> {
         let table = self.lock();
         table.children.get(&(provider.to_owned(), name.to_owned())).map(|c| c.record.clone())
     }
@@ -223,7 +223,7 @@ impl SimProcesses {
     }
 
     /// Any signal ends a simulated child: it is killed by it.
-    pub fn signal(&self, record: &ChildRecord, signal: i32) -> Result<(), BrokerError> {
+    pub(crate) fn signal(&self, record: &ChildRecord, signal: i32) -> Result<(), BrokerError> {
         let mut table = self.lock();
         match table.children.get_mut(&(record.provider.clone(), record.name.clone())) {
             Some(child) if child.state == Liveness::Running => {
@@ -240,7 +240,7 @@ impl SimProcesses {
 
     /// Connect to a socket a running child of `provider` serves: one whose
     /// arguments name `guest_path`.
-    pub fn connect_to(self: &Arc<Self>, provider: &str, guest_path: &str) -> Result<SimConnection, SocketError> {
+    pub(crate) fn connect_to(self: &Arc<Self>, provider: &str, guest_path: &str) -> Result<SimConnection, SocketError> {
         let table = self.lock();
         let mut serving = table
             .children
@@ -325,7 +325,7 @@ pub(super) fn names_path(arg: &str, path: &str) -> bool {
 }
 
 /// A connection to a simulated child's socket.
-pub struct SimConnection {
+pub(crate) struct SimConnection {
     table: Arc<SimProcesses>,
     child: (String, String),
     /// Lines the child has written that the provider has not read yet.
@@ -376,7 +376,7 @@ impl SimConnection {
 
     /// The next line; `None` once the child hung up or ended. Nothing more can
     /// arrive while the provider waits, so an empty outbox times out at once.
-    pub fn receive_line(&mut self, timeout_ms: u64) -> Result<Option<String>, SocketError> {
+    pub(crate) fn receive_line(&mut self, timeout_ms: u64) -> Result<Option<String>, SocketError> {
         if let Some(line) = self.outbox.pop_front() {
             return Ok(Some(line));
         }

@@ -144,14 +144,14 @@ impl ProcessTape {
 
 /// Any socket backend, with what passes on each connection to a recorded
 /// child written to the tape.
-pub struct RecordedSockets<B> {
+pub(crate) struct RecordedSockets<B> {
     inner: Arc<B>,
     tape: Arc<ProcessTape>,
 }
 
 impl<B: SocketBackend> RecordedSockets<B> {
     /// `inner`, each exchange written to `tape`.
-    pub fn new(inner: B, tape: Arc<ProcessTape>) -> Self {
+    pub(crate) fn new(inner: B, tape: Arc<ProcessTape>) -> Self {
         RecordedSockets { inner: Arc::new(inner), tape }
     }
 }
