@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# System packages the real-system tests use, from Debian (this runs as root on
+# System packages the real-system tests use (and curl, for the README's daemon examples), from Debian (this runs as root on
 # bookworm). qemu comes from bookworm-backports, like the machine's qemu-utils:
 # installing bookworm's older qemu-system-x86 would take qemu-img away. Incus
 # (the LXD tests' daemon) exists only in bookworm-backports. The
@@ -16,7 +16,7 @@ if ! "$venv/bin/python" -c 'import moto, boto3' 2>/dev/null; then
     "$venv/bin/pip" install -q 'moto[server]==5.2.5'
 fi
 
-wanted=(qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils genisoimage:genisoimage cpio:cpio busybox:busybox-static bwrap:bubblewrap)
+wanted=(qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils genisoimage:genisoimage cpio:cpio busybox:busybox-static bwrap:bubblewrap curl:curl)
 missing=()
 for pair in "${wanted[@]}"; do
     command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
@@ -41,4 +41,4 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends -t bookworm-backports qemu-system-x86 qemu-utils incus
-apt-get install -y -qq --no-install-recommends busybox-static genisoimage cpio util-linux mount e2fsprogs iproute2 bubblewrap
+apt-get install -y -qq --no-install-recommends busybox-static genisoimage cpio util-linux mount e2fsprogs iproute2 bubblewrap curl

@@ -10,7 +10,7 @@
 //! # Public surface
 //! What `broker-core` and `broker-serve` build on; the rest is `pub(crate)`
 //! (`unreachable_pub` is on, and an item is `pub` only when another crate
-//! names it):
+//! names it or it is in the signature of one that is):
 //! - [`rooms`]: the registry ([`rooms::ROOMS`], [`rooms::add_to_linker`],
 //!   [`rooms::Grants`], [`rooms::Backends`], [`rooms::Parts`]) that a store
 //!   implementing [`rooms::HasRooms`] links against; each room's backend

@@ -7,7 +7,7 @@
 //! # Public surface
 //! What `broker-serve` (the CLI, the daemon, InfraKit's sockets) builds on;
 //! the rest is `pub(crate)` (`unreachable_pub` is on, and an item is `pub`
-//! only when another crate names it):
+//! only when another crate names it or it is in the signature of one that is):
 //! - [`broker`]: the broker service (start, stop, list, reconcile) and the
 //!   host's config; [`groups`]: InfraKit's group plugin over it.
 //! - [`providers`]: the registry of providers (add, swap, remove, watch);

@@ -4,9 +4,11 @@
 //! client. Everything here is built on `broker-core`; nothing below names it.
 //!
 //! # Public surface
-//! The `broker` binary's [`cli::main`]; for the tests, the daemon's
-//! [`daemon`] pieces they drive and InfraKit's wire protocol ([`infrakit`]).
-//! The rest (the client, the accept loop, the streaming lines) is `pub(crate)`.
+//! The `broker` binary's [`cli::main`]; for the benchmarks, the API server
+//! ([`daemon::serve`]); for the tests, a client of InfraKit's plugin sockets
+//! and its JSON-RPC error codes ([`infrakit::client`], [`infrakit::rpc`]).
+//! The rest (the CLI's parts, the daemon's, the client, the accept loop, the
+//! streaming lines) is `pub(crate)`.
 
 pub mod cli;
 pub(crate) mod client;

@@ -6,7 +6,7 @@
 mod history;
 mod lock;
 
-pub(crate) use lock::LockGuard;
+pub use lock::LockGuard;
 pub use lock::{LockError, MAX_COMMENT_BYTES, MachineLock, Report, Spec};
 #[cfg(test)]
 pub(crate) use lock::{MAX_WORKER_BYTES, Party};

@@ -690,20 +690,27 @@ impl Broker {
     /// no longer reports show as `unknown`, and instances the host never
     /// recorded appear without hardware. Listing every provider asks them all
     /// at once, and one that fails to answer fails no other: its records show
-    /// as `unknown`, its error named.
+    /// as `unknown`, its error named. Asked for one provider, its failure is
+    /// the answer (the API's 502 or 503; the CLI then lists its records as the
+    /// listing of all does).
     pub async fn list_instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>, BrokerServiceError> {
-        if let Some(name) = provider {
-            return self.instances_of(name).await;
-        }
-        // In name order, each provider's records in id order: the answer is
-        // sorted without sorting it.
-        let mut names: Vec<String> = self.registry.list()?.into_iter().map(|p| p.name).collect();
-        names.sort_unstable();
-        let answers = futures_util::future::join_all(names.iter().map(|name| self.instances_of(name))).await;
+        let names = match provider {
+            Some(name) => vec![name.to_owned()],
+            None => {
+                // In name order, each provider's records in id order: the answer is
+                // sorted without sorting it.
+                let mut names: Vec<String> = self.registry.list()?.into_iter().map(|p| p.name).collect();
+                names.sort_unstable();
+                names
+            }
+        };
+        let answers = futures_util::future::join_all(names.iter().map(|name| self.provider_instances(name))).await;
         let mut out = Vec::new();
         for (name, answer) in names.iter().zip(answers) {
             match answer {
                 Ok(records) => out.extend(records),
+                // Asked by name: its answer, or why there is none.
+                Err(failed) if provider.is_some() => return Err(failed),
                 // Being removed, so it has no recorded instances; listing all is not its business.
                 Err(BrokerServiceError::Registry(RegistryError::Removing(_))) => {}
                 Err(failed) => {
@@ -721,8 +728,11 @@ impl Broker {
     }
 
     /// One provider's instances, in id order: what it reports joined with the
-    /// host's records (a merge of the two, each in id order).
-    async fn instances_of(&self, name: &str) -> Result<Vec<InstanceRecord>, BrokerServiceError> {
+    /// host's records (a merge of the two, each in id order); an error when it
+    /// cannot answer. What acts on the answer (a group's convergence, InfraKit's
+    /// `DescribeInstances`) asks this, not [`Broker::list_instances`]: a record
+    /// shown `unknown` because its provider did not answer is not a lost instance.
+    pub async fn provider_instances(&self, name: &str) -> Result<Vec<InstanceRecord>, BrokerServiceError> {
         let wasm = self.registry.get(name).await?;
         // The records are read while the provider answers.
         let hooks = CallHooks::default();

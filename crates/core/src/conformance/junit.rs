@@ -32,8 +32,16 @@ impl Report {
              <testsuite name=\"{suite}\" tests=\"{n}\" failures=\"{failures}\" errors=\"0\" skipped=\"{skipped}\" time=\"{seconds:.3}\">\n",
             n = self.cases.len()
         ));
+        // A CI system keys testcases by name: the kit's are unique, and should
+        // one ever repeat, its later runs are numbered rather than merged.
+        let mut seen = std::collections::BTreeMap::<&str, usize>::new();
         for case in &self.cases {
-            let name = escape(case.name);
+            let times = seen.entry(case.name).or_default();
+            *times += 1;
+            let name = match *times {
+                1 => escape(case.name),
+                n => escape(&format!("{} ({n})", case.name)),
+            };
             let detail = escape(&case.detail);
             if case.skipped {
                 xml.push_str(&format!(

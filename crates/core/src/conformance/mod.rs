@@ -65,7 +65,7 @@ pub struct Case {
 }
 
 /// A run of every scenario against one provider component.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct Report {
     pub(crate) provider: String,
     pub(crate) version: String,
@@ -73,8 +73,30 @@ pub struct Report {
     pub cases: Vec<Case>,
     pub(crate) millis: u128,
     /// Hides the provider's secrets in what the run wrote (its recording).
-    #[serde(skip)]
     redactor: Arc<broker_capabilities::secrets::Redactor>,
+}
+
+/// `--format json`: the run, its verdict and its totals, then the cases.
+impl Serialize for Report {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        #[derive(Serialize)]
+        struct Totals {
+            cases: usize,
+            passed: usize,
+            failed: usize,
+            skipped: usize,
+        }
+        let (passed, failed, skipped) = self.totals();
+        let mut report = serializer.serialize_struct("Report", 6)?;
+        report.serialize_field("provider", &self.provider)?;
+        report.serialize_field("version", &self.version)?;
+        report.serialize_field("passed", &self.passed())?;
+        report.serialize_field("totals", &Totals { cases: self.cases.len(), passed, failed, skipped })?;
+        report.serialize_field("cases", &self.cases)?;
+        report.serialize_field("millis", &self.millis)?;
+        report.end()
+    }
 }
 
 impl Report {
@@ -489,13 +511,17 @@ impl Kit {
             "validate-config accepts its config",
             accepted.map(|_| format!("accepted {config}")).map_err(|e| explain(&e)),
         );
-        for garbage in ["not json at all", r#"{"definitely-not-a-setting": [1, 2, 3]}"#] {
+        let garbage_cases = [
+            ("validate-config rejects garbage: not JSON", "not json at all"),
+            ("validate-config rejects garbage: an unknown setting", r#"{"definitely-not-a-setting": [1, 2, 3]}"#),
+        ];
+        for (case, garbage) in garbage_cases {
             let result = match self.provider.validate_config(garbage).await {
                 Err(CallError::Guest { error: BrokerError::InvalidParams(_), .. }) => Ok(format!("rejected {garbage}")),
                 Err(e) => Err(format!("rejected {garbage} but not as invalid-params: {}", explain(&e))),
                 Ok(()) => Err(format!("accepted garbage config {garbage}")),
             };
-            self.record("validate-config rejects garbage", result);
+            self.record(case, result);
         }
     }
 

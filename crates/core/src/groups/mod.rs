@@ -182,7 +182,7 @@ impl Groups {
 
     /// The group's members: its provider's instances whose records carry its tag, by id.
     async fn members(&self, group: &Group) -> Result<Vec<InstanceRecord>, GroupError> {
-        let listed = self.broker.list_instances(Some(&group.provider)).await?;
+        let listed = self.broker.provider_instances(&group.provider).await?;
         Ok(listed.into_iter().filter(|r| r.instance_tags.get(GROUP_TAG).is_some_and(|g| g == group.id())).collect())
     }
 

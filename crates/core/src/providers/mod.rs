@@ -7,5 +7,5 @@ pub mod registry;
 pub mod view;
 pub mod watch;
 
-pub(crate) use registry::CandidateCheck;
+pub use registry::CandidateCheck;
 pub use registry::{Registry, RegistryError};

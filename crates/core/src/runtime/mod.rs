@@ -9,7 +9,8 @@ pub mod turnstile;
 
 pub(crate) use limits::GuestLimiter;
 pub use state::HostCapabilities;
-pub(crate) use state::{HostState, ProviderCapabilities};
+pub use state::HostState;
+pub(crate) use state::ProviderCapabilities;
 
 use crate::manifest::MAX_GUEST_MEMORY_BYTES;
 use std::path::Path;
@@ -237,7 +238,7 @@ mod tests {
             assert!(matches!(refused, Some(RuntimeError::NotWasm { .. })), "{refused:?}");
         }
         // A component's preamble (layer 1) goes on to wasmtime, whose error is kept.
-        let truncated = runtime.compile(path, b"\0asm\x0d\0\x01\0").err();
+        let truncated = runtime.compile(path, b"\0asm\x0d\0\x01\0\xff").err();
         assert!(matches!(truncated, Some(RuntimeError::Compile { .. })), "{truncated:?}");
     }
 }

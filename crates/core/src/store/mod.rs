@@ -20,15 +20,16 @@ mod writer;
 
 pub use events::{Event, EventKind};
 pub use groups::GroupRecord;
-pub(crate) use starts::{PendingStart, StopMark};
+pub use starts::PendingStart;
+pub(crate) use starts::StopMark;
 
 pub use kv::MIRROR_BUDGET_BYTES;
-pub(crate) use kv::RedbKv;
-pub(crate) use records::ObservedNetwork;
+pub use kv::{MirrorStats, RedbKv};
+pub use records::ObservedNetwork;
 pub use records::{InstanceRecord, ProviderRecord};
 pub(crate) use wal::Txn;
-pub(crate) use wal::WalError;
-pub(crate) use writer::Pending;
+pub use wal::WalError;
+pub use writer::Pending;
 
 use broker_capabilities::network::Device;
 use broker_capabilities::rooms::kv::KvWrites;

@@ -17,7 +17,8 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
         let names: Vec<&str> = report.cases.iter().map(|c| c.name).collect();
         for expected in [
             "describe is well formed",
-            "validate-config rejects garbage",
+            "validate-config rejects garbage: not JSON",
+            "validate-config rejects garbage: an unknown setting",
             "hardware satisfies the constraints",
             "stopped instance is gone",
             "stop of an unknown id is ok",
@@ -206,8 +207,11 @@ async fn the_hostile_guest_fails_what_it_breaks_with_a_reason() {
     assert_eq!(
         failed,
         [
-            ("validate-config rejects garbage", "accepted garbage config not json at all"),
-            ("validate-config rejects garbage", r#"accepted garbage config {"definitely-not-a-setting": [1, 2, 3]}"#),
+            ("validate-config rejects garbage: not JSON", "accepted garbage config not json at all"),
+            (
+                "validate-config rejects garbage: an unknown setting",
+                r#"accepted garbage config {"definitely-not-a-setting": [1, 2, 3]}"#,
+            ),
             ("start-instance succeeds", "not supported: the hostile provider starts nothing"),
         ]
     );
@@ -234,7 +238,12 @@ pub(crate) async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_s
     let cases: &[(&str, &str, &[&str], &str)] = &[
         ("", "test-broken-describe", &["describe is well formed"], "empty field"),
         ("accepts-config", "test-broken", &["validate-config accepts its config"], "refuses every config"),
-        ("rejects-garbage", "test-broken", &["validate-config rejects garbage"; 2], "accepted garbage config"),
+        (
+            "rejects-garbage",
+            "test-broken",
+            &["validate-config rejects garbage: not JSON", "validate-config rejects garbage: an unknown setting"],
+            "accepted garbage config",
+        ),
         ("start", "test-broken", &["start-instance succeeds"], "cannot start an instance with a cores constraint"),
         ("status", "test-broken", &["status updates of a start are progress"], "reported error"),
         ("hardware", "test-broken", &["hardware satisfies the constraints"], "cpu-cores Some(1) for cores=2"),

@@ -587,3 +587,50 @@ async fn a_pass_starts_a_bounded_batch() {
     assert_eq!(member_ids(&groups).await.len(), 20);
     assert!(groups.describe("workers").await.unwrap().converged);
 }
+
+/// A provider that cannot answer its listing (here: more instances than its
+/// `max-records`) leaves the group as it is: the pass fails, saying why, and
+/// no member is taken for lost, stopped or replaced, however many passes run.
+/// (The operator's listing of all shows the same records as `unknown`; a
+/// group must not act on that.)
+#[tokio::test]
+async fn a_listing_the_provider_cannot_answer_stops_or_replaces_no_member() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Arc::new(Broker::open(&dir.path().join("data")).unwrap());
+    let manifest = write_manifest(
+        dir.path(),
+        "fake",
+        "fake",
+        "[limits]\nmemory-mib = 64\nmax-records = 2\n[grants]\nkv = true\n[config]\n",
+    );
+    broker.registry().add(&manifest).await.unwrap();
+    let settings = GroupSettings { poll: Duration::from_millis(50), ..GroupSettings::default() };
+    let groups = Groups::new(broker.clone(), settings);
+    groups.commit_text(&sized(3), false).await.unwrap();
+    // Listed before any start: three start (the pass's own look after them
+    // may already be over the limit). From then on every answer is.
+    match groups.converge_once("workers").await {
+        Ok(pass) => assert_eq!(pass, Pass::Changed),
+        Err(failed) => assert!(failed.to_string().contains("max-records limit of 2"), "{failed}"),
+    }
+    let recorded =
+        || -> Vec<String> { broker.store().instances(Some("fake")).unwrap().into_iter().map(|r| r.id).collect() };
+    let started = recorded();
+    assert_eq!(started.len(), 3, "{started:?}");
+    for _ in 0..3 {
+        let failed = groups.converge_once("workers").await.unwrap_err().to_string();
+        assert!(failed.contains("max-records limit of 2"), "{failed}");
+    }
+    assert_eq!(recorded(), started, "no member stopped or added");
+    // And the provider still has each (its kv, which a stop would have emptied).
+    for id in &started {
+        assert!(broker.store().kv().get("fake", &format!("instance/{id}")).unwrap().is_some(), "{id} stopped");
+    }
+    let kinds: Vec<String> = events_of(&broker, 0).into_iter().map(|(kind, _)| kind).collect();
+    assert!(!kinds.iter().any(|k| k == "instance-replaced" || k == "instance-destroyed"), "{kinds:?}");
+    assert_eq!(kinds.iter().filter(|k| *k == "instance-added").count(), 3, "{kinds:?}");
+    // The operator's listing of all: its records, unknown, the reason named.
+    let shown = broker.list_instances(None).await.unwrap();
+    assert_eq!(shown.len(), 3);
+    assert!(shown.iter().all(|r| r.status == "unknown" && r.message.contains("max-records")), "{shown:?}");
+}

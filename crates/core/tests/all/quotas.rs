@@ -208,7 +208,7 @@ async fn listing_every_provider_isolates_the_one_that_does_not_answer() {
     assert_eq!(hostile.status, "unknown");
     assert!(hostile.message.starts_with("provider hostile did not answer: "), "{}", hostile.message);
     assert!(hostile.message.contains("max-records limit of 10"), "{}", hostile.message);
-    // Asked alone, its failure is the answer.
+    // Asked alone, its failure is the answer (the CLI then shows the listing of all's view of it).
     assert!(broker.list_instances(Some("hostile")).await.is_err());
 
     // Reconciling every provider: the failing one is reported by name, the fake is reconciled.

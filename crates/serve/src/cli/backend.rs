@@ -157,7 +157,22 @@ impl Backend {
         }
     }
 
+    /// The instances of `provider` (or of all). One that cannot answer is
+    /// listed as the listing of all lists it: its records, `unknown`, with
+    /// why (an operator still sees what the host holds; a provider the host
+    /// does not have stays an error).
     pub(crate) async fn list_instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>> {
+        let answered = self.listing(provider).await;
+        match (provider, answered) {
+            (Some(name), Err(failed)) if could_not_answer(&failed) => {
+                let all = self.listing(None).await?;
+                Ok(all.into_iter().filter(|record| record.provider == name).collect())
+            }
+            (_, answered) => answered,
+        }
+    }
+
+    async fn listing(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>> {
         match self {
             Backend::Embedded(broker) => Ok(broker.list_instances(provider).await?),
             Backend::Daemon(client) => {
@@ -276,4 +291,16 @@ fn provider_query(provider: Option<&str>) -> String {
 
 fn absolute(path: &Path) -> Result<std::path::PathBuf> {
     std::path::absolute(path).with_context(|| format!("cannot resolve {}", path.display()))
+}
+
+/// Whether a listing failed because the provider could not answer (a trap, a
+/// deadline, a limit, busy, half-open), not because the host has no such
+/// provider or is removing it.
+fn could_not_answer(failed: &anyhow::Error) -> bool {
+    use broker_core::broker::BrokerServiceError;
+    if let Some(refused) = failed.downcast_ref::<crate::client::ClientError>() {
+        // The daemon's 502 (the provider failed) and 503 (busy, half-open).
+        return matches!(refused, crate::client::ClientError::Refused { status: 502..=504, .. });
+    }
+    matches!(failed.downcast_ref::<BrokerServiceError>(), Some(BrokerServiceError::Call(_)))
 }

@@ -782,7 +782,7 @@ async fn store_command(
 
 /// The `broker` command: parse the arguments, log to stderr, run, and turn
 /// the outcome into the exit code (2 for usage errors). The `broker` binary
-/// is this; the tests' own copy of it (`broker-daemon`) is this too.
+/// is this.
 pub fn main() -> std::process::ExitCode {
     // clap exits with 2 on usage errors and 0 for --help/--version.
     let cli = <Cli as clap::Parser>::parse();

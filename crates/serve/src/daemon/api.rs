@@ -228,10 +228,26 @@ pub(crate) fn router_with(
     let router = routes().into_iter().fold(Router::new(), |router, route| router.route(route.path, route.handler));
     router
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::map_request(json_by_default))
         .layer(axum::middleware::from_fn(move |request, next| {
             crate::listen::bounded_request_up_to(body_timeout, MAX_BODY_BYTES, request, next)
         }))
         .with_state(ApiState { broker, groups, detached })
+}
+
+/// Every body the API takes is JSON: one sent without saying so (`curl -d`
+/// says `application/x-www-form-urlencoded`; some clients say nothing) is
+/// read as JSON, and one that is not JSON gets the parser's 400.
+async fn json_by_default(mut request: axum::extract::Request) -> axum::extract::Request {
+    use axum::http::header::{CONTENT_TYPE, HeaderValue};
+    let says_json = request.headers().get(CONTENT_TYPE).and_then(|kind| kind.to_str().ok()).is_some_and(|kind| {
+        let essence = kind.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+        essence == "application/json" || essence.ends_with("+json")
+    });
+    if !says_json {
+        request.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    }
+    request
 }
 
 impl From<GroupError> for ApiError {

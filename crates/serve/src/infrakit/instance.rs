@@ -180,7 +180,7 @@ async fn destroy(broker: &Broker, provider: &str, raw: Value) -> Result<Value, R
 
 async fn describe(broker: &Broker, provider: &str, raw: Value) -> Result<Value, RpcError> {
     let p: Describe = params(raw)?;
-    let listed = broker.list_instances(Some(provider)).await.map_err(|e| RpcError::server(&e))?;
+    let listed = broker.provider_instances(provider).await.map_err(|e| RpcError::server(&e))?;
     let descriptions: Vec<Value> = listed
         .into_iter()
         .filter(|record| p.tags.iter().all(|(k, v)| record.instance_tags.get(k) == Some(v)))

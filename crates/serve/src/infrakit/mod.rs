@@ -226,7 +226,7 @@ impl Sockets {
 /// turns true; the returned task ends once they are drained and removed.
 /// An error (the directory, or the `group` socket) is returned before
 /// anything serves.
-pub async fn serve(
+pub(crate) async fn serve(
     dir: &Path,
     broker: Arc<Broker>,
     groups: Arc<Groups>,

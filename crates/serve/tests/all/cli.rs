@@ -206,6 +206,20 @@ fn provider_test_exits_zero_only_when_every_scenario_passes() {
     assert_eq!(skipped, 7, "{report}");
     assert_eq!(xml.matches("<skipped ").count(), skipped);
     assert!(xml.contains(&format!("skipped=\"{skipped}\"")), "{xml}");
+    // The JSON has the verdict and the totals; JUnit's testcases have unique names.
+    assert_eq!(report["passed"], false);
+    let totals = &report["totals"];
+    assert_eq!(totals["cases"], cases.len());
+    assert_eq!((totals["failed"].as_u64(), totals["skipped"].as_u64()), (Some(failed as u64), Some(skipped as u64)));
+    assert_eq!(totals["passed"], cases.len() - failed - skipped);
+    let names: Vec<&str> =
+        xml.split("<testcase ").skip(1).filter_map(|case| case.split(" name=\"").nth(1)?.split('"').next()).collect();
+    assert_eq!(names.len(), cases.len(), "{xml}");
+    assert_eq!(
+        names.iter().collect::<std::collections::BTreeSet<_>>().len(),
+        names.len(),
+        "a testcase name twice: {names:?}"
+    );
     assert!(!data.join("state.redb").exists(), "a conformance run touches no host state");
 
     // The LXD and KVM providers on their shipped scripts: HTTP requests run in wasi:http's

@@ -14,5 +14,6 @@ mod infrakit;
 mod lock;
 mod providers_dir;
 mod quotas;
+mod readme;
 mod secrets;
 mod slow_clients;

@@ -198,3 +198,39 @@ fn a_busy_provider_answers_503_with_retry_after() {
     let body = answered.split_once("\r\n\r\n").unwrap().1;
     assert!(serde_json::from_str::<serde_json::Value>(body).unwrap()["error"].is_string(), "{body}");
 }
+
+/// `instance list --provider NAME` of a provider that cannot answer (here:
+/// it spins to its deadline) lists what the host holds of it, as the listing
+/// of all does, and exits 0, through the daemon and without one; the API's
+/// answer for that one provider stays its 502. A provider the host does not
+/// have is still an error.
+#[test]
+fn listing_a_provider_that_cannot_answer_lists_its_records_as_unknown() {
+    use crate::common::broker;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let manifest = hostile_manifest_with(dir.path(), "spin", "200ms", "mode = \"loop\"");
+    let added = broker(&data, &["provider", "add", &manifest]);
+    assert!(added.status.success(), "{}", String::from_utf8_lossy(&added.stderr));
+    let list = |args: &[&str]| {
+        let out = broker(&data, args);
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stdout, stderr) = list(&["instance", "list", "--provider", "spin", "--json"]);
+    assert_eq!(code, Some(0), "without a daemon: {stdout}{stderr}");
+    assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap(), serde_json::json!([]), "{stdout}");
+    assert_ne!(list(&["instance", "list", "--provider", "nope"]).0, Some(0), "an unknown provider is an error");
+
+    let mut daemon = Daemon::start(&data);
+    let (code, stdout, stderr) = list(&["instance", "list", "--provider", "spin", "--json"]);
+    assert_eq!(code, Some(0), "through the daemon: {stdout}{stderr}");
+    assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap(), serde_json::json!([]), "{stdout}");
+    assert_ne!(list(&["instance", "list", "--provider", "nope"]).0, Some(0), "an unknown provider is an error");
+    let (status, _) = daemon.request("GET", "/v1/instances?provider=spin", None);
+    assert_eq!(status, 502, "the API answers for the one provider asked");
+    assert!(daemon.terminate().success());
+}

@@ -15,7 +15,7 @@ use tokio::net::UnixStream;
 
 /// The host's unix sockets, reached beneath the data dir only.
 #[derive(Clone, Copy, Default)]
-pub(crate) struct HostSockets;
+pub struct HostSockets;
 
 impl SocketBackend for HostSockets {
     fn connect<'a>(self: Arc<Self>, at: SocketAt<'a>) -> BoxFuture<'a, Result<Box<dyn Connection>, SocketError>> {

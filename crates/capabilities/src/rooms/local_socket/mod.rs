@@ -17,7 +17,7 @@
 mod backend;
 mod host;
 
-pub(crate) use backend::HostSockets;
+pub use backend::HostSockets;
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::local_socket as wit;

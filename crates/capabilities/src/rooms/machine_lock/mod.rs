@@ -2,8 +2,7 @@
 //! itself ([`MachineLock`]) is a host facility ([`crate::machine_lock`]),
 //! which the host and `broker lock` use too.
 
-pub(crate) use crate::machine_lock::LockGuard;
-pub use crate::machine_lock::{LockError, MachineLock, Spec};
+pub use crate::machine_lock::{LockError, LockGuard, MachineLock, Spec};
 
 mod host;
 pub mod kit;

@@ -23,10 +23,11 @@ pub use children::{
     ChildRecord, ChildRecords, LiveChildren, Liveness, MemoryChildRecords, RecordsError, proc_stat, reap_unrecorded,
 };
 pub use on_host::{HostProcesses, MAX_OUTPUT_BYTES};
-pub use policy::ProcessPolicy;
-pub(crate) use policy::{GUEST_DATA_DIR, PolicyError};
+pub(crate) use policy::GUEST_DATA_DIR;
+pub use policy::{PolicyError, ProcessPolicy};
 pub(crate) use simulated::SimProcesses;
-pub(crate) use tape::{ProcessTape, RecordedSockets};
+pub use tape::ProcessTape;
+pub(crate) use tape::RecordedSockets;
 
 use crate::bindings::BrokerError;
 use crate::bindings::broker::provider::process::{self as wit, ChildStatus, Output};

@@ -36,7 +36,7 @@ impl HostProcesses {
 }
 
 fn records_failed(err: RecordsError) -> BrokerError {
-    BrokerError::Provider(err.cause().to_string())
+    BrokerError::Provider(crate::error_text::cause_text(err.cause()))
 }
 
 /// Taps to attach in the child, each at its descriptor number.
