@@ -67,7 +67,11 @@ pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> &mut LogCtx,
 ) -> wasmtime::Result<()> {
-    wit::add_to_linker::<T, HasSelf<LogCtx>>(linker, getter)
+    // The same in every contract version served: linked under each one's name.
+    for instance in crate::bindings::served_instances(INTERFACE) {
+        wit::add_to_linker_instance::<T, HasSelf<LogCtx>>(&mut linker.instance(&instance)?, getter)?;
+    }
+    Ok(())
 }
 
 /// The room: `log = true` under `[grants]`; linked only when granted.

@@ -2,7 +2,7 @@
 //! what the manifest grants, so a refusal names the exact import.
 
 use crate::manifest::Grants;
-use broker_capabilities::bindings::{CONTRACT_PACKAGE, CONTRACT_VERSION};
+use broker_capabilities::bindings::{CONTRACT_PACKAGE, SERVED_VERSIONS};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
@@ -25,10 +25,10 @@ pub enum ContractError {
         /// Empty, or ` (…)` appended to the message, saying why.
         hint: String,
     },
-    /// No compatible `instance-broker` export.
+    /// No `instance-broker` export of a version this host serves.
     #[error(
-        "component does not export {CONTRACT_PACKAGE}/instance-broker@{CONTRACT_VERSION} \
-         (this host speaks contract {CONTRACT_VERSION}); it exports: {exports}"
+        "component does not export {CONTRACT_PACKAGE}/instance-broker at a version this host serves ({}); it exports: {exports}",
+        served()
     )]
     MissingExport {
         /// What it exports, comma-separated (`nothing` if none).
@@ -43,6 +43,16 @@ fn split_name(name: &str) -> Option<(&str, &str, &str)> {
     Some((package, interface, version))
 }
 
+/// The versions served, as a message names them (`0.2.0, 0.1.0`).
+fn served() -> String {
+    SERVED_VERSIONS.join(", ")
+}
+
+/// The version served that `version` is compatible with, if any.
+fn served_as(version: &str) -> Option<&'static str> {
+    SERVED_VERSIONS.iter().copied().find(|ours| compatible(version, ours))
+}
+
 /// Two versions are compatible as semver treats 0.x: same major, and the same
 /// minor while the major is 0.
 fn compatible(version: &str, ours: &str) -> bool {
@@ -54,22 +64,26 @@ fn compatible(version: &str, ours: &str) -> bool {
     }
 }
 
-pub(crate) fn check(engine: &Engine, component: &Component, grants: &Grants) -> Result<(), ContractError> {
+/// Check `component` against what this host serves and `grants` allow;
+/// the contract version whose `instance-broker` it exports (the newest
+/// served, should it export several).
+pub(crate) fn check(engine: &Engine, component: &Component, grants: &Grants) -> Result<&'static str, ContractError> {
     let ty = component.component_type();
     for (import, _) in ty.imports(engine) {
         check_import(import, grants)?;
     }
-    let wanted = |name: &str| {
-        split_name(name).is_some_and(|(package, interface, version)| {
-            package == CONTRACT_PACKAGE && interface == "instance-broker" && compatible(version, CONTRACT_VERSION)
+    let served = ty
+        .exports(engine)
+        .filter_map(|(name, _)| match split_name(name)? {
+            (CONTRACT_PACKAGE, "instance-broker", version) => served_as(version),
+            _ => None,
         })
-    };
-    if !ty.exports(engine).any(|(name, _)| wanted(name)) {
+        .min_by_key(|version| SERVED_VERSIONS.iter().position(|v| v == version));
+    served.ok_or_else(|| {
         let exports: Vec<&str> = ty.exports(engine).map(|(name, _)| name).collect();
         let exports = if exports.is_empty() { "nothing".to_owned() } else { exports.join(", ") };
-        return Err(ContractError::MissingExport { exports });
-    }
-    Ok(())
+        ContractError::MissingExport { exports }
+    })
 }
 
 /// The WASI packages the runtime links: `wasmtime_wasi::p2` and `wasi:http`
@@ -92,8 +106,12 @@ fn check_import(import: &str, grants: &Grants) -> Result<(), ContractError> {
     if package != CONTRACT_PACKAGE {
         return Err(unsupported(""));
     }
-    if !compatible(version, CONTRACT_VERSION) {
-        return Err(unsupported(&format!(" (this host speaks {CONTRACT_PACKAGE}@{CONTRACT_VERSION})")));
+    if served_as(version).is_none() {
+        return Err(unsupported(&format!(
+            " (this host serves {CONTRACT_PACKAGE} {}: build the component against one of them, \
+             e.g. with the SDK of this host's release)",
+            served()
+        )));
     }
     if interface == "types" {
         return Ok(());
@@ -132,8 +150,14 @@ mod tests {
             Err(ContractError::NotGranted { import: "broker:provider/kv@0.1.0".into(), grant: "kv" })
         );
         assert!(check_import("broker:provider/kv@0.1.0", &kv).is_ok());
-        let newer = check_import("broker:provider/kv@0.2.0", &kv).unwrap_err().to_string();
-        assert!(newer.contains("broker:provider/kv@0.2.0") && newer.contains("0.1.0"), "{newer}");
+        // Both published versions are served; one this host does not know is refused, naming those it serves.
+        assert!(check_import("broker:provider/kv@0.2.0", &kv).is_ok());
+        assert!(check_import("broker:provider/kv@0.2.3", &kv).is_ok(), "a patch of a served version");
+        let newer = check_import("broker:provider/kv@0.3.0", &kv).unwrap_err().to_string();
+        assert!(
+            newer.contains("broker:provider/kv@0.3.0") && newer.contains("serves broker:provider 0.2.0, 0.1.0"),
+            "{newer}"
+        );
         assert!(check_import("wasi:http/outgoing-handler@0.2.0", &none).is_ok(), "linked; denied per request");
         assert!(check_import("wasi:keyvalue/store@0.2.0", &none).is_err());
         assert!(check_import("evil:net/raw-sockets@1.0.0", &none).is_err());

@@ -6,6 +6,7 @@
 
 pub mod breaker;
 mod errors;
+mod exports;
 pub mod imports;
 pub mod method_stats;
 
@@ -16,12 +17,13 @@ use crate::manifest::{Isolation, Manifest, ManifestError, Method};
 use crate::runtime::turnstile::{FIRST_SLICE_TICKS, Lane};
 use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
 use broker_capabilities::bindings::{
-    BrokerError, Instance, InstanceId, Provider, ProviderInfo, ProviderPre, StartInstanceParams, StartInstanceResult,
+    BrokerError, Instance, InstanceId, ProviderInfo, StartInstanceParams, StartInstanceResult,
 };
 use broker_capabilities::quotas::{Quota, Quotas};
 use broker_capabilities::rooms::LoadSetup;
 use broker_capabilities::rooms::context::{CallContext, CallHooks};
 use broker_capabilities::rooms::kv::{Kv, KvWrites};
+use exports::{Exports, ExportsPre, on_guest};
 use method_stats::Outcome;
 use std::future::Future;
 use std::pin::Pin;
@@ -108,7 +110,7 @@ enum Writes {
 /// A warm guest instance.
 struct Warm {
     store: Store<HostState>,
-    exports: Provider,
+    exports: Exports,
     calls: u64,
     born: Instant,
 }
@@ -137,7 +139,7 @@ pub struct ProviderVersion {
     manifest: Manifest,
     sha256: String,
     runtime: Arc<Runtime>,
-    pre: ProviderPre<HostState>,
+    pre: ExportsPre,
     capabilities: ProviderCapabilities,
     /// Its config as the guest gets it, secrets filled in; and their redactor.
     config: Arc<broker_capabilities::secrets::ProviderConfig>,
@@ -243,7 +245,7 @@ impl ProviderVersion {
         let (bytes, sha256) = manifest.read_component()?;
         let component = runtime.compile(&manifest.component, &bytes)?;
         let provider = manifest.name.clone();
-        imports::check(runtime.engine(), &component, &manifest.grants)
+        let served = imports::check(runtime.engine(), &component, &manifest.grants)
             .map_err(|source| LoadError::Contract { provider: provider.clone(), cause: source })?;
         let linker = runtime
             .linker(&manifest.grants)
@@ -251,7 +253,7 @@ impl ProviderVersion {
         let instance_pre = linker
             .instantiate_pre(&component)
             .map_err(|e| LoadError::Link { provider: provider.clone(), cause: e.into_boxed_dyn_error() })?;
-        let pre = ProviderPre::new(instance_pre)
+        let pre = ExportsPre::new(served, instance_pre)
             .map_err(|e| LoadError::Link { provider: provider.clone(), cause: e.into_boxed_dyn_error() })?;
         let config = broker_capabilities::secrets::ProviderConfig::load(
             &manifest.name,
@@ -380,7 +382,7 @@ impl ProviderVersion {
     /// The contract's `describe`: the provider's name, version and what it supports.
     pub async fn describe(&self) -> Result<ProviderInfo, CallError> {
         self.call(Method::Describe, &CallHooks::default(), |store, exports, _ctx| {
-            Box::pin(async move { exports.broker_provider_instance_broker().call_describe(store).await.map(Ok) })
+            Box::pin(async move { on_guest!(exports, |guest| guest.call_describe(store)).map(Ok) })
         })
         .await
     }
@@ -400,9 +402,7 @@ impl ProviderVersion {
     pub async fn validate_config(&self, config_json: &str) -> Result<(), CallError> {
         let config = config_json.to_owned();
         self.call(Method::ValidateConfig, &CallHooks::default(), move |store, exports, _ctx| {
-            Box::pin(
-                async move { exports.broker_provider_instance_broker().call_validate_config(store, &config).await },
-            )
+            Box::pin(async move { on_guest!(exports, |guest| guest.call_validate_config(store, &config)) })
         })
         .await
     }
@@ -440,9 +440,7 @@ impl ProviderVersion {
         let params = params.clone();
         let (mut started, writes) = self
             .call_then(Method::StartInstance, hooks, writes, move |store, exports, ctx| {
-                Box::pin(async move {
-                    exports.broker_provider_instance_broker().call_start_instance(store, ctx, &params).await
-                })
+                Box::pin(async move { on_guest!(exports, |guest| guest.call_start_instance(store, ctx, &params)) })
             })
             .await?;
         // Its texts are kept and shown: never a secret of its own.
@@ -457,9 +455,7 @@ impl ProviderVersion {
     pub async fn stop_instances(&self, hooks: &CallHooks, ids: &[InstanceId]) -> Result<(), CallError> {
         let ids = ids.to_vec();
         self.call(Method::StopInstances, hooks, move |store, exports, ctx| {
-            Box::pin(
-                async move { exports.broker_provider_instance_broker().call_stop_instances(store, ctx, &ids).await },
-            )
+            Box::pin(async move { on_guest!(exports, |guest| guest.call_stop_instances(store, ctx, &ids)) })
         })
         .await
     }
@@ -480,12 +476,12 @@ impl ProviderVersion {
     /// call and for the half-open re-observe alike.
     fn invoke_all_instances(
         &self,
-    ) -> impl for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, Vec<Instance>>
+    ) -> impl for<'a> FnOnce(&'a mut Store<HostState>, &'a Exports, Resource<CallContext>) -> CallFuture<'a, Vec<Instance>>
     {
         let max = self.manifest.limits.max_records;
         move |store, exports, ctx| {
             Box::pin(async move {
-                let answer = exports.broker_provider_instance_broker().call_all_instances(store, ctx).await?;
+                let answer = on_guest!(exports, |guest| guest.call_all_instances(store, ctx))?;
                 match answer {
                     Ok(instances) if instances.len() > max => {
                         Err(wasmtime::Error::new(TooManyRecords { answered: instances.len(), max }))
@@ -505,9 +501,7 @@ impl ProviderVersion {
     ) -> Result<(), CallError> {
         let (id, params) = (id.to_owned(), params.clone());
         self.call(Method::MaintainInstance, hooks, move |store, exports, ctx| {
-            Box::pin(async move {
-                exports.broker_provider_instance_broker().call_maintain_instance(store, ctx, &id, &params).await
-            })
+            Box::pin(async move { on_guest!(exports, |guest| guest.call_maintain_instance(store, ctx, &id, &params)) })
         })
         .await
     }
@@ -516,7 +510,7 @@ impl ProviderVersion {
     /// what it changed in its kv is durable before the answer.
     async fn call<R, F>(&self, method: Method, hooks: &CallHooks, invoke: F) -> Result<R, CallError>
     where
-        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Exports, Resource<CallContext>) -> CallFuture<'a, R>,
     {
         self.call_then(method, hooks, Writes::Persist, invoke).await.map(|(value, _)| value)
     }
@@ -531,7 +525,7 @@ impl ProviderVersion {
         invoke: F,
     ) -> Result<(R, KvWrites), CallError>
     where
-        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Exports, Resource<CallContext>) -> CallFuture<'a, R>,
     {
         let span = tracing::debug_span!("provider_call", provider = &*self.name, method = method.name());
         let began = Instant::now();
@@ -647,7 +641,7 @@ impl ProviderVersion {
     /// One call, and the kv changes its store left to persist at its end.
     async fn run_call<R, F>(&self, method: Method, hooks: &CallHooks, invoke: F) -> (Result<R, CallError>, KvWrites)
     where
-        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Exports, Resource<CallContext>) -> CallFuture<'a, R>,
     {
         let mut unpersisted = KvWrites::new(self.name.clone());
         let result = self.run_on_instance(method, hooks, invoke, &mut unpersisted).await;
@@ -662,7 +656,7 @@ impl ProviderVersion {
         unpersisted: &mut KvWrites,
     ) -> Result<R, CallError>
     where
-        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Provider, Resource<CallContext>) -> CallFuture<'a, R>,
+        F: for<'a> FnOnce(&'a mut Store<HostState>, &'a Exports, Resource<CallContext>) -> CallFuture<'a, R>,
     {
         self.stats.calls.fetch_add(1, Ordering::Relaxed);
         // One budget for the method: instantiating a fresh instance spends from it.

@@ -25,6 +25,7 @@ pub const MAX_VALUE_BYTES: usize = 1 << 20;
 pub const MAX_SCAN_BYTES: usize = 16 << 20;
 
 pub mod kit;
+mod v0_1;
 
 pub use crate::quotas::KvQuota;
 
@@ -552,11 +553,13 @@ impl wit::Host for KvCtx {
     }
 }
 
+/// Link the current `kv` and, beside it, `kv` as 0.1.0 published it ([`v0_1`]).
 pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> &mut KvCtx,
 ) -> wasmtime::Result<()> {
-    wit::add_to_linker::<T, HasSelf<KvCtx>>(linker, getter)
+    wit::add_to_linker::<T, HasSelf<KvCtx>>(linker, getter)?;
+    v0_1::add_to_linker(linker, getter)
 }
 
 /// The room: `kv = true` under `[grants]`, linked only when granted. Its

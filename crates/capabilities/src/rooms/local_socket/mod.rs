@@ -238,7 +238,11 @@ pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> LocalSocketView<'_>,
 ) -> wasmtime::Result<()> {
-    wit::add_to_linker::<T, ViewOf<LocalSocketCtx>>(linker, getter)
+    // The same in every contract version served: linked under each one's name.
+    for instance in crate::bindings::served_instances(INTERFACE) {
+        wit::add_to_linker_instance::<T, ViewOf<LocalSocketCtx>>(&mut linker.instance(&instance)?, getter)?;
+    }
+    Ok(())
 }
 
 /// The room: `local-sockets = true` under `[grants]`.

@@ -109,7 +109,11 @@ pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> MachineLockView<'_>,
 ) -> wasmtime::Result<()> {
-    wit::add_to_linker::<T, ViewOf<MachineLockCtx>>(linker, getter)
+    // The same in every contract version served: linked under each one's name.
+    for instance in crate::bindings::served_instances(INTERFACE) {
+        wit::add_to_linker_instance::<T, ViewOf<MachineLockCtx>>(&mut linker.instance(&instance)?, getter)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -577,7 +577,11 @@ pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> &mut BridgeCtx,
 ) -> wasmtime::Result<()> {
-    wit::add_to_linker::<T, HasSelf<BridgeCtx>>(linker, getter)
+    // The same in every contract version served: linked under each one's name.
+    for instance in crate::bindings::served_instances(INTERFACE) {
+        wit::add_to_linker_instance::<T, HasSelf<BridgeCtx>>(&mut linker.instance(&instance)?, getter)?;
+    }
+    Ok(())
 }
 
 /// `[grants.bridge]`: present (even empty) or not.

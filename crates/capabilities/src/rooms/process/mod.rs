@@ -315,7 +315,11 @@ pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> ProcessView<'_>,
 ) -> wasmtime::Result<()> {
-    wit::add_to_linker::<T, ViewOf<ProcessCtx>>(linker, getter)
+    // The same in every contract version served: linked under each one's name.
+    for instance in crate::bindings::served_instances(INTERFACE) {
+        wit::add_to_linker_instance::<T, ViewOf<ProcessCtx>>(&mut linker.instance(&instance)?, getter)?;
+    }
+    Ok(())
 }
 
 /// The programs a provider may run and what they may reach, as `[grants]`
