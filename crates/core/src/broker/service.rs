@@ -694,23 +694,19 @@ impl Broker {
     /// the answer (the API's 502 or 503; the CLI then lists its records as the
     /// listing of all does).
     pub async fn list_instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>, BrokerServiceError> {
-        let names = match provider {
-            Some(name) => vec![name.to_owned()],
-            None => {
-                // In name order, each provider's records in id order: the answer is
-                // sorted without sorting it.
-                let mut names: Vec<String> = self.registry.list()?.into_iter().map(|p| p.name).collect();
-                names.sort_unstable();
-                names
-            }
-        };
+        if let Some(name) = provider {
+            // Asked by name: its answer, or why there is none.
+            return self.provider_instances(name).await;
+        }
+        // In name order, each provider's records in id order: the answer is
+        // sorted without sorting it.
+        let mut names: Vec<String> = self.registry.list()?.into_iter().map(|p| p.name).collect();
+        names.sort_unstable();
         let answers = futures_util::future::join_all(names.iter().map(|name| self.provider_instances(name))).await;
         let mut out = Vec::new();
         for (name, answer) in names.iter().zip(answers) {
             match answer {
                 Ok(records) => out.extend(records),
-                // Asked by name: its answer, or why there is none.
-                Err(failed) if provider.is_some() => return Err(failed),
                 // Being removed, so it has no recorded instances; listing all is not its business.
                 Err(BrokerServiceError::Registry(RegistryError::Removing(_))) => {}
                 Err(failed) => {
