@@ -1,6 +1,7 @@
-//! The host side of the contract: the `bindgen!` of `broker:provider@0.2.0`
-//! (`wit/`), and of 0.1.0 as it was published (`wit/0.1.0/`, never edited),
-//! whose interfaces are the current ones but for `kv` and the exports.
+//! The host side of the contract: the `bindgen!` of `broker:provider@0.3.0`
+//! (`wit/`), and of each earlier version as it was published (`wit/0.2.0/`,
+//! `wit/0.1.0/`, never edited): only what differs from the current one is
+//! generated for them (their exports; 0.1.0's `kv`).
 //!
 //! Imports are async (so a capability may wait) and trappable (outer
 //! `Result` = trap, inner = what the guest sees), and traced: each call is a
@@ -33,10 +34,33 @@ pub use generated::*;
 pub use broker::provider::types::*;
 pub use exports::broker::provider::instance_broker::Guest as InstanceBrokerExports;
 
-/// `broker:provider@0.1.0` as published: only what differs from 0.2.0 is
-/// generated (`kv`, whose error has no `quota-exceeded`, and the exports'
-/// names); every other interface is the current one's, linked under both
-/// versions' names ([`served_instances`]).
+/// `broker:provider@0.2.0` as published: its imports are the current ones
+/// (0.3.0 only added to `kv` and `types`), its `all-instances` answers
+/// every instance at once.
+pub mod v0_2 {
+    #![allow(missing_docs)]
+
+    wasmtime::component::bindgen!({
+        path: "../../wit/0.2.0",
+        world: "provider",
+        imports: { default: async | trappable | tracing },
+        exports: { default: async },
+        with: {
+            "broker:provider/types": crate::bindings::broker::provider::types,
+            "broker:provider/kv": crate::bindings::broker::provider::kv,
+            "broker:provider/context": crate::bindings::broker::provider::context,
+            "broker:provider/log": crate::bindings::broker::provider::log,
+            "broker:provider/machine-lock": crate::bindings::broker::provider::machine_lock,
+            "broker:provider/process": crate::bindings::broker::provider::process,
+            "broker:provider/network-bridge": crate::bindings::broker::provider::network_bridge,
+            "broker:provider/local-socket": crate::bindings::broker::provider::local_socket,
+        },
+        additional_derives: [PartialEq],
+    });
+}
+
+/// `broker:provider@0.1.0` as published: what differs from 0.2.0 is `kv`,
+/// whose error has no `quota-exceeded`; its exports are 0.2.0's.
 pub mod v0_1 {
     #![allow(missing_docs)]
 
@@ -61,15 +85,24 @@ pub mod v0_1 {
 /// The contract package this host implements; components must speak it.
 pub const CONTRACT_PACKAGE: &str = "broker:provider";
 /// The newest version of [`CONTRACT_PACKAGE`]: what `wit/` and the SDK are.
-pub const CONTRACT_VERSION: &str = "0.2.0";
+pub const CONTRACT_VERSION: &str = "0.3.0";
 /// Every published version this host serves, newest first: a component built
 /// against any of them loads unchanged. A published version never changes
-/// (`wit/0.1.0/` is 0.1.0 as published; a test pins its text).
-pub const SERVED_VERSIONS: &[&str] = &["0.2.0", "0.1.0"];
+/// (`wit/0.2.0/`, `wit/0.1.0/` are as published; a test pins their text).
+pub const SERVED_VERSIONS: &[&str] = &["0.3.0", "0.2.0", "0.1.0"];
 
 /// The instance names an interface of the contract is linked under, one per
-/// version served (`broker:provider/log@0.2.0`, `…@0.1.0`): an interface that
-/// did not change between them is the same host functions under each.
+/// version served (`broker:provider/log@0.3.0`, `…@0.2.0`, `…@0.1.0`): an
+/// interface that did not change between them is the same host functions
+/// under each.
 pub fn served_instances(interface: &str) -> impl Iterator<Item = String> + '_ {
-    SERVED_VERSIONS.iter().map(move |version| format!("{CONTRACT_PACKAGE}/{interface}@{version}"))
+    served_instances_since(interface, "0.1.0")
+}
+
+/// As [`served_instances`], of the versions from `first` on: an interface that
+/// only gained functions since `first` is the current host functions under
+/// each (a component type-checks only what it imports).
+pub fn served_instances_since<'a>(interface: &'a str, first: &'a str) -> impl Iterator<Item = String> + 'a {
+    let newer = SERVED_VERSIONS.iter().position(|version| *version == first).map_or(0, |at| at + 1);
+    SERVED_VERSIONS[..newer].iter().map(move |version| format!("{CONTRACT_PACKAGE}/{interface}@{version}"))
 }

@@ -7,7 +7,7 @@ mod client;
 
 use broker_guest::types::{
     Address, AddressConfigType, AddressKind, AddressScope, BrokerError, HardwareCharacteristics, Instance,
-    InstanceStatus, ProviderInfo, StartInstanceParams, StartInstanceResult,
+    InstancePage, InstanceStatus, ListedInstance, PageRequest, ProviderInfo, StartInstanceParams, StartInstanceResult,
 };
 use broker_guest::{CallContext, Guest, host_kv, host_log};
 use client::{Ec2, from_logic};
@@ -63,6 +63,27 @@ fn instance_of(found: &Ec2Instance) -> Instance {
         false => format!("{}: {}", found.state, found.state_reason),
     };
     Instance { id: found.id.clone(), status: status(&found.state), message, addresses: addresses(found) }
+}
+
+/// An instance as the listing has it: what its type says it got, and its tags.
+fn listed_of(found: &Ec2Instance) -> ListedInstance {
+    let known = select::INSTANCE_TYPES.iter().find(|t| t.name == found.instance_type);
+    ListedInstance {
+        instance: instance_of(found),
+        display_name: found.tag("Name").unwrap_or_default().to_owned(),
+        hardware: Some(HardwareCharacteristics {
+            arch: found.arch().map(str::to_owned),
+            mem: known.map(|t| t.mem),
+            root_disk: None,
+            root_disk_source: Some("ebs".into()),
+            cpu_cores: known.map(|t| t.cores),
+            cpu_power: known.map(|t| t.cpu_power),
+            tags: None,
+            availability_zone: Some(found.zone.clone()).filter(|zone| !zone.is_empty()),
+            virt_type: Some("hvm".into()),
+        }),
+        tags: found.tags.clone(),
+    }
 }
 
 /// Wait for `id` to run, telling the caller each state it passes. Gives up
@@ -260,9 +281,10 @@ impl Guest for Ec2Provider {
         Ok(())
     }
 
-    fn all_instances(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
+    /// The namespace's instances, described at once; the page is cut from that.
+    fn all_instances(ctx: &CallContext, page: PageRequest) -> Result<InstancePage, BrokerError> {
         let ec2 = Ec2::new(config(ctx)?);
-        Ok(ec2.all()?.iter().map(instance_of).collect())
+        Ok(broker_guest::listing::page_of(ec2.all()?.iter().map(listed_of).collect(), &page))
     }
 
     fn maintain_instance(ctx: &CallContext, id: String, params: StartInstanceParams) -> Result<(), BrokerError> {

@@ -3,7 +3,8 @@
 //! third party built before 0.2.0, which the host serves as it is. This
 //! crate stands in for the SDK the source names (`broker_guest`), with the
 //! little of it the source uses, as 0.1.0 had it: no `claim-instance-id`
-//! (a claim is then nothing) and no `scan-page` (a scan is one call).
+//! (a claim is then nothing) and no `scan-page` (a scan is one call); its
+//! listing is 0.1.0's, every instance in one answer (`published.rs`).
 
 extern crate self as broker_guest;
 
@@ -15,34 +16,16 @@ wit_bindgen::generate!({
 
 pub use broker::provider::context::CallContext;
 pub use broker::provider::kv as host_kv;
-pub use broker::provider::types;
-pub use exports::broker::provider::instance_broker::Guest;
+pub use published::{Guest, listing, types};
+
+mod published;
 
 /// `kv.scan`, decoded: 0.1.0 answers it in one buffer.
 pub mod kv {
-    use crate::host_kv::{self, KvError};
-
-    /// The next `[u32 LE length][bytes]` of `rest`, which moves past it.
-    fn chunk<'a>(rest: &mut &'a [u8]) -> Result<&'a [u8], KvError> {
-        let truncated = || KvError::Invalid("scan buffer is truncated".into());
-        let current: &'a [u8] = rest;
-        let len: [u8; 4] = current.get(..4).ok_or_else(truncated)?.try_into().map_err(|_| truncated())?;
-        let len = u32::from_le_bytes(len) as usize;
-        let bytes = current.get(4..4 + len).ok_or_else(truncated)?;
-        *rest = &current[4 + len..];
-        Ok(bytes)
-    }
+    use crate::host_kv::KvError;
 
     pub fn scan(prefix: &str) -> Result<Vec<(String, Vec<u8>)>, KvError> {
-        let packed = host_kv::scan(prefix)?;
-        let mut entries = Vec::new();
-        let mut rest = packed.as_slice();
-        while !rest.is_empty() {
-            let key = String::from_utf8(chunk(&mut rest)?.to_vec())
-                .map_err(|_| KvError::Invalid("a non-UTF-8 key".into()))?;
-            entries.push((key, chunk(&mut rest)?.to_vec()));
-        }
-        Ok(entries)
+        crate::published::unpack(&crate::host_kv::scan(prefix)?)
     }
 }
 
@@ -67,6 +50,6 @@ impl From<host_kv::KvError> for types::BrokerError {
 #[path = "../../fake/src/provider.rs"]
 mod provider;
 
-use provider::Fake;
+use published::Published;
 
-export!(Fake);
+export!(Published);

@@ -3,7 +3,8 @@
 
 use broker_guest::types::{
     Address, AddressConfigType, AddressKind, AddressScope, BrokerError, HardwareCharacteristics, Instance,
-    InstanceStatus, ProviderInfo, StartInstanceParams, StartInstanceResult, Volume, VolumeAttachment,
+    InstancePage, InstanceStatus, ListedInstance, PageRequest, ProviderInfo, StartInstanceParams, StartInstanceResult,
+    Volume, VolumeAttachment,
 };
 use broker_guest::{CallContext, Guest, host_kv};
 use fake_logic::{FakeError, FakeInstance, Hardware, StartRequest};
@@ -65,6 +66,14 @@ fn knobs(ctx: &CallContext) -> fake_logic::Knobs {
 /// can check that every field crossed the boundary intact.
 fn params_key(id: &str) -> String {
     format!("params/{id}")
+}
+
+/// Its name for people: the id, and the Juju machine it is.
+fn display_name(fake: &FakeInstance) -> String {
+    match &fake.machine_id {
+        Some(machine) => format!("{} (machine {machine})", fake.id),
+        None => fake.id.clone(),
+    }
 }
 
 pub(crate) fn hardware(h: &Hardware) -> HardwareCharacteristics {
@@ -188,10 +197,7 @@ impl Guest for Fake {
             config_out.push(("controller-uuid".to_owned(), params.controller_uuid.clone()));
         }
         Ok(StartInstanceResult {
-            display_name: match &fake.machine_id {
-                Some(machine) => format!("{} (machine {machine})", fake.id),
-                None => fake.id.clone(),
-            },
+            display_name: display_name(&fake),
             instance: instance(&fake),
             config: config_out,
             hardware: Some(hardware(&fake.hardware)),
@@ -215,20 +221,23 @@ impl Guest for Fake {
         Ok(())
     }
 
-    fn all_instances(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
+    /// A page of the instances the fake keeps one per kv key.
+    fn all_instances(ctx: &CallContext, page: PageRequest) -> Result<InstancePage, BrokerError> {
         let failed_zones = knobs(ctx).failed_zones;
-        let listed = fake_logic::all(&HostKv).map_err(to_broker_error)?;
-        Ok(listed
-            .iter()
-            .map(|fake| {
-                let mut listed = instance(fake);
-                if let Some(zone) = fake.hardware.availability_zone.as_ref().filter(|z| failed_zones.contains(z)) {
-                    listed.status = InstanceStatus::Error;
-                    listed.message = format!("zone {zone} fails its instances (fake config failed-zones)");
-                }
-                listed
-            })
-            .collect())
+        broker_guest::listing::kv_page(fake_logic::INSTANCE_PREFIX, &page, |_, value| {
+            let fake = fake_logic::decode(value).map_err(to_broker_error)?;
+            let mut listed = instance(&fake);
+            if let Some(zone) = fake.hardware.availability_zone.as_ref().filter(|z| failed_zones.contains(z)) {
+                listed.status = InstanceStatus::Error;
+                listed.message = format!("zone {zone} fails its instances (fake config failed-zones)");
+            }
+            Ok(Some(ListedInstance {
+                display_name: display_name(&fake),
+                hardware: Some(hardware(&fake.hardware)),
+                tags: Vec::new(),
+                instance: listed,
+            }))
+        })
     }
 
     fn maintain_instance(ctx: &CallContext, id: String, params: StartInstanceParams) -> Result<(), BrokerError> {

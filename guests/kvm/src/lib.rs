@@ -8,8 +8,8 @@ mod vm;
 
 use broker_guest::network_bridge;
 use broker_guest::types::{
-    Address, BrokerError, HardwareCharacteristics, Instance, InstanceStatus, InterfaceInfo, ProviderInfo,
-    StartInstanceParams, StartInstanceResult,
+    Address, BrokerError, HardwareCharacteristics, Instance, InstancePage, InstanceStatus, InterfaceInfo,
+    ListedInstance, PageRequest, ProviderInfo, StartInstanceParams, StartInstanceResult,
 };
 use broker_guest::{CallContext, Guest, host_kv, host_log};
 use kvm_logic::spec::{self, Nic, Wanted};
@@ -43,6 +43,21 @@ fn nics(config: &Config, name: &str, seq: u64, network: &[InterfaceInfo]) -> Res
             Ok(Nic { tap: spec::tap_name(config, seq, i), bridge: info.parent_interface_name.clone(), mac })
         })
         .collect()
+}
+
+/// What a VM got: its size, and how qemu runs it (`kvm`, or `qemu` for TCG).
+fn characteristics(mem: u64, cores: u64, root_disk: u64, virt_type: String) -> HardwareCharacteristics {
+    HardwareCharacteristics {
+        arch: Some("amd64".into()),
+        mem: Some(mem),
+        root_disk: Some(root_disk),
+        root_disk_source: None,
+        cpu_cores: Some(cores),
+        cpu_power: None,
+        tags: None,
+        availability_zone: None,
+        virt_type: Some(virt_type),
+    }
 }
 
 fn instance(name: &str, status: InstanceStatus, message: String, addresses: Vec<Address>) -> Instance {
@@ -126,17 +141,7 @@ impl Guest for Kvm {
             display_name: plan.name.clone(),
             instance: instance(&plan.name, InstanceStatus::Running, String::new(), addresses),
             config: Vec::new(),
-            hardware: Some(HardwareCharacteristics {
-                arch: Some("amd64".into()),
-                mem: Some(plan.size.mem),
-                root_disk: Some(plan.size.root_disk),
-                root_disk_source: None,
-                cpu_cores: Some(plan.size.cores),
-                cpu_power: None,
-                tags: None,
-                availability_zone: None,
-                virt_type: Some(virt_type),
-            }),
+            hardware: Some(characteristics(plan.size.mem, plan.size.cores, plan.size.root_disk, virt_type)),
             network_info,
             volumes: Vec::new(),
             volume_attachments: Vec::new(),
@@ -155,19 +160,23 @@ impl Guest for Kvm {
         Ok(())
     }
 
-    fn all_instances(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
+    /// A page of the VMs kept one record per kv key.
+    fn all_instances(ctx: &CallContext, page: PageRequest) -> Result<InstancePage, BrokerError> {
         let prefix = spec::prefix(&config(ctx)?);
-        let mut out = Vec::new();
-        for (key, bytes) in broker_guest::kv::scan(spec::RECORD_PREFIX)? {
+        broker_guest::listing::kv_page(spec::RECORD_PREFIX, &page, |key, bytes| {
             let name = &key[spec::RECORD_PREFIX.len()..];
             if !name.starts_with(&prefix) {
-                continue;
+                return Ok(None);
             }
-            let record = vm::decode(name, &bytes)?;
+            let record = vm::decode(name, bytes)?;
             let (status, message) = vm::observe(&record);
-            out.push(instance(name, status, message, Vec::new()));
-        }
-        Ok(out)
+            Ok(Some(ListedInstance {
+                instance: instance(name, status, message, Vec::new()),
+                display_name: name.to_owned(),
+                hardware: Some(characteristics(record.mem, record.cores, record.root_disk, record.virt_type.clone())),
+                tags: Vec::new(),
+            }))
+        })
     }
 
     fn maintain_instance(ctx: &CallContext, id: String, _params: StartInstanceParams) -> Result<(), BrokerError> {

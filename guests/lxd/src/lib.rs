@@ -6,8 +6,8 @@ mod client;
 mod http;
 
 use broker_guest::types::{
-    BrokerError, HardwareCharacteristics, ImageMetadata, Instance, InstanceStatus, InterfaceInfo, ProviderInfo,
-    StartInstanceParams, StartInstanceResult,
+    BrokerError, HardwareCharacteristics, ImageMetadata, Instance, InstancePage, InstanceStatus, InterfaceInfo,
+    ListedInstance, PageRequest, ProviderInfo, StartInstanceParams, StartInstanceResult,
 };
 use broker_guest::{CallContext, Guest, host_kv, host_log};
 use client::Lxd;
@@ -222,7 +222,6 @@ impl Guest for LxdProvider {
             failed(BrokerError::Provider(format!("container {} vanished after it started", spec.name)))
         })?;
         ctx.set_status(InstanceStatus::Running, "Container started", &[])?;
-        let hardware = api::hardware(&instance);
         let reported = api::nics(&instance);
         let mut network_info = params.network_info.clone();
         for (info, nic) in network_info.iter_mut().zip(&nics) {
@@ -241,15 +240,8 @@ impl Guest for LxdProvider {
             },
             config: vec![("lxd-project".into(), config.project.clone()), ("image-alias".into(), spec.alias.clone())],
             hardware: Some(HardwareCharacteristics {
-                arch: hardware.arch,
-                mem: hardware.mem,
-                root_disk: hardware.root_disk,
                 root_disk_source: wanted.root_disk.map(|_| config.storage_pool.clone()),
-                cpu_cores: hardware.cores,
-                cpu_power: None,
-                tags: None,
-                availability_zone: None,
-                virt_type: Some("container".into()),
+                ..characteristics(api::hardware(&instance))
             }),
             network_info,
             volumes: Vec::new(),
@@ -268,16 +260,22 @@ impl Guest for LxdProvider {
         Ok(())
     }
 
-    fn all_instances(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
+    /// LXD lists a project's containers at once: the page is cut from that.
+    fn all_instances(ctx: &CallContext, page: PageRequest) -> Result<InstancePage, BrokerError> {
         let config = config(ctx)?;
         let prefix = spec::prefix(&config);
         let mut out = Vec::new();
         for instance in Lxd::new(&config).instances()? {
             let Some(name) = instance["name"].as_str().filter(|n| n.starts_with(&prefix)) else { continue };
             let (state, message) = api::instance_state(&instance);
-            out.push(Instance { id: name.to_owned(), status: status(state), message, addresses: Vec::new() });
+            out.push(ListedInstance {
+                instance: Instance { id: name.to_owned(), status: status(state), message, addresses: Vec::new() },
+                display_name: name.to_owned(),
+                hardware: Some(characteristics(api::hardware(&instance))),
+                tags: Vec::new(),
+            });
         }
-        Ok(out)
+        Ok(broker_guest::listing::page_of(out, &page))
     }
 
     fn maintain_instance(ctx: &CallContext, id: String, params: StartInstanceParams) -> Result<(), BrokerError> {
@@ -290,6 +288,21 @@ impl Guest for LxdProvider {
             return Err(BrokerError::Provider(format!("container {id}: {}", differences.join("; "))));
         }
         Ok(())
+    }
+}
+
+/// What LXD says a container got, in the contract's terms.
+fn characteristics(hardware: lxd_logic::api::Hardware) -> HardwareCharacteristics {
+    HardwareCharacteristics {
+        arch: hardware.arch,
+        mem: hardware.mem,
+        root_disk: hardware.root_disk,
+        root_disk_source: None,
+        cpu_cores: hardware.cores,
+        cpu_power: None,
+        tags: None,
+        availability_zone: None,
+        virt_type: Some("container".into()),
     }
 }
 

@@ -62,3 +62,29 @@ pub fn scan_each(
         }
     }
 }
+
+/// One entry of the namespace: its key and its value.
+pub type Entry = (String, Vec<u8>);
+
+/// At most `count` entries under `prefix` whose keys sort after `after`
+/// (none: from the first), in key order, and whether any come after them:
+/// a page of something kept one entry per key, read in pages about its size.
+pub fn scan_count(prefix: &str, after: Option<&str>, count: usize) -> Result<(Vec<Entry>, bool), KvError> {
+    let page_bytes = u32::try_from(count.saturating_mul(1024)).unwrap_or(u32::MAX).clamp(64 << 10, SCAN_PAGE_BYTES);
+    let mut entries = Vec::new();
+    let mut cursor = after.map(str::to_owned);
+    loop {
+        let page = scan_page(prefix, cursor.as_deref(), page_bytes)?;
+        let Some((last, _)) = page.last() else { return Ok((entries, false)) };
+        cursor = Some(last.clone());
+        for entry in page {
+            if entries.len() == count {
+                return Ok((entries, true));
+            }
+            entries.push(entry);
+        }
+    }
+}
+
+/// Compare-and-swap and transactions, as `host_kv` has them: see the WIT.
+pub use crate::host_kv::{KvOp, delete_if_equal, set_if_absent, set_if_equal, transact};

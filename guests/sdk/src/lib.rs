@@ -23,6 +23,7 @@ pub use exports::broker::provider::instance_broker::Guest;
 
 pub mod http;
 pub mod kv;
+pub mod listing;
 
 /// Log through the host's tracing, tagged with this provider's name.
 pub fn log(level: host_log::Level, message: &str) {

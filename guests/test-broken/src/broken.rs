@@ -7,7 +7,8 @@
 
 use crate::fake::{self, Fake, HostKv};
 use broker_guest::types::{
-    BrokerError, Instance, InstanceStatus, ProviderInfo, StartInstanceParams, StartInstanceResult,
+    BrokerError, Instance, InstancePage, InstanceStatus, PageRequest, ProviderInfo, StartInstanceParams,
+    StartInstanceResult,
 };
 use broker_guest::{CallContext, Guest, host_kv, machine_lock, network_bridge, process};
 
@@ -119,7 +120,26 @@ impl Guest for Broken {
         Ok(())
     }
 
-    fn all_instances(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
+    /// Its whole listing, cut into the page asked for.
+    fn all_instances(ctx: &CallContext, page: PageRequest) -> Result<InstancePage, BrokerError> {
+        let all = Self::whole_listing(ctx)?.into_iter().map(broker_guest::listing::listed).collect();
+        Ok(broker_guest::listing::page_of(all, &page))
+    }
+
+    fn maintain_instance(ctx: &CallContext, id: String, params: StartInstanceParams) -> Result<(), BrokerError> {
+        match breaks(ctx).as_str() {
+            "maintain" => Err(BrokerError::NotFound(format!("{id} is not mine (it is)"))),
+            "deadline" => loop {
+                std::hint::black_box(&id);
+            },
+            _ => Fake::maintain_instance(ctx, id, params),
+        }
+    }
+}
+
+impl Broken {
+    /// Every instance it lists, as one answer.
+    fn whole_listing(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
         let breaks = breaks(ctx);
         if breaks == "ungranted" {
             // Not granted: the host refuses, and this build carries on as if nothing happened.
@@ -165,15 +185,5 @@ impl Guest for Broken {
             return Ok(vec![live]);
         }
         Ok(all)
-    }
-
-    fn maintain_instance(ctx: &CallContext, id: String, params: StartInstanceParams) -> Result<(), BrokerError> {
-        match breaks(ctx).as_str() {
-            "maintain" => Err(BrokerError::NotFound(format!("{id} is not mine (it is)"))),
-            "deadline" => loop {
-                std::hint::black_box(&id);
-            },
-            _ => Fake::maintain_instance(ctx, id, params),
-        }
     }
 }

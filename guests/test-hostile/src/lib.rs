@@ -62,8 +62,8 @@
 //! is given, NUL-separated, to kv key `stopped`. The other methods behave.
 
 use broker_guest::types::{
-    BrokerError, HardwareCharacteristics, Instance, InstanceStatus, ProviderInfo, StartInstanceParams,
-    StartInstanceResult,
+    Address, AddressConfigType, AddressKind, AddressScope, BrokerError, HardwareCharacteristics, Instance,
+    InstancePage, InstanceStatus, PageRequest, ProviderInfo, StartInstanceParams, StartInstanceResult,
 };
 use broker_guest::{CallContext, Guest, host_kv, machine_lock, network_bridge, process};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -113,7 +113,7 @@ impl Guest for Hostile {
             return Err(leak(ctx));
         }
         if mode(ctx) == "status-flood" {
-            Self::all_instances(ctx)?;
+            Self::whole_listing(ctx)?;
             let id = format!("flood-{}", CALLS_SERVED.load(Ordering::SeqCst));
             return Ok(started(&id, None));
         }
@@ -146,7 +146,49 @@ impl Guest for Hostile {
         Ok(())
     }
 
-    fn all_instances(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
+    /// Its whole listing, cut into the page asked for.
+    fn all_instances(ctx: &CallContext, page: PageRequest) -> Result<InstancePage, BrokerError> {
+        match mode(ctx).as_str() {
+            // A page of more than asked for: the host refuses it.
+            "page-overrun" => {
+                let all = (0..=page.size).map(|i| broker_guest::listing::listed(instance(&format!("i-{i}"))));
+                return Ok(InstancePage { instances: all.collect(), next: None });
+            }
+            // A cursor that never moves: the listing would never end.
+            "same-cursor" => return Ok(InstancePage { instances: Vec::new(), next: Some("again".into()) }),
+            // The secret in everything a listing says of an instance besides its message.
+            "leak-record" => {
+                let token = config_value(ctx, "api-token").unwrap_or_default();
+                let mut listed = broker_guest::listing::listed(Self::whole_listing(ctx)?.remove(0));
+                listed.display_name = format!("named {token}");
+                listed.instance.addresses.push(Address {
+                    value: format!("{token}.example"),
+                    kind: AddressKind::Hostname,
+                    scope: AddressScope::Public,
+                    cidr: None,
+                    config_type: AddressConfigType::Unknown,
+                });
+                listed.hardware = Some(HardwareCharacteristics {
+                    availability_zone: Some(format!("zone-{token}")),
+                    tags: Some(vec![token.clone()]),
+                    ..hardware()
+                });
+                return Ok(InstancePage { instances: vec![listed], next: None });
+            }
+            _ => {}
+        }
+        let all = Self::whole_listing(ctx)?.into_iter().map(broker_guest::listing::listed).collect();
+        Ok(broker_guest::listing::page_of(all, &page))
+    }
+
+    fn maintain_instance(_ctx: &CallContext, _id: String, _params: StartInstanceParams) -> Result<(), BrokerError> {
+        Ok(())
+    }
+}
+
+impl Hostile {
+    /// Every instance it lists, as one answer.
+    fn whole_listing(ctx: &CallContext) -> Result<Vec<Instance>, BrokerError> {
         let served = CALLS_SERVED.fetch_add(1, Ordering::SeqCst) + 1;
         match mode(ctx).as_str() {
             "status-flood" => {
@@ -175,6 +217,30 @@ impl Guest for Hostile {
                     .into_iter()
                     .map(|(i, message)| Instance { message, ..instance(&format!("i-{i}")) })
                     .collect())
+            }
+            // Compare-and-swap and a transaction, each answer in order as one message.
+            "kv-cas" => {
+                use broker_guest::kv::{KvOp, delete_if_equal, set_if_absent, set_if_equal, transact};
+                let answers = [
+                    set_if_absent("cas", b"1")?,
+                    set_if_absent("cas", b"2")?,
+                    set_if_equal("cas", b"2", b"3")?,
+                    set_if_equal("cas", b"1", b"3")?,
+                    transact(&[
+                        KvOp::ExpectEqual(("cas".into(), b"3".to_vec())),
+                        KvOp::Set(("other".into(), b"x".to_vec())),
+                    ])?,
+                    transact(&[
+                        KvOp::ExpectAbsent("other".into()),
+                        KvOp::Delete("cas".into()),
+                        KvOp::Set(("never".into(), b"y".to_vec())),
+                    ])?,
+                    delete_if_equal("other", b"y")?,
+                    delete_if_equal("other", b"x")?,
+                ];
+                let held = [host_kv::get("cas")?, host_kv::get("other")?, host_kv::get("never")?];
+                let message = format!("{answers:?} {held:?}");
+                Ok(vec![Instance { message, ..instance("cas") }])
             }
             "kv-flood" => {
                 let value = vec![7u8; number(ctx, "flood-bytes")?];
@@ -439,10 +505,6 @@ impl Guest for Hostile {
             }]),
         }
     }
-
-    fn maintain_instance(_ctx: &CallContext, _id: String, _params: StartInstanceParams) -> Result<(), BrokerError> {
-        Ok(())
-    }
 }
 
 /// A program, its arguments and its environment.
@@ -528,20 +590,25 @@ fn started(id: &str, zone: Option<String>) -> StartInstanceResult {
         display_name: id.to_owned(),
         instance: instance(id),
         config: vec![],
-        hardware: zone.map(|zone| HardwareCharacteristics {
-            arch: None,
-            mem: None,
-            root_disk: None,
-            root_disk_source: None,
-            cpu_cores: None,
-            cpu_power: None,
-            tags: None,
-            availability_zone: Some(zone),
-            virt_type: None,
-        }),
+        hardware: zone.map(|zone| HardwareCharacteristics { availability_zone: Some(zone), ..hardware() }),
         network_info: vec![],
         volumes: vec![],
         volume_attachments: vec![],
+    }
+}
+
+/// Hardware of which nothing is known.
+fn hardware() -> HardwareCharacteristics {
+    HardwareCharacteristics {
+        arch: None,
+        mem: None,
+        root_disk: None,
+        root_disk_source: None,
+        cpu_cores: None,
+        cpu_power: None,
+        tags: None,
+        availability_zone: None,
+        virt_type: None,
     }
 }
 

@@ -13,6 +13,7 @@
 
 use super::service::Broker;
 use crate::store::{Event, EventKind, InstanceRecord};
+use broker_capabilities::bindings::ListedInstance;
 use broker_capabilities::rooms::context::CallHooks;
 use clap::ValueEnum;
 
@@ -301,7 +302,7 @@ impl Broker {
         found.maintain_failed.sort_unstable();
         let live = match self.registry().get(name).await {
             Ok(wasm) => wasm
-                .all_instances(&CallHooks::default())
+                .listed_instances(&CallHooks::default())
                 .await
                 .map(super::service::in_id_order)
                 .map_err(|e| e.to_string()),
@@ -330,10 +331,10 @@ impl Broker {
         // Stopped by this reconcile: in the inventory, no longer anyone's.
         let harvested: HashSet<&str> =
             found.harvested.iter().chain(&found.stops_finished).map(String::as_str).collect();
-        let reported: HashSet<&str> = live.iter().map(|i| i.id.as_str()).collect();
-        found.unknown_to_host = (live.iter())
-            .filter(|i| !recorded_after.contains(i.id.as_str()) && !harvested.contains(i.id.as_str()))
-            .map(|i| i.id.clone())
+        let reported: HashSet<&str> = live.iter().map(|i| i.instance.id.as_str()).collect();
+        found.unknown_to_host = (live.iter().map(|i| &i.instance.id))
+            .filter(|id| !recorded_after.contains(id.as_str()) && !harvested.contains(id.as_str()))
+            .cloned()
             .collect();
         found.vanished = before
             .iter()
@@ -350,12 +351,11 @@ impl Broker {
         &self,
         name: &str,
         mode: HarvestMode,
-        live: &[broker_capabilities::bindings::Instance],
+        live: &[ListedInstance],
         found: &mut Reconciled,
     ) -> Result<(), crate::broker::BrokerServiceError> {
         use std::collections::{HashMap, HashSet};
-        let reported: HashMap<&str, &broker_capabilities::bindings::Instance> =
-            live.iter().map(|i| (i.id.as_str(), i)).collect();
+        let reported: HashMap<&str, &ListedInstance> = live.iter().map(|i| (i.instance.id.as_str(), i)).collect();
         let mut recorded: HashSet<String> = self.store().instances(Some(name))?.into_iter().map(|r| r.id).collect();
 
         for (key, start) in self.store().interrupted_starts(name)? {
@@ -406,7 +406,8 @@ impl Broker {
             }
         }
 
-        let unknown: Vec<String> = live.iter().filter(|i| !recorded.contains(&i.id)).map(|i| i.id.clone()).collect();
+        let unknown: Vec<String> =
+            live.iter().map(|i| &i.instance.id).filter(|id| !recorded.contains(*id)).cloned().collect();
         if mode.stops_unknown() && !unknown.is_empty() {
             let wasm = self.registry().get(name).await?;
             match wasm.stop_instances(&CallHooks::default(), &unknown).await {
@@ -418,20 +419,19 @@ impl Broker {
     }
 }
 
-/// The record of an instance whose start the last process left pending.
-fn adopted(
-    provider: &str,
-    instance: &broker_capabilities::bindings::Instance,
-    start: crate::store::PendingStart,
-) -> InstanceRecord {
-    use crate::store::records::{MAX_REPORTED_ENTRIES, MAX_REPORTED_WORD_BYTES, reported, status_name};
+/// The record of an instance whose start the last process left pending:
+/// what the provider lists of it (its hardware and zone, 0.3.0 on), and
+/// what the host recorded of its start.
+fn adopted(provider: &str, listed: &ListedInstance, start: crate::store::PendingStart) -> InstanceRecord {
+    use crate::store::records::{Hardware, MAX_REPORTED_ENTRIES, MAX_REPORTED_WORD_BYTES, reported, status_name};
+    let instance = &listed.instance;
     InstanceRecord {
         id: instance.id.clone(),
         provider: provider.to_owned(),
         status: status_name(instance.status).to_owned(),
         message: "adopted: its start was cut short by the host's end".into(),
-        display_name: String::new(),
-        hardware: crate::store::records::Hardware::default(),
+        display_name: reported(&listed.display_name, MAX_REPORTED_WORD_BYTES),
+        hardware: listed.hardware.as_ref().map(Hardware::from).unwrap_or_default(),
         tags: start.params.constraints.tags.clone().unwrap_or_default(),
         addresses: (instance.addresses.iter().take(MAX_REPORTED_ENTRIES))
             .map(|a| reported(&a.value, MAX_REPORTED_WORD_BYTES))

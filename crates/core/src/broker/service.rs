@@ -11,7 +11,7 @@ use crate::store::records::{
 use crate::store::{Store, StoreError};
 use crate::version::CallError;
 use broker_capabilities::bindings::BrokerError;
-use broker_capabilities::bindings::{Instance, StartInstanceParams};
+use broker_capabilities::bindings::{ListedInstance, StartInstanceParams};
 use broker_capabilities::contract::empty_params;
 use broker_capabilities::data_fs::{DATA_IMAGES, DataFilesystems};
 use broker_capabilities::machine_lock::{LockError, MachineLock};
@@ -732,18 +732,19 @@ impl Broker {
         let wasm = self.registry.get(name).await?;
         // The records are read while the provider answers.
         let hooks = CallHooks::default();
-        let (live, records) = tokio::join!(wasm.all_instances(&hooks), self.records_of(name));
+        let (live, records) = tokio::join!(wasm.listed_instances(&hooks), self.records_of(name));
         let (live, records) = (in_id_order(live?), records?);
         // Only an id no record of this provider's holds needs screening (a
         // recorded id was screened when it was recorded): invalid, or another's.
         let mut unrecorded_ids = Vec::new();
         let mut at = 0;
-        for instance in &live {
-            while records.get(at).is_some_and(|record| record.id < instance.id) {
+        for listed in &live {
+            let id = &listed.instance.id;
+            while records.get(at).is_some_and(|record| record.id < *id) {
                 at += 1;
             }
-            if records.get(at).is_none_or(|record| record.id != instance.id) {
-                unrecorded_ids.push(instance.clone());
+            if records.get(at).is_none_or(|record| record.id != *id) {
+                unrecorded_ids.push(listed.clone());
             }
         }
         let (unrecorded_kept, refused) = self.screen_reported(name, unrecorded_ids)?;
@@ -760,13 +761,13 @@ impl Broker {
         let mut out = Vec::with_capacity(live.len().max(records.len()));
         let mut kept = unrecorded_kept.into_iter().peekable();
         let mut records = records.into_iter().peekable();
-        for instance in &live {
+        for ListedInstance { instance, .. } in &live {
             out.extend(std::iter::from_fn(|| records.next_if(|r| r.id < instance.id)).map(not_reported));
             if let Some(mut record) = records.next_if(|r| r.id == instance.id) {
                 record.status = status_name(instance.status).to_owned();
                 record.message = reported(&instance.message, MAX_REPORTED_MESSAGE_BYTES);
                 out.push(record);
-            } else if let Some(kept) = kept.next_if(|k| k.id == instance.id) {
+            } else if let Some(kept) = kept.next_if(|k| k.instance.id == instance.id) {
                 out.push(unrecorded(name, &kept));
             }
         }
@@ -791,22 +792,23 @@ impl Broker {
     pub(crate) fn screen_reported(
         &self,
         provider: &str,
-        live: Vec<Instance>,
-    ) -> Result<(Vec<Instance>, Vec<String>), BrokerServiceError> {
+        live: Vec<ListedInstance>,
+    ) -> Result<(Vec<ListedInstance>, Vec<String>), BrokerServiceError> {
         // The id index: one lookup per id, whatever the host records.
-        let owners = self.store.owners_of(live.iter().map(|i| i.id.as_str()))?;
+        let owners = self.store.owners_of(live.iter().map(|i| i.instance.id.as_str()))?;
         let (mut kept, mut refused) = (Vec::with_capacity(live.len()), Vec::new());
-        for instance in live {
-            let why = match instance_id_problem(&instance.id) {
+        for listed in live {
+            let id = &listed.instance.id;
+            let why = match instance_id_problem(id) {
                 Some(problem) => Some(problem),
-                None => match owners.get(&instance.id) {
+                None => match owners.get(id) {
                     Some(owner) if owner != provider => Some(format!("it is recorded for provider {owner}")),
                     _ => None,
                 },
             };
             match why {
-                None => kept.push(instance),
-                Some(why) => refused.push(format!("{} ({why})", id_for_message(&instance.id))),
+                Some(why) => refused.push(format!("{} ({why})", id_for_message(id))),
+                None => kept.push(listed),
             }
         }
         Ok((kept, refused))
@@ -861,21 +863,25 @@ pub fn machine_lock(data_dir: &Path) -> Result<MachineLock, LockError> {
 
 /// What a provider reported, in id order, each id once (a provider that
 /// reports one twice is answered as if it had not).
-pub(super) fn in_id_order(mut live: Vec<Instance>) -> Vec<Instance> {
+pub(super) fn in_id_order(mut live: Vec<ListedInstance>) -> Vec<ListedInstance> {
     // Stable: of an id reported twice, the first report is kept, every time.
-    live.sort_by(|a, b| a.id.cmp(&b.id));
-    live.dedup_by(|a, b| a.id == b.id);
+    live.sort_by(|a, b| a.instance.id.cmp(&b.instance.id));
+    live.dedup_by(|a, b| a.instance.id == b.instance.id);
     live
 }
 
-fn unrecorded(provider: &str, instance: &Instance) -> InstanceRecord {
+/// An instance the provider lists and the host did not record: shown with
+/// what the provider says of it, but never a group's member (its tags are
+/// the provider's word, not the host's record of a start).
+fn unrecorded(provider: &str, listed: &ListedInstance) -> InstanceRecord {
+    let instance = &listed.instance;
     InstanceRecord {
         id: instance.id.clone(),
         provider: provider.to_owned(),
         status: status_name(instance.status).to_owned(),
         message: reported(&instance.message, MAX_REPORTED_MESSAGE_BYTES),
-        display_name: String::new(),
-        hardware: Hardware::default(),
+        display_name: reported(&listed.display_name, MAX_REPORTED_WORD_BYTES),
+        hardware: listed.hardware.as_ref().map(Hardware::from).unwrap_or_default(),
         tags: Vec::new(),
         addresses: (instance.addresses.iter().take(MAX_REPORTED_ENTRIES))
             .map(|a| reported(&a.value, MAX_REPORTED_WORD_BYTES))

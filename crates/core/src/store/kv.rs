@@ -18,9 +18,11 @@
 use super::writer::{Job, Pending, Reply, Writer};
 use super::{KV, StoreError, Txn, db_error};
 use broker_capabilities::rooms::kv::{
-    Entries, KvBackend, KvChange, KvChanged, KvError, KvQuota, KvWrites, ScanPage, apply_change, pack_page,
+    Entries, KvBackend, KvChange, KvChanged, KvError, KvOp, KvQuota, KvWrites, ScanPage, apply_change,
+    apply_transaction, pack_page,
 };
 use redb::{Database, ReadableDatabase};
+use std::collections::BTreeSet;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
@@ -49,6 +51,18 @@ impl Mirror {
         self.changes += 1;
         self.dirty.insert(key.to_owned(), self.changes);
         Ok(answer)
+    }
+
+    /// Apply a transaction (within `quota`): its keys are one change, not yet in the file.
+    fn transact(&mut self, ops: &[KvOp], quota: KvQuota) -> Result<Option<BTreeSet<String>>, KvError> {
+        let written = apply_transaction(&mut self.entries, ops, quota)?;
+        if let Some(keys) = &written {
+            self.changes += 1;
+            for key in keys {
+                self.dirty.insert(key.clone(), self.changes);
+            }
+        }
+        Ok(written)
     }
 
     /// A commit took each key's value as of the change numbered with it: the
@@ -386,6 +400,14 @@ impl KvBackend for RedbKv {
         Ok(answer)
     }
 
+    fn transact(&self, namespace: &str, ops: &[KvOp], quota: KvQuota) -> Result<Option<BTreeSet<String>>, KvError> {
+        let ns = self.namespace(namespace)?;
+        let mut mirror = ns.write();
+        let written = mirror.transact(ops, quota)?;
+        ns.bytes.store(mirror.entries.bytes(), Ordering::Relaxed);
+        Ok(written)
+    }
+
     fn persist(&self, writes: KvWrites) -> futures_util::future::BoxFuture<'static, Result<(), KvError>> {
         if writes.is_empty() {
             return Box::pin(std::future::ready(Ok(())));
@@ -414,7 +436,7 @@ impl KvBackend for RedbKv {
 mod tests {
     use super::super::Store;
     use broker_capabilities::rooms::kv::{
-        Entries, KvBackend, KvChange, KvChanged, KvError, KvQuota, KvWrites, MemoryKv, pack_prefix,
+        Entries, KvBackend, KvChange, KvChanged, KvError, KvOp, KvQuota, KvWrites, MemoryKv, pack_prefix,
     };
 
     /// The real backend and the in-memory fake agree, and the real one persists.
@@ -433,11 +455,20 @@ mod tests {
                 assert!(!backend.delete("p", "i/b").unwrap());
                 assert_eq!(backend.increment("p", "n", 3).unwrap(), 3);
                 assert!(matches!(backend.increment("p", "i/a", 1), Err(KvError::Invalid(_))));
+                let ops = [KvOp::ExpectAbsent("t/c".into()), KvOp::Set("t/c".into(), b"3".to_vec())];
+                let written = backend.transact("p", &ops, KvQuota::UNBOUNDED).unwrap().unwrap();
+                let refused = [KvOp::ExpectAbsent("t/c".into()), KvOp::Set("t/never".into(), vec![])];
+                assert_eq!(backend.transact("p", &refused, KvQuota::UNBOUNDED).unwrap(), None);
+                let mut writes = KvWrites::new("p".into());
+                writes.keys = written;
+                backend.persist_blocking(writes).unwrap();
             }
             assert_eq!(real.scan_packed("p", "i/").unwrap(), memory.scan_packed("p", "i/").unwrap());
         }
         let reopened = Store::open(dir.path()).unwrap().kv();
         assert_eq!(reopened.get("p", "i/a").unwrap(), Some(b"1".to_vec()));
+        assert_eq!(reopened.get("p", "t/c").unwrap(), Some(b"3".to_vec()), "a transaction's writes persist together");
+        assert_eq!(reopened.get("p", "t/never").unwrap(), None);
         assert_eq!(reopened.get("p", "i/b").unwrap(), None);
         assert_eq!(reopened.get("q", "i/a").unwrap(), Some(b"other".to_vec()));
         assert_eq!(reopened.increment("p", "n", 1).unwrap(), 4);

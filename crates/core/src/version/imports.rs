@@ -150,12 +150,13 @@ mod tests {
             Err(ContractError::NotGranted { import: "broker:provider/kv@0.1.0".into(), grant: "kv" })
         );
         assert!(check_import("broker:provider/kv@0.1.0", &kv).is_ok());
-        // Both published versions are served; one this host does not know is refused, naming those it serves.
+        // Every published version is served; one this host does not know is refused, naming those it serves.
         assert!(check_import("broker:provider/kv@0.2.0", &kv).is_ok());
+        assert!(check_import("broker:provider/kv@0.3.0", &kv).is_ok());
         assert!(check_import("broker:provider/kv@0.2.3", &kv).is_ok(), "a patch of a served version");
-        let newer = check_import("broker:provider/kv@0.3.0", &kv).unwrap_err().to_string();
+        let newer = check_import("broker:provider/kv@0.4.0", &kv).unwrap_err().to_string();
         assert!(
-            newer.contains("broker:provider/kv@0.3.0") && newer.contains("serves broker:provider 0.2.0, 0.1.0"),
+            newer.contains("broker:provider/kv@0.4.0") && newer.contains("serves broker:provider 0.3.0, 0.2.0, 0.1.0"),
             "{newer}"
         );
         assert!(check_import("wasi:http/outgoing-handler@0.2.0", &none).is_ok(), "linked; denied per request");

@@ -17,13 +17,14 @@ use crate::manifest::{Isolation, Manifest, ManifestError, Method};
 use crate::runtime::turnstile::{FIRST_SLICE_TICKS, Lane};
 use crate::runtime::{HostCapabilities, HostState, ProviderCapabilities, Runtime, RuntimeError};
 use broker_capabilities::bindings::{
-    BrokerError, Instance, InstanceId, ProviderInfo, StartInstanceParams, StartInstanceResult,
+    BrokerError, HardwareCharacteristics, Instance, InstanceId, InstancePage, ListedInstance, PageRequest,
+    ProviderInfo, StartInstanceParams, StartInstanceResult,
 };
 use broker_capabilities::quotas::{Quota, Quotas};
 use broker_capabilities::rooms::LoadSetup;
 use broker_capabilities::rooms::context::{CallContext, CallHooks};
 use broker_capabilities::rooms::kv::{Kv, KvWrites};
-use exports::{Exports, ExportsPre, on_guest};
+use exports::{Exports, ExportsPre, Listing, on_guest};
 use method_stats::Outcome;
 use std::future::Future;
 use std::pin::Pin;
@@ -445,9 +446,11 @@ impl ProviderVersion {
             .await?;
         // Its texts are kept and shown: never a secret of its own.
         let redactor = self.config.redactor();
-        redactor.redact_string(&mut started.display_name);
-        redactor.redact_string(&mut started.instance.message);
-        started.config.iter_mut().for_each(|(_, value)| redactor.redact_string(value));
+        if !redactor.is_empty() {
+            let described = (&mut started.instance, &mut started.display_name, started.hardware.as_mut());
+            redact_described(redactor, described);
+            started.config.iter_mut().for_each(|(_, value)| redactor.redact_string(value));
+        }
         Ok((started, writes))
     }
 
@@ -461,33 +464,100 @@ impl ProviderVersion {
     }
 
     /// The contract's `all-instances`: every instance the provider can see.
-    /// An answer of more than `max-records` instances is refused as a limit.
+    /// More than `max-records` instances is refused as a limit.
     pub async fn all_instances(&self, hooks: &CallHooks) -> Result<Vec<Instance>, CallError> {
-        let mut instances = self.call(Method::AllInstances, hooks, self.invoke_all_instances()).await?;
-        // Their messages are kept and shown: never a secret of its own.
-        let redactor = self.config.redactor();
-        if !redactor.is_empty() {
-            instances.iter_mut().for_each(|instance| redactor.redact_string(&mut instance.message));
-        }
-        Ok(instances)
+        Ok(self.listed_instances(hooks).await?.into_iter().map(|listed| listed.instance).collect())
     }
 
-    /// The `all-instances` export, its answer held to `max-records`: for a
-    /// call and for the half-open re-observe alike.
+    /// As [`ProviderVersion::all_instances`], each instance with what else the
+    /// provider lists of it (its hardware, zone and tags; 0.3.0 on): the pages
+    /// of a paging provider asked for in one call, under one deadline.
+    pub async fn listed_instances(&self, hooks: &CallHooks) -> Result<Vec<ListedInstance>, CallError> {
+        let mut listed = self.call(Method::AllInstances, hooks, self.invoke_all_instances()).await?;
+        self.redact_listed(&mut listed);
+        Ok(listed)
+    }
+
+    /// One page of `all-instances`, of at most `size` (1 to [`LIST_PAGE_SIZE`])
+    /// instances, from `cursor` (the previous page's `next`; none = the
+    /// first). A provider of 0.2.0 or before answers every instance at once:
+    /// the host cuts its page from that, in id order (its cursor is the page's
+    /// last id), so each page costs a whole listing.
+    pub async fn instances_page(
+        &self,
+        hooks: &CallHooks,
+        cursor: Option<String>,
+        size: u32,
+    ) -> Result<InstancePage, CallError> {
+        let page = PageRequest { cursor, size: size.clamp(1, LIST_PAGE_SIZE) };
+        let max = self.manifest.limits.max_records;
+        let mut answer = self
+            .call(Method::AllInstances, hooks, move |store, exports, ctx| {
+                Box::pin(async move {
+                    let listing = match exports.all_instances(store, &ctx, &page).await? {
+                        Ok(listing) => listing,
+                        Err(refused) => return Ok(Err(refused)),
+                    };
+                    Ok(Ok(match listing {
+                        Listing::Page(answer) => checked_page(&page, answer, None)?,
+                        Listing::Whole(all) if all.len() > max => {
+                            return Err(wasmtime::Error::new(TooManyRecords { answered: all.len(), max }));
+                        }
+                        Listing::Whole(all) => page_of_whole(all, &page),
+                    }))
+                })
+            })
+            .await?;
+        self.redact_listed(&mut answer.instances);
+        Ok(answer)
+    }
+
+    /// Their texts are kept and shown: never a secret of its own.
+    fn redact_listed(&self, listed: &mut [ListedInstance]) {
+        let redactor = self.config.redactor();
+        if !redactor.is_empty() {
+            for listed in listed {
+                redact_described(redactor, (&mut listed.instance, &mut listed.display_name, listed.hardware.as_mut()));
+                listed.tags.iter_mut().for_each(|(_, value)| redactor.redact_string(value));
+            }
+        }
+    }
+
+    /// The `all-instances` export, every page of it, its answer held to
+    /// `max-records`: for a call and for the half-open re-observe alike.
     fn invoke_all_instances(
         &self,
-    ) -> impl for<'a> FnOnce(&'a mut Store<HostState>, &'a Exports, Resource<CallContext>) -> CallFuture<'a, Vec<Instance>>
-    {
+    ) -> impl for<'a> FnOnce(
+        &'a mut Store<HostState>,
+        &'a Exports,
+        Resource<CallContext>,
+    ) -> CallFuture<'a, Vec<ListedInstance>> {
         let max = self.manifest.limits.max_records;
         move |store, exports, ctx| {
             Box::pin(async move {
-                let answer = on_guest!(exports, |guest| guest.call_all_instances(store, ctx))?;
-                match answer {
-                    Ok(instances) if instances.len() > max => {
-                        Err(wasmtime::Error::new(TooManyRecords { answered: instances.len(), max }))
+                // Asked for one more than it may hold, a provider past it says so on its first page.
+                let size = u32::try_from(max.saturating_add(1)).unwrap_or(u32::MAX).min(LIST_PAGE_SIZE);
+                let mut page = PageRequest { cursor: None, size };
+                let mut listed = Vec::new();
+                // An empty page that is not the last is allowed, endlessly not:
+                // every page but the last moves the cursor, and there are at
+                // most as many pages as instances it may hold, and one more.
+                for _ in 0..=max {
+                    let answer = match exports.all_instances(store, &ctx, &page).await? {
+                        Ok(Listing::Page(answer)) => checked_page(&page, answer, Some(&page.cursor))?,
+                        Ok(Listing::Whole(all)) => InstancePage { instances: all, next: None },
+                        Err(refused) => return Ok(Err(refused)),
+                    };
+                    listed.extend(answer.instances);
+                    if listed.len() > max {
+                        return Err(wasmtime::Error::new(TooManyRecords { answered: listed.len(), max }));
                     }
-                    answer => Ok(answer),
+                    match answer.next {
+                        None => return Ok(Ok(listed)),
+                        next => page.cursor = next,
+                    }
                 }
+                Err(wasmtime::Error::new(PageRefused::Endless { pages: max + 1 }))
             })
         }
     }
@@ -840,8 +910,77 @@ fn cut_broker_error(error: BrokerError, redactor: &broker_capabilities::secrets:
     }
 }
 
+/// The texts a provider hands the host of an instance (a start's answer, a
+/// listing's): kept and shown, so never a secret of its own.
+fn redact_described(
+    redactor: &broker_capabilities::secrets::Redactor,
+    (instance, display_name, hardware): (&mut Instance, &mut String, Option<&mut HardwareCharacteristics>),
+) {
+    redactor.redact_string(&mut instance.message);
+    redactor.redact_string(display_name);
+    instance.addresses.iter_mut().for_each(|address| redactor.redact_string(&mut address.value));
+    if let Some(h) = hardware {
+        let words = [&mut h.arch, &mut h.root_disk_source, &mut h.availability_zone, &mut h.virt_type];
+        words.into_iter().flatten().for_each(|word| redactor.redact_string(word));
+        h.tags.iter_mut().flatten().for_each(|tag| redactor.redact_string(tag));
+    }
+}
+
 /// What wasmtime says when a copy out of the guest ran out of hostcall fuel.
 const HOSTCALL_FUEL_EXHAUSTED: &str = "fuel allocated for hostcalls has been exhausted";
+
+/// Most instances the host asks a paging provider for in one page.
+pub const LIST_PAGE_SIZE: u32 = 1000;
+/// Longest cursor a provider may hand the host for its next page.
+pub const MAX_CURSOR_BYTES: usize = 1024;
+
+/// A page of `all-instances` that breaks the contract: the call is ended as
+/// a trap is (its instance discarded), with this as the reason.
+#[derive(Debug, thiserror::Error)]
+enum PageRefused {
+    #[error("it broke the contract: a page of {answered} instances, asked for at most {size}")]
+    Overrun { answered: usize, size: u32 },
+    #[error("it broke the contract: a next-page cursor of {0} bytes (at most {MAX_CURSOR_BYTES})")]
+    LongCursor(usize),
+    #[error("it broke the contract: the next page's cursor is the one it was asked with (it would never end)")]
+    SameCursor,
+    #[error("it broke the contract: a listing of more than {pages} pages, more than the instances it may list")]
+    Endless { pages: usize },
+}
+
+/// `answer` to `asked`, if it keeps the contract: no more instances than
+/// asked for, a cursor of bounded length that moves (`previous`, when known).
+fn checked_page(
+    asked: &PageRequest,
+    answer: InstancePage,
+    previous: Option<&Option<String>>,
+) -> wasmtime::Result<InstancePage> {
+    if answer.instances.len() > asked.size as usize {
+        return Err(wasmtime::Error::new(PageRefused::Overrun { answered: answer.instances.len(), size: asked.size }));
+    }
+    if let Some(next) = &answer.next {
+        if next.len() > MAX_CURSOR_BYTES {
+            return Err(wasmtime::Error::new(PageRefused::LongCursor(next.len())));
+        }
+        if previous.is_some_and(|previous| previous.as_ref() == Some(next)) {
+            return Err(wasmtime::Error::new(PageRefused::SameCursor));
+        }
+    }
+    Ok(answer)
+}
+
+/// The page `asked` for of an older provider's whole answer: in id order,
+/// after the cursor (the previous page's last id).
+fn page_of_whole(mut all: Vec<ListedInstance>, asked: &PageRequest) -> InstancePage {
+    all.sort_by(|a, b| a.instance.id.cmp(&b.instance.id));
+    all.dedup_by(|a, b| a.instance.id == b.instance.id);
+    let from = asked.cursor.as_ref().map_or(0, |after| all.partition_point(|listed| listed.instance.id <= *after));
+    let mut rest = all.split_off(from);
+    let more = rest.len() > asked.size as usize;
+    rest.truncate(asked.size as usize);
+    let next = if more { rest.last().map(|listed| listed.instance.id.clone()) } else { None };
+    InstancePage { instances: rest, next }
+}
 
 /// An `all-instances` answer longer than `max-records`.
 #[derive(Debug, thiserror::Error)]

@@ -32,7 +32,8 @@ mod guest_tests {
     pub(crate) use crate::fake_provider::lifecycle_pooled as fake;
     pub(crate) use crate::sandbox::trap_gives_typed_error_and_the_instance_is_never_reused as test_hostile;
     pub(crate) use crate::swap::swapping_under_load_loses_no_call_and_no_instance as fake_next;
-    pub(crate) use crate::versions::a_component_built_against_0_1_0_runs_beside_a_0_2_0_build as fake_v0_1;
+    pub(crate) use crate::versions::components_built_against_0_1_0_and_0_2_0_run_beside_a_0_3_0_build as fake_v0_1;
+    pub(crate) use crate::versions::components_built_against_0_1_0_and_0_2_0_run_beside_a_0_3_0_build as fake_v0_2;
 }
 
 guest_artifacts::every_guest_is_tested!(guest_tests);

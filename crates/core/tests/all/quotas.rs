@@ -110,6 +110,14 @@ async fn an_all_instances_answer_is_bounded_in_records_and_in_bytes() {
     );
     assert_eq!(a.refused(Quota::Records), 1);
 
+    // Pages that break the contract: more than asked for, a cursor that never moves.
+    a.set("mode", "page-overrun");
+    let err = a.hostile.all_instances(&CallHooks::default()).await.unwrap_err().to_string();
+    assert!(err.contains("broke the contract: a page of 1001 instances, asked for at most 1000"), "{err}");
+    a.set("mode", "same-cursor");
+    let err = a.hostile.all_instances(&CallHooks::default()).await.unwrap_err().to_string();
+    assert!(err.contains("the next page's cursor is the one it was asked with"), "{err}");
+
     // 200 records whose messages name one 1 MiB string: 200 MiB to copy.
     a.set("mode", "aliased-records");
     a.set("flood-entries", 200);
@@ -119,6 +127,7 @@ async fn an_all_instances_answer_is_bounded_in_records_and_in_bytes() {
     assert_eq!(a.refused(Quota::CallData), 1);
     let all = a.hostile.stats().methods.get(Method::AllInstances);
     assert_eq!(all.outcome(Outcome::Limit), 2, "both counted as limits (and by the crash policy)");
+    assert_eq!(all.outcome(Outcome::Trap), 2, "the broken pages");
     a.bystander_answers().await;
 }
 
@@ -246,6 +255,16 @@ async fn a_kv_namespace_is_held_to_its_keys_and_bytes() {
     assert!(answer[0].message.contains("kv-keys limit"), "{}", answer[0].message);
     assert_eq!(a.refused(Quota::KvKeys), 1);
     a.bystander_answers().await;
+}
+
+/// Compare-and-swap and transactions (contract 0.3.0), through the guest's
+/// imports: each answers whether it applied, and a failed check writes nothing.
+#[tokio::test]
+async fn kv_compare_and_swap_and_transactions_apply_whole_or_not_at_all() {
+    let a = attack("", "");
+    a.set("mode", "kv-cas");
+    let answer = a.hostile.all_instances(&CallHooks::default()).await.unwrap();
+    assert_eq!(answer[0].message, "[true, false, false, true, true, false, false, true] [Some([51]), None, None]");
 }
 
 /// Each provider version reserves its calls at once and its warm pool out of

@@ -79,6 +79,9 @@ async fn a_start_killed_after_its_claim_is_adopted_with_its_params() {
     assert!(broker.store().interrupted_starts("fake").unwrap().is_empty());
     let record = broker.store().instance("fake", &id).unwrap().expect("recorded");
     assert_eq!(record.tags, ["kept"]);
+    // What the provider lists of it (contract 0.3.0): not blank, as its start would have said.
+    assert!(record.hardware.availability_zone.as_deref().is_some_and(|z| z.starts_with("zone-")), "{record:?}");
+    assert_eq!((record.hardware.arch.as_deref(), record.display_name.as_str()), (Some("amd64"), id.as_str()));
     assert!(record.params.is_some_and(|p| p.constraints.tags == Some(vec!["kept".into()])));
     // It is an instance like any other now: maintained with its params, stopped by id.
     broker.maintain_instance("fake", &id).await.unwrap();

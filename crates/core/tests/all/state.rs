@@ -42,7 +42,8 @@ async fn sha256_pin_mismatch_is_refused() {
 async fn ungranted_import_is_named() {
     // The fake imports kv and log; this manifest grants neither.
     let err = add_error("", "fake").await;
-    assert!(err.contains("broker:provider/kv@0.2.0") && err.contains("does not grant"), "{err}");
+    let kv = format!("broker:provider/kv@{}", broker_capabilities::bindings::CONTRACT_VERSION);
+    assert!(err.contains(&kv) && err.contains("does not grant"), "{err}");
 }
 
 #[tokio::test]

@@ -68,6 +68,10 @@ fn a_secret_reaches_its_guest_and_nothing_the_host_shows() {
     assert_eq!(status, 201, "{added}");
     let (_, listed) = daemon.request("GET", "/v1/instances?provider=lister", None);
     assert!(listed.contains("reachable with <secret api>") && !listed.contains(SECRET), "{listed}");
+    // Its name, address and hardware too (all shown of an instance the host did not start).
+    for shown in ["named <secret api>", "<secret api>.example", "zone-<secret api>"] {
+        assert!(listed.contains(shown), "{shown}: {listed}");
+    }
 
     // Another provider cannot name it: its secrets are in a dir of its own.
     let other = manifest(dir.path(), "other", "[secrets]\napi-token = \"api\"\n");

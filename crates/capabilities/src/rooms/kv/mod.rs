@@ -23,6 +23,10 @@ pub(crate) const MAX_KEY_BYTES: usize = 1024;
 pub const MAX_VALUE_BYTES: usize = 1 << 20;
 /// Most a `scan` returns at once: a larger one is refused (scan a narrower prefix).
 pub const MAX_SCAN_BYTES: usize = 16 << 20;
+/// Most steps one `transact` takes.
+pub const MAX_TRANSACTION_OPS: usize = 64;
+/// Most bytes of keys and values one `transact` carries.
+pub const MAX_TRANSACTION_BYTES: usize = 4 << 20;
 
 pub mod kit;
 mod v0_1;
@@ -34,6 +38,12 @@ impl KvQuota {
         let old = entries.get(key).map(|v| key.len() + v.len());
         let keys = entries.len() + usize::from(old.is_none());
         let bytes = entries.bytes() - old.unwrap_or(0) + key.len() + value_len;
+        self.check_totals(entries, keys, bytes)
+    }
+
+    /// Whether `entries` may come to hold `keys` keys of `bytes` bytes: past
+    /// a bound only if it does not grow (shrinking always works).
+    fn check_totals(&self, entries: &Entries, keys: usize, bytes: usize) -> Result<(), KvError> {
         if keys > self.keys && keys > entries.len() {
             let message = format!("the namespace holds {} keys, its kv-keys limit", entries.len());
             return Err(KvError::QuotaExceeded { quota: Quota::KvKeys, message });
@@ -240,6 +250,9 @@ pub trait KvBackend: Send + Sync + 'static {
     /// Apply one change, unless it would grow the namespace past `quota`;
     /// durable once its key is persisted.
     fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError>;
+    /// Apply a transaction ([`apply_transaction`]), at once for every reader;
+    /// the keys written are durable once persisted, in one commit.
+    fn transact(&self, namespace: &str, ops: &[KvOp], quota: KvQuota) -> Result<Option<BTreeSet<String>>, KvError>;
     /// Make the current values of `writes.keys` durable; resolves once they are.
     fn persist(&self, writes: KvWrites) -> BoxFuture<'static, Result<(), KvError>>;
     /// As [`KvBackend::persist`], waiting on this thread.
@@ -296,6 +309,107 @@ pub fn apply_change(entries: &mut Entries, key: &str, change: KvChange, quota: K
             Ok(KvChanged::Counter(next))
         }
     }
+}
+
+/// One step of a transaction (`kv.transact`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvOp {
+    /// Check: the key is absent.
+    ExpectAbsent(String),
+    /// Check: the key holds exactly this value.
+    ExpectEqual(String, Vec<u8>),
+    /// Write: set the key.
+    Set(String, Vec<u8>),
+    /// Write: remove the key (absent is no error).
+    Delete(String),
+}
+
+impl KvOp {
+    fn key(&self) -> &str {
+        match self {
+            KvOp::ExpectAbsent(key) | KvOp::ExpectEqual(key, _) | KvOp::Set(key, _) | KvOp::Delete(key) => key,
+        }
+    }
+
+    fn weight(&self) -> usize {
+        match self {
+            KvOp::ExpectEqual(key, value) | KvOp::Set(key, value) => key.len() + value.len(),
+            KvOp::ExpectAbsent(key) | KvOp::Delete(key) => key.len(),
+        }
+    }
+}
+
+/// The bounds of one transaction, before anything is read.
+pub fn check_transaction(ops: &[KvOp]) -> Result<(), KvError> {
+    if ops.len() > MAX_TRANSACTION_OPS {
+        return Err(KvError::TooLarge(format!("a transaction of {} steps (limit {MAX_TRANSACTION_OPS})", ops.len())));
+    }
+    let weight: usize = ops.iter().map(KvOp::weight).sum();
+    if weight > MAX_TRANSACTION_BYTES {
+        return Err(KvError::TooLarge(format!(
+            "a transaction of {weight} bytes of keys and values (limit {} MiB)",
+            MAX_TRANSACTION_BYTES >> 20
+        )));
+    }
+    for op in ops {
+        check_key(op.key())?;
+        if let KvOp::Set(_, value) = op {
+            check_value(value)?;
+        }
+    }
+    Ok(())
+}
+
+/// Apply a transaction to one namespace's entries, as every backend does:
+/// every check against the entries as they are, then every write in order,
+/// the quota held to the result. The keys written, or `None` if a check
+/// failed (nothing is written then).
+pub fn apply_transaction(
+    entries: &mut Entries,
+    ops: &[KvOp],
+    quota: KvQuota,
+) -> Result<Option<BTreeSet<String>>, KvError> {
+    check_transaction(ops)?;
+    let holds = |op: &KvOp| match op {
+        KvOp::ExpectAbsent(key) => entries.get(key).is_none(),
+        KvOp::ExpectEqual(key, expected) => entries.get(key) == Some(expected),
+        KvOp::Set(..) | KvOp::Delete(_) => true,
+    };
+    if !ops.iter().all(holds) {
+        return Ok(None);
+    }
+    // Each written key's value after the transaction (the last write wins),
+    // and what the namespace weighs then.
+    let mut after: BTreeMap<&str, Option<&Vec<u8>>> = BTreeMap::new();
+    for op in ops {
+        match op {
+            KvOp::Set(key, value) => after.insert(key, Some(value)),
+            KvOp::Delete(key) => after.insert(key, None),
+            KvOp::ExpectAbsent(_) | KvOp::ExpectEqual(..) => None,
+        };
+    }
+    let (mut keys, mut bytes) = (entries.len(), entries.bytes());
+    for (key, value) in &after {
+        if let Some(old) = entries.get(key) {
+            keys -= 1;
+            bytes -= key.len() + old.len();
+        }
+        if let Some(value) = value {
+            keys += 1;
+            bytes += key.len() + value.len();
+        }
+    }
+    quota.check_totals(entries, keys, bytes)?;
+    let written: BTreeSet<String> = after.keys().map(|key| (*key).to_owned()).collect();
+    let after: Vec<(String, Option<Vec<u8>>)> =
+        after.into_iter().map(|(key, value)| (key.to_owned(), value.cloned())).collect();
+    for (key, value) in after {
+        match value {
+            Some(value) => entries.insert(key, value),
+            None => drop(entries.remove(&key)),
+        }
+    }
+    Ok(Some(written))
 }
 
 /// Append one scan entry to `out` in the wire format of `kv.scan`.
@@ -397,6 +511,9 @@ impl KvBackend for MemoryKv {
     fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
         apply_change(self.lock().entry(namespace.to_owned()).or_default(), key, change, quota)
     }
+    fn transact(&self, namespace: &str, ops: &[KvOp], quota: KvQuota) -> Result<Option<BTreeSet<String>>, KvError> {
+        apply_transaction(self.lock().entry(namespace.to_owned()).or_default(), ops, quota)
+    }
     /// Memory is as durable as it gets.
     fn persist(&self, _writes: KvWrites) -> BoxFuture<'static, Result<(), KvError>> {
         Box::pin(std::future::ready(Ok(())))
@@ -479,12 +596,37 @@ impl KvCtx {
         self.warm().await?;
         let backend = self.backend()?.clone();
         let answer = backend.apply(self.namespace(), &key, change, self.quotas.kv()).inspect_err(|refused| {
-            if let KvError::QuotaExceeded { quota, .. } = refused {
-                self.quotas.refused(*quota, 1);
-            }
+            self.count_refusal(refused);
         })?;
-        self.unpersisted.keys.insert(key);
+        self.written([key]).await?;
+        Ok(answer)
+    }
+
+    /// `kv.transact`, and the compare-and-swaps made of it: true if it applied.
+    async fn transact(&mut self, ops: Vec<KvOp>) -> Result<bool, wit::KvError> {
+        check_transaction(&ops)?;
+        self.warm().await?;
+        let backend = self.backend()?.clone();
+        let written = backend.transact(self.namespace(), &ops, self.quotas.kv()).inspect_err(|refused| {
+            self.count_refusal(refused);
+        })?;
+        let Some(written) = written else { return Ok(false) };
+        self.written(written).await?;
+        Ok(true)
+    }
+
+    fn count_refusal(&self, refused: &KvError) {
+        if let KvError::QuotaExceeded { quota, .. } = refused {
+            self.quotas.refused(*quota, 1);
+        }
+    }
+
+    /// Note `keys` as changed, and persist them now if the durability says so
+    /// (or too many wait): all of them in one commit.
+    async fn written(&mut self, keys: impl IntoIterator<Item = String>) -> Result<(), KvError> {
+        self.unpersisted.keys.extend(keys);
         if self.durability == KvDurability::EachChange || self.unpersisted.keys.len() >= MAX_UNPERSISTED_KEYS {
+            let backend = self.backend()?.clone();
             // The keys stay noted until their commit is known: a call stopped
             // while it waits (its deadline), or a failed commit, leaves them to
             // the call's end, which persists them before the call answers.
@@ -496,7 +638,7 @@ impl KvCtx {
             })?;
             self.unpersisted.keys.clear();
         }
-        Ok(answer)
+        Ok(())
     }
 }
 
@@ -551,14 +693,41 @@ impl wit::Host for KvCtx {
             warmed.and_then(|()| self.backend()?.scan_page(self.namespace(), &prefix, after.as_deref(), max_bytes));
         Ok(page.map(|page| page.packed).map_err(Into::into))
     }
+    async fn set_if_absent(&mut self, key: String, value: Vec<u8>) -> WitResult<bool> {
+        Ok(self.transact(vec![KvOp::ExpectAbsent(key.clone()), KvOp::Set(key, value)]).await)
+    }
+    async fn set_if_equal(&mut self, key: String, expected: Vec<u8>, value: Vec<u8>) -> WitResult<bool> {
+        Ok(self.transact(vec![KvOp::ExpectEqual(key.clone(), expected), KvOp::Set(key, value)]).await)
+    }
+    async fn delete_if_equal(&mut self, key: String, expected: Vec<u8>) -> WitResult<bool> {
+        Ok(self.transact(vec![KvOp::ExpectEqual(key.clone(), expected), KvOp::Delete(key)]).await)
+    }
+    async fn transact(&mut self, ops: Vec<wit::KvOp>) -> WitResult<bool> {
+        let ops = ops.into_iter().map(KvOp::from).collect();
+        Ok(KvCtx::transact(self, ops).await)
+    }
 }
 
-/// Link the current `kv` and, beside it, `kv` as 0.1.0 published it ([`v0_1`]).
+impl From<wit::KvOp> for KvOp {
+    fn from(op: wit::KvOp) -> KvOp {
+        match op {
+            wit::KvOp::ExpectAbsent(key) => KvOp::ExpectAbsent(key),
+            wit::KvOp::ExpectEqual((key, value)) => KvOp::ExpectEqual(key, value),
+            wit::KvOp::Set((key, value)) => KvOp::Set(key, value),
+            wit::KvOp::Delete(key) => KvOp::Delete(key),
+        }
+    }
+}
+
+/// Link the current `kv` under the name of each version since 0.2.0 (they
+/// only added functions to it) and, beside it, `kv` as 0.1.0 published it ([`v0_1`]).
 pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut Linker<T>,
     getter: fn(&mut T) -> &mut KvCtx,
 ) -> wasmtime::Result<()> {
-    wit::add_to_linker::<T, HasSelf<KvCtx>>(linker, getter)?;
+    for instance in crate::bindings::served_instances_since(INTERFACE, "0.2.0") {
+        wit::add_to_linker_instance::<T, HasSelf<KvCtx>>(&mut linker.instance(&instance)?, getter)?;
+    }
     v0_1::add_to_linker(linker, getter)
 }
 
@@ -632,6 +801,58 @@ mod tests {
         assert_eq!(kv.lock()["p"].len(), 2);
         let to_guest = wit::KvError::from(set("z", 1, tight).unwrap_err());
         assert!(matches!(&to_guest, wit::KvError::QuotaExceeded(m) if m.contains("kv-keys limit")), "{to_guest:?}");
+    }
+
+    /// Checks are of the namespace before the transaction; writes apply in
+    /// order, all or none; the quota is held to the result, shrinking always
+    /// works; the bounds are refused before anything is read.
+    #[test]
+    fn a_transaction_applies_whole_or_not_at_all() {
+        let kv = MemoryKv::default();
+        let quota = KvQuota { keys: 3, bytes: 100 };
+        let set = |key: &str, value: &[u8]| KvOp::Set(key.into(), value.to_vec());
+        let written = kv.transact("p", &[set("a", b"1"), set("b", b"2"), set("a", b"3")], quota).unwrap();
+        assert_eq!(written, Some(["a".to_owned(), "b".to_owned()].into()));
+        assert_eq!(kv.get("p", "a").unwrap(), Some(b"3".to_vec()), "the last write wins");
+        // A check that fails writes nothing, wherever it stands.
+        let ops = [set("c", b"x"), KvOp::ExpectEqual("a".into(), b"1".to_vec())];
+        assert_eq!(kv.transact("p", &ops, quota).unwrap(), None);
+        assert_eq!(kv.get("p", "c").unwrap(), None);
+        // A check sees the namespace before the transaction, not its own writes.
+        let ops = [set("c", b"x"), KvOp::ExpectAbsent("c".into())];
+        assert_eq!(kv.transact("p", &ops, quota).unwrap(), Some(["c".to_owned()].into()));
+        // Past the quota as a whole: refused whole; a swap that frees a key is not.
+        let ops = [set("d", b"1"), KvOp::Delete("zz".into())];
+        assert!(matches!(kv.transact("p", &ops, quota), Err(KvError::QuotaExceeded { quota: Quota::KvKeys, .. })));
+        let ops = [set("d", b"1"), KvOp::Delete("c".into())];
+        assert!(kv.transact("p", &ops, quota).unwrap().is_some());
+        assert_eq!(kv.lock()["p"].len(), 3);
+        assert_eq!(kv.lock()["p"].bytes(), 6);
+        // The bounds.
+        let many: Vec<KvOp> = (0..=MAX_TRANSACTION_OPS).map(|i| KvOp::ExpectAbsent(format!("k{i}"))).collect();
+        assert!(matches!(kv.transact("p", &many, quota), Err(KvError::TooLarge(m)) if m.contains("65 steps")));
+        let heavy = vec![set("h", &vec![0; 1 << 20]); 5];
+        assert!(matches!(kv.transact("p", &heavy, quota), Err(KvError::TooLarge(m)) if m.contains("limit 4 MiB")));
+        let long_key = KvOp::ExpectAbsent("k".repeat(MAX_KEY_BYTES + 1));
+        assert!(matches!(kv.transact("p", &[long_key], quota), Err(KvError::TooLarge(_))));
+    }
+
+    /// A compare-and-swap from the guest is one transaction: its key persisted
+    /// before the host function returns when each change must be durable.
+    #[tokio::test]
+    async fn compare_and_swap_answers_whether_it_applied_and_persists_what_it_wrote() {
+        let backend = Arc::new(Persisted::default());
+        let mut each = KvCtx::new("p".into(), backend.clone(), KvDurability::EachChange, Arc::default());
+        assert!(each.set_if_absent("k".into(), b"1".to_vec()).await.unwrap().unwrap());
+        assert!(!each.set_if_absent("k".into(), b"2".to_vec()).await.unwrap().unwrap());
+        assert!(!each.delete_if_equal("k".into(), b"2".to_vec()).await.unwrap().unwrap());
+        assert!(each.set_if_equal("k".into(), b"1".to_vec(), b"2".to_vec()).await.unwrap().unwrap());
+        let ops = vec![wit::KvOp::ExpectEqual(("k".into(), b"2".to_vec())), wit::KvOp::Set(("j".into(), vec![]))];
+        assert!(each.transact(ops.into_iter().map(KvOp::from).collect()).await.unwrap());
+        let persisted = backend.persisted.lock().unwrap();
+        assert_eq!(persisted.iter().map(keys).collect::<Vec<_>>(), [vec!["k"], vec!["k"], vec!["j"]]);
+        drop(persisted);
+        assert!(each.take_unpersisted().is_empty());
     }
 
     #[test]
@@ -719,6 +940,9 @@ mod tests {
         }
         fn apply(&self, namespace: &str, key: &str, change: KvChange, quota: KvQuota) -> Result<KvChanged, KvError> {
             self.kv.apply(namespace, key, change, quota)
+        }
+        fn transact(&self, namespace: &str, ops: &[KvOp], quota: KvQuota) -> Result<Option<BTreeSet<String>>, KvError> {
+            self.kv.transact(namespace, ops, quota)
         }
         fn persist(&self, writes: KvWrites) -> BoxFuture<'static, Result<(), KvError>> {
             Box::pin(std::future::ready(self.persist_blocking(writes)))
