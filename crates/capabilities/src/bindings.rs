@@ -34,29 +34,38 @@ pub use generated::*;
 pub use broker::provider::types::*;
 pub use exports::broker::provider::instance_broker::Guest as InstanceBrokerExports;
 
+/// The `bindgen!` of a published version (`wit/VERSION`): its interfaces
+/// that did not change are the current ones (`with`); those listed after the
+/// path (`"kv": …`) are mapped as well, the rest generated anew.
+macro_rules! published_version {
+    ($path:literal $(, $interface:literal: $module:path)* $(,)?) => {
+        wasmtime::component::bindgen!({
+            path: $path,
+            world: "provider",
+            imports: { default: async | trappable | tracing },
+            exports: { default: async },
+            with: {
+                "broker:provider/types": crate::bindings::broker::provider::types,
+                "broker:provider/context": crate::bindings::broker::provider::context,
+                "broker:provider/log": crate::bindings::broker::provider::log,
+                "broker:provider/machine-lock": crate::bindings::broker::provider::machine_lock,
+                "broker:provider/process": crate::bindings::broker::provider::process,
+                "broker:provider/network-bridge": crate::bindings::broker::provider::network_bridge,
+                "broker:provider/local-socket": crate::bindings::broker::provider::local_socket,
+                $($interface: $module,)*
+            },
+            additional_derives: [PartialEq],
+        });
+    };
+}
+
 /// `broker:provider@0.2.0` as published: its imports are the current ones
 /// (0.3.0 only added to `kv` and `types`), its `all-instances` answers
 /// every instance at once.
 pub mod v0_2 {
     #![allow(missing_docs)]
 
-    wasmtime::component::bindgen!({
-        path: "../../wit/0.2.0",
-        world: "provider",
-        imports: { default: async | trappable | tracing },
-        exports: { default: async },
-        with: {
-            "broker:provider/types": crate::bindings::broker::provider::types,
-            "broker:provider/kv": crate::bindings::broker::provider::kv,
-            "broker:provider/context": crate::bindings::broker::provider::context,
-            "broker:provider/log": crate::bindings::broker::provider::log,
-            "broker:provider/machine-lock": crate::bindings::broker::provider::machine_lock,
-            "broker:provider/process": crate::bindings::broker::provider::process,
-            "broker:provider/network-bridge": crate::bindings::broker::provider::network_bridge,
-            "broker:provider/local-socket": crate::bindings::broker::provider::local_socket,
-        },
-        additional_derives: [PartialEq],
-    });
+    published_version!("../../wit/0.2.0", "broker:provider/kv": crate::bindings::broker::provider::kv);
 }
 
 /// `broker:provider@0.1.0` as published: what differs from 0.2.0 is `kv`,
@@ -64,22 +73,7 @@ pub mod v0_2 {
 pub mod v0_1 {
     #![allow(missing_docs)]
 
-    wasmtime::component::bindgen!({
-        path: "../../wit/0.1.0",
-        world: "provider",
-        imports: { default: async | trappable | tracing },
-        exports: { default: async },
-        with: {
-            "broker:provider/types": crate::bindings::broker::provider::types,
-            "broker:provider/context": crate::bindings::broker::provider::context,
-            "broker:provider/log": crate::bindings::broker::provider::log,
-            "broker:provider/machine-lock": crate::bindings::broker::provider::machine_lock,
-            "broker:provider/process": crate::bindings::broker::provider::process,
-            "broker:provider/network-bridge": crate::bindings::broker::provider::network_bridge,
-            "broker:provider/local-socket": crate::bindings::broker::provider::local_socket,
-        },
-        additional_derives: [PartialEq],
-    });
+    published_version!("../../wit/0.1.0");
 }
 
 /// The contract package this host implements; components must speak it.

@@ -304,7 +304,7 @@ impl Broker {
             Ok(wasm) => wasm
                 .listed_instances(&CallHooks::default())
                 .await
-                .map(super::service::in_id_order)
+                .map(crate::version::in_id_order)
                 .map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };

@@ -733,7 +733,7 @@ impl Broker {
         // The records are read while the provider answers.
         let hooks = CallHooks::default();
         let (live, records) = tokio::join!(wasm.listed_instances(&hooks), self.records_of(name));
-        let (live, records) = (in_id_order(live?), records?);
+        let (live, records) = (crate::version::in_id_order(live?), records?);
         // Only an id no record of this provider's holds needs screening (a
         // recorded id was screened when it was recorded): invalid, or another's.
         let mut unrecorded_ids = Vec::new();
@@ -859,15 +859,6 @@ fn zone_unavailable(failed: &BrokerServiceError) -> bool {
 /// The machine's lock in `data_dir`, as this host (agent `broker`) takes it.
 pub fn machine_lock(data_dir: &Path) -> Result<MachineLock, LockError> {
     MachineLock::new(data_dir, "machine-lock", "broker")
-}
-
-/// What a provider reported, in id order, each id once (a provider that
-/// reports one twice is answered as if it had not).
-pub(super) fn in_id_order(mut live: Vec<ListedInstance>) -> Vec<ListedInstance> {
-    // Stable: of an id reported twice, the first report is kept, every time.
-    live.sort_by(|a, b| a.instance.id.cmp(&b.instance.id));
-    live.dedup_by(|a, b| a.instance.id == b.instance.id);
-    live
 }
 
 /// An instance the provider lists and the host did not record: shown with

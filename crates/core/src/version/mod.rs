@@ -499,7 +499,7 @@ impl ProviderVersion {
                         Err(refused) => return Ok(Err(refused)),
                     };
                     Ok(Ok(match listing {
-                        Listing::Page(answer) => checked_page(&page, answer, None)?,
+                        Listing::Page(answer) => checked_page(&page, answer)?,
                         Listing::Whole(all) if all.len() > max => {
                             return Err(wasmtime::Error::new(TooManyRecords { answered: all.len(), max }));
                         }
@@ -544,7 +544,7 @@ impl ProviderVersion {
                 // most as many pages as instances it may hold, and one more.
                 for _ in 0..=max {
                     let answer = match exports.all_instances(store, &ctx, &page).await? {
-                        Ok(Listing::Page(answer)) => checked_page(&page, answer, Some(&page.cursor))?,
+                        Ok(Listing::Page(answer)) => checked_page(&page, answer)?,
                         Ok(Listing::Whole(all)) => InstancePage { instances: all, next: None },
                         Err(refused) => return Ok(Err(refused)),
                     };
@@ -949,12 +949,8 @@ enum PageRefused {
 }
 
 /// `answer` to `asked`, if it keeps the contract: no more instances than
-/// asked for, a cursor of bounded length that moves (`previous`, when known).
-fn checked_page(
-    asked: &PageRequest,
-    answer: InstancePage,
-    previous: Option<&Option<String>>,
-) -> wasmtime::Result<InstancePage> {
+/// asked for, a cursor of bounded length that moves on from the one asked with.
+fn checked_page(asked: &PageRequest, answer: InstancePage) -> wasmtime::Result<InstancePage> {
     if answer.instances.len() > asked.size as usize {
         return Err(wasmtime::Error::new(PageRefused::Overrun { answered: answer.instances.len(), size: asked.size }));
     }
@@ -962,18 +958,26 @@ fn checked_page(
         if next.len() > MAX_CURSOR_BYTES {
             return Err(wasmtime::Error::new(PageRefused::LongCursor(next.len())));
         }
-        if previous.is_some_and(|previous| previous.as_ref() == Some(next)) {
+        if asked.cursor.as_ref() == Some(next) {
             return Err(wasmtime::Error::new(PageRefused::SameCursor));
         }
     }
     Ok(answer)
 }
 
+/// What a provider listed, in id order, each id once (a provider that
+/// lists one twice is answered as if it had not).
+pub(crate) fn in_id_order(mut listed: Vec<ListedInstance>) -> Vec<ListedInstance> {
+    // Stable: of an id listed twice, the first is kept, every time.
+    listed.sort_by(|a, b| a.instance.id.cmp(&b.instance.id));
+    listed.dedup_by(|a, b| a.instance.id == b.instance.id);
+    listed
+}
+
 /// The page `asked` for of an older provider's whole answer: in id order,
 /// after the cursor (the previous page's last id).
-fn page_of_whole(mut all: Vec<ListedInstance>, asked: &PageRequest) -> InstancePage {
-    all.sort_by(|a, b| a.instance.id.cmp(&b.instance.id));
-    all.dedup_by(|a, b| a.instance.id == b.instance.id);
+fn page_of_whole(all: Vec<ListedInstance>, asked: &PageRequest) -> InstancePage {
+    let mut all = in_id_order(all);
     let from = asked.cursor.as_ref().map_or(0, |after| all.partition_point(|listed| listed.instance.id <= *after));
     let mut rest = all.split_off(from);
     let more = rest.len() > asked.size as usize;
