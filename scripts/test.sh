@@ -31,7 +31,7 @@ cargo test --release --manifest-path guests/fake-logic/Cargo.toml
 cargo test --release --manifest-path guests/kvm-logic/Cargo.toml
 cargo test --release --manifest-path guests/lxd-logic/Cargo.toml
 cargo test --release --manifest-path guests/ec2-logic/Cargo.toml
-cargo test --release --manifest-path guests/netplan/Cargo.toml
+cargo test --release --manifest-path guests/sdk/Cargo.toml
 
 cargo test --release --workspace
 # The conformance kit on the bundled providers, strictly, on their own scripts (no

@@ -15,9 +15,12 @@
 //!   [`manifest`]: `provider.toml`.
 //! - [`runtime`]: the engine and a store's data; [`store`]: the host's state.
 //! - [`conformance`]: the kit behind `broker provider test`.
+//! - [`error_report`]: every error as one object with its kind (the API's
+//!   `{"error": …}`, the CLI's `--json` error and exit code).
 
 pub mod broker;
 pub mod conformance;
+pub mod error_report;
 pub mod groups;
 pub mod manifest;
 pub mod providers;

@@ -10,6 +10,7 @@
 
 use crate::wire::StartLine;
 use broker_capabilities::rooms::context::CallEvent;
+use broker_core::error_report::{ErrorKind, ErrorReport};
 use broker_core::store::InstanceRecord;
 use bytes::Bytes;
 use http::{Method, StatusCode, header};
@@ -24,14 +25,30 @@ pub(crate) enum ClientError {
     Connect { socket: String, cause: std::io::Error },
     #[error("the broker daemon on {socket} broke off: {}", broker_capabilities::error_text::cause_text(&**.cause))]
     Http { socket: String, cause: broker_core::runtime::BoxError },
-    /// The daemon refused the request; the message is its `error`.
-    #[error("{message}")]
-    Refused { status: u16, message: String },
-    /// A streamed call ran and failed; the message is the daemon's.
-    #[error("{0}")]
-    Failed(String),
+    /// The daemon refused the request; its `error`, as it reported it.
+    #[error("{}", .report.message)]
+    Refused { status: u16, report: ErrorReport },
+    /// A streamed call ran and failed, as the daemon reported it.
+    #[error("{}", .0.message)]
+    Failed(ErrorReport),
     #[error("the broker daemon's answer to {path} does not parse: {}", broker_capabilities::error_text::cause_text(.cause))]
     Decode { path: String, cause: serde_json::Error },
+}
+
+impl ClientError {
+    /// This error as the host reports it: the daemon's own report, or one of
+    /// the client's making when the exchange itself failed.
+    pub(crate) fn report(&self) -> ErrorReport {
+        match self {
+            ClientError::Refused { report, .. } | ClientError::Failed(report) => report.clone(),
+            ClientError::Connect { .. } | ClientError::Http { .. } => {
+                ErrorReport::new(ErrorKind::Unreachable, broker_capabilities::error_text::error_text(self))
+            }
+            ClientError::Decode { .. } => {
+                ErrorReport::new(ErrorKind::Other, broker_capabilities::error_text::error_text(self))
+            }
+        }
+    }
 }
 
 /// Where `broker serve` listens, known to answer.
@@ -163,11 +180,11 @@ pub(crate) async fn send_unix(
 
 /// The daemon's `{"error": …}`, or the status and body as they came.
 fn refusal(status: StatusCode, body: &[u8]) -> ClientError {
-    let message = serde_json::from_slice::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_owned))
-        .unwrap_or_else(|| format!("the daemon answered {status}: {}", String::from_utf8_lossy(body).trim()));
-    ClientError::Refused { status: status.as_u16(), message }
+    let report = crate::wire::error_in_body(body).unwrap_or_else(|| {
+        let message = format!("the daemon answered {status}: {}", String::from_utf8_lossy(body).trim());
+        ErrorReport::new(ErrorKind::Other, message)
+    });
+    ClientError::Refused { status: status.as_u16(), report }
 }
 
 /// `text` as one path segment or query value: unreserved characters as they
@@ -199,6 +216,10 @@ mod tests {
     fn a_refusal_carries_the_daemons_message_or_what_it_sent() {
         let err = refusal(StatusCode::NOT_FOUND, br#"{"error":"unknown provider \"x\""}"#);
         assert_eq!(err.to_string(), "unknown provider \"x\"");
+        let body = br#"{"error":{"kind":"unknown-provider","message":"unknown provider \"x\"","provider":"x"}}"#;
+        let err = refusal(StatusCode::NOT_FOUND, body);
+        assert_eq!(err.to_string(), "unknown provider \"x\"");
+        assert_eq!((err.report().kind, err.report().provider), (ErrorKind::UnknownProvider, Some("x".to_owned())));
         let err = refusal(StatusCode::BAD_GATEWAY, b"upstream gone\n");
         assert_eq!(err.to_string(), "the daemon answered 502 Bad Gateway: upstream gone");
     }

@@ -145,7 +145,7 @@ pub(crate) const MAX_HEADER_BYTES: usize = 32 << 10;
 /// Every request passes here, inside the routes' layers: its target and
 /// headers are bounded, its body read whole within `timeout` and at most
 /// `max_body` bytes (408, 413), and every error answer, axum's own
-/// rejections of a path or a query included, is `{"error": "..."}` JSON.
+/// rejections of a path or a query included, is `{"error": {"kind", "message"}}` JSON.
 pub(crate) async fn bounded_request_up_to(
     timeout: Duration,
     max_body: usize,
@@ -186,7 +186,7 @@ pub(crate) async fn bounded_request_up_to(
 }
 
 /// An error answer that is not JSON (axum's rejections of a path or a query,
-/// its 404 and 405) as `{"error": "..."}`: its text, or the status's reason.
+/// its 404 and 405) as `{"error": {…}}`: its text, or the status's reason.
 async fn as_json_error(response: Response) -> Response {
     let status = response.status();
     let json = response
@@ -210,6 +210,10 @@ async fn as_json_error(response: Response) -> Response {
     answer
 }
 
-fn error(status: StatusCode, message: String) -> Response {
-    (status, axum::Json(serde_json::json!({ "error": message }))).into_response()
+/// An answer of the HTTP layer's own (a request the routes never saw, or
+/// could not read): the client's mistake, or a failure inside the host.
+pub(crate) fn error(status: StatusCode, message: String) -> Response {
+    use broker_core::error_report::{ErrorKind, ErrorReport};
+    let kind = if status.is_client_error() { ErrorKind::BadRequest } else { ErrorKind::Other };
+    (status, axum::Json(crate::wire::error_body(&ErrorReport::new(kind, message)))).into_response()
 }

@@ -2,7 +2,6 @@
 
 use crate::config::{Accel, Config};
 use crate::spec::{Boot, Nic, Size, VmPaths};
-pub use netplan::Interface;
 use serde_json::json;
 
 fn strings(items: &[&str]) -> Vec<String> {
@@ -25,9 +24,9 @@ pub struct Seed {
     pub files: Vec<(&'static str, Vec<u8>)>,
 }
 
-pub fn seed(name: &str, user_data: Option<&[u8]>, interfaces: &[Interface]) -> Seed {
+/// `network` is the netplan document (`broker_guest::netplan::network_config`).
+pub fn seed(name: &str, user_data: Option<&[u8]>, network: &serde_json::Value) -> Seed {
     let meta = json!({ "instance-id": name, "local-hostname": name });
-    let network = netplan::network_config(interfaces);
     let user = user_data.map(<[u8]>::to_vec).unwrap_or_else(|| b"#cloud-config\n{}\n".to_vec());
     Seed {
         files: vec![
@@ -108,15 +107,10 @@ mod tests {
 
     #[test]
     fn seed_carries_identity_user_data_and_network() {
-        let nic = Interface {
-            name: "eth0".into(),
-            mac: "52:54:00:00:00:01".into(),
-            addresses: vec!["10.1.0.5/24".into()],
-            gateway: Some("10.1.0.1".into()),
-            mtu: 1400,
-            ..Interface::default()
-        };
-        let seed = seed("juju-t-0", Some(b"#cloud-config\nhostname: x\n"), &[nic]);
+        let network = json!({"version": 2, "ethernets": {"eth0": {
+            "match": {"macaddress": "52:54:00:00:00:01"}, "set-name": "eth0",
+            "routes": [{"to": "default", "via": "10.1.0.1"}], "mtu": 1400}}});
+        let seed = seed("juju-t-0", Some(b"#cloud-config\nhostname: x\n"), &network);
         let file = |n: &str| seed.files.iter().find(|(f, _)| *f == n).map(|(_, c)| c.clone()).unwrap();
         let meta: Value = serde_json::from_slice(&file("meta-data")).unwrap();
         assert_eq!(meta["instance-id"], "juju-t-0");

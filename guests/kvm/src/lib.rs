@@ -100,10 +100,10 @@ impl Guest for Kvm {
         let nics = nics(&config, &name, seq, &params.network_info)?;
         let plan = vm::Plan {
             config: &config,
-            seed_interfaces: broker_guest::netplan_interfaces(
+            seed_network: broker_guest::netplan::network_config(&broker_guest::netplan::interfaces(
                 &params.network_info,
                 &nics.iter().map(|nic| nic.mac.clone()).collect::<Vec<_>>(),
-            ),
+            )),
             name,
             seq,
             size,

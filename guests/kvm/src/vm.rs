@@ -51,7 +51,8 @@ pub struct Plan<'a> {
     pub size: Size,
     pub boot: Boot,
     pub nics: Vec<Nic>,
-    pub seed_interfaces: Vec<netplan::Interface>,
+    /// The netplan network-config of the seed.
+    pub seed_network: serde_json::Value,
     pub user_data: Option<Vec<u8>>,
 }
 
@@ -98,7 +99,7 @@ pub fn create(plan: &Plan, on_starting: impl FnOnce() -> Result<(), BrokerError>
     std::fs::create_dir_all("/data/run").map_err(|e| io("/data/run", e))?;
 
     run(&config.qemu_img, &qemu::root_disk_args(config, &plan.boot, &plan.size, &paths))?;
-    let seed = qemu::seed(&plan.name, plan.user_data.as_deref(), &plan.seed_interfaces);
+    let seed = qemu::seed(&plan.name, plan.user_data.as_deref(), &plan.seed_network);
     for (file, content) in &seed.files {
         let path = format!("{}/{file}", paths.seed_dir);
         std::fs::write(&path, content).map_err(|e| io(&path, e))?;

@@ -307,7 +307,7 @@ fn characteristics(hardware: lxd_logic::api::Hardware) -> HardwareCharacteristic
 }
 
 fn netplan_json(network: &[InterfaceInfo], macs: &[String]) -> String {
-    netplan::network_config(&broker_guest::netplan_interfaces(network, macs)).to_string()
+    broker_guest::netplan::network_config(&broker_guest::netplan::interfaces(network, macs)).to_string()
 }
 
 broker_guest::export_provider!(LxdProvider);

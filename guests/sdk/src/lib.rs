@@ -8,7 +8,7 @@
 //! ```
 
 wit_bindgen::generate!({
-    path: "../../wit",
+    path: "wit",
     world: "provider",
     pub_export_macro: true,
     export_macro_name: "export_provider",
@@ -24,6 +24,10 @@ pub use exports::broker::provider::instance_broker::Guest;
 pub mod http;
 pub mod kv;
 pub mod listing;
+pub mod netplan;
+
+/// [`netplan::interfaces`], by the name SDK 0.2 gave it.
+pub use netplan::interfaces as netplan_interfaces;
 
 /// Log through the host's tracing, tagged with this provider's name.
 pub fn log(level: host_log::Level, message: &str) {
@@ -40,31 +44,6 @@ impl From<host_kv::KvError> for types::BrokerError {
         };
         types::BrokerError::Provider(detail)
     }
-}
-
-/// The network info as cloud-init's network-config needs it, with the MAC
-/// each interface actually gets (`macs[i]`, or its own when `macs` is short).
-pub fn netplan_interfaces(network: &[types::InterfaceInfo], macs: &[String]) -> Vec<netplan::Interface> {
-    network
-        .iter()
-        .enumerate()
-        .map(|(i, info)| netplan::Interface {
-            name: info.interface_name.clone(),
-            mac: macs.get(i).cloned().unwrap_or_else(|| info.mac_address.clone()),
-            dhcp: info.config_type == types::AddressConfigType::Dhcp,
-            addresses: info
-                .addresses
-                .iter()
-                .map(|a| match a.cidr.as_deref().and_then(|c| c.split_once('/')) {
-                    Some((_, prefix)) => format!("{}/{prefix}", a.value),
-                    None => a.value.clone(),
-                })
-                .collect(),
-            gateway: info.gateway_address.clone(),
-            dns: info.dns_servers.clone(),
-            mtu: info.mtu,
-        })
-        .collect()
 }
 
 impl types::BrokerError {

@@ -4,9 +4,10 @@
 
 use crate::quotas::Quotas;
 use crate::secrets::Redactor;
+use std::collections::VecDeque;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use tokio::io::AsyncWrite;
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
@@ -15,19 +16,69 @@ use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder};
 /// Longest line kept from guest output; longer lines are split.
 const MAX_LINE_BYTES: usize = 4096;
 
+/// Most stderr lines a [`StderrTail`] keeps, and the most bytes of each.
+const TAIL_LINES: usize = 8;
+const TAIL_LINE_BYTES: usize = 512;
+
+/// The last lines a guest wrote to stderr in its current call (redacted, a
+/// few KiB at most): what its error quotes when it traps, as a Rust panic
+/// writes its message, file and line there just before it aborts.
+#[derive(Clone, Default)]
+pub struct StderrTail(Arc<Mutex<VecDeque<String>>>);
+
+impl StderrTail {
+    /// Forget what earlier calls wrote (a pooled instance serves many calls).
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+
+    /// The lines kept, oldest first.
+    pub fn lines(&self) -> Vec<String> {
+        self.lock().iter().cloned().collect()
+    }
+
+    fn push(&self, line: &str) {
+        // Rust's hint about backtraces says nothing of the failure.
+        if line.is_empty() || line.starts_with("note: run with `RUST_BACKTRACE=1`") {
+            return;
+        }
+        let mut cut = line.len().min(TAIL_LINE_BYTES);
+        while !line.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let mut lines = self.lock();
+        if lines.len() == TAIL_LINES {
+            lines.pop_front();
+        }
+        lines.push_back(line[..cut].to_owned());
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<String>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 /// `data_dir` is preopened as `/data`, the guest's only filesystem; output
-/// lines count against the provider's log rate in `quotas`.
-pub fn sandboxed_ctx(provider: &Arc<str>, data_dir: &Path, quotas: &Arc<Quotas>, redactor: &Arc<Redactor>) -> WasiCtx {
+/// lines count against the provider's log rate in `quotas`, and the last
+/// stderr lines are kept in `stderr_tail` whatever the rate.
+pub fn sandboxed_ctx(
+    provider: &Arc<str>,
+    data_dir: &Path,
+    quotas: &Arc<Quotas>,
+    redactor: &Arc<Redactor>,
+    stderr_tail: &StderrTail,
+) -> WasiCtx {
     let mut builder = WasiCtxBuilder::new();
-    let output = |stream| TracingOutput {
+    let output = |stream, tail| TracingOutput {
         provider: provider.clone(),
         stream,
         quotas: quotas.clone(),
         redactor: redactor.clone(),
+        tail,
     };
     builder
-        .stdout(output("stdout"))
-        .stderr(output("stderr"))
+        .stdout(output("stdout", None))
+        .stderr(output("stderr", Some(stderr_tail.clone())))
         .allow_tcp(false)
         .allow_udp(false)
         .allow_ip_name_lookup(false);
@@ -45,6 +96,8 @@ struct TracingOutput {
     stream: &'static str,
     quotas: Arc<Quotas>,
     redactor: Arc<Redactor>,
+    /// Where stderr's last lines are kept (none for stdout).
+    tail: Option<StderrTail>,
 }
 
 impl IsTerminal for TracingOutput {
@@ -66,12 +119,19 @@ struct LineWriter {
 
 impl LineWriter {
     fn emit(&self, line: &[u8]) {
-        if !self.out.quotas.log_line_allowed(&self.out.provider) {
+        let allowed = self.out.quotas.log_line_allowed(&self.out.provider);
+        if !allowed && self.out.tail.is_none() {
             return;
         }
         let line = String::from_utf8_lossy(line);
         let line = self.out.redactor.redact(&line);
-        tracing::info!(provider = &*self.out.provider, stream = self.out.stream, line = %line.trim_end(), "guest output");
+        let line = line.trim_end();
+        if let Some(tail) = &self.out.tail {
+            tail.push(line);
+        }
+        if allowed {
+            tracing::info!(provider = &*self.out.provider, stream = self.out.stream, line = %line, "guest output");
+        }
     }
 
     fn absorb(&mut self, buf: &[u8]) {

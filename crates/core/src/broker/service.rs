@@ -110,6 +110,14 @@ pub enum BrokerServiceError {
         /// The provider it is recorded for.
         owner: String,
     },
+    /// `provider call` of a method whose effect the host records, on a registered provider.
+    #[error(
+        "{0} changes what the host records: use `broker instance start|stop|maintain`, or call the component file, which runs in the kit's sandbox"
+    )]
+    Recorded(crate::manifest::Method),
+    /// `provider call` named no method, or gave params that do not fit it.
+    #[error(transparent)]
+    ByName(crate::version::by_name::ByNameError),
     /// Only a sandbox without a network has none; a host always has its own.
     #[error("unable to setup network: this host gives no network backend")]
     NoNetwork,
@@ -634,6 +642,29 @@ impl Broker {
         wasm.stop_instances(&CallHooks::default(), ids).await?;
         self.store.remove_instances(provider, ids).await?;
         Ok(())
+    }
+
+    /// `broker provider call` on a registered provider: one method that
+    /// changes nothing the host records (`describe`, `validate-config`,
+    /// `all-instances`), its answer as JSON, redacted of the provider's secrets.
+    #[tracing::instrument(skip(self, params), fields(method = %method))]
+    pub async fn call_provider(
+        &self,
+        provider: &str,
+        method: crate::manifest::Method,
+        params: Option<&serde_json::Value>,
+    ) -> Result<serde_json::Value, BrokerServiceError> {
+        use crate::manifest::Method;
+        use crate::version::by_name::{ByNameError, call_by_name};
+        if matches!(method, Method::StartInstance | Method::StopInstances | Method::MaintainInstance) {
+            return Err(BrokerServiceError::Recorded(method));
+        }
+        let wasm = self.registry.get(provider).await?;
+        match call_by_name(&wasm, method, params, &CallHooks::default()).await {
+            Ok(answer) => Ok(answer),
+            Err(ByNameError::Call(call)) => Err(call.into()),
+            Err(refused) => Err(BrokerServiceError::ByName(refused)),
+        }
     }
 
     /// The provider's `maintain-instance` on `id`, with the params recorded at its start (empty if none).

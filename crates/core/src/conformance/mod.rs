@@ -253,9 +253,28 @@ pub async fn run(manifest: &Manifest) -> Result<Report, ConformanceError> {
     run_with(manifest, KitOptions::beside(manifest)?).await
 }
 
-/// Load the manifest's component into a throwaway sandbox and run every scenario.
-pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report, ConformanceError> {
-    let started = Instant::now();
+/// A component loaded into a throwaway host of its own: the kit's simulated
+/// (or recorded) capabilities and a scratch data dir.
+struct Sandboxed {
+    provider: ProviderVersion,
+    scripted: Option<Arc<Scripted>>,
+    recording: Option<Arc<Recording>>,
+    /// Host calls refused for want of a grant.
+    denied: Arc<std::sync::Mutex<Vec<String>>>,
+    live_children: Arc<LiveChildren>,
+    /// Removed when dropped, with the data dirs in it.
+    _scratch: tempfile::TempDir,
+}
+
+/// A component in the sandbox, or the grant its imports go beyond.
+enum Loading {
+    Loaded(Box<Sandboxed>),
+    /// Importing what the manifest does not grant: a finding about the
+    /// component, not a kit failure.
+    Ungranted(ContractError),
+}
+
+async fn load_sandboxed(manifest: &Manifest, options: &KitOptions) -> Result<Loading, ConformanceError> {
     let scratch = tempfile::Builder::new()
         .prefix("broker-provider-test-")
         .tempdir()
@@ -275,11 +294,11 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     // The sandbox is made of the backends the rooms' kit parts give it (a room
     // given none refuses): scripted, or the host's own recorded.
     let sandbox_error = ConformanceError::Sandbox;
-    let (backends, secrets, scripted, recording) = match options.answers {
+    let (backends, secrets, scripted, recording) = match &options.answers {
         Answers::Script(scripted) => {
             let backends = scripted.backends(&setup).map_err(sandbox_error)?;
             // Stand-ins: a script recorded with the real values holds these in their place.
-            (backends, SecretSource::Placeholders, Some(scripted), None)
+            (backends, SecretSource::Placeholders, Some(scripted.clone()), None)
         }
         Answers::Record(recording) => {
             let backends = recording.backends(&setup).await.map_err(sandbox_error)?;
@@ -288,32 +307,82 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
                 Some(dir) => SecretSource::Recording(Arc::new(SecretsDir::new(dir.clone()))),
                 None => SecretSource::Placeholders,
             };
-            (backends, secrets, None, Some(recording))
+            (backends, secrets, None, Some(recording.clone()))
         }
     };
     // The kit's data dirs are scratch: a plain directory each.
     let caps = HostCapabilities { data_dirs, sandbox, backends, denials, data_filesystems: None, secrets };
-    let name = manifest.name.clone();
     // Compiling is CPU-bound: off the async workers.
     let loaded = tokio::task::spawn_blocking(move || ProviderVersion::load(runtime, manifest, caps))
         .await
         .map_err(|e| ConformanceError::Sandbox(format!("loading the component: {e}")))?;
-    let provider = match loaded {
-        Ok(provider) => provider,
-        // Importing what the manifest does not grant is a finding about the component, not a kit failure.
+    match loaded {
+        Ok(provider) => Ok(Loading::Loaded(Box::new(Sandboxed {
+            provider,
+            scripted,
+            recording,
+            denied,
+            live_children,
+            _scratch: scratch,
+        }))),
         Err(crate::version::LoadError::Contract { cause: source @ ContractError::NotGranted { .. }, .. }) => {
+            Ok(Loading::Ungranted(source))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// What one call in the sandbox answered, and what the sandbox saw of it.
+pub struct SandboxAnswer {
+    /// The typed answer as JSON, or why there is none.
+    pub answer: Result<serde_json::Value, crate::version::by_name::ByNameError>,
+    /// Host calls the script did not answer.
+    pub unanswered: Vec<String>,
+    /// Host calls refused for want of a grant.
+    pub denied: Vec<String>,
+}
+
+/// `broker provider call` on a component file: load it into a throwaway
+/// sandbox (as the kit does; a fresh one each time, so nothing carries over
+/// between calls) and call `method` once.
+pub async fn call_in_sandbox(
+    manifest: &Manifest,
+    options: KitOptions,
+    method: Method,
+    params: Option<&serde_json::Value>,
+    hooks: &CallHooks,
+) -> Result<SandboxAnswer, ConformanceError> {
+    let sandboxed = match load_sandboxed(manifest, &options).await? {
+        Loading::Loaded(sandboxed) => sandboxed,
+        Loading::Ungranted(source) => {
+            return Err(ConformanceError::Sandbox(format!("the component goes beyond its grants: {source}")));
+        }
+    };
+    let answer = crate::version::by_name::call_by_name(&sandboxed.provider, method, params, hooks).await;
+    sandboxed.live_children.kill_all();
+    let unanswered = sandboxed.scripted.as_ref().map(|s| s.take_unexpected()).unwrap_or_default();
+    let denied = std::mem::take(&mut *sandboxed.denied.lock().unwrap_or_else(|p| p.into_inner()));
+    Ok(SandboxAnswer { answer, unanswered, denied })
+}
+
+/// Load the manifest's component into a throwaway sandbox and run every scenario.
+pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report, ConformanceError> {
+    let started = Instant::now();
+    let sandboxed = match load_sandboxed(manifest, &options).await? {
+        Loading::Loaded(sandboxed) => sandboxed,
+        Loading::Ungranted(source) => {
             let case =
                 Case { name: UNGRANTED, passed: false, detail: source.to_string(), trace: Vec::new(), skipped: false };
             return Ok(Report {
-                provider: name,
+                provider: manifest.name.clone(),
                 version: String::new(),
                 cases: vec![case],
                 millis: 0,
                 redactor: Arc::default(),
             });
         }
-        Err(e) => return Err(e.into()),
     };
+    let Sandboxed { provider, scripted, recording, denied, live_children, _scratch } = *sandboxed;
     let config = provider.guest_config();
     let redactor = provider.redactor().clone();
     let calls = HostCallLog::redacting(redactor.clone());

@@ -21,6 +21,8 @@ pub struct HostState {
     pub provider: Arc<str>,
     pub(crate) table: ResourceTable,
     pub(crate) wasi: WasiCtx,
+    /// What the guest last wrote to stderr in its current call.
+    pub(crate) stderr_tail: wasi::StderrTail,
     /// The parts of the capabilities in rooms of their own.
     pub(crate) rooms: Parts,
     pub(crate) limiter: GuestLimiter,
@@ -130,9 +132,11 @@ impl HostState {
         // own resources) in one store: bounded, as its memory is.
         let mut table = ResourceTable::new();
         table.set_max_capacity(MAX_HANDLES);
+        let stderr_tail = wasi::StderrTail::default();
         HostState {
             table,
-            wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir, &caps.quotas, &caps.redactor),
+            wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir, &caps.quotas, &caps.redactor, &stderr_tail),
+            stderr_tail,
             rooms: Parts::new(
                 &caps.rooms,
                 &host.backends,
@@ -164,6 +168,7 @@ impl HostState {
 
     /// A call is about to run in this store (`abort` is its cancellation).
     pub fn begin_call(&mut self, abort: &Arc<std::sync::atomic::AtomicBool>) {
+        self.stderr_tail.clear();
         self.rooms.begin_call(abort);
     }
 

@@ -18,7 +18,7 @@ pub enum CallError {
         error: BrokerError,
     },
     /// The guest trapped; its instance is discarded.
-    #[error("provider {provider}: {method} trapped: {reason}")]
+    #[error("provider {provider}: {method} trapped: {reason}{}", quoted_stderr(.stderr))]
     Trap {
         /// The provider called.
         provider: String,
@@ -26,6 +26,9 @@ pub enum CallError {
         method: Method,
         /// The trap code, or wasmtime's error text.
         reason: String,
+        /// The guest's last stderr lines in this call (a panic's message,
+        /// file and line), redacted; empty if it wrote none.
+        stderr: Vec<String>,
     },
     /// The call ran past the method's deadline; its instance is discarded.
     #[error("provider {provider}: {method} exceeded its deadline of {deadline:?} and was stopped")]
@@ -103,6 +106,15 @@ impl CallError {
             _ => None,
         }
     }
+}
+
+/// `; its last stderr lines: "…" | "…"`, or nothing for none.
+fn quoted_stderr(lines: &[String]) -> String {
+    if lines.is_empty() {
+        return String::new();
+    }
+    let quoted: Vec<String> = lines.iter().map(|line| format!("{line:?}")).collect();
+    format!("; its last stderr lines: {}", quoted.join(" | "))
 }
 
 /// `invalid-params: …` style text for a contract error.

@@ -5,6 +5,7 @@
 //! failure says.
 
 pub mod breaker;
+pub mod by_name;
 mod errors;
 mod exports;
 pub mod imports;
@@ -807,10 +808,11 @@ impl ProviderVersion {
             );
             return CallError::Limit { provider, method, limit };
         }
-        match trap.downcast_ref::<wasmtime::Trap>() {
-            Some(code) => CallError::Trap { provider, method, reason: code.to_string() },
-            None => CallError::Trap { provider, method, reason: format!("{trap:#}") },
-        }
+        let reason = match trap.downcast_ref::<wasmtime::Trap>() {
+            Some(code) => code.to_string(),
+            None => format!("{trap:#}"),
+        };
+        CallError::Trap { provider, method, reason, stderr: warm.store.data().stderr_tail.lines() }
     }
 
     fn lock_pool(&self) -> std::sync::MutexGuard<'_, Vec<Warm>> {

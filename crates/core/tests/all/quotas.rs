@@ -142,6 +142,12 @@ async fn output_lines_past_the_log_rate_are_suppressed_and_counted() {
     let suppressed = a.refused(Quota::LogLines);
     // The call takes well under a second, so at most a few more tokens came back.
     assert!((4890..=4900).contains(&suppressed), "{suppressed} suppressed");
+    // Past the log rate a trap still quotes its panic, and only this call's lines.
+    a.set("mode", "trap");
+    let err = a.hostile.all_instances(&CallHooks::default()).await.unwrap_err();
+    let CallError::Trap { stderr, .. } = &err else { panic!("{err}") };
+    assert!(stderr.iter().any(|line| line == "hostile guest traps on purpose"), "{stderr:?}");
+    assert!(!stderr.iter().any(|line| line.starts_with("flood line")), "{stderr:?}");
     a.bystander_answers().await;
 }
 

@@ -3,6 +3,7 @@
 
 use broker_capabilities::rooms::context::CallHooks;
 use broker_capabilities::rooms::kv::{KvBackend, MemoryKv};
+use broker_core::error_report::ErrorKind;
 use broker_core::manifest::Method;
 use broker_core::runtime::Runtime;
 use broker_core::store::EventKind;
@@ -85,6 +86,14 @@ pub(crate) async fn trap_gives_typed_error_and_the_instance_is_never_reused() {
     let err = h.provider.all_instances(&CallHooks::default()).await.unwrap_err();
     assert!(matches!(&err, CallError::Trap { provider, .. } if provider == "hostile"), "{err}");
     assert!(err.to_string().contains("all-instances trapped"), "{err}");
+    // The guest's panic message, with its file and line, is quoted from its stderr.
+    let CallError::Trap { stderr, .. } = &err else { unreachable!() };
+    assert!(stderr.iter().any(|line| line.contains("panicked at ") && line.contains("src/lib.rs:")), "{stderr:?}");
+    assert!(stderr.iter().any(|line| line == "hostile guest traps on purpose"), "{stderr:?}");
+    assert!(err.to_string().contains("its last stderr lines: "), "{err}");
+    let report = err.report();
+    assert_eq!((report.kind, report.method.as_deref()), (ErrorKind::Trap, Some("all-instances")));
+    assert!(report.message.contains("hostile guest traps on purpose"), "{}", report.message);
     assert_eq!(h.provider.pooled_instances(), 0, "the trapped instance went back to no pool");
     assert_eq!(h.served().await, 1, "the next call runs on a fresh instance");
     let all = h.provider.stats().methods.get(Method::AllInstances);

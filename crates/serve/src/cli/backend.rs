@@ -98,6 +98,24 @@ impl Backend {
         }
     }
 
+    /// `provider call` on a registered provider: its answer as JSON.
+    pub(crate) async fn call_provider(
+        &self,
+        name: &str,
+        method: broker_core::manifest::Method,
+        params: Option<&serde_json::Value>,
+    ) -> Result<serde_json::Value> {
+        match self {
+            Backend::Embedded(broker) => Ok(broker.call_provider(name, method, params).await?),
+            Backend::Daemon(client) => {
+                let path = format!("/v1/providers/{}/call", encode_component(name));
+                let body = json!({ "method": method.name(), "params": params });
+                let mut answered: serde_json::Value = client.call(Method::POST, &path, Some(body)).await?;
+                Ok(answered["answer"].take())
+            }
+        }
+    }
+
     pub(crate) async fn remove_provider(&self, name: &str) -> Result<()> {
         match self {
             Backend::Embedded(broker) => Ok(broker.registry().remove(name).await?),

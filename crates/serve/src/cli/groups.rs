@@ -56,6 +56,13 @@ pub(crate) enum GroupCommand {
     Destroy { id: String },
 }
 
+impl GroupCommand {
+    /// Whether it was asked for JSON.
+    pub(crate) fn json(&self) -> bool {
+        matches!(self, GroupCommand::Ls { json: true } | GroupCommand::Describe { json: true, .. })
+    }
+}
+
 /// Said after a change made without a daemon.
 const NO_LOOP: &str = "no broker daemon serves this data dir: the group converges while `broker serve` runs";
 

@@ -21,7 +21,7 @@ pub(crate) struct LockArgs {
     group: Option<String>,
     /// Print the report as JSON.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     /// How many history lines to show.
     #[arg(long, default_value_t = 20)]
     history: usize,

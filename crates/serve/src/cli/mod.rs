@@ -5,15 +5,17 @@ mod backend;
 mod groups;
 mod lock;
 mod output;
+mod scaffold;
 
 use anyhow::{Context, Result};
 use backend::Backend;
 use broker_capabilities::contract::constraints;
-use broker_capabilities::rooms::context::CallEvent;
+use broker_capabilities::rooms::context::{CallEvent, CallHooks};
+use broker_core::error_report::{ErrorKind, ErrorReport};
 use broker_core::store::records::status_name;
 use clap::{Args, Parser, Subcommand};
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The parsed command line (its help comes from `about`/`long_about`, not this comment).
 #[derive(Debug, Parser)]
@@ -187,6 +189,55 @@ pub(crate) enum ProviderCommand {
         check: bool,
         #[arg(long)]
         json: bool,
+    },
+    /// Write a new provider crate to DIR (default ./NAME), outside any
+    /// workspace: the SDK as its dependency, the wasm32-wasip2 target and its
+    /// stack size, a provider that keeps its instances in kv, its manifest, an
+    /// (empty) kit script and a README. It builds with `cargo build --release`
+    /// and passes `broker provider test --strict` as written.
+    New {
+        /// The provider's name: lowercase letters, digits and '-', a letter first.
+        name: String,
+        /// Where to write it (must not exist, or be empty).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// The SDK crate's directory (default: the one this `broker` was built beside).
+        #[arg(long, value_name = "DIR", conflicts_with = "sdk_git")]
+        sdk: Option<PathBuf>,
+        /// The SDK from this git repository instead (cargo finds `broker-guest` in it).
+        #[arg(long, value_name = "URL")]
+        sdk_git: Option<String>,
+        /// With --sdk-git: the revision (a tag or commit).
+        #[arg(long, value_name = "REV", requires = "sdk_git")]
+        sdk_rev: Option<String>,
+    },
+    /// Call one method of a provider and print its typed answer as JSON. Of a
+    /// component file (a path): in the kit's sandbox, on simulated capabilities
+    /// (its script), a fresh sandbox each call, so nothing carries over from one
+    /// to the next. Of a registered provider (a name): a method that changes
+    /// nothing the host records (describe, validate-config, all-instances).
+    /// Status updates go to stderr.
+    Call {
+        /// A registered provider's name, or a component file (.wasm).
+        target: String,
+        /// describe, validate-config, start-instance, stop-instances,
+        /// all-instances or maintain-instance.
+        method: String,
+        /// The method's params as JSON (or @FILE): start-instance's
+        /// StartInstanceParams (as `instance start --params`), stop-instances' ids
+        /// (["a","b"]), all-instances' page ({"cursor":null,"size":10}; none:
+        /// every page), maintain-instance's {"id":…,"params":{…}}, validate-config's
+        /// config (none: the manifest's).
+        #[arg(long, value_name = "JSON")]
+        params: Option<String>,
+        /// With a component file: its manifest (grants, limits, config); without
+        /// one, kv and log are granted and the config is empty.
+        #[arg(long)]
+        manifest: Option<PathBuf>,
+        /// With a component file: the script of simulated answers (default:
+        /// `<manifest stem>.script.json` beside the manifest).
+        #[arg(long, value_name = "FILE")]
+        script: Option<PathBuf>,
     },
     /// Run the conformance scenarios against a component in the sandbox, on
     /// simulated capabilities (no real infrastructure). Exit 0 only if all pass.
@@ -368,6 +419,15 @@ pub(crate) async fn run(mut cli: Cli) -> Result<u8> {
         let answers = TestAnswers { script, record, with_secrets, strict };
         return provider_test(&cli.data_dir, &component, manifest.as_deref(), format, answers, &mut stdout).await;
     }
+    if let Command::Provider(ProviderCommand::New { name, dir, sdk, sdk_git, sdk_rev }) = cli.command {
+        return provider_new(&name, dir, sdk, sdk_git, sdk_rev, &mut stdout);
+    }
+    if let Command::Provider(ProviderCommand::Call { target, method, params, manifest, script }) = &cli.command
+        && is_component_path(target)
+    {
+        let call = OneCall::parse(method, params.as_deref())?;
+        return provider_call_file(Path::new(target), manifest.as_deref(), script.as_deref(), call, &mut stdout).await;
+    }
     let socket = cli.socket.clone().unwrap_or_else(|| crate::daemon::default_socket(&cli.data_dir));
     if let Command::Store(command) = cli.command {
         return store_command(&cli.data_dir, &socket, command, &mut stdout).await;
@@ -495,7 +555,14 @@ async fn provider(backend: &Backend, command: ProviderCommand, out: &mut impl Wr
                 output::provider_details(out, &view)?;
             }
         }
-        ProviderCommand::Test { .. } => unreachable!("handled before the state is opened"),
+        ProviderCommand::Test { .. } | ProviderCommand::New { .. } => {
+            unreachable!("handled before the state is opened")
+        }
+        ProviderCommand::Call { target, method, params, .. } => {
+            let call = OneCall::parse(&method, params.as_deref())?;
+            let answer = backend.call_provider(&target, call.method, call.params.as_ref()).await?;
+            writeln!(out, "{}", serde_json::to_string_pretty(&answer)?)?;
+        }
         ProviderCommand::Swap { name, component, check, json } => {
             let report = backend.swap(&name, &component, check).await?;
             if json {
@@ -629,6 +696,154 @@ pub(crate) fn describe_event(event: &CallEvent) -> String {
     }
 }
 
+/// `broker provider new`.
+fn provider_new(
+    name: &str,
+    dir: Option<PathBuf>,
+    sdk: Option<PathBuf>,
+    sdk_git: Option<String>,
+    sdk_rev: Option<String>,
+    out: &mut impl Write,
+) -> Result<u8> {
+    use scaffold::SdkSource;
+    let source = match (sdk, sdk_git) {
+        (Some(path), _) => {
+            if !path.join("Cargo.toml").is_file() {
+                return Err(UsageError(format!("--sdk {}: no Cargo.toml there", path.display())).into());
+            }
+            SdkSource::Path(
+                std::path::absolute(&path).with_context(|| format!("cannot resolve --sdk {}", path.display()))?,
+            )
+        }
+        (None, Some(url)) => SdkSource::Git { url, rev: sdk_rev },
+        (None, None) => SdkSource::built_beside().ok_or_else(|| {
+            UsageError(
+                "the SDK this broker was built beside is not there any more: give --sdk DIR or --sdk-git URL".into(),
+            )
+        })?,
+    };
+    let dir = dir.unwrap_or_else(|| PathBuf::from(name));
+    let written = scaffold::write(name, &dir, &source)?;
+    for path in &written {
+        output::line(out, &format!("wrote {}", path.display()))?;
+    }
+    let next = format!(
+        "next: cd {} && cargo build --release && broker provider test target/wasm32-wasip2/release/{}.wasm --manifest provider.toml --strict",
+        dir.display(),
+        name.replace('-', "_")
+    );
+    output::line(out, &next)?;
+    Ok(0)
+}
+
+/// Whether `provider call`'s target is a component file rather than a
+/// registered provider's name (which has no `/` and no `.wasm`).
+fn is_component_path(target: &str) -> bool {
+    target.contains('/') || target.ends_with(".wasm") || Path::new(target).is_file()
+}
+
+/// `provider call`'s method and params, checked before anything runs.
+struct OneCall {
+    method: broker_core::manifest::Method,
+    params: Option<serde_json::Value>,
+}
+
+impl OneCall {
+    fn parse(method: &str, params: Option<&str>) -> Result<OneCall> {
+        let method = broker_core::version::by_name::method_named(method).map_err(|e| UsageError(e.to_string()))?;
+        let params = match params {
+            None => None,
+            Some(text) => {
+                let bytes = match text.strip_prefix('@') {
+                    Some(file) => read_bounded(Path::new(file), MAX_PARAMS_FILE)
+                        .map_err(|e| UsageError(format!("--params {text}: {e}")))?,
+                    None => text.as_bytes().to_vec(),
+                };
+                let value =
+                    serde_json::from_slice(&bytes).map_err(|e| UsageError(format!("--params: not JSON: {e}")))?;
+                Some(value)
+            }
+        };
+        Ok(OneCall { method, params })
+    }
+}
+
+/// The manifest a component file runs under in the sandbox: `manifest` with
+/// its component replaced by the file, or one granting kv and log.
+fn sandbox_manifest(component: &Path, manifest: Option<&Path>) -> Result<broker_core::manifest::Manifest> {
+    use broker_core::manifest::Manifest;
+    let mut loaded = match manifest {
+        Some(path) => Manifest::load(path).with_context(|| format!("cannot read manifest {}", path.display()))?,
+        None => {
+            let name = component
+                .file_stem()
+                .map(|s| s.to_string_lossy().to_lowercase().replace(['_', '.'], "-"))
+                .unwrap_or_else(|| "candidate".into());
+            let text = format!("name = {name:?}\ncomponent = \"x\"\n[grants]\nkv = true\nlog = true\n");
+            Manifest::parse(Path::new("provider.toml"), &text).map_err(|e| UsageError(e.to_string()))?
+        }
+    };
+    loaded.component = component.to_owned();
+    Ok(loaded)
+}
+
+/// The script `--script` names, or the one beside the manifest.
+fn scripted_options(
+    loaded: &broker_core::manifest::Manifest,
+    script: Option<&Path>,
+) -> Result<broker_core::conformance::KitOptions> {
+    use broker_core::conformance::{Answers, KitOptions};
+    match script {
+        Some(path) => {
+            let script = broker_core::conformance::load_script(path).map_err(|e| UsageError(e.to_string()))?;
+            Ok(KitOptions {
+                answers: Answers::Script(std::sync::Arc::new(script)),
+                strict: false,
+                sandbox: Default::default(),
+                credentials: None,
+                secrets: None,
+            })
+        }
+        None => Ok(KitOptions::beside(loaded).map_err(|e| UsageError(e.to_string()))?),
+    }
+}
+
+/// `broker provider call FILE METHOD`: one call in a throwaway sandbox.
+async fn provider_call_file(
+    component: &Path,
+    manifest: Option<&Path>,
+    script: Option<&Path>,
+    call: OneCall,
+    out: &mut impl Write,
+) -> Result<u8> {
+    let loaded = sandbox_manifest(component, manifest)?;
+    let options = scripted_options(&loaded, script)?;
+    let name = loaded.name().to_owned();
+    let hooks = CallHooks::with_events(move |event| {
+        let described = describe_event(&event);
+        eprintln!("[{name}] {}", broker_capabilities::error_text::escape_unprintable(&described));
+    });
+    let answered =
+        broker_core::conformance::call_in_sandbox(&loaded, options, call.method, call.params.as_ref(), &hooks)
+            .await
+            .with_context(|| format!("cannot load {} into the sandbox", component.display()))?;
+    for unanswered in &answered.unanswered {
+        eprintln!(
+            "note: the script did not answer {}",
+            broker_capabilities::error_text::escape_unprintable(unanswered)
+        );
+    }
+    for denied in &answered.denied {
+        eprintln!("note: refused for want of a grant: {}", broker_capabilities::error_text::escape_unprintable(denied));
+    }
+    let answer = answered.answer.map_err(|e| match e {
+        broker_core::version::by_name::ByNameError::Call(call) => anyhow::Error::from(call),
+        refused => UsageError(refused.to_string()).into(),
+    })?;
+    writeln!(out, "{}", serde_json::to_string_pretty(&answer)?)?;
+    Ok(0)
+}
+
 /// `broker provider test`'s choice of scripted (or recorded) answers.
 struct TestAnswers {
     script: Option<PathBuf>,
@@ -646,19 +861,7 @@ async fn provider_test(
     out: &mut impl Write,
 ) -> Result<u8> {
     use broker_core::conformance::{Answers, KitOptions, Recording};
-    use broker_core::manifest::Manifest;
-    let mut loaded = match manifest {
-        Some(path) => Manifest::load(path).with_context(|| format!("cannot read manifest {}", path.display()))?,
-        None => {
-            let name = component
-                .file_stem()
-                .map(|s| s.to_string_lossy().to_lowercase().replace(['_', '.'], "-"))
-                .unwrap_or_else(|| "candidate".into());
-            let text = format!("name = {name:?}\ncomponent = \"x\"\n[grants]\nkv = true\nlog = true\n");
-            Manifest::parse(std::path::Path::new("provider.toml"), &text).map_err(|e| UsageError(e.to_string()))?
-        }
-    };
-    loaded.component = component.to_owned();
+    let loaded = sandbox_manifest(component, manifest)?;
     let recording = answers.record.as_ref().map(|_| std::sync::Arc::new(Recording::default()));
     if answers.record.is_some() {
         eprintln!(
@@ -676,17 +879,7 @@ async fn provider_test(
             credentials: None,
             secrets: None,
         },
-        (Some(path), None) => {
-            let script = broker_core::conformance::load_script(path).map_err(|e| UsageError(e.to_string()))?;
-            KitOptions {
-                answers: Answers::Script(std::sync::Arc::new(script)),
-                strict: false,
-                sandbox: Default::default(),
-                credentials: None,
-                secrets: None,
-            }
-        }
-        (None, None) => KitOptions::beside(&loaded).map_err(|e| UsageError(e.to_string()))?,
+        (script, None) => scripted_options(&loaded, script.as_deref())?,
     };
     options.strict = answers.strict;
     // The machine's `[sandbox]` (bubblewrap, uid base) applies to a recording's programs too.
@@ -780,9 +973,44 @@ async fn store_command(
     Ok(if report.is_sound() { 0 } else { 1 })
 }
 
+/// Whether the command was asked for JSON: then a failure is printed as JSON
+/// on stdout too, `{"error": {"kind", "message", …}}`.
+fn wants_json(command: &Command) -> bool {
+    match command {
+        Command::Events { json, .. }
+        | Command::Store(StoreCommand::Check { json } | StoreCommand::Recover { json })
+        | Command::Provider(
+            ProviderCommand::List { json } | ProviderCommand::Show { json, .. } | ProviderCommand::Swap { json, .. },
+        )
+        | Command::Instance(InstanceCommand::List { json, .. }) => *json,
+        Command::Instance(InstanceCommand::Start(args)) => args.json,
+        Command::Provider(ProviderCommand::Test { format, .. }) => matches!(format, ReportFormat::Json),
+        // Its answer is JSON: so is its failure.
+        Command::Provider(ProviderCommand::Call { .. }) => true,
+        Command::Group(command) => command.json(),
+        Command::Lock(args) => args.json,
+        _ => false,
+    }
+}
+
+/// A failed command's error as the host reports it: the daemon's own report
+/// if it refused, else the kind of the first error in the chain the host
+/// classifies; the message is the whole chain's.
+pub(crate) fn error_report(error: &anyhow::Error) -> ErrorReport {
+    use broker_capabilities::error_text::chain_text;
+    let message = chain_text(error.chain());
+    if let Some(client) = error.chain().find_map(|cause| cause.downcast_ref::<crate::client::ClientError>()) {
+        return ErrorReport { message, ..client.report() };
+    }
+    if error.chain().any(|cause| cause.is::<UsageError>()) {
+        return ErrorReport::new(ErrorKind::BadRequest, message);
+    }
+    ErrorReport::of_chain(error.chain(), message)
+}
+
 /// The `broker` command: parse the arguments, log to stderr, run, and turn
-/// the outcome into the exit code (2 for usage errors). The `broker` binary
-/// is this.
+/// the outcome into the exit code: 0, 2 for usage errors, else the error
+/// kind's (the README's "Errors"). The `broker` binary is this.
 pub fn main() -> std::process::ExitCode {
     // clap exits with 2 on usage errors and 0 for --help/--version.
     let cli = <Cli as clap::Parser>::parse();
@@ -808,26 +1036,22 @@ pub fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(1);
         }
     };
-    match runtime.block_on(run(cli)) {
-        Ok(code) => std::process::ExitCode::from(code),
-        Err(e) if e.downcast_ref::<UsageError>().is_some() => {
-            eprintln!(
-                "error: {}\n(see `broker --help`)",
-                broker_capabilities::error_text::escape_unprintable(&broker_capabilities::error_text::chain_text(
-                    e.chain()
-                ))
-            );
-            std::process::ExitCode::from(2)
-        }
-        Err(e) => {
-            // Errors quote what providers said: escaped, they cannot drive the terminal.
-            eprintln!(
-                "error: {}",
-                broker_capabilities::error_text::escape_unprintable(&broker_capabilities::error_text::chain_text(
-                    e.chain()
-                ))
-            );
-            std::process::ExitCode::from(1)
-        }
+    let json = wants_json(&cli.command);
+    let e = match runtime.block_on(run(cli)) {
+        Ok(code) => return std::process::ExitCode::from(code),
+        Err(e) => e,
+    };
+    let report = error_report(&e);
+    if json {
+        // JSON escapes what a provider said; a program reads this, not a terminal.
+        println!("{}", serde_json::json!({ "error": report }));
     }
+    // Errors quote what providers said: escaped, they cannot drive the terminal.
+    let shown = broker_capabilities::error_text::escape_unprintable(&report.message);
+    if e.downcast_ref::<UsageError>().is_some() {
+        eprintln!("error: {shown}\n(see `broker --help`)");
+        return std::process::ExitCode::from(2);
+    }
+    eprintln!("error: {shown}");
+    std::process::ExitCode::from(report.kind.exit_code())
 }

@@ -1,5 +1,5 @@
 //! The daemon's routes. Request bodies are size-limited JSON; anything
-//! malformed is a 4xx with `{"error": "..."}`, never a 500.
+//! malformed is a 4xx with `{"error": {"kind", "message", …}}`, never a 500.
 
 use super::MAX_BODY_BYTES;
 use crate::wire::StartLine;
@@ -15,6 +15,7 @@ use broker_capabilities::bindings::BrokerError;
 use broker_capabilities::error_text::error_text;
 use broker_capabilities::rooms::context::CallHooks;
 use broker_core::broker::{Broker, BrokerServiceError};
+use broker_core::error_report::{ErrorKind, ErrorReport};
 use broker_core::groups::{GroupError, Groups};
 use broker_core::providers::registry::RegistryError;
 use broker_core::providers::view::{BreakerView, ProviderView};
@@ -56,12 +57,24 @@ impl axum::extract::FromRef<ApiState> for tokio_util::task::TaskTracker {
 
 type Detached = tokio_util::task::TaskTracker;
 
-/// An error as the API reports it.
-pub(crate) struct ApiError(StatusCode, String);
+/// An error as the API reports it: its status and `{"error": report}`.
+pub(crate) struct ApiError(StatusCode, ErrorReport);
+
+impl ApiError {
+    /// The client's mistake, found by the API itself.
+    fn bad_request(message: impl Into<String>) -> Self {
+        ApiError(StatusCode::BAD_REQUEST, ErrorReport::new(ErrorKind::BadRequest, message))
+    }
+
+    /// The same error, about `instance` unless it names one already.
+    fn about_instance(self, instance: &str) -> Self {
+        ApiError(self.0, self.1.about_instance(instance))
+    }
+}
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut response = (self.0, Json(json!({ "error": self.1 }))).into_response();
+        let mut response = (self.0, Json(crate::wire::error_body(&self.1))).into_response();
         if self.0 == StatusCode::SERVICE_UNAVAILABLE {
             // Busy, half-open, being removed or shutting down: all pass in seconds.
             response.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
@@ -77,7 +90,7 @@ impl From<JsonRejection> for ApiError {
             StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
             _ => StatusCode::BAD_REQUEST,
         };
-        ApiError(status, rejection.body_text())
+        ApiError(status, ErrorReport::new(ErrorKind::BadRequest, rejection.body_text()))
     }
 }
 
@@ -100,7 +113,7 @@ fn registry_status(err: &RegistryError) -> StatusCode {
 
 impl From<RegistryError> for ApiError {
     fn from(err: RegistryError) -> Self {
-        ApiError(registry_status(&err), error_text(&err))
+        ApiError(registry_status(&err), err.report())
     }
 }
 
@@ -110,6 +123,7 @@ impl From<BrokerServiceError> for ApiError {
             BrokerServiceError::Registry(e) => registry_status(e),
             BrokerServiceError::UnknownInstance(_) => StatusCode::NOT_FOUND,
             BrokerServiceError::AmbiguousInstance { .. } => StatusCode::CONFLICT,
+            BrokerServiceError::Recorded(_) | BrokerServiceError::ByName(_) => StatusCode::BAD_REQUEST,
             // The provider answered with an id the host does not take.
             BrokerServiceError::InvalidInstanceId { .. }
             | BrokerServiceError::InstanceIdTaken { .. }
@@ -127,13 +141,13 @@ impl From<BrokerServiceError> for ApiError {
             },
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
-        ApiError(status, error_text(&err))
+        ApiError(status, err.report())
     }
 }
 
 impl From<broker_core::store::StoreError> for ApiError {
     fn from(err: broker_core::store::StoreError) -> Self {
-        ApiError(StatusCode::INTERNAL_SERVER_ERROR, error_text(&err))
+        ApiError(StatusCode::INTERNAL_SERVER_ERROR, ErrorReport::new(ErrorKind::Storage, error_text(&err)))
     }
 }
 
@@ -154,7 +168,10 @@ where
     match detached.spawn(work).await {
         Ok(done) => done.map_err(Into::into),
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(_) => Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, "the daemon is shutting down".into())),
+        Err(_) => Err(ApiError(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorReport::new(ErrorKind::Unavailable, "the daemon is shutting down"),
+        )),
     }
 }
 
@@ -199,6 +216,7 @@ pub(crate) fn routes() -> Vec<Route> {
         Route::get("/v1/providers/{name}", show_provider),
         Route::delete("/v1/providers/{name}", remove_provider),
         Route::post("/v1/providers/{name}/swap", swap_provider),
+        Route::post("/v1/providers/{name}/call", call_provider),
         Route::get("/v1/instances", list_instances),
         Route::post("/v1/instances", start_instance),
         Route::delete("/v1/instances/{id}", stop_instance),
@@ -273,7 +291,7 @@ impl From<GroupError> for ApiError {
             // Answered above, as the broker's own errors are.
             GroupError::Broker(_) => StatusCode::BAD_GATEWAY,
         };
-        ApiError(status, error_text(&err))
+        ApiError(status, err.report())
     }
 }
 
@@ -437,6 +455,29 @@ async fn swap_provider(
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CallRequest {
+    /// As manifests spell it: `describe`, `validate-config`, `all-instances`.
+    method: String,
+    #[serde(default)]
+    params: Option<serde_json::Value>,
+}
+
+/// One method of a registered provider that changes nothing the host
+/// records; its typed answer (`broker provider call`).
+async fn call_provider(
+    State(broker): State<Shared>,
+    Path(name): Path<String>,
+    body: Result<Json<CallRequest>, JsonRejection>,
+) -> ApiResult<Response> {
+    let Json(request) = body?;
+    let method = broker_core::version::by_name::method_named(&request.method)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let answer = broker.call_provider(&name, method, request.params.as_ref()).await?;
+    Ok(Json(json!({ "answer": answer })).into_response())
+}
+
+#[derive(Deserialize)]
 struct ProviderFilter {
     provider: Option<String>,
 }
@@ -453,10 +494,10 @@ struct ListQuery {
 
 async fn list_instances(State(broker): State<Shared>, Query(query): Query<ListQuery>) -> ApiResult<Response> {
     if query.limit == Some(0) {
-        return Err(ApiError(StatusCode::BAD_REQUEST, "limit: at least 1".into()));
+        return Err(ApiError::bad_request("limit: at least 1"));
     }
     if query.after.as_deref().is_some_and(|after| !after.contains('/')) {
-        return Err(ApiError(StatusCode::BAD_REQUEST, "after: a cursor is PROVIDER/ID (X-Next-After gives it)".into()));
+        return Err(ApiError::bad_request("after: a cursor is PROVIDER/ID (X-Next-After gives it)"));
     }
     let records = broker.list_instances(query.provider.as_deref()).await?;
     let (page, next) = broker_core::broker::page(records, query.after.as_deref(), query.limit);
@@ -504,7 +545,7 @@ async fn start_instance(
         user_data: request.user_data.map(String::into_bytes),
         tags: &tags,
     })
-    .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))?;
+    .map_err(|e| ApiError::bad_request(e.to_string()))?;
     broker.registry().get(&request.provider).await?;
 
     // Bounded whatever the provider reports and however slowly the client reads.
@@ -517,7 +558,7 @@ async fn start_instance(
         let mut unfinished = FinishOnDrop(Some(finished.clone()));
         let last = match broker.start_instance(&request.provider, &params, &hooks).await {
             Ok(record) => StartLine::Started { instance: Box::new(record) },
-            Err(err) => StartLine::Failed { error: error_text(&err) },
+            Err(err) => StartLine::Failed { error: err.report().about_provider(&request.provider) },
         };
         if finished.coalesced() > 0 {
             tracing::debug!(coalesced = finished.coalesced(), "a start's client was behind: statuses coalesced");
@@ -539,7 +580,8 @@ struct FinishOnDrop(Option<Arc<super::progress::ProgressQueue<StartLine>>>);
 impl Drop for FinishOnDrop {
     fn drop(&mut self) {
         if let Some(lines) = self.0.take() {
-            lines.finish(StartLine::Failed { error: "the start failed inside the host (a bug: see its log)".into() });
+            let report = ErrorReport::new(ErrorKind::Other, "the start failed inside the host (a bug: see its log)");
+            lines.finish(StartLine::Failed { error: report });
         }
     }
 }
@@ -562,13 +604,15 @@ async fn stop_instance(
     // (never started here, or stopped already) is nothing to stop.
     let owner = match filter.provider {
         Some(provider) => Some(provider),
-        None => broker.owner_for_stop(&id).await?,
+        None => broker.owner_for_stop(&id).await.map_err(|e| ApiError::from(e).about_instance(&id))?,
     };
     let Some(provider) = owner else {
         return Ok(Json(json!({ "id": id, "provider": null, "stopped": false })).into_response());
     };
     let (stopping, ids) = (provider.clone(), vec![id.clone()]);
-    to_the_end(&detached, async move { broker.stop_instances(&stopping, &ids).await }).await?;
+    to_the_end(&detached, async move { broker.stop_instances(&stopping, &ids).await })
+        .await
+        .map_err(|e| e.about_instance(&id))?;
     Ok(Json(json!({ "id": id, "provider": provider, "stopped": true })).into_response())
 }
 
@@ -577,8 +621,9 @@ async fn maintain_instance(
     Path(id): Path<String>,
     Query(filter): Query<ProviderFilter>,
 ) -> ApiResult<Response> {
-    let provider = owner(&broker, &id, filter)?;
-    broker.maintain_instance(&provider, &id).await?;
+    let about = |e: BrokerServiceError| ApiError::from(e).about_instance(&id);
+    let provider = owner(&broker, &id, filter).map_err(about)?;
+    broker.maintain_instance(&provider, &id).await.map_err(about)?;
     Ok(Json(json!({ "maintained": id, "provider": provider })).into_response())
 }
 
@@ -776,8 +821,17 @@ mod route_list {
             super::routes().iter().map(|r| (r.method.to_owned(), r.path.to_owned())).collect();
         documented.sort();
         routed.sort();
-        assert_eq!(routed.len(), 23);
+        assert_eq!(routed.len(), 24);
         assert_eq!(documented, routed);
+    }
+
+    /// Every error kind the host reports is documented, and no other.
+    #[test]
+    fn the_openapi_document_lists_every_error_kind() {
+        let document: serde_json::Value = serde_json::from_str(super::OPENAPI).unwrap();
+        let documented = &document["components"]["schemas"]["ErrorReport"]["properties"]["kind"]["enum"];
+        let kinds: Vec<&str> = broker_core::error_report::ErrorKind::ALL.iter().map(|kind| kind.name()).collect();
+        assert_eq!(documented, &serde_json::json!(kinds));
     }
 }
 
@@ -789,7 +843,7 @@ mod fuzz {
     use tower::ServiceExt;
 
     /// Fuzzed (bolero): any body, to any route that takes one, any query,
-    /// is answered 2xx or 4xx with `{"error": …}` JSON: never a 5xx, never a
+    /// is answered 2xx or 4xx with `{"error": {"kind", "message"}}` JSON: never a 5xx, never a
     /// panic. (A broker with no providers: every start or add fails early,
     /// which is the code under attack here.)
     #[test]
@@ -831,7 +885,8 @@ mod fuzz {
                 if status.is_client_error() {
                     let bytes = runtime.block_on(axum::body::to_bytes(response.into_body(), 1 << 20)).unwrap();
                     let answer: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
-                    assert!(answer["error"].is_string(), "{method} {uri}: {answer}");
+                    let error = &answer["error"];
+                    assert!(error["kind"].is_string() && error["message"].is_string(), "{method} {uri}: {answer}");
                 }
             },
         );

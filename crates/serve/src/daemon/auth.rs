@@ -5,7 +5,7 @@
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -77,8 +77,9 @@ pub(crate) async fn require_bearer(State(token): State<BearerToken>, request: Re
             let reason =
                 if presented.is_some() { "wrong bearer token" } else { "missing Authorization: Bearer <token>" };
             tracing::warn!(path = request.uri().path(), reason, "API request refused");
-            let body = axum::Json(serde_json::json!({ "error": reason }));
-            (StatusCode::UNAUTHORIZED, [(header::WWW_AUTHENTICATE, "Bearer")], body).into_response()
+            let mut answer = crate::listen::error(StatusCode::UNAUTHORIZED, reason.to_owned());
+            answer.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            answer
         }
     }
 }

@@ -118,12 +118,21 @@ fn exit_codes_separate_usage_errors_from_failures() {
     assert_eq!(twice.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&twice.stderr).contains("\"mem\" constraint: already set"));
 
+    // Each kind of error exits with its own code, and with --json is an object on stdout.
     let no_provider = broker(data, &["instance", "start", "--provider", "nope"]);
-    assert_eq!(no_provider.status.code(), Some(1));
+    assert_eq!(no_provider.status.code(), Some(4));
     assert!(String::from_utf8_lossy(&no_provider.stderr).contains("unknown provider \"nope\""));
-    let bad_zone = broker(data, &["instance", "start", "--provider", "fake", "--placement", "zone=mars"]);
-    assert_eq!(bad_zone.status.code(), Some(1));
+    assert!(no_provider.stdout.is_empty(), "no JSON unless asked");
+    let bad_zone = broker(data, &["instance", "start", "--provider", "fake", "--placement", "zone=mars", "--json"]);
+    assert_eq!(bad_zone.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&bad_zone.stderr).contains("invalid params"));
+    let error: Value = serde_json::from_slice(&bad_zone.stdout).expect("the error as JSON on stdout");
+    let error = &error["error"];
+    assert_eq!(
+        (&error["kind"], &error["provider"], &error["method"]),
+        (&"invalid-params".into(), &"fake".into(), &"start-instance".into())
+    );
+    assert!(error["message"].as_str().unwrap().contains("zone"), "{error}");
     // Stopping is idempotent (Juju's StopInstances): an unknown id is reported, not a failure.
     let unknown_instance = broker(data, &["instance", "stop", "fake-99"]);
     assert_eq!(unknown_instance.status.code(), Some(0));
@@ -137,10 +146,10 @@ fn refuses_a_provider_with_instances_and_a_missing_manifest() {
     ok(data, &["provider", "add", &fake_manifest()]);
     ok(data, &["instance", "start", "--provider", "fake"]);
     let remove = broker(data, &["provider", "remove", "fake"]);
-    assert_eq!(remove.status.code(), Some(1));
+    assert_eq!(remove.status.code(), Some(5), "a conflict");
     assert!(String::from_utf8_lossy(&remove.stderr).contains("still has 1 recorded instance"));
     let missing = broker(data, &["provider", "add", "/nonexistent/provider.toml"]);
-    assert_eq!(missing.status.code(), Some(1));
+    assert_eq!(missing.status.code(), Some(3), "an invalid provider");
     ok(data, &["instance", "stop", "fake-0"]);
     ok(data, &["provider", "remove", "fake"]);
     assert_eq!(json(data, &["provider", "list", "--json"]), serde_json::json!([]));
@@ -258,7 +267,7 @@ fn provider_swap_replaces_the_component_and_the_event_log_says_so() {
     let garbage = data.join("garbage.wasm");
     std::fs::write(&garbage, b"not wasm").unwrap();
     let refused = broker(data, &["provider", "swap", "fake", garbage.to_str().unwrap()]);
-    assert_eq!(refused.status.code(), Some(1));
+    assert_eq!(refused.status.code(), Some(5), "a conflict: the version serving stays");
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(stderr.contains("refused; version 0.2.0 keeps serving"), "{stderr}");
 
@@ -312,7 +321,7 @@ fn what_a_provider_chose_is_printed_escaped() {
         store.kv().set("hostile", "start-id", b"\x1b[2J\nhostile-2").unwrap();
     }
     let refused = broker(&data, &["instance", "start", "--provider", "hostile"]);
-    assert_eq!(refused.status.code(), Some(1));
+    assert_eq!(refused.status.code(), Some(7), "a bad answer from the provider");
     let stderr = String::from_utf8(refused.stderr).unwrap();
     assert!(!terminal_bytes(&stderr) && stderr.contains(r#""\x1b[2J\nhostile-2""#), "{stderr:?}");
 }
@@ -353,7 +362,7 @@ fn a_damaged_state_file_is_refused_checked_and_recovered() {
     let state = data.join("state.redb");
     std::fs::write(&state, b"").unwrap();
     let empty = broker(data, &["provider", "list"]);
-    assert_eq!(empty.status.code(), Some(1));
+    assert_eq!(empty.status.code(), Some(9), "the host's storage");
     assert!(String::from_utf8_lossy(&empty.stderr).contains("is empty (0 bytes)"), "{empty:?}");
     assert_eq!(std::fs::metadata(&state).unwrap().len(), 0);
     std::fs::remove_file(&state).unwrap();
@@ -367,7 +376,7 @@ fn a_damaged_state_file_is_refused_checked_and_recovered() {
     std::fs::write(&state, &bytes).unwrap();
     let refused = broker(data, &["instance", "list"]);
     let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert_eq!(refused.status.code(), Some(9), "{stderr}");
     assert!(stderr.contains("is damaged") && stderr.contains("broker store recover"), "{stderr}");
     assert!(!stderr.contains("panicked at"), "{stderr}");
     let checked = broker(data, &["store", "check"]);

@@ -126,15 +126,27 @@ fn every_command_prints_the_same_through_a_daemon_as_without_one() {
     let swapped = same(&["provider", "swap", "fake", &next]);
     assert!(swapped.1.starts_with("swapped provider fake: 0.1.0 ("), "{swapped:?}");
 
-    // Failures: the same message, exit 1; a usage error is caught before any call, exit 2.
+    // Failures: the same message and the same exit code, its kind's; a usage
+    // error is caught before any call, exit 2.
     let (code, _, error) = same(&["instance", "maintain", "never-started"]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 4, "{error}");
     assert!(error.contains("never-started"), "{error}");
-    assert_eq!(same(&["provider", "show", "nonesuch"]).0, 1);
-    assert_eq!(same(&["instance", "start", "--provider", "nonesuch"]).0, 1);
+    assert_eq!(same(&["provider", "show", "nonesuch"]).0, 4);
+    let (code, json, _) = same(&["instance", "start", "--provider", "nonesuch", "--json"]);
+    assert_eq!(code, 4);
+    let json: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!((&json["error"]["kind"], &json["error"]["provider"]), (&"unknown-provider".into(), &"nonesuch".into()));
+    // A start the provider refuses: its kind, provider and method, both ways.
+    let (code, json, _) = same(&["instance", "start", "--provider", "fake", "--placement", "zone=mars", "--json"]);
+    assert_eq!(code, 3, "{json}");
+    let error = serde_json::from_str::<Value>(&json).unwrap()["error"].clone();
+    assert_eq!(
+        (&error["kind"], &error["provider"], &error["method"]),
+        (&"invalid-params".into(), &"fake".into(), &"start-instance".into())
+    );
     assert_eq!(same(&["instance", "start", "--provider", "fake", "--constraints", "mem=lots"]).0, 2);
     let (code, _, error) = same(&["provider", "swap", "fake", "/nonexistent/x.wasm"]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 3, "{error}");
     assert!(error.contains("/nonexistent/x.wasm"), "{error}");
 
     // `show` is the same but for the crash policy's state, which only a daemon has.

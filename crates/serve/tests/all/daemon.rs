@@ -54,7 +54,11 @@ fn the_api_serves_providers_instances_swaps_events_and_metrics() {
             let body = format!("{{\"component\":\"{candidate}\"}}");
             let (status, refused) = daemon.json("POST", "/v1/providers/fake/swap", Some(&body));
             assert_eq!(status, 422, "{refused}");
-            assert!(refused["error"].as_str().unwrap().contains(&format!("not a regular file ({what})")), "{refused}");
+            assert!(
+                refused["error"]["message"].as_str().unwrap().contains(&format!("not a regular file ({what})")),
+                "{refused}"
+            );
+            assert_eq!(refused["error"]["kind"], "invalid-provider", "{refused}");
         }
     }
     assert_eq!(daemon.request("GET", "/healthz", None).0, 200);
@@ -63,7 +67,8 @@ fn the_api_serves_providers_instances_swaps_events_and_metrics() {
     let body = format!("{{\"component\":\"{}\"}}", garbage.display());
     let (status, refused) = daemon.json("POST", "/v1/providers/fake/swap", Some(&body));
     assert_eq!(status, 409, "a refused candidate: {refused}");
-    assert!(refused["error"].as_str().unwrap().contains("0.2.0 keeps serving"), "{refused}");
+    assert!(refused["error"]["message"].as_str().unwrap().contains("0.2.0 keeps serving"), "{refused}");
+    assert_eq!((&refused["error"]["kind"], &refused["error"]["provider"]), (&"conflict".into(), &"fake".into()));
 
     let (status, stopped) = daemon.json("DELETE", &format!("/v1/instances/{id}"), None);
     assert_eq!((status, &stopped), (200, &serde_json::json!({"id": id, "provider": "fake", "stopped": true})));
@@ -117,21 +122,25 @@ fn garbage_gets_a_4xx_with_a_message_and_the_daemon_keeps_serving() {
     let manifest = fake_manifest(dir.path(), "");
     daemon.json("POST", "/v1/providers", Some(&format!("{{\"manifest\":\"{manifest}\"}}")));
     let huge = vec![b'x'; 200 * 1024];
-    for (method, path, body, expected) in [
-        ("POST", "/v1/instances", &b"{not json"[..], 400),
-        ("POST", "/v1/instances", &br#"{"provider":"fake","surprise":1}"#[..], 400),
-        ("POST", "/v1/instances", &br#"{"provider":"fake","constraints":"mem=lots"}"#[..], 400),
-        ("POST", "/v1/instances", &br#"{"provider":"nonesuch"}"#[..], 404),
-        ("POST", "/v1/instances", &huge[..], 413),
-        ("POST", "/v1/instances/never-started/maintain", &b""[..], 404),
-        ("POST", "/v1/providers", &br#"{"manifest":"/nonexistent/provider.toml"}"#[..], 422),
-        ("GET", "/v1/providers/nonesuch", &b""[..], 404),
+    for (method, path, body, expected, kind) in [
+        ("POST", "/v1/instances", &b"{not json"[..], 400, "bad-request"),
+        ("POST", "/v1/instances", &br#"{"provider":"fake","surprise":1}"#[..], 400, "bad-request"),
+        ("POST", "/v1/instances", &br#"{"provider":"fake","constraints":"mem=lots"}"#[..], 400, "bad-request"),
+        ("POST", "/v1/instances", &br#"{"provider":"nonesuch"}"#[..], 404, "unknown-provider"),
+        ("POST", "/v1/instances", &huge[..], 413, "bad-request"),
+        ("POST", "/v1/instances/never-started/maintain", &b""[..], 404, "unknown-instance"),
+        ("POST", "/v1/providers", &br#"{"manifest":"/nonexistent/provider.toml"}"#[..], 422, "invalid-provider"),
+        ("GET", "/v1/providers/nonesuch", &b""[..], 404, "unknown-provider"),
     ] {
         let (status, text) = daemon.request(method, path, Some(body));
         assert_eq!(status, expected, "{method} {path}: {text}");
         let error: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{path}: {text}"));
-        assert!(!error["error"].as_str().unwrap().is_empty());
+        assert!(!error["error"]["message"].as_str().unwrap().is_empty(), "{text}");
+        assert_eq!(error["error"]["kind"], kind, "{method} {path}: {text}");
     }
+    // What the error is about: the instance named in the path.
+    let (_, text) = daemon.request("POST", "/v1/instances/never-started/maintain", Some(b""));
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["instance"], "never-started", "{text}");
     assert_eq!(daemon.request("GET", "/healthz", None).0, 200);
     assert_eq!(daemon.json("GET", "/v1/providers", None).1[0]["name"], "fake");
 }
@@ -149,7 +158,7 @@ fn a_file_named_as_a_manifest_is_never_quoted_back_to_the_caller() {
     let (status, text) = daemon.request("POST", "/v1/providers", Some(body.as_bytes()));
     assert_eq!(status, 422, "{text}");
     let error: Value = serde_json::from_str(&text).unwrap();
-    let error = error["error"].as_str().unwrap();
+    let error = error["error"]["message"].as_str().unwrap();
     assert!(error.contains(&secret.display().to_string()), "the file is named: {error}");
     for piece in ["root:", "$6$", "secret-hash-line", "second-secret-line", "19000"] {
         assert!(!text.contains(piece), "{piece} quoted in {text}");
@@ -303,7 +312,7 @@ fn openapi_names_every_route_the_daemon_serves() {
             seen += 1;
         }
     }
-    assert_eq!(seen, 23, "the spec names every route: {:?}", paths.keys().collect::<Vec<_>>());
+    assert_eq!(seen, 24, "the spec names every route: {:?}", paths.keys().collect::<Vec<_>>());
     // And the daemon serves nothing the spec does not name.
     assert_eq!(daemon.request("GET", "/v1/nonesuch", None).0, 404);
 }

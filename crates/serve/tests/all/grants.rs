@@ -71,7 +71,7 @@ fn a_grant_another_provider_could_replace_is_refused_and_a_removed_ones_acls_go(
     let b =
         hostile(dir.path(), "b", &format!("process = [\"sh\"]\npaths = [\"{}\"]", srv.join("shared/images").display()));
     let out = add(&data, &b);
-    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
     assert!(stderr(&out).contains("provider \"a\" may write"), "{}", stderr(&out));
     assert!(acl_users(&srv.join("shared/images")).len() == 1, "only a's entry: b was given nothing");
 
@@ -81,14 +81,14 @@ fn a_grant_another_provider_could_replace_is_refused_and_a_removed_ones_acls_go(
         &format!("process = [\"sh\"]\npaths = [\"{}\"]", dir.path().join("link/ro").display()),
     );
     let out = add(&data, &linked);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(3));
     assert!(stderr(&out).contains("symbolic link"), "{}", stderr(&out));
     assert!(acl_users(&srv.join("ro")).is_empty(), "nothing shared through the link");
 
     for (name, path) in [("in-state", data.join("data")), ("above-state", dir.path().to_owned())] {
         let manifest = hostile(dir.path(), name, &format!("process = [\"sh\"]\npaths = [\"{}\"]", path.display()));
         let out = add(&data, &manifest);
-        assert_eq!(out.status.code(), Some(1), "{name}");
+        assert_eq!(out.status.code(), Some(3), "{name}");
         assert!(stderr(&out).contains("the host's data dir"), "{name}: {}", stderr(&out));
     }
     assert!(acl_users(&data.join("state.redb")).is_empty(), "the state was shared with no one");
@@ -144,7 +144,7 @@ fn data_dirs_are_private_and_a_writable_data_dir_is_refused() {
     std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o777)).unwrap();
     let manifest = hostile(dir.path(), "p", "");
     let out = add(&data, &manifest);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(9), "the host's storage is unsafe");
     assert!(stderr(&out).contains("writable by its group or by every user"), "{}", stderr(&out));
     assert!(!data.join("state.redb").exists());
 

@@ -72,7 +72,7 @@ fn a_group_converges_rolls_and_survives_a_restart_through_the_daemon() {
     assert!(rolled["instances"].as_array().unwrap().iter().all(|m| !first_ids.contains(&&m["id"])), "{rolled}");
 
     let (code, _, err) = run(data, &["group", "destroy-instances", "workers", "nosuch"]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 5, "a conflict");
     assert!(err.contains(r#"instance "nosuch" is not a member of group "workers": nothing was destroyed"#), "{err}");
 
     // Bad input: clear errors naming the field or file, exit 2 for a bad spec.
@@ -85,7 +85,7 @@ fn a_group_converges_rolls_and_survives_a_restart_through_the_daemon() {
     assert_eq!(code, 1);
     assert!(err.contains("/dev/zero"), "{err}");
     let (code, _, err) = run(data, &["group", "describe", "nosuch"]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 4, "an unknown group");
     assert!(err.contains(r#"no group "nosuch" is committed"#), "{err}");
 
     assert_eq!(run(data, &["group", "destroy", "workers"]).0, 0);

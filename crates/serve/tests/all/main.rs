@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
+mod authors;
 mod cli;
 mod cli_daemon;
 mod common;

@@ -121,7 +121,12 @@ fn hostile_providers_cannot_grow_the_daemon_and_a_bystander_keeps_answering() {
     assert_eq!(status, 200);
     let last: Value = serde_json::from_str(stream.lines().last().unwrap()).unwrap();
     assert_eq!(last["event"], "failed", "{stream}");
-    assert!(last["error"].as_str().unwrap().contains("call-data-mib limit of 16 MiB"), "{last}");
+    assert!(last["error"]["message"].as_str().unwrap().contains("call-data-mib limit of 16 MiB"), "{last}");
+    let error = &last["error"];
+    assert_eq!(
+        (&error["kind"], &error["provider"], &error["method"]),
+        (&"limit".into(), &"big".into(), &"start-instance".into())
+    );
     assert_eq!(quota_refusals(&daemon, "big", "call-data-mib"), 1);
 
     let (status, _) = daemon.request("GET", "/v1/instances?provider=chatty", None);
@@ -196,7 +201,7 @@ fn a_busy_provider_answers_503_with_retry_after() {
     let answered = refused.first().expect("a call past max-concurrent-calls = 1 was refused");
     assert!(answered.to_ascii_lowercase().contains("retry-after: 1\r\n"), "{answered}");
     let body = answered.split_once("\r\n\r\n").unwrap().1;
-    assert!(serde_json::from_str::<serde_json::Value>(body).unwrap()["error"].is_string(), "{body}");
+    assert_eq!(serde_json::from_str::<serde_json::Value>(body).unwrap()["error"]["kind"], "busy", "{body}");
 }
 
 /// `instance list --provider NAME` of a provider that cannot answer (here:

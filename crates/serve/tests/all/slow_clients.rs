@@ -1,7 +1,7 @@
 //! Issue 17's F3/F4/F13 through the real daemon: a client that never finishes
 //! its request is cut off (and cannot hold up a SIGTERM), connections are
 //! bounded, and every error the API gives, the HTTP layer's own included, is
-//! `{"error": "..."}` JSON.
+//! `{"error": {"kind", "message"}}` JSON.
 
 use crate::common::{Daemon, exchange};
 use serde_json::Value;
@@ -33,7 +33,8 @@ fn a_half_sent_request_is_cut_off_and_cannot_hold_up_a_sigterm() {
     body.write_all(b"POST /v1/providers HTTP/1.1\r\nHost: broker\r\nContent-Length: 100\r\n\r\n{\"manif").unwrap();
     let answered = read_until_closed(&mut body);
     assert!(answered.starts_with("HTTP/1.1 408 "), "{answered}");
-    assert!(answered.contains("{\"error\":\"the request body did not arrive within 1 s\"}"), "{answered}");
+    let body = r#"{"error":{"kind":"bad-request","message":"the request body did not arrive within 1 s"}}"#;
+    assert!(answered.contains(body), "{answered}");
 
     // Both again, held open across a SIGTERM: the daemon still exits.
     let mut held = UnixStream::connect(&daemon.socket).unwrap();
@@ -83,7 +84,8 @@ fn every_error_is_json_the_http_layers_own_too() {
         let (status, text) = exchange(stream, method, path, None, headers);
         assert_eq!(status, expected, "{method} {}: {text}", &path[..path.len().min(40)]);
         let error: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{status}: not JSON: {text:?}"));
-        assert!(!error["error"].as_str().unwrap().is_empty(), "{error}");
+        assert!(!error["error"]["message"].as_str().unwrap().is_empty(), "{error}");
+        assert_eq!(error["error"]["kind"], "bad-request", "{error}");
     }
     // 413 was JSON in the 4xx table of `daemon.rs`; a body past the limit whose
     // length is not announced (chunked) is cut off the same way.
@@ -104,7 +106,7 @@ fn every_error_is_json_the_http_layers_own_too() {
     let answered = read_until_closed(&mut stream);
     assert!(
         answered.starts_with("HTTP/1.1 413 ")
-            && answered.contains("\"error\":\"the request body is larger than 65536 bytes\""),
+            && answered.contains(r#""message":"the request body is larger than 65536 bytes""#),
         "{answered}"
     );
     assert_eq!(daemon.request("GET", "/healthz", None).0, 200);

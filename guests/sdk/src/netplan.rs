@@ -2,6 +2,7 @@
 //! interfaces: what a KVM seed ISO carries and what LXD takes as
 //! `user.network-config`. JSON is YAML, so the JSON form serves both.
 
+use crate::types::{AddressConfigType, InterfaceInfo};
 use serde_json::{Map, Value, json};
 
 /// One interface of the network info, as network-config needs it.
@@ -43,6 +44,31 @@ pub fn network_config(interfaces: &[Interface]) -> Value {
         ethernets.insert(id, entry);
     }
     json!({ "version": 2, "ethernets": ethernets })
+}
+
+/// The network info as cloud-init's network-config needs it, with the MAC
+/// each interface actually gets (`macs[i]`, or its own when `macs` is short).
+pub fn interfaces(network: &[InterfaceInfo], macs: &[String]) -> Vec<Interface> {
+    network
+        .iter()
+        .enumerate()
+        .map(|(i, info)| Interface {
+            name: info.interface_name.clone(),
+            mac: macs.get(i).cloned().unwrap_or_else(|| info.mac_address.clone()),
+            dhcp: info.config_type == AddressConfigType::Dhcp,
+            addresses: info
+                .addresses
+                .iter()
+                .map(|a| match a.cidr.as_deref().and_then(|c| c.split_once('/')) {
+                    Some((_, prefix)) => format!("{}/{prefix}", a.value),
+                    None => a.value.clone(),
+                })
+                .collect(),
+            gateway: info.gateway_address.clone(),
+            dns: info.dns_servers.clone(),
+            mtu: info.mtu,
+        })
+        .collect()
 }
 
 #[cfg(test)]
