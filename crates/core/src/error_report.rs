@@ -228,9 +228,30 @@ fn known_report(error: &(dyn std::error::Error + 'static)) -> Option<ErrorReport
         return Some(ErrorReport::new(ErrorKind::InvalidProvider, error_text(e)));
     }
     if let Some(e) = error.downcast_ref::<StoreError>() {
-        return Some(ErrorReport::new(ErrorKind::Storage, error_text(e)));
+        return Some(store_report(e));
+    }
+    if let Some(e) = error.downcast_ref::<crate::conformance::ConformanceError>() {
+        let kind = match e {
+            crate::conformance::ConformanceError::Load(_) => ErrorKind::InvalidProvider,
+            crate::conformance::ConformanceError::Script { .. }
+            | crate::conformance::ConformanceError::Scenarios { .. } => ErrorKind::BadRequest,
+            _ => ErrorKind::Other,
+        };
+        return Some(ErrorReport::new(kind, error_text(e)));
+    }
+    if let Some(e) = error.downcast_ref::<crate::manifest::ManifestError>() {
+        return Some(ErrorReport::new(ErrorKind::InvalidProvider, error_text(e)));
     }
     None
+}
+
+/// The state file held by another process is a wait, not a failure of storage.
+fn store_report(error: &StoreError) -> ErrorReport {
+    let kind = match error {
+        StoreError::Busy { .. } => ErrorKind::Unavailable,
+        _ => ErrorKind::Storage,
+    };
+    ErrorReport::new(kind, error_text(error))
 }
 
 /// The kind of a provider's typed error.
@@ -303,7 +324,7 @@ impl BrokerServiceError {
         let (kind, provider, instance) = match self {
             BrokerServiceError::Registry(inner) => return ErrorReport { message, ..inner.report() },
             BrokerServiceError::Call(inner) => return ErrorReport { message, ..inner.report() },
-            BrokerServiceError::Store(_) => (ErrorKind::Storage, None, None),
+            BrokerServiceError::Store(inner) => return ErrorReport { message, ..store_report(inner) },
             BrokerServiceError::UnknownInstance(id) => (ErrorKind::UnknownInstance, None, Some(id)),
             BrokerServiceError::AmbiguousInstance { id, .. } => (ErrorKind::Conflict, None, Some(id)),
             BrokerServiceError::RecordFailed { provider, id, .. } => (ErrorKind::Storage, Some(provider), Some(id)),

@@ -291,7 +291,7 @@ fn the_conformance_kit_records_a_real_run_and_replays_it_without_the_daemon() {
         secrets: None,
     };
     let replayed = runtime.block_on(conformance::run_with(&manifest, options)).unwrap();
-    let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
+    let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name.to_string(), c.passed)).collect::<Vec<_>>();
     assert_eq!(outcome(&replayed), outcome(&recorded), "{}", replayed.text());
     assert_eq!(replay.remaining(), 0, "every scripted answer was asked for");
 

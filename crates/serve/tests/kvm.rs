@@ -441,7 +441,8 @@ fn the_conformance_kit_records_a_real_vm_run_and_replays_it_without_qemu() {
             secrets: None,
         };
         let replayed = conformance::run_with(&manifest, options).await.unwrap();
-        let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
+        let outcome =
+            |r: &conformance::Report| r.cases.iter().map(|c| (c.name.to_string(), c.passed)).collect::<Vec<_>>();
         assert_eq!(outcome(&replayed), outcome(&recorded), "{}", replayed.text());
         assert_eq!(replay.remaining(), 0, "every run and the child were asked for");
     });

@@ -16,45 +16,64 @@ use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder};
 /// Longest line kept from guest output; longer lines are split.
 const MAX_LINE_BYTES: usize = 4096;
 
-/// Most stderr lines a [`StderrTail`] keeps, and the most bytes of each.
+/// Most stderr lines a [`StderrTail`] keeps, and the most bytes of each it quotes.
 const TAIL_LINES: usize = 8;
 const TAIL_LINE_BYTES: usize = 512;
 
-/// The last lines a guest wrote to stderr in its current call (redacted, a
-/// few KiB at most): what its error quotes when it traps, as a Rust panic
-/// writes its message, file and line there just before it aborts.
-#[derive(Clone, Default)]
-pub struct StderrTail(Arc<Mutex<VecDeque<String>>>);
+/// The last lines a guest wrote to stderr in its current call: what its
+/// error quotes when it traps, as a Rust panic writes its message, file and
+/// line there just before it aborts. Kept as written (at most 8 lines of
+/// 4 KiB), whatever the log rate; redacted and cut only when quoted, so a
+/// flood costs the host no more than its log lines do.
+#[derive(Clone)]
+pub struct StderrTail {
+    lines: Arc<Mutex<VecDeque<Vec<u8>>>>,
+    redactor: Arc<Redactor>,
+}
 
 impl StderrTail {
+    /// An empty tail whose lines are quoted with `redactor`'s secrets hidden.
+    pub fn new(redactor: Arc<Redactor>) -> Self {
+        StderrTail { lines: Arc::default(), redactor }
+    }
+
     /// Forget what earlier calls wrote (a pooled instance serves many calls).
     pub fn clear(&self) {
         self.lock().clear();
     }
 
-    /// The lines kept, oldest first.
+    /// The lines kept, oldest first: redacted (whole lines, before any cut), then cut.
     pub fn lines(&self) -> Vec<String> {
-        self.lock().iter().cloned().collect()
+        let raw: Vec<Vec<u8>> = self.lock().iter().cloned().collect();
+        raw.iter()
+            .map(|line| {
+                let text = String::from_utf8_lossy(line);
+                let text = self.redactor.redact(&text);
+                let text = text.trim_end();
+                let mut cut = text.len().min(TAIL_LINE_BYTES);
+                while !text.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                text[..cut].to_owned()
+            })
+            .collect()
     }
 
-    fn push(&self, line: &str) {
+    fn push(&self, line: &[u8]) {
+        let trimmed = line.trim_ascii();
         // Rust's hint about backtraces says nothing of the failure.
-        if line.is_empty() || line.starts_with("note: run with `RUST_BACKTRACE=1`") {
+        if trimmed.is_empty() || trimmed.starts_with(b"note: run with `RUST_BACKTRACE=1`") {
             return;
-        }
-        let mut cut = line.len().min(TAIL_LINE_BYTES);
-        while !line.is_char_boundary(cut) {
-            cut -= 1;
         }
         let mut lines = self.lock();
         if lines.len() == TAIL_LINES {
             lines.pop_front();
         }
-        lines.push_back(line[..cut].to_owned());
+        lines.push_back(line.to_vec());
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<String>> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Vec<u8>>> {
+        self.lines.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -119,19 +138,15 @@ struct LineWriter {
 
 impl LineWriter {
     fn emit(&self, line: &[u8]) {
-        let allowed = self.out.quotas.log_line_allowed(&self.out.provider);
-        if !allowed && self.out.tail.is_none() {
+        if let Some(tail) = &self.out.tail {
+            tail.push(line);
+        }
+        if !self.out.quotas.log_line_allowed(&self.out.provider) {
             return;
         }
         let line = String::from_utf8_lossy(line);
         let line = self.out.redactor.redact(&line);
-        let line = line.trim_end();
-        if let Some(tail) = &self.out.tail {
-            tail.push(line);
-        }
-        if allowed {
-            tracing::info!(provider = &*self.out.provider, stream = self.out.stream, line = %line, "guest output");
-        }
+        tracing::info!(provider = &*self.out.provider, stream = self.out.stream, line = %line.trim_end(), "guest output");
     }
 
     fn absorb(&mut self, buf: &[u8]) {
@@ -197,4 +212,31 @@ pub fn refuse_symlinks<T: Send + 'static>(
     )?;
     linker.allow_shadowing(false);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stderr_tail_keeps_the_last_lines_and_quotes_them_redacted_whole_then_cut() {
+        let redactor = Arc::new(Redactor::default());
+        redactor.set(vec![("hunter2-secret".into(), "<token>".into())]);
+        let tail = StderrTail::new(redactor);
+        for i in 0..20 {
+            tail.push(format!("line {i}\n").as_bytes());
+        }
+        tail.push(b"note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n");
+        tail.push(b"   \n");
+        let lines = tail.lines();
+        assert_eq!(lines.len(), TAIL_LINES);
+        assert_eq!((lines[0].as_str(), lines[7].as_str()), ("line 12", "line 19"));
+        // A secret past the quoted length is hidden before the line is cut.
+        let long = format!("{}hunter2-secret", "x".repeat(TAIL_LINE_BYTES - 4));
+        tail.push(long.as_bytes());
+        let quoted = tail.lines().pop().unwrap();
+        assert!(!quoted.contains("hunt") && quoted.len() == TAIL_LINE_BYTES, "{quoted}");
+        tail.clear();
+        assert!(tail.lines().is_empty());
+    }
 }

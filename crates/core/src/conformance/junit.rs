@@ -36,10 +36,10 @@ impl Report {
         // one ever repeat, its later runs are numbered rather than merged.
         let mut seen = std::collections::BTreeMap::<&str, usize>::new();
         for case in &self.cases {
-            let times = seen.entry(case.name).or_default();
+            let times = seen.entry(case.name.as_ref()).or_default();
             *times += 1;
             let name = match *times {
-                1 => escape(case.name),
+                1 => escape(&case.name),
                 n => escape(&format!("{} ({n})", case.name)),
             };
             let detail = escape(&case.detail);
@@ -78,21 +78,21 @@ mod tests {
             version: "0.1".into(),
             cases: vec![
                 Case {
-                    name: "describe",
+                    name: "describe".into(),
                     passed: true,
                     detail: "name and version set".into(),
                     trace: Vec::new(),
                     skipped: false,
                 },
                 Case {
-                    name: "double stop is ok",
+                    name: "double stop is ok".into(),
                     passed: false,
                     detail: "not run: start-instance failed".into(),
                     trace: Vec::new(),
                     skipped: true,
                 },
                 Case {
-                    name: "stop-unknown",
+                    name: "stop-unknown".into(),
                     passed: false,
                     detail: "returned \"not-found\" & <more>\u{1}".into(),
                     trace: vec!["kv.get(key=\"a\") -> Ok(None)".into()],

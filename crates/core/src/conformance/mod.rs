@@ -22,6 +22,7 @@
 //! shown under a failure.
 
 mod junit;
+pub mod scenarios;
 pub mod script;
 mod trace;
 
@@ -49,8 +50,9 @@ pub(crate) use trace::HostCallLog;
 /// One scenario's outcome.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Case {
-    /// What the scenario checks, as a sentence (`double stop is ok`).
-    pub name: &'static str,
+    /// What the scenario checks, as a sentence (`double stop is ok`); a
+    /// provider's own are `scenario: NAME`.
+    pub name: std::borrow::Cow<'static, str>,
     /// Whether the provider did what the contract asks.
     pub passed: bool,
     /// Why it failed, or what was checked.
@@ -173,6 +175,14 @@ pub enum ConformanceError {
     /// The throwaway host the scenarios run in could not be set up.
     #[error("cannot set up the sandbox: {0}")]
     Sandbox(String),
+    /// The provider's own scenarios could not be read or parsed.
+    #[error("scenarios {path}: {reason}")]
+    Scenarios {
+        /// The scenarios file.
+        path: String,
+        /// Why it was refused.
+        reason: String,
+    },
     /// The script could not be read or parsed.
     #[error("script {path}: {reason}")]
     Script {
@@ -219,6 +229,24 @@ impl KitOptions {
             secrets: None,
         })
     }
+}
+
+/// Where a manifest's own scenarios live: beside it, `<stem>.scenarios.json`.
+pub fn scenarios_path(manifest: &std::path::Path) -> std::path::PathBuf {
+    manifest.with_extension("scenarios.json")
+}
+
+/// The scenarios beside the manifest, read and checked (none if there is no such file).
+pub fn scenarios_beside(manifest: &Manifest) -> Result<scenarios::Scenarios, ConformanceError> {
+    let path = scenarios_path(&manifest.path);
+    if !path.exists() {
+        return Ok(scenarios::Scenarios::none());
+    }
+    let error = |reason: String| ConformanceError::Scenarios { path: path.display().to_string(), reason };
+    let bytes =
+        crate::manifest::read_regular_file(&path, scenarios::MAX_SCENARIOS_BYTES).map_err(|e| error(e.to_string()))?;
+    let text = String::from_utf8(bytes).map_err(|_| error("not UTF-8 text".into()))?;
+    scenarios::Scenarios::parse(&text).map_err(error)
 }
 
 /// Where a manifest's script lives: beside it, `<stem>.script.json`.
@@ -354,8 +382,9 @@ pub async fn call_in_sandbox(
 ) -> Result<SandboxAnswer, ConformanceError> {
     let sandboxed = match load_sandboxed(manifest, &options).await? {
         Loading::Loaded(sandboxed) => sandboxed,
-        Loading::Ungranted(source) => {
-            return Err(ConformanceError::Sandbox(format!("the component goes beyond its grants: {source}")));
+        Loading::Ungranted(cause) => {
+            let provider = manifest.name.clone();
+            return Err(crate::version::LoadError::Contract { provider, cause }.into());
         }
     };
     let answer = crate::version::by_name::call_by_name(&sandboxed.provider, method, params, hooks).await;
@@ -371,8 +400,8 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
     let sandboxed = match load_sandboxed(manifest, &options).await? {
         Loading::Loaded(sandboxed) => sandboxed,
         Loading::Ungranted(source) => {
-            let case =
-                Case { name: UNGRANTED, passed: false, detail: source.to_string(), trace: Vec::new(), skipped: false };
+            let detail = source.to_string();
+            let case = Case { name: UNGRANTED.into(), passed: false, detail, trace: Vec::new(), skipped: false };
             return Ok(Report {
                 provider: manifest.name.clone(),
                 version: String::new(),
@@ -382,6 +411,7 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
             });
         }
     };
+    let provided = scenarios_beside(manifest)?;
     let Sandboxed { provider, scripted, recording, denied, live_children, _scratch } = *sandboxed;
     let config = provider.guest_config();
     let redactor = provider.redactor().clone();
@@ -407,6 +437,7 @@ pub async fn run_with(manifest: &Manifest, options: KitOptions) -> Result<Report
             kit.placement(zones).await;
             kit.unknown_zone().await;
         }
+        kit.provided(&provided).await;
         kit.deadlines();
         kit.grants();
         (name, version)
@@ -487,7 +518,7 @@ fn ids(instances: &[Instance]) -> Vec<String> {
 }
 
 impl Kit {
-    fn record(&mut self, name: &'static str, result: Result<String, String>) {
+    fn record(&mut self, name: impl Into<std::borrow::Cow<'static, str>>, result: Result<String, String>) {
         let (mut passed, mut detail) = match result {
             Ok(detail) => (true, detail),
             Err(detail) => (false, detail),
@@ -503,12 +534,13 @@ impl Kit {
             }
         }
         let trace = self.calls.take();
-        self.cases.push(Case { name, passed, detail, trace, skipped: false });
+        self.cases.push(Case { name: name.into(), passed, detail, trace, skipped: false });
     }
 
     /// A case that could not run, and why.
-    fn skip(&mut self, name: &'static str, why: &str) {
+    fn skip(&mut self, name: impl Into<std::borrow::Cow<'static, str>>, why: &str) {
         let trace = self.calls.take();
+        let name = name.into();
         self.cases.push(Case { name, passed: false, detail: format!("not run: {why}"), trace, skipped: true });
     }
 
@@ -811,6 +843,47 @@ impl Kit {
     }
 
     /// Every call of the run returned before its deadline (the host kills one that does not).
+    /// The provider's own scenarios, a case each: its steps in order, the
+    /// first that does not answer as expected failing the case.
+    async fn provided(&mut self, provided: &scenarios::Scenarios) {
+        for scenario in provided.iter() {
+            let name = format!("scenario: {}", scenario.name);
+            if self.guard.is_some() {
+                // Its starts would be real and untagged: a recording stops only its own.
+                self.skip(name, "a recording runs the built-in cases only");
+                continue;
+            }
+            let outcome = self.run_steps(scenario).await;
+            self.record(name, outcome);
+        }
+    }
+
+    async fn run_steps(&mut self, scenario: &scenarios::Scenario) -> Result<String, String> {
+        let mut saved = scenarios::Saved::default();
+        for (i, step) in scenario.steps.iter().enumerate() {
+            let at = |why: String| format!("step {} ({}): {why}", i + 1, step.call_name());
+            let params = step.params(&saved).map_err(at)?;
+            let answered = crate::version::by_name::call_by_name(
+                &self.provider,
+                step.method(),
+                params.as_ref(),
+                &CallHooks::default(),
+            )
+            .await;
+            let outcome = answered.map_err(|failed| match &failed {
+                crate::version::by_name::ByNameError::Call(call) => {
+                    (call.report().kind.name().to_owned(), explain(call))
+                }
+                refused => ("bad-request".to_owned(), refused.to_string()),
+            });
+            step.check(&outcome, &saved).map_err(at)?;
+            if let (Some(name), Ok(answer)) = (step.save_as(), outcome) {
+                saved.keep(name, answer);
+            }
+        }
+        Ok(format!("{} steps as expected", scenario.steps.len()))
+    }
+
     fn deadlines(&mut self) {
         let deadlines = &self.provider.manifest().limits.deadlines;
         let mut calls = 0;

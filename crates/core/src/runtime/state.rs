@@ -132,7 +132,7 @@ impl HostState {
         // own resources) in one store: bounded, as its memory is.
         let mut table = ResourceTable::new();
         table.set_max_capacity(MAX_HANDLES);
-        let stderr_tail = wasi::StderrTail::default();
+        let stderr_tail = wasi::StderrTail::new(caps.redactor.clone());
         HostState {
             table,
             wasi: wasi::sandboxed_ctx(&provider, &caps.data_dir, &caps.quotas, &caps.redactor, &stderr_tail),

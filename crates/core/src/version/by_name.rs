@@ -62,6 +62,8 @@ pub async fn call_by_name(
     params: Option<&Value>,
     hooks: &CallHooks,
 ) -> Result<Value, ByNameError> {
+    // `null` is no params, however it came (a CLI flag, or the API's JSON).
+    let params = params.filter(|value| !value.is_null());
     let refused = |reason: String| ByNameError::Params { method, reason };
     let decode = |value: &Value| -> Result<_, ByNameError> {
         start_params(StartInput { params: Some(value), constraints: "", placement: None, user_data: None, tags: &[] })

@@ -14,7 +14,7 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
             Manifest::load(&write_manifest(dir.path(), "fake", "fake", &fake_manifest_extra(isolation))).unwrap();
         let report = conformance::run(&manifest).await.unwrap();
         assert!(report.passed(), "{isolation}:\n{}", report.text());
-        let names: Vec<&str> = report.cases.iter().map(|c| c.name).collect();
+        let names: Vec<&str> = report.cases.iter().map(|c| &*c.name).collect();
         for expected in [
             "describe is well formed",
             "validate-config rejects garbage: not JSON",
@@ -54,9 +54,57 @@ async fn the_fake_provider_passes_every_scenario_in_both_modes() {
     )
     .await
     .unwrap();
-    let outcome = |r: &conformance::Report| r.cases.iter().map(|c| (c.name, c.passed)).collect::<Vec<_>>();
+    // A recording runs the built-in cases only: the provider's own would make real instances it does not tag.
+    let own = |r: &conformance::Report| r.cases.iter().filter(|c| c.name.starts_with("scenario: ")).count();
+    assert_eq!((own(&replayed), own(&recorded)), (2, 2), "{}", recorded.text());
+    assert!(recorded.cases.iter().filter(|c| c.name.starts_with("scenario: ")).all(|c| c.skipped));
+    let outcome = |r: &conformance::Report| {
+        let built_in = r.cases.iter().filter(|c| !c.name.starts_with("scenario: "));
+        built_in.map(|c| (c.name.to_string(), c.passed)).collect::<Vec<_>>()
+    };
     assert_eq!(outcome(&replayed), outcome(&recorded));
     assert!(replayed.passed(), "{}", replayed.text());
+}
+
+/// A provider's own scenarios (beside its manifest) run with the built-in
+/// cases: each a case, failed by its first step that does not answer as
+/// expected, saying which and why; a malformed file is refused before anything runs.
+#[tokio::test]
+async fn a_providers_own_scenarios_run_as_cases_and_fail_at_their_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_manifest(dir.path(), "fake", "fake", &fake_manifest_extra("pooled"));
+    let scenarios = r#"{"scenarios": [
+        {"name": "kept", "steps": [
+            {"call": "start-instance", "params": {"placement": "zone=zone-c"}, "save": "s",
+             "expect": {"answer": {"hardware": {"availability_zone": "zone-c"}}}},
+            {"call": "stop-instances", "params": ["${s.instance.id}"]}]},
+        {"name": "wrong", "steps": [
+            {"call": "describe", "expect": {"answer": {"name": "fake"}}},
+            {"call": "all-instances", "params": {"cursor": null, "size": 5}, "expect": {"error": "not-found"}}]}
+    ]}"#;
+    std::fs::write(conformance::scenarios_path(&path), scenarios).unwrap();
+    let report = conformance::run(&Manifest::load(&path).unwrap()).await.unwrap();
+    let case = |name: &str| report.cases.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("{}", report.text()));
+    assert!(case("scenario: kept").passed, "{}", report.text());
+    let wrong = case("scenario: wrong");
+    assert!(!wrong.passed && !wrong.skipped);
+    assert!(
+        wrong.detail.starts_with("step 2 (all-instances): expected a not-found error, got the answer"),
+        "{}",
+        wrong.detail
+    );
+    assert!(!report.passed());
+
+    std::fs::write(
+        conformance::scenarios_path(&path),
+        r#"{"scenarios": [{"name": "n", "steps": [{"call": "reboot"}]}]}"#,
+    )
+    .unwrap();
+    let refused = conformance::run(&Manifest::load(&path).unwrap()).await.err().map(|e| e.to_string());
+    assert!(
+        refused.as_deref().is_some_and(|e| e.contains("fake.scenarios.json") && e.contains("no method \"reboot\"")),
+        "{refused:?}"
+    );
 }
 
 #[tokio::test]
@@ -85,7 +133,7 @@ pub(crate) async fn the_lxd_provider_passes_strictly_on_the_script_it_ships_and_
     assert!(start.detail.contains(&missing) && !start.detail.contains("exhausted"), "{}", start.detail);
     // What the failed start left unrun is reported as skipped, in the totals.
     let (passed, failed, skipped) = report.totals();
-    let names: Vec<&str> = report.cases.iter().filter(|c| c.skipped).map(|c| c.name).collect();
+    let names: Vec<&str> = report.cases.iter().filter(|c| c.skipped).map(|c| &*c.name).collect();
     assert_eq!(
         names,
         [
@@ -203,7 +251,7 @@ async fn the_hostile_guest_fails_what_it_breaks_with_a_reason() {
     let report = conformance::run(&manifest).await.unwrap();
     assert!(!report.passed());
     let failed: Vec<(&str, &str)> =
-        report.cases.iter().filter(|c| !c.passed && !c.skipped).map(|c| (c.name, c.detail.as_str())).collect();
+        report.cases.iter().filter(|c| !c.passed && !c.skipped).map(|c| (&*c.name, c.detail.as_str())).collect();
     assert_eq!(
         failed,
         [
@@ -290,7 +338,7 @@ pub(crate) async fn each_broken_guest_fails_exactly_the_scenario_it_breaks_and_s
     for (breaks, guest, expected, words) in cases {
         let report = conformance::run(&broken_manifest(dir.path(), guest, breaks)).await.unwrap();
         let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed && !c.skipped).collect();
-        let names: Vec<&str> = failed.iter().map(|c| c.name).collect();
+        let names: Vec<&str> = failed.iter().map(|c| &*c.name).collect();
         assert_eq!(names, *expected, "breaks = {breaks:?} ({guest}):\n{}", report.text());
         for case in failed {
             assert!(case.detail.contains(words), "breaks = {breaks:?}: {:?} lacks {words:?}", case.detail);
@@ -320,7 +368,7 @@ async fn a_granted_program_misused_fails_the_ungranted_case() {
         let manifest = Manifest::load(&write_manifest(dir.path(), "broken", "test-broken", &extra)).unwrap();
         let report = conformance::run(&manifest).await.unwrap();
         let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed && !c.skipped).collect();
-        let names: Vec<&str> = failed.iter().map(|c| c.name).collect();
+        let names: Vec<&str> = failed.iter().map(|c| &*c.name).collect();
         assert_eq!(names, ["no call touches an ungranted capability"], "{breaks}:\n{}", report.text());
         assert!(failed[0].detail.contains("process") && failed[0].detail.contains(words), "{}", failed[0].detail);
     }
@@ -359,7 +407,7 @@ async fn touching_another_providers_device_fails_the_ungranted_case() {
     };
     let report = conformance::run_with(&manifest, options).await.unwrap();
     let failed: Vec<&conformance::Case> = report.cases.iter().filter(|c| !c.passed && !c.skipped).collect();
-    let names: Vec<&str> = failed.iter().map(|c| c.name).collect();
+    let names: Vec<&str> = failed.iter().map(|c| &*c.name).collect();
     assert_eq!(names, ["no call touches an ungranted capability"], "{}", report.text());
     for words in ["tap kt-other belongs to provider kvm2", "bridge br-host is the host's"] {
         assert!(failed[0].detail.contains(words), "{:?} lacks {words:?}", failed[0].detail);

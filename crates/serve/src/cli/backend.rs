@@ -110,8 +110,12 @@ impl Backend {
             Backend::Daemon(client) => {
                 let path = format!("/v1/providers/{}/call", encode_component(name));
                 let body = json!({ "method": method.name(), "params": params });
-                let mut answered: serde_json::Value = client.call(Method::POST, &path, Some(body)).await?;
-                Ok(answered["answer"].take())
+                #[derive(serde::Deserialize)]
+                struct Answered {
+                    answer: serde_json::Value,
+                }
+                let answered: Answered = client.call(Method::POST, &path, Some(body)).await?;
+                Ok(answered.answer)
             }
         }
     }

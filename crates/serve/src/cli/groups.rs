@@ -86,7 +86,7 @@ pub(crate) async fn run(backend: &Backend, command: GroupCommand, out: &mut impl
         GroupCommand::Ls { json } => {
             let groups = list(backend).await?;
             if json {
-                writeln!(out, "{}", serde_json::to_string_pretty(&groups)?)?;
+                writeln!(out, "{}", super::output::json_pretty(&groups)?)?;
             } else {
                 writeln!(out, "{:<24} {:<16} {:>5} {:>8}  CONVERGED", "GROUP", "PROVIDER", "SIZE", "MEMBERS")?;
                 for g in &groups {
@@ -105,7 +105,7 @@ pub(crate) async fn run(backend: &Backend, command: GroupCommand, out: &mut impl
         GroupCommand::Describe { id, json } => {
             let described = describe(backend, &id).await?;
             if json {
-                writeln!(out, "{}", serde_json::to_string_pretty(&described)?)?;
+                writeln!(out, "{}", super::output::json_pretty(&described)?)?;
             } else {
                 let converged = if described.converged { "yes" } else { "no" };
                 writeln!(
@@ -135,7 +135,7 @@ pub(crate) async fn run(backend: &Backend, command: GroupCommand, out: &mut impl
             {
                 anyhow::bail!(broker_core::groups::GroupError::UnknownGroup(id.clone()));
             }
-            writeln!(out, "{}", serde_json::to_string_pretty(&specs)?)?;
+            writeln!(out, "{}", super::output::json_pretty(&specs)?)?;
         }
         GroupCommand::Size { id, size: None } => writeln!(out, "{}", size(backend, &id).await?)?,
         GroupCommand::Size { id, size: Some(size) } => {

@@ -62,7 +62,7 @@ pub(crate) async fn run(data_dir: &Path, args: LockArgs, out: &mut impl Write) -
         None => {
             let report = lock.report(args.history);
             if args.json {
-                writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+                writeln!(out, "{}", super::output::json_pretty(&report)?)?;
             } else {
                 write!(out, "{}", report.text())?;
             }

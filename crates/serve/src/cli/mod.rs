@@ -482,7 +482,7 @@ pub(crate) async fn run(mut cli: Cli) -> Result<u8> {
             let events = backend.events(after, limit).await?;
             if json {
                 for event in &events {
-                    writeln!(stdout, "{}", serde_json::to_string(event)?)?;
+                    writeln!(stdout, "{}", output::json_line(event)?)?;
                 }
             } else {
                 output::event_lines(&mut stdout, &events)?;
@@ -542,7 +542,7 @@ async fn provider(backend: &Backend, command: ProviderCommand, out: &mut impl Wr
         ProviderCommand::List { json } => {
             let records = backend.list_providers().await?;
             if json {
-                writeln!(out, "{}", serde_json::to_string_pretty(&records)?)?;
+                writeln!(out, "{}", output::json_pretty(&records)?)?;
             } else {
                 output::provider_table(out, &records)?;
             }
@@ -550,7 +550,7 @@ async fn provider(backend: &Backend, command: ProviderCommand, out: &mut impl Wr
         ProviderCommand::Show { name, json } => {
             let view = backend.show_provider(&name).await?;
             if json {
-                writeln!(out, "{}", serde_json::to_string_pretty(&view)?)?;
+                writeln!(out, "{}", output::json_pretty(&view)?)?;
             } else {
                 output::provider_details(out, &view)?;
             }
@@ -558,15 +558,20 @@ async fn provider(backend: &Backend, command: ProviderCommand, out: &mut impl Wr
         ProviderCommand::Test { .. } | ProviderCommand::New { .. } => {
             unreachable!("handled before the state is opened")
         }
-        ProviderCommand::Call { target, method, params, .. } => {
+        ProviderCommand::Call { target, method, params, manifest, script } => {
+            if manifest.is_some() || script.is_some() {
+                let why =
+                    format!("--manifest and --script are for a component file; {target:?} names a registered provider");
+                return Err(UsageError(why).into());
+            }
             let call = OneCall::parse(&method, params.as_deref())?;
             let answer = backend.call_provider(&target, call.method, call.params.as_ref()).await?;
-            writeln!(out, "{}", serde_json::to_string_pretty(&answer)?)?;
+            writeln!(out, "{}", output::json_pretty(&answer)?)?;
         }
         ProviderCommand::Swap { name, component, check, json } => {
             let report = backend.swap(&name, &component, check).await?;
             if json {
-                writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+                writeln!(out, "{}", output::json_pretty(&report)?)?;
             } else {
                 let text = format!(
                     "swapped provider {name}: {} ({}) -> {} ({}){}",
@@ -630,7 +635,7 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
             let record =
                 started.with_context(|| format!("cannot start an instance with provider {}", args.provider))?;
             if args.json {
-                writeln!(out, "{}", serde_json::to_string_pretty(&output::InstanceView::from(&record))?)?;
+                writeln!(out, "{}", output::json_pretty(&output::InstanceView::from(&record))?)?;
             } else {
                 let text = format!("started {} ({}): {}", record.id, record.provider, record.hardware.juju_text());
                 output::line(out, &text)?;
@@ -648,7 +653,7 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
             }
             let views: Vec<output::InstanceView> = records.iter().map(output::InstanceView::from).collect();
             if json {
-                writeln!(out, "{}", serde_json::to_string_pretty(&views)?)?;
+                writeln!(out, "{}", output::json_pretty(&views)?)?;
             } else {
                 output::instance_table(out, &views)?;
             }
@@ -667,13 +672,11 @@ async fn instance(backend: &Backend, command: InstanceCommand, out: &mut impl Wr
                     &format!("{id}: no such instance, recorded or reported by a provider (nothing to stop)"),
                 )?;
             }
-            if let [(ids, only)] = report.failed.as_slice() {
-                anyhow::bail!("cannot stop {ids}: {only:#}");
-            }
-            if !report.failed.is_empty() {
-                let each: Vec<String> =
-                    report.failed.iter().map(|(ids, why)| format!("cannot stop {ids}: {why:#}")).collect();
-                anyhow::bail!("{}", each.join("; "));
+            // The first failure keeps its cause (and so its kind and exit code); the others are named with it.
+            let mut failed = report.failed.into_iter();
+            if let Some((ids, first)) = failed.next() {
+                let others: Vec<String> = failed.map(|(ids, why)| format!("cannot stop {ids}: {why:#}; ")).collect();
+                return Err(first.context(format!("{}cannot stop {ids}", others.concat())));
             }
         }
         InstanceCommand::Maintain { id, provider } => {
@@ -739,7 +742,7 @@ fn provider_new(
 /// Whether `provider call`'s target is a component file rather than a
 /// registered provider's name (which has no `/` and no `.wasm`).
 fn is_component_path(target: &str) -> bool {
-    target.contains('/') || target.ends_with(".wasm") || Path::new(target).is_file()
+    target.contains('/') || target.ends_with(".wasm")
 }
 
 /// `provider call`'s method and params, checked before anything runs.
@@ -838,9 +841,9 @@ async fn provider_call_file(
     }
     let answer = answered.answer.map_err(|e| match e {
         broker_core::version::by_name::ByNameError::Call(call) => anyhow::Error::from(call),
-        refused => UsageError(refused.to_string()).into(),
+        refused => broker_core::broker::BrokerServiceError::ByName(refused).into(),
     })?;
-    writeln!(out, "{}", serde_json::to_string_pretty(&answer)?)?;
+    writeln!(out, "{}", output::json_pretty(&answer)?)?;
     Ok(0)
 }
 
@@ -932,7 +935,7 @@ async fn provider_test(
     }
     match format {
         ReportFormat::Text => write!(out, "{}", report.text())?,
-        ReportFormat::Json => writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?,
+        ReportFormat::Json => writeln!(out, "{}", output::json_pretty(&report)?)?,
         ReportFormat::Junit => write!(out, "{}", report.junit())?,
     }
     Ok(if report.passed() { 0 } else { 1 })
@@ -960,7 +963,7 @@ async fn store_command(
     .await
     .context("the store check failed")??;
     if json {
-        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+        writeln!(out, "{}", output::json_pretty(&report)?)?;
     } else {
         output::salvage_report(out, &report)?;
     }
@@ -1044,7 +1047,7 @@ pub fn main() -> std::process::ExitCode {
     let report = error_report(&e);
     if json {
         // JSON escapes what a provider said; a program reads this, not a terminal.
-        println!("{}", serde_json::json!({ "error": report }));
+        println!("{}", output::json_line(&serde_json::json!({ "error": report })).unwrap_or_default());
     }
     // Errors quote what providers said: escaped, they cannot drive the terminal.
     let shown = broker_capabilities::error_text::escape_unprintable(&report.message);

@@ -1,7 +1,7 @@
 //! How the CLI shows providers, instances and progress. Text a provider chose
 //! (ids, names, versions, status messages, errors, events) is printed with control
 //! characters escaped ([`escape_unprintable`]), so that it cannot forge lines or
-//! drive the terminal; `--json` output is escaped by serde.
+//! drive the terminal; `--json` output is JSON with the same escaped ([`json_pretty`]).
 
 use super::describe_event;
 use crate::wire::StartLine;
@@ -52,6 +52,39 @@ impl From<&InstanceRecord> for InstanceView {
 }
 
 /// One line of text, escaped.
+/// JSON a terminal may show: serde escapes the C0 controls inside strings;
+/// this also writes `\uXXXX` for what else could drive or spoof a terminal
+/// (DEL, C1 controls, bidi and zero-width characters), which reads back the
+/// same. A raw newline in serde's output is only ever its own layout.
+fn terminal_safe(json: String) -> String {
+    let unsafe_char = |c: char| c != '\n' && broker_capabilities::error_text::is_unprintable(c);
+    if !json.chars().any(unsafe_char) {
+        return json;
+    }
+    let mut out = String::with_capacity(json.len() + 16);
+    for c in json.chars() {
+        if unsafe_char(c) {
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{unit:04x}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// `value` as indented JSON, safe for a terminal.
+pub(crate) fn json_pretty(value: &impl Serialize) -> serde_json::Result<String> {
+    serde_json::to_string_pretty(value).map(terminal_safe)
+}
+
+/// `value` as one line of JSON, safe for a terminal.
+pub(crate) fn json_line(value: &impl Serialize) -> serde_json::Result<String> {
+    serde_json::to_string(value).map(terminal_safe)
+}
+
 pub(crate) fn line(out: &mut impl Write, text: &str) -> std::io::Result<()> {
     writeln!(out, "{}", esc(text))
 }
@@ -125,7 +158,7 @@ impl Progress {
         // Progress is best effort: a closed stderr must not fail the start.
         let _ = match self.style {
             ProgressStyle::Json => {
-                let line = serde_json::to_string(&StartLine::from(event.clone())).unwrap_or_default();
+                let line = json_line(&StartLine::from(event.clone())).unwrap_or_default();
                 writeln!(err, "{line}")
             }
             ProgressStyle::Lines => line(&mut err, &format!("[{}] {}", self.provider, describe_event(event))),
@@ -280,6 +313,19 @@ mod tests {
         assert_inert(&text);
         assert_eq!(text.lines().count(), 2, "a header and one row: {text:?}");
         assert_inert(&printed(|out| line(out, &format!("started {HOSTILE} (hostile)"))));
+    }
+
+    /// JSON for a terminal escapes what serde leaves raw (DEL, C1 controls,
+    /// bidi overrides), and still reads back as what was written.
+    #[test]
+    fn json_for_a_terminal_escapes_what_could_drive_one_and_reads_back_the_same() {
+        let hostile = "a\u{7f}b\u{9b}2Jc\u{202e}d\u{1b}[31m\n";
+        let value = serde_json::json!({ "id": hostile, "list": [hostile] });
+        for text in [json_pretty(&value).unwrap(), json_line(&value).unwrap()] {
+            assert!(!text.chars().any(|c| c != '\n' && broker_capabilities::error_text::is_unprintable(c)), "{text:?}");
+            assert!(text.contains("\\u009b") && text.contains("\\u202e"), "{text}");
+            assert_eq!(serde_json::from_str::<serde_json::Value>(&text).unwrap(), value);
+        }
     }
 
     /// A room's grant is reported under its own key (as before rooms) and

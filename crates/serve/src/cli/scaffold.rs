@@ -45,8 +45,13 @@ const FILES: [(&str, &str); 7] = [
 /// Write the crate of provider `name` into `dir`, which must not exist or be
 /// empty; the paths written, in order.
 pub(crate) fn write(name: &str, dir: &Path, sdk: &SdkSource) -> Result<Vec<PathBuf>> {
-    if !name.starts_with(|c: char| c.is_ascii_lowercase()) {
-        return Err(UsageError(format!("provider name {name:?} must begin with a lowercase letter")).into());
+    // The argument itself, before it names a directory or fills a template.
+    let valid = name.len() <= 63
+        && name.starts_with(|c: char| c.is_ascii_lowercase())
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+    if !valid {
+        let why = format!("provider name {name:?} must be 1-63 lowercase letters, digits and '-', a letter first");
+        return Err(UsageError(why).into());
     }
     let fill = |template: &str| {
         template
@@ -54,18 +59,11 @@ pub(crate) fn write(name: &str, dir: &Path, sdk: &SdkSource) -> Result<Vec<PathB
             .replace("{{crate}}", &name.replace('-', "_"))
             .replace("{{sdk}}", &sdk.dependency())
     };
-    // The manifest's own rules decide what a provider may be called.
-    let manifest = fill(FILES[3].1);
-    broker_core::manifest::Manifest::parse(Path::new("provider.toml"), &manifest)
-        .map_err(|e| UsageError(e.to_string()))?;
-    match std::fs::read_dir(dir) {
-        Ok(mut entries) => {
-            if entries.next().is_some() {
-                return Err(UsageError(format!("{} exists and is not empty", dir.display())).into());
-            }
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("cannot read {}", dir.display())),
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    // Looked at once it exists, whichever way the path went there.
+    let mut entries = std::fs::read_dir(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    if entries.next().is_some() {
+        return Err(UsageError(format!("{} exists and is not empty", dir.display())).into());
     }
     let mut written = Vec::new();
     for (relative, template) in FILES {
@@ -73,7 +71,14 @@ pub(crate) fn write(name: &str, dir: &Path, sdk: &SdkSource) -> Result<Vec<PathB
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
         }
-        std::fs::write(&path, fill(template)).with_context(|| format!("cannot write {}", path.display()))?;
+        // Never over a file, whatever appeared meanwhile.
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        std::io::Write::write_all(&mut file, fill(template).as_bytes())
+            .with_context(|| format!("cannot write {}", path.display()))?;
         written.push(path);
     }
     Ok(written)
@@ -100,7 +105,7 @@ mod tests {
 
         let again = write("static-pool", &target, &sdk).unwrap_err();
         assert!(again.to_string().contains("exists and is not empty"), "{again}");
-        for bad in ["Bad", "9lives", "a_b", ""] {
+        for bad in ["Bad", "9lives", "a_b", "", "x\" #/../../victim", &"a".repeat(64)] {
             let refused = write(bad, &dir.path().join("x"), &sdk).unwrap_err();
             assert!(refused.downcast_ref::<UsageError>().is_some(), "{bad}: {refused}");
         }

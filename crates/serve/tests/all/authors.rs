@@ -68,7 +68,11 @@ fn a_new_provider_builds_passes_the_kit_strictly_and_answers_calls() {
     assert_eq!((&started["hardware"]["mem"], &started["hardware"]["cpu_cores"]), (&2048.into(), &2.into()));
     assert_eq!(call(&["all-instances"]), serde_json::json!([]), "nothing carries over between calls");
     let misused = broker(&data, &["provider", "call", &component, "stop-instances", "--manifest", &manifest]);
-    assert_eq!(misused.status.code(), Some(2), "stop-instances needs its ids");
+    assert_eq!(
+        misused.status.code(),
+        Some(3),
+        "stop-instances needs its ids: a bad request, as for a registered provider"
+    );
     let error: Value = serde_json::from_slice(&misused.stdout).unwrap();
     assert!(error["error"]["message"].as_str().unwrap().contains("a list of ids"), "{error}");
 
@@ -79,6 +83,8 @@ fn a_new_provider_builds_passes_the_kit_strictly_and_answers_calls() {
     let page = r#"{"cursor": null, "size": 1}"#;
     let paged = stdout(&broker(&data, &["provider", "call", "static-pool", "all-instances", "--params", page]));
     let recorded = broker(&data, &["provider", "call", "static-pool", "start-instance"]);
+    let mixed = broker(&data, &["provider", "call", "static-pool", "describe", "--manifest", &manifest]);
+    assert_eq!(mixed.status.code(), Some(2), "--manifest is for a component file");
     let daemon = Daemon::start(&data);
     let through = stdout(&broker(&data, &["provider", "call", "static-pool", "all-instances"]));
     assert_eq!(through, listed);
