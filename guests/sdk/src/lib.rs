@@ -21,6 +21,7 @@ pub use broker::provider::{
 };
 pub use exports::broker::provider::instance_broker::Guest;
 
+pub mod cloud_ids;
 pub mod http;
 pub mod kv;
 pub mod listing;
