@@ -463,6 +463,13 @@ pub struct Manifest {
 }
 
 /// The largest manifest the host reads.
+/// Whether `name` may name a provider: 1-63 characters of lowercase letters, digits and '-'.
+pub fn is_provider_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+}
+
 pub(crate) const MAX_MANIFEST_BYTES: u64 = 1 << 20;
 
 /// Most bytes of a component the host reads (the bundled ones are under 1 MiB).
@@ -494,10 +501,7 @@ impl Manifest {
     pub fn parse(path: &Path, text: &str) -> Result<Manifest, ManifestError> {
         let invalid = |message: String| ManifestError::Invalid { path: path.display().to_string(), message };
         let raw: RawManifest = toml::from_str(text).map_err(|e| invalid(toml_error_text(text, &e)))?;
-        if raw.name.is_empty()
-            || raw.name.len() > 63
-            || !raw.name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-        {
+        if !is_provider_name(&raw.name) {
             return Err(invalid(format!(
                 "name {:?} must be 1-63 characters of lowercase letters, digits and '-'",
                 raw.name

@@ -44,17 +44,13 @@ impl StderrTail {
 
     /// The lines kept, oldest first: redacted (whole lines, before any cut), then cut.
     pub fn lines(&self) -> Vec<String> {
-        let raw: Vec<Vec<u8>> = self.lock().iter().cloned().collect();
-        raw.iter()
+        let lines = self.lock();
+        lines
+            .iter()
             .map(|line| {
                 let text = String::from_utf8_lossy(line);
                 let text = self.redactor.redact(&text);
-                let text = text.trim_end();
-                let mut cut = text.len().min(TAIL_LINE_BYTES);
-                while !text.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                text[..cut].to_owned()
+                crate::rooms::log::truncate(text.trim_end(), TAIL_LINE_BYTES).to_owned()
             })
             .collect()
     }

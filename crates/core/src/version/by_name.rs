@@ -69,7 +69,7 @@ pub async fn call_by_name(
         start_params(StartInput { params: Some(value), constraints: "", placement: None, user_data: None, tags: &[] })
             .map_err(|e| refused(e.to_string()))
     };
-    let answer = match method {
+    let mut answer = match method {
         Method::Describe => json(provider.describe().await?),
         Method::ValidateConfig => {
             let config = match params {
@@ -116,7 +116,6 @@ pub async fn call_by_name(
             Value::Null
         }
     };
-    let mut answer = answer;
     redact_strings(&mut answer, provider.redactor());
     Ok(answer)
 }

@@ -45,10 +45,9 @@ const FILES: [(&str, &str); 7] = [
 /// Write the crate of provider `name` into `dir`, which must not exist or be
 /// empty; the paths written, in order.
 pub(crate) fn write(name: &str, dir: &Path, sdk: &SdkSource) -> Result<Vec<PathBuf>> {
-    // The argument itself, before it names a directory or fills a template.
-    let valid = name.len() <= 63
-        && name.starts_with(|c: char| c.is_ascii_lowercase())
-        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+    // The argument itself, before it names a directory or fills a template;
+    // a crate's name also begins with a letter.
+    let valid = broker_core::manifest::is_provider_name(name) && name.starts_with(|c: char| c.is_ascii_lowercase());
     if !valid {
         let why = format!("provider name {name:?} must be 1-63 lowercase letters, digits and '-', a letter first");
         return Err(UsageError(why).into());
