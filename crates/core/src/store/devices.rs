@@ -3,10 +3,11 @@
 //! made, so no crash leaves a device of a provider's that the host does not
 //! know is its own (see [`broker_capabilities::network::owners`]).
 
+use super::db::StateDb;
 use super::{Store, db_error, writer};
 use broker_capabilities::network::owners::{DeviceOwners, OwnedDevice, OwnersError};
 use futures_util::future::BoxFuture;
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{ReadableTable, TableDefinition};
 use std::sync::Arc;
 
 /// Device name -> its [`OwnedDevice`] record, as JSON.
@@ -14,7 +15,7 @@ pub(super) const DEVICE_OWNERS: TableDefinition<&str, &[u8]> = TableDefinition::
 
 /// The store's record of device owners.
 pub(crate) struct RedbDeviceOwners {
-    db: Arc<Database>,
+    db: Arc<StateDb>,
     writer: Arc<writer::Writer>,
 }
 

@@ -1,7 +1,7 @@
 //! The host's event log: provider swaps, refusals, loads and unloads, in order.
 
 use super::{Pending, Store, StoreError, db_error, decode};
-use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
 pub(super) const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
@@ -231,7 +231,7 @@ impl Store {
 
     /// Events after `after` (0 = from the start), at most `limit`, oldest first.
     pub fn events(&self, after: u64, limit: usize) -> Result<Vec<Event>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(EVENTS).map_err(db_error)?;
         let mut out = Vec::new();
         for entry in table.range(after.saturating_add(1)..).map_err(db_error)?.take(limit) {

@@ -1,7 +1,7 @@
 //! Committed group specs (`broker group commit`): what each group converges to.
 
 use super::{Pending, Store, StoreError, Txn, db_error, decode, encoded, events, starts};
-use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+use redb::{ReadableTable, ReadableTableMetadata, TableDefinition};
 use serde::{Deserialize, Serialize};
 
 /// Group id -> its committed spec.
@@ -101,7 +101,7 @@ impl Store {
 
     /// Group `id`'s committed spec.
     pub fn group(&self, id: &str) -> Result<Option<GroupRecord>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(GROUPS).map_err(db_error)?;
         let value = table.get(id).map_err(db_error)?;
         value.map(|v| decode("group", v.value())).transpose()
@@ -110,7 +110,7 @@ impl Store {
     /// Every committed group, by id. One that does not decode is named in the
     /// log and left out: it hides no other.
     pub fn groups(&self) -> Result<Vec<(String, GroupRecord)>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(GROUPS).map_err(db_error)?;
         let mut groups = Vec::new();
         for entry in table.iter().map_err(db_error)? {

@@ -15,13 +15,13 @@
 //! next use. A namespace with a change not yet persisted is never let go, so
 //! eviction can lose nothing; each namespace is bounded by its `kv-mib`.
 
+use super::db::StateDb;
 use super::writer::{Job, Pending, Reply, Writer};
 use super::{KV, StoreError, Txn, db_error};
 use broker_capabilities::rooms::kv::{
     Entries, KvBackend, KvChange, KvChanged, KvError, KvOp, KvQuota, KvWrites, ScanPage, apply_change,
     apply_transaction, pack_page,
 };
-use redb::{Database, ReadableDatabase};
 use std::collections::BTreeSet;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -111,7 +111,7 @@ pub struct MirrorStats {
 /// The store's [`KvBackend`](broker_capabilities::rooms::kv::KvBackend): each namespace
 /// mirrored in memory, writes made durable through the store's writer.
 pub struct RedbKv {
-    db: Arc<Database>,
+    db: Arc<StateDb>,
     writer: Arc<Writer>,
     mirrors: Arc<Mirrors>,
 }
@@ -188,7 +188,7 @@ const LOAD_RETRIES: usize = 4;
 /// every other namespace's reads go through the map); what was read is kept
 /// only if no namespace was let go meanwhile, since one let go may be this one
 /// with commits the read missed.
-fn load_namespace(db: &Database, mirrors: &Mirrors, name: &str) -> Result<Shared, KvError> {
+fn load_namespace(db: &StateDb, mirrors: &Mirrors, name: &str) -> Result<Shared, KvError> {
     let held = |ns: &Shared| {
         ns.used.store(mirrors.tick(), Ordering::Relaxed);
         Ok(ns.clone())
@@ -226,8 +226,8 @@ fn load_namespace(db: &Database, mirrors: &Mirrors, name: &str) -> Result<Shared
 }
 
 /// Every entry of `name` in the file.
-fn read_namespace(db: &Database, name: &str) -> Result<Entries, StoreError> {
-    let txn = db.begin_read().map_err(db_error)?;
+fn read_namespace(db: &StateDb, name: &str) -> Result<Entries, StoreError> {
+    let txn = db.begin_read()?;
     let table = txn.open_table(KV).map_err(db_error)?;
     let mut entries = Entries::default();
     super::each_of_owner(&table, name, |key, value| {
@@ -238,7 +238,7 @@ fn read_namespace(db: &Database, name: &str) -> Result<Entries, StoreError> {
 }
 
 impl RedbKv {
-    pub(crate) fn new(db: Arc<Database>, writer: Arc<Writer>) -> Self {
+    pub(crate) fn new(db: Arc<StateDb>, writer: Arc<Writer>) -> Self {
         let mirrors = Mirrors {
             loaded: RwLock::default(),
             budget: AtomicUsize::new(MIRROR_BUDGET_BYTES),
@@ -269,7 +269,7 @@ impl RedbKv {
     /// durable value (for tools and tests; guests read the mirror).
     pub fn committed(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, KvError> {
         let read = || -> Result<Option<Vec<u8>>, StoreError> {
-            let txn = self.db.begin_read().map_err(db_error)?;
+            let txn = self.db.begin_read()?;
             let table = txn.open_table(KV).map_err(db_error)?;
             Ok(table.get((namespace, key)).map_err(db_error)?.map(|v| v.value().to_vec()))
         };

@@ -7,6 +7,7 @@
 //! `state.wal` makes each batch of writes durable with one small append
 //! ([`wal`]); redb's own sync runs only at checkpoints.
 
+mod db;
 mod devices;
 mod events;
 mod groups;
@@ -18,6 +19,7 @@ mod starts;
 mod wal;
 mod writer;
 
+pub use db::{Fault, FaultCause, Health};
 pub use events::{Event, EventKind};
 pub use groups::GroupRecord;
 pub use starts::PendingStart;
@@ -34,8 +36,9 @@ pub use writer::Pending;
 use broker_capabilities::network::Device;
 use broker_capabilities::rooms::kv::KvWrites;
 use broker_capabilities::rooms::process::{ChildRecord, ChildRecords, RecordsError};
+use db::StateDb;
 use futures_util::future::BoxFuture;
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableTable, TableDefinition};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -109,6 +112,14 @@ pub enum StoreError {
     /// A read that panicked (redb panics on some damage) fails alone.
     #[error("state database: a read panicked (the file may be damaged: `broker store check` shows what can be read)")]
     ReadPanicked,
+    /// The state file failed (the disk full, read-only, failing): reads and
+    /// writes are refused with the first failure until the writer has opened
+    /// it again, which it tries until the fault clears.
+    #[error(
+        "state database: the state file failed ({}); reads and writes are refused until it is reopened, which is tried every second",
+        broker_capabilities::error_text::cause_text(&**.0)
+    )]
+    Faulted(Arc<redb::Error>),
     /// The writer has stopped; nothing more can be written.
     #[error("state database is closed")]
     Closed,
@@ -164,7 +175,7 @@ const STATE_CACHE_BYTES: usize = 64 << 20;
 /// The host's state: `state.redb` in the data dir and its write-ahead log;
 /// every write goes through one writer thread.
 pub struct Store {
-    db: Arc<Database>,
+    db: Arc<StateDb>,
     /// Every write goes through it: one thread, concurrent writes in one commit.
     /// It stops (after committing what is queued) when its last handle goes:
     /// the store's, the kv's or a child-records handle.
@@ -249,10 +260,7 @@ impl Store {
             .create(data_dir)
             .map_err(|e| open_error(redb::Error::Io(e)))?;
         check_not_exposed(data_dir)?;
-        let db = Database::builder()
-            .set_cache_size(STATE_CACHE_BYTES)
-            .create(state_file(data_dir))
-            .map_err(|e| open_error(e.into()))?;
+        let db = open_database(data_dir).map_err(|e| open_error(e.into()))?;
         let mut wal = wal::Wal::open(&data_dir.join("state.wal"), checkpoints).map_err(log_error)?;
         let txn = db.begin_write().map_err(db_error)?;
         let replayed = wal.replay(|table, key, value| replay_change(&txn, table, key, value)).map_err(log_error)?;
@@ -283,8 +291,10 @@ impl Store {
                 tracing::warn!(file, %error, "cannot make the state file private to its owner");
             }
         }
-        let db = Arc::new(db);
-        let writer = Arc::new(writer::Writer::start(db.clone(), wal).map_err(|e| open_error(redb::Error::Io(e)))?);
+        let db = Arc::new(StateDb::new(db));
+        let writer = Arc::new(
+            writer::Writer::start(db.clone(), data_dir.to_owned(), wal).map_err(|e| open_error(redb::Error::Io(e)))?,
+        );
         let kv = Arc::new(RedbKv::new(db.clone(), writer.clone()));
         // Random, so no two openings share one, whatever the clock did.
         let session = getrandom::u64().map_err(|e| open_error(redb::Error::Io(std::io::Error::other(e))))?;
@@ -299,6 +309,11 @@ impl Store {
         F: FnMut(&Txn<'_>) -> Result<R, StoreError> + Send + 'static,
     {
         Pending::new(&self.writer, op)
+    }
+
+    /// Whether the state file serves, and its faults so far.
+    pub fn health(&self) -> Health {
+        self.db.health()
     }
 
     /// The host's data dir, where `state.redb` and `state.wal` are.
@@ -319,7 +334,7 @@ impl Store {
 
     /// The host network as last recorded (`None`: never observed).
     pub fn observed_network(&self) -> Result<Option<ObservedNetwork>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(OBSERVED_NETWORK).map_err(db_error)?;
         let value = table.get("host").map_err(db_error)?;
         value.map(|v| decode("observed network", v.value())).transpose()
@@ -362,14 +377,14 @@ impl Store {
 
     /// A registered provider's record, if it is registered.
     pub fn provider(&self, name: &str) -> Result<Option<ProviderRecord>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(PROVIDERS).map_err(db_error)?;
         let value = table.get(name).map_err(db_error)?;
         value.map(|v| decode("provider", v.value())).transpose()
     }
 
     pub(crate) fn providers(&self) -> Result<Vec<ProviderRecord>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(PROVIDERS).map_err(db_error)?;
         let mut records = Vec::new();
         for entry in table.iter().map_err(db_error)? {
@@ -510,7 +525,7 @@ impl Store {
 
     /// The provider an instance id is recorded for.
     pub fn owner_of(&self, id: &str) -> Result<Option<String>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
         Ok(table.get(id).map_err(db_error)?.map(|owner| owner.value().to_owned()))
     }
@@ -520,7 +535,7 @@ impl Store {
         &self,
         ids: impl IntoIterator<Item = &'a str>,
     ) -> Result<std::collections::HashMap<String, String>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
         let mut owners = std::collections::HashMap::new();
         for id in ids {
@@ -533,7 +548,7 @@ impl Store {
 
     /// One instance's record, with its start params, if it is recorded for `provider`.
     pub fn instance(&self, provider: &str, id: &str) -> Result<Option<InstanceRecord>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(INSTANCES).map_err(db_error)?;
         let Some(value) = table.get((provider, id)).map_err(db_error)? else { return Ok(None) };
         let mut record: InstanceRecord = decode("instance", value.value())?;
@@ -551,7 +566,7 @@ impl Store {
     /// Without their start params (`params` is `None`): [`Store::instance`]
     /// reads one record whole.
     pub fn instances(&self, provider: Option<&str>) -> Result<Vec<InstanceRecord>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(INSTANCES).map_err(db_error)?;
         let mut records = Vec::new();
         // One record that does not decode hides no other: it is named, and
@@ -595,6 +610,11 @@ fn check_not_exposed(data_dir: &Path) -> Result<(), StoreError> {
         return Err(StoreError::Exposed { path: shown, mode });
     }
     Ok(())
+}
+
+/// Open (or create) the state file in `data_dir`, with the host's page cache.
+fn open_database(data_dir: &Path) -> Result<Database, redb::DatabaseError> {
+    Database::builder().set_cache_size(STATE_CACHE_BYTES).create(state_file(data_dir))
 }
 
 fn state_file(data_dir: &Path) -> PathBuf {
@@ -686,7 +706,7 @@ fn decode<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> R
 
 /// Child records in the `children` table.
 struct RedbChildren {
-    db: Arc<Database>,
+    db: Arc<StateDb>,
     writer: Arc<writer::Writer>,
 }
 
@@ -1010,7 +1030,7 @@ mod tests {
             store.put_new_instance(&record("fake", "fake-1")).wait().unwrap();
             // As an older binary could leave it: the index emptied, and an entry
             // for an id that has no record (the counts alike would hide it).
-            let txn = store.db.begin_write().unwrap();
+            let txn = store.db.handle().unwrap().begin_write().unwrap();
             txn.delete_table(INSTANCE_IDS).unwrap();
             txn.open_table(INSTANCE_IDS).unwrap().insert("stale-0", "gone").unwrap();
             txn.commit().unwrap();

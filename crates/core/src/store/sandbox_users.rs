@@ -17,9 +17,8 @@ impl broker_capabilities::sandbox::UidAllocations for Store {
     }
 
     fn recorded(&self, provider: &str) -> Result<Option<u32>, String> {
-        use redb::ReadableDatabase;
         let read = || -> Result<Option<u32>, super::StoreError> {
-            let txn = self.db.begin_read().map_err(db_error)?;
+            let txn = self.db.begin_read()?;
             let table = txn.open_table(SANDBOX_USERS).map_err(db_error)?;
             Ok(table.get(provider).map_err(db_error)?.map(|v| v.value()))
         };
@@ -48,9 +47,8 @@ impl broker_capabilities::sandbox::UidAllocations for Store {
     }
 
     fn shared(&self, provider: &str) -> Result<Vec<std::path::PathBuf>, String> {
-        use redb::ReadableDatabase;
         let read = || -> Result<Vec<std::path::PathBuf>, super::StoreError> {
-            let txn = self.db.begin_read().map_err(db_error)?;
+            let txn = self.db.begin_read()?;
             let table = txn.open_table(SANDBOX_SHARED).map_err(db_error)?;
             match table.get(provider).map_err(db_error)? {
                 Some(bytes) => super::decode("sandbox shared paths", bytes.value()),
@@ -95,8 +93,7 @@ impl Store {
 
     /// Every provider that was given a sandbox uid, with it (removed providers too: the uid stays theirs).
     pub fn sandbox_users(&self) -> Result<Vec<(String, u32)>, super::StoreError> {
-        use redb::ReadableDatabase;
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(SANDBOX_USERS).map_err(db_error)?;
         let mut users = Vec::new();
         for entry in table.iter().map_err(db_error)? {

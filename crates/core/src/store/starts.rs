@@ -11,7 +11,7 @@
 
 use super::{INSTANCES, Store, StoreError, db_error, decode, encoded};
 use broker_capabilities::bindings::StartInstanceParams;
-use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{ReadableTable, TableDefinition};
 
 /// Key: (provider, start key) -> [`PendingStart`] as JSON.
 pub(super) const STARTS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("starts");
@@ -108,7 +108,7 @@ impl Store {
 
     /// `provider`'s pending starts of earlier sessions: calls cut short by the end of their process.
     pub fn interrupted_starts(&self, provider: &str) -> Result<Vec<(String, PendingStart)>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(STARTS).map_err(db_error)?;
         let mut out = Vec::new();
         super::each_of_owner(&table, provider, |key, value| {
@@ -140,7 +140,7 @@ impl Store {
 
     /// `provider`'s stop marks of earlier sessions: stops cut short by the end of their process.
     pub fn interrupted_stops(&self, provider: &str) -> Result<Vec<String>, StoreError> {
-        let txn = self.db.begin_read().map_err(db_error)?;
+        let txn = self.db.begin_read()?;
         let table = txn.open_table(STOPPING).map_err(db_error)?;
         let mut out = Vec::new();
         super::each_of_owner(&table, provider, |id, value| {

@@ -201,9 +201,36 @@ impl Wal {
     /// is torn or not of this generation; the next frame goes after the last.
     pub(crate) fn replay(
         &mut self,
-        mut apply: impl FnMut(&str, &[u8], Option<&[u8]>) -> Result<(), String>,
+        apply: impl FnMut(&str, &[u8], Option<&[u8]>) -> Result<(), String>,
     ) -> Result<usize, WalError> {
         let len = self.file.metadata().map_err(|source| self.io_error(source))?.len();
+        let (frames, end) = self.read_frames(len, apply)?;
+        self.end = end;
+        self.oldest = (frames > 0).then(Instant::now);
+        Ok(frames)
+    }
+
+    /// The frames this process appended since the last restart, each batch
+    /// that was answered as committed and none other (the file past them may
+    /// hold a frame whose batch failed): what a reopened state file is missing.
+    pub(crate) fn replay_committed(
+        &self,
+        apply: impl FnMut(&str, &[u8], Option<&[u8]>) -> Result<(), String>,
+    ) -> Result<usize, WalError> {
+        let (frames, end) = self.read_frames(self.end, apply)?;
+        if end != self.end {
+            let reason = format!("the log's frames end at {end}, not at {} as they were written", self.end);
+            return Err(WalError::CorruptFrame { path: self.path.display().to_string(), offset: end, reason });
+        }
+        Ok(frames)
+    }
+
+    /// The frames before `len`: how many, and where the last one ends.
+    fn read_frames(
+        &self,
+        len: u64,
+        mut apply: impl FnMut(&str, &[u8], Option<&[u8]>) -> Result<(), String>,
+    ) -> Result<(usize, u64), WalError> {
         let mut at = FRAMES_AT;
         let mut frames = 0;
         while at + FRAME_HEADER_LEN as u64 <= len {
@@ -231,9 +258,7 @@ impl Wal {
             frames += 1;
             at = body + size;
         }
-        self.end = at;
-        self.oldest = (frames > 0).then(Instant::now);
-        Ok(frames)
+        Ok((frames, at))
     }
 
     fn frame_crc(&self, at: u64, header: &[u8], payload: &[u8]) -> u32 {

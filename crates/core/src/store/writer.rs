@@ -11,10 +11,13 @@
 //! redb commits it without a sync, except at a checkpoint.
 
 use super::StoreError;
+use super::db::StateDb;
 use super::wal::{Txn, Wal};
 use redb::{Database, Durability};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
 
 /// Writes applied in one transaction at most; the rest wait for the next.
 const MAX_BATCH: usize = 1024;
@@ -162,10 +165,13 @@ pub(crate) struct Writer {
 }
 
 impl Writer {
-    pub(crate) fn start(db: Arc<Database>, mut wal: Wal) -> std::io::Result<Writer> {
+    /// The writer of `state`, whose file is `data_dir`'s state file (opened
+    /// again there after a fault).
+    pub(crate) fn start(state: Arc<StateDb>, data_dir: PathBuf, wal: Wal) -> std::io::Result<Writer> {
         let (queue, jobs) = std::sync::mpsc::channel();
+        let mut writing = Writing { state, data_dir, wal, reopen_at: None };
         let thread =
-            std::thread::Builder::new().name("broker-store-writer".into()).spawn(move || run(&db, &mut wal, &jobs))?;
+            std::thread::Builder::new().name("broker-store-writer".into()).spawn(move || writing.run(&jobs))?;
         Ok(Writer { queue: std::sync::Mutex::new(Some(queue)), thread: std::sync::Mutex::new(Some(thread)) })
     }
 
@@ -201,52 +207,183 @@ impl Drop for Writer {
     }
 }
 
-fn run(db: &Database, wal: &mut Wal, jobs: &Receiver<Message>) {
-    let mut batch: Vec<Box<dyn Job>> = Vec::new();
-    let mut stopping = false;
-    while !stopping {
-        // Idle with frames in the log: checkpoint when they come of age, so a
-        // quiet host's state file holds everything and its log is empty.
-        let first = match wal.idle_for() {
-            Some(wait) => match jobs.recv_timeout(wait) {
-                Ok(message) => Ok(message),
-                Err(RecvTimeoutError::Timeout) => {
-                    let _ = checkpoint(db, wal);
-                    continue;
-                }
-                Err(RecvTimeoutError::Disconnected) => Err(()),
-            },
-            None => jobs.recv().map_err(drop),
-        };
-        match first {
-            Ok(Message::Job(job)) => batch.push(job),
-            Ok(Message::Stop) | Err(()) => break,
-        }
-        while batch.len() < MAX_BATCH {
-            match jobs.try_recv() {
+/// How long a faulted store waits between attempts to open its file again.
+const REOPEN_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a reopen waits for readers to let go of the old handle.
+const READERS_LET_GO: Duration = Duration::from_secs(2);
+
+/// The writer thread's state.
+struct Writing {
+    state: Arc<StateDb>,
+    data_dir: PathBuf,
+    wal: Wal,
+    /// While faulted: when to try opening the file again.
+    reopen_at: Option<Instant>,
+}
+
+impl Writing {
+    fn run(&mut self, jobs: &Receiver<Message>) {
+        let mut batch: Vec<Box<dyn Job>> = Vec::new();
+        let mut stopping = false;
+        while !stopping {
+            // Idle with frames in the log: checkpoint when they come of age, so a
+            // quiet host's state file holds everything and its log is empty.
+            // Faulted: try to reopen the file when it is time, writes or none.
+            let idle = match self.reopen_at {
+                Some(at) => Some(at.saturating_duration_since(Instant::now())),
+                None => self.wal.idle_for(),
+            };
+            let first = match idle {
+                Some(wait) => match jobs.recv_timeout(wait) {
+                    Ok(message) => Ok(message),
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.housekeep();
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => Err(()),
+                },
+                None => jobs.recv().map_err(drop),
+            };
+            match first {
                 Ok(Message::Job(job)) => batch.push(job),
-                Ok(Message::Stop) => {
-                    stopping = true;
-                    break;
+                Ok(Message::Stop) | Err(()) => break,
+            }
+            while batch.len() < MAX_BATCH {
+                match jobs.try_recv() {
+                    Ok(Message::Job(job)) => batch.push(job),
+                    Ok(Message::Stop) => {
+                        stopping = true;
+                        break;
+                    }
+                    Err(_) => break,
                 }
-                Err(_) => break,
+            }
+            if self.reopen_at.is_some_and(|at| at <= Instant::now()) {
+                self.reopen();
+            }
+            self.commit(std::mem::take(&mut batch));
+        }
+        if let Ok(db) = self.state.handle() {
+            let _ = checkpoint(&self.state, &db, &mut self.wal);
+        }
+    }
+
+    /// While idle: reopen a faulted file, or checkpoint an aged log.
+    fn housekeep(&mut self) {
+        if self.reopen_at.is_some() {
+            self.reopen();
+        } else if let Ok(db) = self.state.handle()
+            && checkpoint(&self.state, &db, &mut self.wal).is_ok()
+            && !self.wal.unsettled()
+        {
+            // A log that failed is settled by the checkpoint: writes are taken again.
+            self.state.log_settled();
+        }
+        self.note_fault();
+    }
+
+    /// After a failure: if it faulted the store, reopen soon.
+    fn note_fault(&mut self) {
+        if self.state.is_faulted() && self.reopen_at.is_none() {
+            self.reopen_at = Some(Instant::now());
+        }
+    }
+
+    /// Apply and commit a batch; on a failure, each job again in its own
+    /// transaction, unless the file itself failed.
+    fn commit(&mut self, mut batch: Vec<Box<dyn Job>>) {
+        let _span = tracing::debug_span!("store_commit", writes = batch.len()).entered();
+        let db = match self.state.handle() {
+            Ok(db) => db,
+            Err(refused) => {
+                for job in batch {
+                    finish(job, Err(refused.clone()));
+                }
+                return;
+            }
+        };
+        let outcome = apply_all(&self.state, &db, &mut self.wal, &mut batch);
+        match &outcome {
+            Ok(()) => self.state.log_settled(),
+            Err(StoreError::Log(cause)) => self.state.log_failed(cause),
+            Err(_) => {}
+        }
+        // A failure of the log or of the file is no job's: retrying each alone would only fail again.
+        if outcome.is_ok() || batch.len() == 1 || matches!(outcome, Err(StoreError::Log(_) | StoreError::Faulted(_))) {
+            for job in batch {
+                finish(job, outcome.clone());
+            }
+            self.note_fault();
+            return;
+        }
+        for mut job in batch {
+            let alone = apply_all(&self.state, &db, &mut self.wal, std::slice::from_mut(&mut job));
+            finish(job, alone);
+        }
+        self.note_fault();
+    }
+
+    /// Close the faulted file and open it again, the log's committed frames
+    /// applied on top (the file's own last writes may not have reached it);
+    /// on a failure, try again later, or give up for good if the file is
+    /// damaged.
+    fn reopen(&mut self) {
+        let _span = tracing::info_span!("store_reopen").entered();
+        self.state.close();
+        match self.reopened() {
+            Ok(db) => {
+                self.state.healed(db);
+                self.reopen_at = None;
+                // The log is in the file now: a new generation, settled.
+                if restarted(&mut self.wal).is_ok() && !self.wal.unsettled() {
+                    self.state.log_settled();
+                }
+            }
+            Err(StoreError::Db(cause) | StoreError::Open { cause, .. }) if super::db::is_io_failure(&cause) => {
+                tracing::warn!(error = %cause, "the state file cannot be reopened yet; trying again");
+                self.reopen_at = Some(Instant::now() + REOPEN_EVERY);
+            }
+            Err(why) => {
+                self.state.fatal(&why);
+                self.reopen_at = Some(Instant::now() + REOPEN_EVERY);
             }
         }
-        commit(db, wal, std::mem::take(&mut batch));
     }
-    let _ = checkpoint(db, wal);
+
+    fn reopened(&self) -> Result<Database, StoreError> {
+        let waited = Instant::now();
+        let db = loop {
+            match super::open_database(&self.data_dir) {
+                Ok(db) => break db,
+                // A reader still holds the old handle.
+                Err(redb::DatabaseError::DatabaseAlreadyOpen) if waited.elapsed() < READERS_LET_GO => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(error) => return Err(StoreError::Db(Arc::new(error.into()))),
+            }
+        };
+        let txn = db.begin_write().map_err(super::db_error)?;
+        let replayed = self
+            .wal
+            .replay_committed(|table, key, value| super::replay_change(&txn, table, key, value))
+            .map_err(|e| StoreError::Log(Arc::new(e)))?;
+        txn.commit().map_err(super::db_error)?;
+        tracing::info!(frames = replayed, "reopened the state file and applied the log's committed writes");
+        Ok(db)
+    }
 }
 
 /// Make the state file hold every logged write (an empty transaction with
 /// redb's durability), then start the log afresh, which also settles it.
 /// A failure is said here and tried again after the checkpoint age.
-fn checkpoint(db: &Database, wal: &mut Wal) -> Result<(), StoreError> {
+fn checkpoint(state: &StateDb, db: &Database, wal: &mut Wal) -> Result<(), StoreError> {
     let _span = tracing::debug_span!("store_checkpoint").entered();
     let committed = db.begin_write().map_err(redb::Error::from).and_then(|txn| txn.commit().map_err(redb::Error::from));
     if let Err(error) = committed {
         tracing::error!(%error, "a checkpoint of the state file failed; the log keeps the writes");
         wal.postpone();
-        return Err(super::db_error(error));
+        return Err(state.failed(error));
     }
     restarted(wal)
 }
@@ -261,27 +398,13 @@ fn restarted(wal: &mut Wal) -> Result<(), StoreError> {
     })
 }
 
-/// Apply and commit a batch; on a failure, each job again in its own
-/// transaction.
-fn commit(db: &Database, wal: &mut Wal, mut batch: Vec<Box<dyn Job>>) {
-    let _span = tracing::debug_span!("store_commit", writes = batch.len()).entered();
-    let outcome = apply_all(db, wal, &mut batch);
-    // A failure of the log is no job's: retrying each alone would only fail again.
-    if outcome.is_ok() || batch.len() == 1 || matches!(outcome, Err(StoreError::Log(_))) {
-        for job in batch {
-            finish(job, outcome.clone());
-        }
-        return;
-    }
-    for mut job in batch {
-        let alone = apply_all(db, wal, std::slice::from_mut(&mut job));
-        finish(job, alone);
-    }
-}
-
 /// One transaction: the jobs applied, their changes logged and synced, then
 /// committed (with redb's own sync only at a checkpoint).
-fn apply_all(db: &Database, wal: &mut Wal, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
+fn apply_all(state: &StateDb, db: &Database, wal: &mut Wal, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
+    apply_batch(state, db, wal, batch).map_err(|failed| state.noted(failed))
+}
+
+fn apply_batch(state: &StateDb, db: &Database, wal: &mut Wal, batch: &mut [Box<dyn Job>]) -> Result<(), StoreError> {
     if wal.unsettled() {
         // A frame on disk may be one whose batch failed: checkpoint and
         // restart the log before anything more is logged, or refuse at once
@@ -289,7 +412,7 @@ fn apply_all(db: &Database, wal: &mut Wal, batch: &mut [Box<dyn Job>]) -> Result
         if let Some(cause) = wal.refusal() {
             return Err(StoreError::Log(cause));
         }
-        checkpoint(db, wal)?;
+        checkpoint(state, db, wal)?;
     }
     let mut txn = db.begin_write().map_err(super::db_error)?;
     let durable = wal.checkpoint_due();
@@ -334,7 +457,7 @@ fn finish(job: Box<dyn Job>, outcome: Result<(), StoreError>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use redb::{ReadableDatabase, TableDefinition};
+    use redb::TableDefinition;
 
     const T: TableDefinition<u64, u64> = TableDefinition::new("t");
 
@@ -356,7 +479,7 @@ mod tests {
         Wal::open(&dir.join("wal"), checkpoints).unwrap()
     }
 
-    fn value(db: &Database, key: u64) -> Option<u64> {
+    fn value(db: &StateDb, key: u64) -> Option<u64> {
         let txn = db.begin_read().unwrap();
         let table = txn.open_table(T).ok()?;
         table.get(key).unwrap().map(|v| v.value())
@@ -365,8 +488,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_writes_commit_together_and_one_failure_fails_only_itself() {
         let dir = tempfile::tempdir().unwrap();
-        let db = Arc::new(Database::create(dir.path().join("db")).unwrap());
-        let writer = Arc::new(Writer::start(db.clone(), wal(dir.path())).unwrap());
+        let db = Arc::new(StateDb::new(Database::create(dir.path().join("state.redb")).unwrap()));
+        let writer = Arc::new(Writer::start(db.clone(), dir.path().to_owned(), wal(dir.path())).unwrap());
         let tasks: Vec<_> = (0..200u64)
             .map(|n| {
                 let writer = writer.clone();
@@ -408,11 +531,11 @@ mod tests {
     #[test]
     fn an_unsettled_log_is_settled_before_the_next_batch() {
         let dir = tempfile::tempdir().unwrap();
-        let db = Arc::new(Database::create(dir.path().join("db")).unwrap());
+        let db = Arc::new(StateDb::new(Database::create(dir.path().join("state.redb")).unwrap()));
         let mut log = wal(dir.path());
         log.append(&mut super::super::wal::tests::frame(&[("t", b"failed", Some(b"1"))])).unwrap();
         log.unsettle(std::io::Error::other("a failed erase, on purpose"));
-        let writer = Arc::new(Writer::start(db.clone(), log).unwrap());
+        let writer = Arc::new(Writer::start(db.clone(), dir.path().to_owned(), log).unwrap());
         assert_eq!(Pending::new(&writer, put(1, 10)).wait().unwrap(), 1);
         // Read while the writer runs: stopping it checkpoints and empties the log.
         let seen = super::super::wal::tests::replayed(&dir.path().join("wal"));
@@ -427,8 +550,8 @@ mod tests {
     #[test]
     fn joined_writes_commit_together_or_not_at_all() {
         let dir = tempfile::tempdir().unwrap();
-        let db = Arc::new(Database::create(dir.path().join("db")).unwrap());
-        let writer = Arc::new(Writer::start(db.clone(), wal(dir.path())).unwrap());
+        let db = Arc::new(StateDb::new(Database::create(dir.path().join("state.redb")).unwrap()));
+        let writer = Arc::new(Writer::start(db.clone(), dir.path().to_owned(), wal(dir.path())).unwrap());
         let first = |key| -> (Box<dyn Job>, std::sync::mpsc::Receiver<Result<u64, StoreError>>) {
             let (reply, answer) = std::sync::mpsc::sync_channel(1);
             (Box::new(Op { op: put(key, 1), result: None, reply: Reply::Thread(reply) }), answer)

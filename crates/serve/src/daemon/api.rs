@@ -208,7 +208,7 @@ method!(get => "GET", post => "POST", put => "PUT", delete => "DELETE");
 /// Every route of the API.
 pub(crate) fn routes() -> Vec<Route> {
     vec![
-        Route::get("/healthz", || async { "ok\n" }),
+        Route::get("/healthz", healthz),
         Route::get("/metrics", metrics),
         Route::get("/openapi.json", openapi),
         Route::get("/v1/providers", list_providers),
@@ -733,6 +733,18 @@ async fn lock_report(State(broker): State<Shared>, Query(query): Query<LockQuery
     Json(broker.lock().report(query.history.min(1000))).into_response()
 }
 
+/// `ok`, or 503 with the store's fault while it refuses writes: a supervisor
+/// or a balancer sees that this daemon cannot serve now.
+async fn healthz(State(broker): State<Shared>) -> Response {
+    match broker.store().health().fault {
+        None => "ok\n".into_response(),
+        Some(fault) => {
+            let report = ErrorReport::new(ErrorKind::Storage, fault.refusal().to_string());
+            ApiError(StatusCode::SERVICE_UNAVAILABLE, report).into_response()
+        }
+    }
+}
+
 /// Prometheus text format: per provider version (serving, or retired within
 /// the last ten minutes), its calls, instantiations and breaker; and the swaps so far.
 async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
@@ -780,28 +792,74 @@ async fn metrics(State(broker): State<Shared>) -> ApiResult<Response> {
         }
     }
     let mirror = broker.store().kv().mirror_stats();
-    text.push_str("# HELP broker_kv_mirror_bytes Keys and values of the kv namespaces held in memory.\n");
-    text.push_str("# TYPE broker_kv_mirror_bytes gauge\n");
-    text.push_str(&format!("broker_kv_mirror_bytes {}\n", mirror.bytes));
-    text.push_str("# HELP broker_kv_mirror_namespaces Kv namespaces held in memory.\n");
-    text.push_str("# TYPE broker_kv_mirror_namespaces gauge\n");
-    text.push_str(&format!("broker_kv_mirror_namespaces {}\n", mirror.namespaces));
-    text.push_str("# HELP broker_kv_mirror_loads_total Kv namespaces read from the state file into memory.\n");
-    text.push_str("# TYPE broker_kv_mirror_loads_total counter\n");
-    text.push_str(&format!("broker_kv_mirror_loads_total {}\n", mirror.loads));
-    text.push_str(
-        "# HELP broker_kv_mirror_evictions_total Clean kv namespaces let go of memory to keep within the mirror's budget.\n",
-    );
-    text.push_str("# TYPE broker_kv_mirror_evictions_total counter\n");
-    text.push_str(&format!("broker_kv_mirror_evictions_total {}\n", mirror.evictions));
+    let health = broker.store().health();
     let swaps = broker.registry().swap_counts();
-    text.push_str("# HELP broker_swaps_total Providers swapped since the daemon started.\n");
-    text.push_str("# TYPE broker_swaps_total counter\n");
-    text.push_str(&format!("broker_swaps_total {}\n", swaps.swapped.load(Ordering::Relaxed)));
-    text.push_str("# HELP broker_swap_refusals_total Swap candidates refused since the daemon started.\n");
-    text.push_str("# TYPE broker_swap_refusals_total counter\n");
-    text.push_str(&format!("broker_swap_refusals_total {}\n", swaps.refused.load(Ordering::Relaxed)));
+    let host_wide: [(&str, &str, &str, u64); 10] = [
+        (
+            "broker_kv_mirror_bytes",
+            "gauge",
+            "Keys and values of the kv namespaces held in memory.",
+            mirror.bytes as u64,
+        ),
+        ("broker_kv_mirror_namespaces", "gauge", "Kv namespaces held in memory.", mirror.namespaces as u64),
+        (
+            "broker_kv_mirror_loads_total",
+            "counter",
+            "Kv namespaces read from the state file into memory.",
+            mirror.loads,
+        ),
+        (
+            "broker_kv_mirror_evictions_total",
+            "counter",
+            "Clean kv namespaces let go of memory to keep within the mirror's budget.",
+            mirror.evictions,
+        ),
+        (
+            "broker_store_faulted",
+            "gauge",
+            "1 while the state file or its log is faulted and writes are refused.",
+            u64::from(health.fault.is_some()),
+        ),
+        (
+            "broker_store_faults_total",
+            "counter",
+            "I/O failures of the state file or its log that made the host refuse writes.",
+            health.faults,
+        ),
+        (
+            "broker_store_reopens_total",
+            "counter",
+            "Faults of the state file or its log that ended (a reopen, a settled log).",
+            health.heals,
+        ),
+        (
+            "broker_swaps_total",
+            "counter",
+            "Providers swapped since the daemon started.",
+            swaps.swapped.load(Ordering::Relaxed),
+        ),
+        (
+            "broker_swap_refusals_total",
+            "counter",
+            "Swap candidates refused since the daemon started.",
+            swaps.refused.load(Ordering::Relaxed),
+        ),
+        (
+            "broker_store_faulted_seconds",
+            "gauge",
+            "How long the current fault has lasted (0: none).",
+            fault_seconds(&health),
+        ),
+    ];
+    for (name, kind, help, value) in host_wide {
+        text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"));
+    }
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+}
+
+/// How long the store's current fault has lasted, in whole seconds.
+fn fault_seconds(health: &broker_core::store::Health) -> u64 {
+    health.fault.as_ref().map_or(0, |fault| fault.since.elapsed().unwrap_or_default().as_secs())
 }
 
 #[cfg(test)]

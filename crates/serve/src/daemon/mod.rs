@@ -101,8 +101,26 @@ pub async fn serve(
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let stopped_at = Arc::new(std::sync::OnceLock::new());
     let noting = stopped_at.clone();
+    // A state file that cannot be opened again stops the daemon (non-zero)
+    // for its supervisor: serving on refusing every write helps nobody.
+    let fatal = Arc::new(std::sync::OnceLock::new());
+    let (watched, noting_fatal) = (broker.clone(), fatal.clone());
     tokio::spawn(async move {
-        shutdown.await;
+        let store_failed = async {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                if let Some(fault) = watched.store().health().fault.filter(|fault| fault.fatal) {
+                    return fault;
+                }
+            }
+        };
+        tokio::select! {
+            () = shutdown => {}
+            fault = store_failed => {
+                tracing::error!(cause = %fault.refusal(), "the state file cannot be reopened: stopping");
+                let _ = noting_fatal.set(fault);
+            }
+        }
         let _ = noting.set(std::time::Instant::now());
         let _ = stop.send(true);
     });
@@ -163,5 +181,10 @@ pub async fn serve(
             "calls whose clients went away were still running when the drain ran out: they are cut short"
         );
     }
-    Ok(())
+    match fatal.get() {
+        Some(fault) => {
+            Err(anyhow::Error::new(fault.refusal()).context("the daemon stopped: its state file cannot be reopened"))
+        }
+        None => Ok(()),
+    }
 }

@@ -18,3 +18,4 @@ mod quotas;
 mod readme;
 mod secrets;
 mod slow_clients;
+mod store_faults;
