@@ -46,12 +46,19 @@ pub struct SalvageReport {
     pub tables: Vec<TableReport>,
     /// Where the damaged file was kept (`recover` only).
     pub kept_as: Option<String>,
+    /// The file was not closed cleanly (its process was killed): nothing is
+    /// wrong with it, the next open repairs it. `check` then reads a repaired
+    /// copy, its write-ahead log applied, as the next open will see it.
+    pub unclean: bool,
+    /// `recover`: each table of the new store once the write-ahead log is
+    /// applied on top of what was salvaged (`tables`): what the host will see.
+    pub with_log: Option<Vec<TableReport>>,
 }
 
 impl SalvageReport {
     fn of(path: &Path) -> SalvageReport {
         let path = path.display().to_string();
-        SalvageReport { path, unopenable: None, tables: Vec::new(), kept_as: None }
+        SalvageReport { path, unopenable: None, tables: Vec::new(), kept_as: None, unclean: false, with_log: None }
     }
 
     /// True when everything could be read and decoded.
@@ -256,6 +263,10 @@ fn open_damaged<D>(
 pub fn check(data_dir: &Path) -> Result<SalvageReport, StoreError> {
     let path = state_file(data_dir);
     let mut report = SalvageReport::of(&path);
+    if matches!(caught(|| redb::ReadOnlyDatabase::open(&path)), Ok(Err(redb::DatabaseError::RepairAborted))) {
+        report.unclean = true;
+        return check_a_repaired_copy(data_dir, report);
+    }
     let db = match open_damaged(&path, || redb::ReadOnlyDatabase::open(&path))? {
         Opened::Opened(db) => db,
         Opened::Damaged(why) => {
@@ -266,6 +277,54 @@ pub fn check(data_dir: &Path) -> Result<SalvageReport, StoreError> {
     match each_table(&db, None) {
         Ok(tables) => report.tables = tables,
         Err(why) => report.unopenable = Some(why),
+    }
+    Ok(report)
+}
+
+/// A state file that was not closed cleanly, checked as the next open will
+/// see it: a copy (with its log) in a private directory in `data_dir`,
+/// opened as a store (repaired, the log applied), then read; the copy goes.
+fn check_a_repaired_copy(data_dir: &Path, mut report: SalvageReport) -> Result<SalvageReport, StoreError> {
+    let io = |at: &Path, e: std::io::Error| StoreError::Open {
+        path: at.display().to_string(),
+        cause: std::sync::Arc::new(redb::Error::Io(e)),
+    };
+    // Mode 0700: the copy holds every provider's kv, as the state file does.
+    let scratch = tempfile::Builder::new().prefix(".store-check-").tempdir_in(data_dir).map_err(|e| io(data_dir, e))?;
+    for file in ["state.redb", "state.wal"] {
+        let (from, to) = (data_dir.join(file), scratch.path().join(file));
+        match std::fs::symlink_metadata(&from) {
+            Ok(meta) if meta.is_file() => {
+                std::fs::copy(&from, &to).map_err(|e| io(&to, e))?;
+            }
+            Ok(_) => {
+                let reason = format!("{file} is not a regular file; nothing was changed");
+                return Err(StoreError::Damaged { path: from.display().to_string(), reason });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&from, e)),
+        }
+    }
+    match caught(|| super::Store::open(scratch.path())) {
+        Ok(Ok(store)) => drop(store),
+        Ok(Err(error)) => {
+            report.unopenable = Some(format!("it was not closed cleanly, and a repaired copy does not open: {error}"));
+            return Ok(report);
+        }
+        Err(payload) => {
+            let why =
+                format!("it was not closed cleanly, and redb panicked repairing a copy: {}", panic_text(&*payload));
+            report.unopenable = Some(why);
+            return Ok(report);
+        }
+    }
+    let copy = scratch.path().join("state.redb");
+    match open_damaged(&copy, || redb::ReadOnlyDatabase::open(&copy))? {
+        Opened::Opened(db) => match each_table(&db, None) {
+            Ok(tables) => report.tables = tables,
+            Err(why) => report.unopenable = Some(why),
+        },
+        Opened::Damaged(why) => report.unopenable = Some(why),
     }
     Ok(report)
 }
@@ -311,6 +370,14 @@ pub fn recover(data_dir: &Path) -> Result<SalvageReport, StoreError> {
     std::fs::rename(&fresh, &path).map_err(|e| io(&path, e))?;
     std::fs::File::open(data_dir).and_then(|dir| dir.sync_all()).map_err(|e| io(data_dir, e))?;
     drop(from);
+    // The new file opens as a store: the log applied, the id index made. What
+    // it then holds is the answer, not only what the damaged file gave.
+    drop(super::Store::open(data_dir)?);
+    let reopened = open_damaged(&path, || redb::ReadOnlyDatabase::open(&path))?;
+    report.with_log = match reopened {
+        Opened::Opened(db) => Some(each_table(&db, None).map_err(salvage_error)?),
+        Opened::Damaged(why) => return Err(StoreError::Damaged { path: path.display().to_string(), reason: why }),
+    };
     Ok(report)
 }
 

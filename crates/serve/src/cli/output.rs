@@ -254,6 +254,12 @@ pub(crate) fn salvage_report(
     report: &broker_core::store::salvage::SalvageReport,
 ) -> std::io::Result<()> {
     writeln!(out, "state file: {}", esc(&report.path))?;
+    if report.unclean {
+        writeln!(
+            out,
+            "not closed cleanly (the process that had it open was stopped): the next open repairs it; below, a repaired copy with its write-ahead log applied"
+        )?;
+    }
     if let Some(why) = &report.unopenable {
         writeln!(out, "cannot be opened: {}", esc(why))?;
     }
@@ -270,6 +276,12 @@ pub(crate) fn salvage_report(
     }
     if let Some(kept) = &report.kept_as {
         writeln!(out, "the damaged file is kept as {}", esc(kept))?;
+    }
+    if let Some(tables) = &report.with_log {
+        writeln!(out, "the new state file, its write-ahead log applied:")?;
+        for table in tables {
+            writeln!(out, "{:<18} {:>8} entries", table.table, table.readable)?;
+        }
     }
     Ok(())
 }

@@ -129,3 +129,52 @@ fn a_full_disk_refuses_writes_with_its_cause_then_heals_without_a_restart() {
     drop(daemon);
     drop(disk);
 }
+
+/// After a daemon is killed its state file is not closed cleanly: `store
+/// check` says so, and that the next open repairs it, and reads what that
+/// open will see (the log applied) without changing a byte; `store recover`
+/// reports the rows of the store it made, the log applied.
+#[test]
+fn store_check_and_recover_after_a_sigkill_report_what_the_next_open_sees() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let manifest = fake_manifest(dir.path(), "");
+    let mut daemon = Daemon::start(&data);
+    daemon.json("POST", "/v1/providers", Some(&format!("{{\"manifest\":\"{manifest}\"}}")));
+    for _ in 0..7 {
+        assert!(started(&start(&daemon)));
+    }
+    daemon.child.kill().unwrap();
+    daemon.child.wait().unwrap();
+    let state = data.join("state.redb");
+    let before = (std::fs::read(&state).unwrap(), std::fs::read(data.join("state.wal")).unwrap());
+
+    let checked = crate::common::broker(&data, &["store", "check"]);
+    let said = String::from_utf8_lossy(&checked.stdout);
+    assert_eq!(checked.status.code(), Some(0), "{checked:?}");
+    assert!(said.contains("not closed cleanly") && said.contains("the next open repairs it"), "{said}");
+    assert!(!said.contains("cannot be opened"), "{said}");
+    let rows = |text: &str, table: &str| -> Vec<u64> {
+        let lines = text.lines().filter(|l| l.split_whitespace().next() == Some(table));
+        lines.map(|l| l.split_whitespace().nth(1).unwrap().parse().unwrap()).collect()
+    };
+    assert_eq!(rows(&said, "instances"), [7], "{said}");
+    let checked = crate::common::broker(&data, &["store", "check", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&checked.stdout).unwrap();
+    assert_eq!(report["unclean"], true, "{report}");
+    // Checked, not changed: the same bytes, and no copy left behind.
+    let after = (std::fs::read(&state).unwrap(), std::fs::read(data.join("state.wal")).unwrap());
+    assert!(before == after, "store check changed the state file or its log");
+    let names: Vec<String> =
+        std::fs::read_dir(&data).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(!names.iter().any(|n| n.starts_with(".store-check-")), "{names:?}");
+
+    let recovered = crate::common::broker(&data, &["store", "recover"]);
+    let said = String::from_utf8_lossy(&recovered.stdout);
+    assert_eq!(recovered.status.code(), Some(0), "{recovered:?}");
+    let (_, with_log) = said.split_once("its write-ahead log applied:").expect("the rows after the log");
+    assert_eq!(rows(with_log, "instances"), [7], "{said}");
+    let daemon = Daemon::start(&data);
+    let (_, listed) = daemon.json("GET", "/v1/instances", None);
+    assert_eq!(listed.as_array().unwrap().len(), 7, "{listed}");
+}
