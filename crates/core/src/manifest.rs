@@ -315,6 +315,12 @@ impl Method {
         Method::MaintainInstance,
     ];
 
+    /// Whether it changes nothing the host records: `describe`,
+    /// `validate-config`, `all-instances`.
+    pub fn is_read_only(self) -> bool {
+        matches!(self, Method::Describe | Method::ValidateConfig | Method::AllInstances)
+    }
+
     /// As manifests (`[limits.deadlines]`) and errors spell it: `start-instance`.
     pub fn name(self) -> &'static str {
         match self {

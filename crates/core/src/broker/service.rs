@@ -66,6 +66,20 @@ pub enum BrokerServiceError {
         /// Those providers, comma-separated.
         providers: String,
     },
+    /// A start would take the provider past its declared bound of records: refused before it ran.
+    #[error(
+        "provider {provider} is at its bound of {bound} instances (limits.max-records in its manifest): {recorded} recorded, {starting} more starting; stop some, or raise the bound, before starting more"
+    )]
+    AtRecordBound {
+        /// The provider.
+        provider: String,
+        /// Its `max-records`.
+        bound: usize,
+        /// Instances recorded for it.
+        recorded: usize,
+        /// Its starts under way.
+        starting: usize,
+    },
     /// A started instance could not be recorded, so it was stopped.
     #[error("provider {provider}: started {id} but could not record it ({}); the instance was stopped again", broker_capabilities::error_text::cause_text(.cause))]
     RecordFailed {
@@ -416,6 +430,13 @@ impl Broker {
         claimed_any: &std::sync::atomic::AtomicBool,
     ) -> Result<InstanceRecord, BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
+        // Its records and its starts under way stay within what it declares it
+        // lists in one answer: refused here, before anything is made.
+        let bound = wasm.manifest().limits.max_records;
+        let slot = self.store.record_counts().reserve(provider, bound).map_err(|at| {
+            let provider = provider.to_owned();
+            BrokerServiceError::AtRecordBound { provider, bound, recorded: at.recorded, starting: at.starting }
+        })?;
         self.unsettled.wait(provider).await;
         self.prepare_host(params, hooks).await?;
         // What the provider makes outside the store can outlive this call:
@@ -486,7 +507,7 @@ impl Broker {
         };
         // One commit: the provider's state of the instance and the host's record
         // of it are durable together (a crash between them cannot orphan it).
-        match self.store.put_started_instance(&record, writes, pending).await {
+        match self.store.put_started_instance(&record, writes, pending, slot).await {
             Ok(None) => Ok(record),
             // Not stopped: the id may well name the other provider's instance (two
             // providers over one backend), and stopping it there would be worse.
@@ -654,9 +675,8 @@ impl Broker {
         method: crate::manifest::Method,
         params: Option<&serde_json::Value>,
     ) -> Result<serde_json::Value, BrokerServiceError> {
-        use crate::manifest::Method;
         use crate::version::by_name::{ByNameError, call_by_name};
-        if matches!(method, Method::StartInstance | Method::StopInstances | Method::MaintainInstance) {
+        if !method.is_read_only() {
             return Err(BrokerServiceError::Recorded(method));
         }
         let wasm = self.registry.get(provider).await?;

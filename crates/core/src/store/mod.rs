@@ -7,6 +7,7 @@
 //! `state.wal` makes each batch of writes durable with one small append
 //! ([`wal`]); redb's own sync runs only at checkpoints.
 
+mod counts;
 mod db;
 mod devices;
 mod events;
@@ -19,6 +20,7 @@ mod starts;
 mod wal;
 mod writer;
 
+pub use counts::{AtBound, RecordCounts, StartSlot};
 pub use db::{Fault, FaultCause, Health};
 pub use events::{Event, EventKind};
 pub use groups::GroupRecord;
@@ -186,6 +188,8 @@ pub struct Store {
     session: u64,
     /// Pending starts this session has keyed.
     starts_made: std::sync::atomic::AtomicU64,
+    /// Records per provider, and its starts under way.
+    counts: Arc<RecordCounts>,
 }
 
 impl Store {
@@ -277,7 +281,7 @@ impl Store {
         txn.open_table(sandbox_users::SANDBOX_USERS).map_err(db_error)?;
         txn.open_table(sandbox_users::SANDBOX_SHARED).map_err(db_error)?;
         txn.open_table(devices::DEVICE_OWNERS).map_err(db_error)?;
-        index_instance_ids(&txn)?;
+        let counts = Arc::new(RecordCounts::new(index_instance_ids(&txn)?));
         txn.commit().map_err(db_error)?;
         if replayed > 0 {
             tracing::info!(frames = replayed, "applied the writes the log held beyond the last checkpoint");
@@ -299,7 +303,7 @@ impl Store {
         // Random, so no two openings share one, whatever the clock did.
         let session = getrandom::u64().map_err(|e| open_error(redb::Error::Io(std::io::Error::other(e))))?;
         let starts_made = std::sync::atomic::AtomicU64::new(0);
-        Ok(Store { kv, writer, db, data_dir: data_dir.to_owned(), session, starts_made })
+        Ok(Store { kv, writer, db, data_dir: data_dir.to_owned(), session, starts_made, counts })
     }
 
     /// A write through the store's writer (see [`Pending`]).
@@ -309,6 +313,11 @@ impl Store {
         F: FnMut(&Txn<'_>) -> Result<R, StoreError> + Send + 'static,
     {
         Pending::new(&self.writer, op)
+    }
+
+    /// How many instances each provider has recorded, and its starts under way.
+    pub fn record_counts(&self) -> &Arc<RecordCounts> {
+        &self.counts
     }
 
     /// Whether the state file serves, and its faults so far.
@@ -401,7 +410,7 @@ impl Store {
     /// pending start, [`Store::put_started_instance`]; this is the record alone.)
     #[cfg(test)]
     pub(crate) fn put_new_instance(&self, record: &InstanceRecord) -> Pending<Option<String>> {
-        self.put_instance_resolving(record, None, false)
+        self.put_instance_resolving(record, None, false, None)
     }
 
     /// Record an instance unless its id is recorded for another provider
@@ -415,40 +424,51 @@ impl Store {
         record: &InstanceRecord,
         pending: Option<String>,
         fresh: bool,
+        slot: Option<StartSlot>,
     ) -> Pending<Option<String>> {
         let (provider, id) = (record.provider.clone(), record.id.clone());
         let bytes = encoded("instance", &InstanceRecord { params: None, ..record.clone() });
         let params = record.params.as_ref().map(|params| encoded("instance params", params));
-        self.write(move |txn| {
-            let bytes = bytes.as_ref().map_err(Clone::clone)?;
-            let params = params.as_ref().map(|params| params.as_ref().map_err(Clone::clone)).transpose()?;
-            if let Some(key) = &pending {
-                let mut starts = txn.open_table(starts::STARTS).map_err(db_error)?;
-                starts.remove((provider.as_str(), key.as_str())).map_err(db_error)?;
-            }
-            let mut ids = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
-            if let Some(owner) = ids.get(id.as_str()).map_err(db_error)?.map(|owner| owner.value().to_owned())
-                && (owner != provider || fresh)
-            {
-                return Ok(Some(owner));
-            }
-            ids.insert(id.as_str(), provider.as_str()).map_err(db_error)?;
-            let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
-            table.insert((provider.as_str(), id.as_str()), bytes.as_slice()).map_err(db_error)?;
-            let mut stored_params = txn.open_table(INSTANCE_PARAMS).map_err(db_error)?;
-            match params {
-                Some(params) => stored_params.insert((provider.as_str(), id.as_str()), params.as_slice()),
-                None => stored_params.remove((provider.as_str(), id.as_str())),
-            }
-            .map_err(db_error)?;
-            Ok(None)
-        })
+        let (counts, counted) = (self.counts.clone(), provider.clone());
+        let committed = move |added: isize| match slot {
+            Some(slot) => slot.recorded(added),
+            None => counts.committed(&counted, added),
+        };
+        Pending::new_then(
+            &self.writer,
+            move |txn| {
+                let bytes = bytes.as_ref().map_err(Clone::clone)?;
+                let params = params.as_ref().map(|params| params.as_ref().map_err(Clone::clone)).transpose()?;
+                if let Some(key) = &pending {
+                    let mut starts = txn.open_table(starts::STARTS).map_err(db_error)?;
+                    starts.remove((provider.as_str(), key.as_str())).map_err(db_error)?;
+                }
+                let mut ids = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
+                if let Some(owner) = ids.get(id.as_str()).map_err(db_error)?.map(|owner| owner.value().to_owned())
+                    && (owner != provider || fresh)
+                {
+                    return Ok((Some(owner), 0));
+                }
+                ids.insert(id.as_str(), provider.as_str()).map_err(db_error)?;
+                let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
+                let replaced =
+                    table.insert((provider.as_str(), id.as_str()), bytes.as_slice()).map_err(db_error)?.is_some();
+                let mut stored_params = txn.open_table(INSTANCE_PARAMS).map_err(db_error)?;
+                match params {
+                    Some(params) => stored_params.insert((provider.as_str(), id.as_str()), params.as_slice()),
+                    None => stored_params.remove((provider.as_str(), id.as_str())),
+                }
+                .map_err(db_error)?;
+                Ok((None, if replaced { 0 } else { 1 }))
+            },
+            committed,
+        )
     }
 
     /// Record an instance whose start was left pending as `key` by an earlier
     /// process, removing the pending start in the same commit.
     pub(crate) fn put_adopted_instance(&self, record: &InstanceRecord, key: &str) -> Pending<Option<String>> {
-        self.put_instance_resolving(record, Some(key.to_owned()), false)
+        self.put_instance_resolving(record, Some(key.to_owned()), false, None)
     }
 
     /// Record an instance a provider has just started, unless its id is
@@ -457,13 +477,17 @@ impl Store {
     /// kv changes of the call that started the instance (the provider's own
     /// state and the host's record of it are durable together or not at
     /// all), and the removal of its pending start, `pending`.
+    /// `slot`, the start's place under its provider's bound, becomes the
+    /// record's in the same step as the commit, so the instance is never
+    /// counted twice.
     pub(crate) fn put_started_instance(
         &self,
         record: &InstanceRecord,
         writes: KvWrites,
         pending: Option<String>,
+        slot: StartSlot,
     ) -> Pending<Option<String>> {
-        let put = self.put_instance_resolving(record, pending, true);
+        let put = self.put_instance_resolving(record, pending, true, Some(slot));
         match self.kv.persist_job(writes) {
             Some(persist) => put.joined(persist),
             None => put,
@@ -473,23 +497,31 @@ impl Store {
     /// Remove records, and their stop marks, in one transaction; unknown ids are ignored.
     pub fn remove_instances(&self, provider: &str, ids: &[String]) -> Pending<()> {
         let (provider, removed) = (provider.to_owned(), ids.to_vec());
-        self.write(move |txn| {
-            let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
-            let mut owners = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
-            let mut marks = txn.open_table(starts::STOPPING).map_err(db_error)?;
-            let mut params = txn.open_table(INSTANCE_PARAMS).map_err(db_error)?;
-            for id in &removed {
-                marks.remove((provider.as_str(), id.as_str())).map_err(db_error)?;
-                params.remove((provider.as_str(), id.as_str())).map_err(db_error)?;
-                if table.remove((provider.as_str(), id.as_str())).map_err(db_error)?.is_some() {
-                    let owned = owners.get(id.as_str()).map_err(db_error)?.is_some_and(|o| o.value() == provider);
-                    if owned {
-                        owners.remove(id.as_str()).map_err(db_error)?;
+        let (counts, counted) = (self.counts.clone(), provider.clone());
+        let committed = move |gone: isize| counts.committed(&counted, -gone);
+        Pending::new_then(
+            &self.writer,
+            move |txn| {
+                let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
+                let mut owners = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
+                let mut marks = txn.open_table(starts::STOPPING).map_err(db_error)?;
+                let mut params = txn.open_table(INSTANCE_PARAMS).map_err(db_error)?;
+                let mut gone = 0;
+                for id in &removed {
+                    marks.remove((provider.as_str(), id.as_str())).map_err(db_error)?;
+                    params.remove((provider.as_str(), id.as_str())).map_err(db_error)?;
+                    if table.remove((provider.as_str(), id.as_str())).map_err(db_error)?.is_some() {
+                        gone += 1;
+                        let owned = owners.get(id.as_str()).map_err(db_error)?.is_some_and(|o| o.value() == provider);
+                        if owned {
+                            owners.remove(id.as_str()).map_err(db_error)?;
+                        }
                     }
                 }
-            }
-            Ok(())
-        })
+                Ok(((), gone))
+            },
+            committed,
+        )
     }
 
     /// Set `labels` among the instance config tags of `provider`'s record of
@@ -635,20 +667,26 @@ fn held_by_another(path: &Path) -> bool {
 /// the index then says exactly what the records say. Ids recorded for two
 /// providers by a host from before the ownership check keep the owner whose
 /// record sorts first, and are reported.
-fn index_instance_ids(txn: &redb::WriteTransaction) -> Result<(), StoreError> {
+/// Returns how many records each provider has.
+fn index_instance_ids(txn: &redb::WriteTransaction) -> Result<std::collections::HashMap<String, usize>, StoreError> {
     txn.delete_table(INSTANCE_IDS).map_err(db_error)?;
     let instances = txn.open_table(INSTANCES).map_err(db_error)?;
     let mut ids = txn.open_table(INSTANCE_IDS).map_err(db_error)?;
+    let mut counts = std::collections::HashMap::<String, usize>::new();
     for entry in instances.iter().map_err(db_error)? {
         let (key, _) = entry.map_err(db_error)?;
         let (provider, id) = key.value();
+        match counts.get_mut(provider) {
+            Some(count) => *count += 1,
+            None => drop(counts.insert(provider.to_owned(), 1)),
+        }
         let owner = ids.get(id).map_err(db_error)?.map(|owner| owner.value().to_owned());
         match owner {
             None => drop(ids.insert(id, provider).map_err(db_error)?),
             Some(owner) => tracing::warn!(instance_id = id, owner, also = provider, "an instance id is recorded twice"),
         }
     }
-    Ok(())
+    Ok(counts)
 }
 
 /// Apply a change the log holds to the table it names. Every table the

@@ -55,7 +55,8 @@ impl<T> Reply<T> {
 struct Op<R, F> {
     op: F,
     result: Option<R>,
-    reply: Reply<Result<R, StoreError>>,
+    /// None inside a [`Then`], which answers.
+    reply: Option<Reply<Result<R, StoreError>>>,
 }
 
 impl<R: Send, F: FnMut(&Txn<'_>) -> Result<R, StoreError> + Send> Job for Op<R, F> {
@@ -66,7 +67,44 @@ impl<R: Send, F: FnMut(&Txn<'_>) -> Result<R, StoreError> + Send> Job for Op<R, 
 
     fn finish(self: Box<Self>, committed: Result<(), StoreError>) {
         let Op { result, reply, .. } = *self;
-        reply.send(committed.and_then(|()| result.ok_or(StoreError::Closed)));
+        if let Some(reply) = reply {
+            reply.send(committed.and_then(|()| result.ok_or(StoreError::Closed)));
+        }
+    }
+}
+
+/// An [`Op`] whose result's second part goes to `committed` once it commits.
+struct Then<T, A, F, C> {
+    op: Op<(T, A), F>,
+    committed: Option<C>,
+    reply: Option<Reply<Result<T, StoreError>>>,
+}
+
+impl<T, A, F, C> Job for Then<T, A, F, C>
+where
+    T: Send,
+    A: Send,
+    F: FnMut(&Txn<'_>) -> Result<(T, A), StoreError> + Send,
+    C: FnOnce(A) + Send,
+{
+    fn apply(&mut self, txn: &Txn<'_>) -> Result<(), StoreError> {
+        self.op.apply(txn)
+    }
+
+    fn finish(mut self: Box<Self>, outcome: Result<(), StoreError>) {
+        let answer = match (outcome, self.op.result.take()) {
+            (Ok(()), Some((value, change))) => {
+                if let Some(committed) = self.committed.take() {
+                    committed(change);
+                }
+                Ok(value)
+            }
+            (Ok(()), None) => Err(StoreError::Closed),
+            (Err(failed), _) => Err(failed),
+        };
+        if let Some(reply) = self.reply.take() {
+            reply.send(answer);
+        }
     }
 }
 
@@ -87,7 +125,21 @@ impl<T: Send + 'static> Pending<T> {
     where
         F: FnMut(&Txn<'_>) -> Result<T, StoreError> + Send + 'static,
     {
-        Self::with_job(writer, move |reply| Box::new(Op { op, result: None, reply }))
+        Self::with_job(writer, move |reply| Box::new(Op { op, result: None, reply: Some(reply) }))
+    }
+
+    /// A write whose op also returns what `committed` is to be given once its
+    /// transaction commits (and only then): what the host keeps in memory
+    /// beside the file, such as its count of records, follows the commits.
+    pub(crate) fn new_then<A, F, C>(writer: &Arc<Writer>, op: F, committed: C) -> Pending<T>
+    where
+        A: Send + 'static,
+        F: FnMut(&Txn<'_>) -> Result<(T, A), StoreError> + Send + 'static,
+        C: FnOnce(A) + Send + 'static,
+    {
+        Self::with_job(writer, move |reply| {
+            Box::new(Then { op: Op { op, result: None, reply: None }, committed: Some(committed), reply: Some(reply) })
+        })
     }
 
     /// A write whose job is its own (see [`Job`]): the kv's, which also keeps its mirror.
@@ -554,7 +606,7 @@ mod tests {
         let writer = Arc::new(Writer::start(db.clone(), dir.path().to_owned(), wal(dir.path())).unwrap());
         let first = |key| -> (Box<dyn Job>, std::sync::mpsc::Receiver<Result<u64, StoreError>>) {
             let (reply, answer) = std::sync::mpsc::sync_channel(1);
-            (Box::new(Op { op: put(key, 1), result: None, reply: Reply::Thread(reply) }), answer)
+            (Box::new(Op { op: put(key, 1), result: None, reply: Some(Reply::Thread(reply)) }), answer)
         };
         let (job, first_answer) = first(1);
         assert_eq!(Pending::new(&writer, put(2, 2)).joined(job).wait().unwrap(), 2);

@@ -675,18 +675,28 @@ impl ProviderVersion {
 
     fn observe(&self, method: Method, outcome: Outcome, began: Instant) {
         self.stats.methods.get(method).observe(outcome, began.elapsed());
+        // A read-only call that answered more than a bound lets it hold (a
+        // listing past max-records) is refused, not a sign that the provider
+        // is failing: tripping on it would refuse the stops that bring the
+        // count back down.
+        if method.is_read_only() && outcome == Outcome::Limit {
+            return;
+        }
         if self.breaker.record(outcome, Instant::now()) {
             tracing::warn!(provider = &*self.name, policy = %self.breaker.describe(), "provider half-open");
         }
     }
 
     /// A half-open provider serves again only after an `all-instances` that
-    /// answers; concurrent calls share one re-observe.
+    /// answers; concurrent calls share one re-observe. Its first page is
+    /// enough (one instance asked for): a provider that lists more than it
+    /// may hold still answers, and the stops that bring it back within its
+    /// bound must not wait on a whole listing that can never pass.
     async fn reobserve(&self, method: Method) -> Result<(), CallError> {
         let probe = || async {
             let began = Instant::now();
             let (probe, unpersisted) =
-                self.run_call(Method::AllInstances, &CallHooks::default(), self.invoke_all_instances()).await;
+                self.run_call(Method::AllInstances, &CallHooks::default(), first_page_answers).await;
             let probe = match self.persist(Method::AllInstances, unpersisted).await {
                 Ok(()) => probe,
                 Err(failed) => Err(failed),
@@ -986,6 +996,20 @@ fn page_of_whole(all: Vec<ListedInstance>, asked: &PageRequest) -> InstancePage 
     rest.truncate(asked.size as usize);
     let next = if more { rest.last().map(|listed| listed.instance.id.clone()) } else { None };
     InstancePage { instances: rest, next }
+}
+
+/// The re-observe: the first page of `all-instances`, one instance asked for,
+/// answered (a provider of 0.2.0 or before answers them all; whatever it is,
+/// the answer is dropped here).
+fn first_page_answers<'a>(
+    store: &'a mut Store<HostState>,
+    exports: &'a Exports,
+    ctx: Resource<CallContext>,
+) -> CallFuture<'a, ()> {
+    Box::pin(async move {
+        let page = PageRequest { cursor: None, size: 1 };
+        Ok(exports.all_instances(store, &ctx, &page).await?.map(drop))
+    })
 }
 
 /// An `all-instances` answer longer than `max-records`.

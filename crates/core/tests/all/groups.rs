@@ -596,23 +596,21 @@ async fn a_pass_starts_a_bounded_batch() {
 #[tokio::test]
 async fn a_listing_the_provider_cannot_answer_stops_or_replaces_no_member() {
     let dir = tempfile::tempdir().unwrap();
-    let broker = Arc::new(Broker::open(&dir.path().join("data")).unwrap());
-    let manifest = write_manifest(
-        dir.path(),
-        "fake",
-        "fake",
-        "[limits]\nmemory-mib = 64\nmax-records = 2\n[grants]\nkv = true\n[config]\n",
-    );
-    broker.registry().add(&manifest).await.unwrap();
+    let limits =
+        |bound: usize| format!("[limits]\nmemory-mib = 64\nmax-records = {bound}\n[grants]\nkv = true\n[config]\n");
+    let manifest = write_manifest(dir.path(), "fake", "fake", &limits(3));
     let settings = GroupSettings { poll: Duration::from_millis(50), ..GroupSettings::default() };
-    let groups = Groups::new(broker.clone(), settings);
-    groups.commit_text(&sized(3), false).await.unwrap();
-    // Listed before any start: three start (the pass's own look after them
-    // may already be over the limit). From then on every answer is.
-    match groups.converge_once("workers").await {
-        Ok(pass) => assert_eq!(pass, Pass::Changed),
-        Err(failed) => assert!(failed.to_string().contains("max-records limit of 2"), "{failed}"),
+    {
+        let broker = Arc::new(Broker::open(&dir.path().join("data")).unwrap());
+        broker.registry().add(&manifest).await.unwrap();
+        let groups = Groups::new(broker.clone(), settings);
+        groups.commit_text(&sized(3), false).await.unwrap();
+        assert_eq!(groups.converge_once("workers").await.unwrap(), Pass::Changed);
     }
+    // The operator lowers its bound: from then on every answer is past it.
+    write_manifest(dir.path(), "fake", "fake", &limits(2));
+    let broker = Arc::new(Broker::open(&dir.path().join("data")).unwrap());
+    let groups = Groups::new(broker.clone(), settings);
     let recorded =
         || -> Vec<String> { broker.store().instances(Some("fake")).unwrap().into_iter().map(|r| r.id).collect() };
     let started = recorded();

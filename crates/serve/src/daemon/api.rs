@@ -122,7 +122,9 @@ impl From<BrokerServiceError> for ApiError {
         let status = match &err {
             BrokerServiceError::Registry(e) => registry_status(e),
             BrokerServiceError::UnknownInstance(_) => StatusCode::NOT_FOUND,
-            BrokerServiceError::AmbiguousInstance { .. } => StatusCode::CONFLICT,
+            BrokerServiceError::AmbiguousInstance { .. } | BrokerServiceError::AtRecordBound { .. } => {
+                StatusCode::CONFLICT
+            }
             BrokerServiceError::Recorded(_) | BrokerServiceError::ByName(_) => StatusCode::BAD_REQUEST,
             // The provider answered with an id the host does not take.
             BrokerServiceError::InvalidInstanceId { .. }

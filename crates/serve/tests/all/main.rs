@@ -16,6 +16,7 @@ mod lock;
 mod providers_dir;
 mod quotas;
 mod readme;
+mod record_bound;
 mod secrets;
 mod slow_clients;
 mod store_faults;
