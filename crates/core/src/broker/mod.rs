@@ -3,6 +3,7 @@
 //! start), and the reconcile of records against what providers report.
 
 pub mod host_preparer;
+mod in_flight;
 pub mod reconcile;
 pub mod service;
 

@@ -22,7 +22,8 @@ use clap::ValueEnum;
 pub struct Reconciled {
     /// The provider reconciled.
     pub provider: String,
-    pub(crate) maintained: Vec<String>,
+    /// Instances `maintain-instance` answered for.
+    pub maintained: Vec<String>,
     /// Instance id and why `maintain-instance` failed.
     pub maintain_failed: Vec<(String, String)>,
     /// Reported by the provider, never recorded by the host.
@@ -281,9 +282,15 @@ impl Broker {
             Ok(records) => records,
             Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
         };
+        // Not maintained: what a stop is ending (this process's now, or the
+        // last process's, which the restart's reconcile finishes below).
+        let stopping: HashSet<String> = match self.store().interrupted_stops(name) {
+            Ok(marked) => marked.into_iter().chain(self.in_flight.of(name)).collect(),
+            Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
+        };
         // A few at once: the provider's concurrency bound is shared with the
         // calls the API serves meanwhile, and its own backend has its limits too.
-        let ids: Vec<String> = before.iter().map(|r| r.id.clone()).collect();
+        let ids: Vec<String> = before.iter().map(|r| r.id.clone()).filter(|id| !stopping.contains(id)).collect();
         let maintained: Vec<_> = futures_util::stream::iter(ids)
             .map(|id: String| async move {
                 let outcome = self.maintain_instance(name, &id).await;
@@ -323,6 +330,10 @@ impl Broker {
         // Like with like: the records are read again now the provider has
         // answered. An instance started meanwhile is in both; one stopped
         // meanwhile is in neither the records after nor (likely) the answer.
+        // What this process's starts and stops are still working on is in
+        // one and not yet the other: left out, taken before the records are
+        // read, so a call that ended between the two has its record read.
+        let flying = self.in_flight.of(name);
         let after = match self.store().instances(Some(name)) {
             Ok(records) => records,
             Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
@@ -334,11 +345,13 @@ impl Broker {
         let reported: HashSet<&str> = live.iter().map(|i| i.instance.id.as_str()).collect();
         found.unknown_to_host = (live.iter().map(|i| &i.instance.id))
             .filter(|id| !recorded_after.contains(id.as_str()) && !harvested.contains(id.as_str()))
+            .filter(|id| !flying.contains(*id))
             .cloned()
             .collect();
         found.vanished = before
             .iter()
             .filter(|r| recorded_after.contains(r.id.as_str()) && !reported.contains(r.id.as_str()))
+            .filter(|r| !flying.contains(&r.id))
             .map(|r| r.id.clone())
             .collect();
         found

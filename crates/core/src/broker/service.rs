@@ -145,6 +145,8 @@ pub struct Broker {
     host: HostConfig,
     /// Providers whose starts wait for their first reconcile's harvest.
     pub(super) unsettled: Unsettled,
+    /// The ids this process's starts and stops are working on now.
+    pub(super) in_flight: Arc<super::in_flight::InFlight>,
 }
 
 /// Providers whose new starts wait until the first reconcile after a restart
@@ -314,7 +316,7 @@ impl Broker {
         let mut capabilities = HostCapabilities { backends, data_filesystems, secrets, ..on_host };
         adjust(&mut capabilities);
         let registry = Registry::new(runtime, store.clone(), capabilities);
-        Broker { registry, store, machine_lock, host, unsettled: Unsettled::default() }
+        Broker { registry, store, machine_lock, host, unsettled: Unsettled::default(), in_flight: Arc::default() }
     }
 
     /// The registered providers and the versions loaded for them.
@@ -447,8 +449,10 @@ impl Broker {
             false => None,
         };
         let claimed = Arc::new(std::sync::Mutex::new(None::<String>));
-        let hooks =
-            &CallHooks { claim: Some(self.claim_hook(provider, pending.as_deref(), &claimed)), ..hooks.clone() };
+        // Until this start has recorded what it made, a reconcile beside it leaves that alone.
+        let flying = Arc::new(self.in_flight.call(provider));
+        let claim = self.claim_hook(provider, pending.as_deref(), &claimed, &flying);
+        let hooks = &CallHooks { claim: Some(claim), ..hooks.clone() };
         // A kv-only provider's instance is in the kv changes its call leaves
         // for the record's commit below; were the call dropped midway (a
         // drain cut short), those would be persisted without it. Declared
@@ -472,6 +476,7 @@ impl Broker {
             }
         };
         let instance = &result.instance;
+        flying.note(&instance.id);
         if let Some(reason) = instance_id_problem(&instance.id) {
             // An instance the host cannot record is stopped, as below; the provider
             // gets back the id it chose.
@@ -537,16 +542,21 @@ impl Broker {
         provider: &str,
         key: Option<&str>,
         claimed: &Arc<std::sync::Mutex<Option<String>>>,
+        flying: &Arc<super::in_flight::CallIds>,
     ) -> ClaimFn {
         let (store, provider, claimed) = (self.store.clone(), provider.to_owned(), claimed.clone());
-        let key = key.map(str::to_owned);
+        let (key, flying) = (key.map(str::to_owned), flying.clone());
         Arc::new(move |id: String| {
             let (store, provider, key, claimed) = (store.clone(), provider.clone(), key.clone(), claimed.clone());
+            let flying = flying.clone();
             Box::pin(async move {
                 let invalid = |why: String| Err(BrokerError::InvalidParams(format!("claim-instance-id: {why}")));
                 if let Some(reason) = instance_id_problem(&id) {
                     return invalid(format!("the id {} is not one the host takes: {reason}", id_for_message(&id)));
                 }
+                // Noted before the guest may act on it; a claim refused below is
+                // in flight only as long as this start runs.
+                flying.note(&id);
                 {
                     let mut held = claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                     match held.as_deref() {
@@ -659,6 +669,8 @@ impl Broker {
     #[tracing::instrument(skip(self, ids), fields(instance_ids = ?ids))]
     pub async fn stop_instances(&self, provider: &str, ids: &[String]) -> Result<(), BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
+        let flying = self.in_flight.call(provider);
+        ids.iter().for_each(|id| flying.note(id));
         self.store.mark_stopping(provider, ids).await?;
         wasm.stop_instances(&CallHooks::default(), ids).await?;
         self.store.remove_instances(provider, ids).await?;

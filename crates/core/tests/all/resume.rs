@@ -89,6 +89,29 @@ async fn a_start_killed_after_its_claim_is_adopted_with_its_params() {
     assert!(broker.list_instances(Some("fake")).await.unwrap().is_empty());
 }
 
+/// The reconcile after a restart runs while the API already serves: a start
+/// of this process's that has made its instance but not yet recorded it is
+/// none of the reconcile's business: not "unknown to the host", not adopted
+/// or forgotten; once answered it is recorded as ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconcile_beside_this_processs_own_start_reports_no_phantom() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = outside_fake(dir.path(), "answer-delay-ms = 2000");
+    let broker = Arc::new(Broker::open(&dir.path().join("data")).unwrap());
+    broker.registry().add(&manifest).await.unwrap();
+    let starting = broker.clone();
+    let call =
+        tokio::spawn(async move { starting.start_instance("fake", &empty_params(), &CallHooks::default()).await });
+    let id = an_unrecorded_instance(&broker).await;
+    let found = only(broker.reconcile_after_restart(HarvestMode::Destroyed).await).await;
+    assert!(found.unknown_to_host.is_empty() && found.vanished.is_empty(), "a phantom: {found:?}");
+    assert!(found.adopted.is_empty() && found.forgotten.is_empty() && found.harvested.is_empty(), "{found:?}");
+    assert!(!call.is_finished(), "the start answered before the reconcile was done: the test proves nothing");
+    assert_eq!(call.await.unwrap().unwrap().id, id);
+    let found = only(broker.reconcile().await).await;
+    assert_eq!(found.maintained, [id.as_str()], "{found:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_killed_before_its_claim_is_forgotten() {
     let dir = tempfile::tempdir().unwrap();
@@ -164,6 +187,8 @@ async fn a_stop_killed_midway_is_finished_on_restart_per_harvest_mode() {
     let found = only(broker.reconcile_after_restart(HarvestMode::None).await).await;
     assert_eq!(found.stops_finished, [a.as_str()], "{found:?}");
     assert!(found.vanished.is_empty(), "{found:?}");
+    // What a stop is ending is not maintained: no "not found" for the one the provider already stopped.
+    assert!(found.maintain_failed.is_empty() && found.maintained.is_empty(), "{found:?}");
     assert!(
         found.unresolved.iter().any(|u| u.contains("left stopping (harvest mode none)") && u.contains(&b)),
         "{found:?}"
