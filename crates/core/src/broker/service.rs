@@ -432,14 +432,15 @@ impl Broker {
         claimed_any: &std::sync::atomic::AtomicBool,
     ) -> Result<InstanceRecord, BrokerServiceError> {
         let wasm = self.registry.get(provider).await?;
+        self.unsettled.wait(provider).await;
         // Its records and its starts under way stay within what it declares it
-        // lists in one answer: refused here, before anything is made.
+        // lists in one answer: refused here, before anything is made (after
+        // the restart's reconcile has counted what it adopted).
         let bound = wasm.manifest().limits.max_records;
         let slot = self.store.record_counts().reserve(provider, bound).map_err(|at| {
             let provider = provider.to_owned();
             BrokerServiceError::AtRecordBound { provider, bound, recorded: at.recorded, starting: at.starting }
         })?;
-        self.unsettled.wait(provider).await;
         self.prepare_host(params, hooks).await?;
         // What the provider makes outside the store can outlive this call:
         // the intent is durable first, and the id the guest claims with it,

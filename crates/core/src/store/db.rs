@@ -48,6 +48,21 @@ pub enum FaultCause {
 }
 
 impl Fault {
+    /// The operating system's word for it (`No space left on device (os
+    /// error 28)`), without a path: what an unauthenticated `/healthz` may say.
+    pub fn os_text(&self) -> String {
+        match &self.cause {
+            FaultCause::File(cause) => match &**cause {
+                redb::Error::Io(io) => io.to_string(),
+                other => other.to_string(),
+            },
+            FaultCause::Log(cause) => match &**cause {
+                WalError::Io { cause, .. } => cause.to_string(),
+                _ => "the write-ahead log failed".to_owned(),
+            },
+        }
+    }
+
     /// What a refused write is answered with.
     pub fn refusal(&self) -> StoreError {
         match &self.cause {

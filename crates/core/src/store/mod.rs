@@ -264,6 +264,7 @@ impl Store {
             .create(data_dir)
             .map_err(|e| open_error(redb::Error::Io(e)))?;
         check_not_exposed(data_dir)?;
+        salvage::remove_check_copies(data_dir);
         let db = open_database(data_dir).map_err(|e| open_error(e.into()))?;
         let mut wal = wal::Wal::open(&data_dir.join("state.wal"), checkpoints).map_err(log_error)?;
         let txn = db.begin_write().map_err(db_error)?;

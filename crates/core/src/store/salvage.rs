@@ -19,6 +19,7 @@ use super::{
 };
 use broker_capabilities::rooms::process::ChildRecord;
 use redb::{Database, Key, ReadableDatabase, ReadableTable, TableDefinition, TableHandle, Value};
+use std::os::unix::fs::OpenOptionsExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
@@ -281,6 +282,26 @@ pub fn check(data_dir: &Path) -> Result<SalvageReport, StoreError> {
     Ok(report)
 }
 
+/// The name of `check`'s private copies in the data dir.
+const CHECK_COPY_PREFIX: &str = ".store-check-";
+
+/// Remove what a `check` killed midway left in `data_dir`: a copy of the
+/// state (every provider's kv) must not outlive its check.
+pub(super) fn remove_check_copies(data_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(data_dir) else { return };
+    for entry in entries.flatten() {
+        let is_copy = entry.file_name().to_str().is_some_and(|name| name.starts_with(CHECK_COPY_PREFIX));
+        // A directory the check made (a symlink is never followed: it is removed as a link).
+        if is_copy && entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+            if let Err(error) = std::fs::remove_dir_all(entry.path()) {
+                tracing::warn!(path = %entry.path().display(), %error, "cannot remove a store check's copy of the state");
+            }
+        } else if is_copy {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 /// A state file that was not closed cleanly, checked as the next open will
 /// see it: a copy (with its log) in a private directory in `data_dir`,
 /// opened as a store (repaired, the log applied), then read; the copy goes.
@@ -289,21 +310,33 @@ fn check_a_repaired_copy(data_dir: &Path, mut report: SalvageReport) -> Result<S
         path: at.display().to_string(),
         cause: std::sync::Arc::new(redb::Error::Io(e)),
     };
+    remove_check_copies(data_dir);
     // Mode 0700: the copy holds every provider's kv, as the state file does.
-    let scratch = tempfile::Builder::new().prefix(".store-check-").tempdir_in(data_dir).map_err(|e| io(data_dir, e))?;
-    for file in ["state.redb", "state.wal"] {
+    let scratch =
+        tempfile::Builder::new().prefix(CHECK_COPY_PREFIX).tempdir_in(data_dir).map_err(|e| io(data_dir, e))?;
+    for (file, required) in [("state.redb", true), ("state.wal", false)] {
         let (from, to) = (data_dir.join(file), scratch.path().join(file));
-        match std::fs::symlink_metadata(&from) {
-            Ok(meta) if meta.is_file() => {
-                std::fs::copy(&from, &to).map_err(|e| io(&to, e))?;
-            }
-            Ok(_) => {
-                let reason = format!("{file} is not a regular file; nothing was changed");
+        // Never through a symlink, never anything but a regular file: opened
+        // once, checked and copied from that one descriptor.
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags((nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_NONBLOCK).bits())
+            .open(&from);
+        let mut source = match opened {
+            Ok(source) => source,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => continue,
+            Err(e) => {
+                let reason = format!("cannot read {file} ({e}); nothing was changed");
                 return Err(StoreError::Damaged { path: from.display().to_string(), reason });
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io(&from, e)),
+        };
+        if !source.metadata().is_ok_and(|meta| meta.is_file()) {
+            let reason = format!("{file} is not a regular file; nothing was changed");
+            return Err(StoreError::Damaged { path: from.display().to_string(), reason });
         }
+        let mut options = std::fs::OpenOptions::new();
+        let mut copy = options.write(true).create_new(true).mode(0o600).open(&to).map_err(|e| io(&to, e))?;
+        std::io::copy(&mut source, &mut copy).map_err(|e| io(&to, e))?;
     }
     match caught(|| super::Store::open(scratch.path())) {
         Ok(Ok(store)) => drop(store),
@@ -371,8 +404,15 @@ pub fn recover(data_dir: &Path) -> Result<SalvageReport, StoreError> {
     std::fs::File::open(data_dir).and_then(|dir| dir.sync_all()).map_err(|e| io(data_dir, e))?;
     drop(from);
     // The new file opens as a store: the log applied, the id index made. What
-    // it then holds is the answer, not only what the damaged file gave.
-    drop(super::Store::open(data_dir)?);
+    // it then holds is the answer, not only what the damaged file gave. If it
+    // does not, the report still says where the damaged file was kept.
+    match super::Store::open(data_dir) {
+        Ok(store) => drop(store),
+        Err(error) => {
+            report.unopenable = Some(format!("the new state file does not open: {error}"));
+            return Ok(report);
+        }
+    }
     let reopened = open_damaged(&path, || redb::ReadOnlyDatabase::open(&path))?;
     report.with_log = match reopened {
         Opened::Opened(db) => Some(each_table(&db, None).map_err(salvage_error)?),

@@ -279,12 +279,15 @@ impl Writing {
         let mut batch: Vec<Box<dyn Job>> = Vec::new();
         let mut stopping = false;
         while !stopping {
+            // A reader's failed read faults the store too.
+            self.note_fault();
             // Idle with frames in the log: checkpoint when they come of age, so a
             // quiet host's state file holds everything and its log is empty.
             // Faulted: try to reopen the file when it is time, writes or none.
+            // Otherwise look again each REOPEN_EVERY, for a reader's fault.
             let idle = match self.reopen_at {
                 Some(at) => Some(at.saturating_duration_since(Instant::now())),
-                None => self.wal.idle_for(),
+                None => Some(self.wal.idle_for().map_or(REOPEN_EVERY, |wait| wait.min(REOPEN_EVERY))),
             };
             let first = match idle {
                 Some(wait) => match jobs.recv_timeout(wait) {
@@ -325,7 +328,8 @@ impl Writing {
     fn housekeep(&mut self) {
         if self.reopen_at.is_some() {
             self.reopen();
-        } else if let Ok(db) = self.state.handle()
+        } else if self.wal.idle_for().is_some_and(|wait| wait.is_zero())
+            && let Ok(db) = self.state.handle()
             && checkpoint(&self.state, &db, &mut self.wal).is_ok()
             && !self.wal.unsettled()
         {
@@ -352,6 +356,7 @@ impl Writing {
                 for job in batch {
                     finish(job, Err(refused.clone()));
                 }
+                self.note_fault();
                 return;
             }
         };
@@ -370,7 +375,14 @@ impl Writing {
             return;
         }
         for mut job in batch {
-            let alone = apply_all(&self.state, &db, &mut self.wal, std::slice::from_mut(&mut job));
+            // Once the file has failed, the rest are refused with it, not tried.
+            let alone = match self.state.handle() {
+                Ok(_) => apply_all(&self.state, &db, &mut self.wal, std::slice::from_mut(&mut job)),
+                Err(refused) => Err(refused),
+            };
+            if alone.is_ok() {
+                self.state.log_settled();
+            }
             finish(job, alone);
         }
         self.note_fault();
@@ -383,7 +395,12 @@ impl Writing {
     fn reopen(&mut self) {
         let _span = tracing::info_span!("store_reopen").entered();
         self.state.close();
-        match self.reopened() {
+        // redb panics on some damage: that is a file that cannot be reopened, not the writer's end.
+        let reopened = super::salvage::caught(|| self.reopened()).unwrap_or_else(|payload| {
+            let reason = format!("redb panicked reopening it: {}", super::salvage::panic_text(&*payload));
+            Err(StoreError::Damaged { path: super::state_file(&self.data_dir).display().to_string(), reason })
+        });
+        match reopened {
             Ok(db) => {
                 self.state.healed(db);
                 self.reopen_at = None;
@@ -392,8 +409,8 @@ impl Writing {
                     self.state.log_settled();
                 }
             }
-            Err(StoreError::Db(cause) | StoreError::Open { cause, .. }) if super::db::is_io_failure(&cause) => {
-                tracing::warn!(error = %cause, "the state file cannot be reopened yet; trying again");
+            Err(why) if transient(&why) => {
+                tracing::warn!(error = %why, "the state file cannot be reopened yet; trying again");
                 self.reopen_at = Some(Instant::now() + REOPEN_EVERY);
             }
             Err(why) => {
@@ -423,6 +440,18 @@ impl Writing {
         txn.commit().map_err(super::db_error)?;
         tracing::info!(frames = replayed, "reopened the state file and applied the log's committed writes");
         Ok(db)
+    }
+}
+
+/// A reopen that failed for a reason that may pass: the disk's I/O (full,
+/// read-only, failing), the log's, or a reader still holding the old handle.
+fn transient(why: &StoreError) -> bool {
+    match why {
+        StoreError::Db(cause) | StoreError::Open { cause, .. } => {
+            super::db::is_io_failure(cause) || matches!(**cause, redb::Error::DatabaseAlreadyOpen)
+        }
+        StoreError::Log(cause) => matches!(**cause, super::WalError::Io { .. }),
+        _ => false,
     }
 }
 

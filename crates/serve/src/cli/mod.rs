@@ -969,6 +969,9 @@ async fn store_command(
     }
     if recovering {
         // `recover` opened the new file as a store: the log applied, the id index made.
+        if report.with_log.is_none() {
+            return Ok(1);
+        }
         output::line(out, "the new state file opens; the write-ahead log is applied")?;
         return Ok(0);
     }

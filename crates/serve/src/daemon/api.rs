@@ -741,7 +741,9 @@ async fn healthz(State(broker): State<Shared>) -> Response {
     match broker.store().health().fault {
         None => "ok\n".into_response(),
         Some(fault) => {
-            let report = ErrorReport::new(ErrorKind::Storage, fault.refusal().to_string());
+            // Unauthenticated on TCP: the cause, never the data dir's paths.
+            let message = format!("the state store refuses writes: {}", fault.os_text());
+            let report = ErrorReport::new(ErrorKind::Storage, message);
             ApiError(StatusCode::SERVICE_UNAVAILABLE, report).into_response()
         }
     }
