@@ -31,8 +31,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 fn open(dir: &std::path::Path, runtime: &tokio::runtime::Runtime) -> Arc<Broker> {
     let manifest = dir.join("fake.toml");
     // Every start is kept, so the fake's namespace outgrows the default
-    // kv-keys (100000) within a run: this host grants it more.
-    let text = bundled_manifest_text("fake").replace("[limits]\n", "[limits]\nkv-keys = 100000000\nkv-mib = 1024\n");
+    // kv-keys (100000), and its records the default max-records (10000),
+    // within a run: this host grants it more.
+    let text = bundled_manifest_text("fake")
+        .replace("[limits]\n", "[limits]\nkv-keys = 100000000\nkv-mib = 1024\nmax-records = 100000000\n");
     assert!(text.contains("kv-keys"), "the fake's manifest has a [limits] table");
     std::fs::write(&manifest, text).unwrap();
     let broker = Arc::new(Broker::open(&dir.join("host")).unwrap());
