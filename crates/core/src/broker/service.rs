@@ -555,9 +555,6 @@ impl Broker {
                 if let Some(reason) = instance_id_problem(&id) {
                     return invalid(format!("the id {} is not one the host takes: {reason}", id_for_message(&id)));
                 }
-                // Noted before the guest may act on it; a claim refused below is
-                // in flight only as long as this start runs.
-                flying.note(&id);
                 {
                     let mut held = claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                     match held.as_deref() {
@@ -572,6 +569,9 @@ impl Broker {
                     }
                     // Never written: a hostile guest's claims cost one write per call at most.
                     *held = Some(id.clone());
+                    // In flight before the guest may act on it, and only the one id
+                    // a start may claim: a guest's refused claims note nothing.
+                    flying.note(&id);
                 }
                 let unclaim = || *claimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
                 match store.owner_of(&id) {
