@@ -121,14 +121,19 @@ impl StateDb {
     /// faults the store (the first one is the cause every refusal names until
     /// it heals); any other is a database error as ever.
     pub(crate) fn failed(&self, error: redb::Error) -> StoreError {
-        if !is_io_failure(&error) {
-            return StoreError::Db(Arc::new(error));
+        match is_io_failure(&error) {
+            true => self.faulted_by(Arc::new(error)),
+            false => StoreError::Db(Arc::new(error)),
         }
+    }
+
+    /// The refusal once `cause`, an I/O failure, has faulted the store (the
+    /// first such cause is kept).
+    fn faulted_by(&self, cause: Arc<redb::Error>) -> StoreError {
         let mut slot = self.fault_slot();
         if let Some(fault) = slot.as_ref() {
             return fault.refusal();
         }
-        let cause = Arc::new(error);
         tracing::error!(error = %cause, "the state file failed; writes are refused until it is reopened");
         self.faults.fetch_add(1, Ordering::Relaxed);
         *slot = Some(Fault { cause: FaultCause::File(cause.clone()), since: SystemTime::now(), fatal: false });
@@ -158,9 +163,7 @@ impl StateDb {
     /// As [`StateDb::failed`] for an error already a [`StoreError`].
     pub(crate) fn noted(&self, error: StoreError) -> StoreError {
         match error {
-            StoreError::Db(cause) if is_io_failure(&cause) => {
-                self.failed(Arc::try_unwrap(cause).unwrap_or_else(|shared| redb::Error::Io(io_copy(&shared))))
-            }
+            StoreError::Db(cause) if is_io_failure(&cause) => self.faulted_by(cause),
             other => other,
         }
     }
@@ -207,12 +210,4 @@ impl StateDb {
 /// redb's own word that its handle is spent: an I/O error, or one before it.
 pub(crate) fn is_io_failure(error: &redb::Error) -> bool {
     matches!(error, redb::Error::Io(_) | redb::Error::PreviousIo)
-}
-
-/// An I/O error's kind and text (`io::Error` is not `Clone`).
-fn io_copy(error: &redb::Error) -> std::io::Error {
-    match error {
-        redb::Error::Io(io) => std::io::Error::new(io.kind(), io.to_string()),
-        other => std::io::Error::other(other.to_string()),
-    }
 }

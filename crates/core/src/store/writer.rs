@@ -55,8 +55,7 @@ impl<T> Reply<T> {
 struct Op<R, F> {
     op: F,
     result: Option<R>,
-    /// None inside a [`Then`], which answers.
-    reply: Option<Reply<Result<R, StoreError>>>,
+    reply: Reply<Result<R, StoreError>>,
 }
 
 impl<R: Send, F: FnMut(&Txn<'_>) -> Result<R, StoreError> + Send> Job for Op<R, F> {
@@ -67,17 +66,16 @@ impl<R: Send, F: FnMut(&Txn<'_>) -> Result<R, StoreError> + Send> Job for Op<R, 
 
     fn finish(self: Box<Self>, committed: Result<(), StoreError>) {
         let Op { result, reply, .. } = *self;
-        if let Some(reply) = reply {
-            reply.send(committed.and_then(|()| result.ok_or(StoreError::Closed)));
-        }
+        reply.send(committed.and_then(|()| result.ok_or(StoreError::Closed)));
     }
 }
 
-/// An [`Op`] whose result's second part goes to `committed` once it commits.
+/// An op whose result's second part goes to `committed` once it commits.
 struct Then<T, A, F, C> {
-    op: Op<(T, A), F>,
-    committed: Option<C>,
-    reply: Option<Reply<Result<T, StoreError>>>,
+    op: F,
+    result: Option<(T, A)>,
+    committed: C,
+    reply: Reply<Result<T, StoreError>>,
 }
 
 impl<T, A, F, C> Job for Then<T, A, F, C>
@@ -88,23 +86,21 @@ where
     C: FnOnce(A) + Send,
 {
     fn apply(&mut self, txn: &Txn<'_>) -> Result<(), StoreError> {
-        self.op.apply(txn)
+        self.result = Some((self.op)(txn)?);
+        Ok(())
     }
 
-    fn finish(mut self: Box<Self>, outcome: Result<(), StoreError>) {
-        let answer = match (outcome, self.op.result.take()) {
+    fn finish(self: Box<Self>, outcome: Result<(), StoreError>) {
+        let Then { result, committed, reply, .. } = *self;
+        let answer = match (outcome, result) {
             (Ok(()), Some((value, change))) => {
-                if let Some(committed) = self.committed.take() {
-                    committed(change);
-                }
+                committed(change);
                 Ok(value)
             }
             (Ok(()), None) => Err(StoreError::Closed),
             (Err(failed), _) => Err(failed),
         };
-        if let Some(reply) = self.reply.take() {
-            reply.send(answer);
-        }
+        reply.send(answer);
     }
 }
 
@@ -125,7 +121,7 @@ impl<T: Send + 'static> Pending<T> {
     where
         F: FnMut(&Txn<'_>) -> Result<T, StoreError> + Send + 'static,
     {
-        Self::with_job(writer, move |reply| Box::new(Op { op, result: None, reply: Some(reply) }))
+        Self::with_job(writer, move |reply| Box::new(Op { op, result: None, reply }))
     }
 
     /// A write whose op also returns what `committed` is to be given once its
@@ -137,9 +133,7 @@ impl<T: Send + 'static> Pending<T> {
         F: FnMut(&Txn<'_>) -> Result<(T, A), StoreError> + Send + 'static,
         C: FnOnce(A) + Send + 'static,
     {
-        Self::with_job(writer, move |reply| {
-            Box::new(Then { op: Op { op, result: None, reply: None }, committed: Some(committed), reply: Some(reply) })
-        })
+        Self::with_job(writer, move |reply| Box::new(Then { op, result: None, committed, reply }))
     }
 
     /// A write whose job is its own (see [`Job`]): the kv's, which also keeps its mirror.
@@ -285,24 +279,17 @@ impl Writing {
             // quiet host's state file holds everything and its log is empty.
             // Faulted: try to reopen the file when it is time, writes or none.
             // Otherwise look again each REOPEN_EVERY, for a reader's fault.
-            let idle = match self.reopen_at {
-                Some(at) => Some(at.saturating_duration_since(Instant::now())),
-                None => Some(self.wal.idle_for().map_or(REOPEN_EVERY, |wait| wait.min(REOPEN_EVERY))),
+            let wait = match self.reopen_at {
+                Some(at) => at.saturating_duration_since(Instant::now()),
+                None => self.wal.idle_for().map_or(REOPEN_EVERY, |wait| wait.min(REOPEN_EVERY)),
             };
-            let first = match idle {
-                Some(wait) => match jobs.recv_timeout(wait) {
-                    Ok(message) => Ok(message),
-                    Err(RecvTimeoutError::Timeout) => {
-                        self.housekeep();
-                        continue;
-                    }
-                    Err(RecvTimeoutError::Disconnected) => Err(()),
-                },
-                None => jobs.recv().map_err(drop),
-            };
-            match first {
+            match jobs.recv_timeout(wait) {
                 Ok(Message::Job(job)) => batch.push(job),
-                Ok(Message::Stop) | Err(()) => break,
+                Ok(Message::Stop) | Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    self.housekeep();
+                    continue;
+                }
             }
             while batch.len() < MAX_BATCH {
                 match jobs.try_recv() {
@@ -635,7 +622,7 @@ mod tests {
         let writer = Arc::new(Writer::start(db.clone(), dir.path().to_owned(), wal(dir.path())).unwrap());
         let first = |key| -> (Box<dyn Job>, std::sync::mpsc::Receiver<Result<u64, StoreError>>) {
             let (reply, answer) = std::sync::mpsc::sync_channel(1);
-            (Box::new(Op { op: put(key, 1), result: None, reply: Some(Reply::Thread(reply)) }), answer)
+            (Box::new(Op { op: put(key, 1), result: None, reply: Reply::Thread(reply) }), answer)
         };
         let (job, first_answer) = first(1);
         assert_eq!(Pending::new(&writer, put(2, 2)).joined(job).wait().unwrap(), 2);

@@ -999,8 +999,8 @@ fn page_of_whole(all: Vec<ListedInstance>, asked: &PageRequest) -> InstancePage 
 }
 
 /// The re-observe: the first page of `all-instances`, one instance asked for,
-/// answered (a provider of 0.2.0 or before answers them all; whatever it is,
-/// the answer is dropped here).
+/// answered and held to the contract as any page is (a provider of 0.2.0 or
+/// before answers them all; whatever it is, the answer is dropped here).
 fn first_page_answers<'a>(
     store: &'a mut Store<HostState>,
     exports: &'a Exports,
@@ -1008,7 +1008,11 @@ fn first_page_answers<'a>(
 ) -> CallFuture<'a, ()> {
     Box::pin(async move {
         let page = PageRequest { cursor: None, size: 1 };
-        Ok(exports.all_instances(store, &ctx, &page).await?.map(drop))
+        match exports.all_instances(store, &ctx, &page).await? {
+            Ok(Listing::Page(answer)) => checked_page(&page, answer).map(|_| Ok(())),
+            Ok(Listing::Whole(_)) => Ok(Ok(())),
+            Err(refused) => Ok(Err(refused)),
+        }
     })
 }
 
