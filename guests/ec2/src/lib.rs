@@ -140,7 +140,8 @@ impl Guest for Ec2Provider {
             .and_then(|bytes| String::from_utf8(bytes).ok())
             .map(|text| text.lines().take(MAX_LISTED_ZONES).map(|z| format!("zone={z}")).collect())
             .unwrap_or_default();
-        let mut features = vec!["zones".to_owned(), "placement".to_owned()];
+        let mut features =
+            vec!["zones".to_owned(), "placement".to_owned(), broker_guest::listing::ID_ORDERED_PAGES.to_owned()];
         features.extend(zones);
         ProviderInfo { name: "ec2".into(), version: env!("CARGO_PKG_VERSION").into(), features }
     }

@@ -48,6 +48,9 @@ pub mod listing {
     use super::types::{InstancePage, ListedInstance, PageRequest};
     use crate::broker::provider::types::BrokerError;
 
+    /// What the SDK names it (an older host does not read it).
+    pub const ID_ORDERED_PAGES: &str = "id-ordered-pages";
+
     /// The entries under `prefix` after the cursor, from one whole scan.
     pub fn kv_page(
         prefix: &str,

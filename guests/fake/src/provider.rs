@@ -136,7 +136,10 @@ pub(crate) fn request(params: &StartInstanceParams, distribution_group: Vec<Stri
 impl Guest for Fake {
     fn describe() -> ProviderInfo {
         let mut features: Vec<String> =
-            ["zones", "placement", "volumes", "networking"].into_iter().map(Into::into).collect();
+            ["zones", "placement", "volumes", "networking", broker_guest::listing::ID_ORDERED_PAGES]
+                .into_iter()
+                .map(Into::into)
+                .collect();
         features.extend(fake_logic::listed_zones(&HostKv).into_iter().map(|z| format!("zone={z}")));
         ProviderInfo { name: "fake".into(), version: env!("CARGO_PKG_VERSION").into(), features }
     }

@@ -69,7 +69,7 @@ impl Guest for Kvm {
         ProviderInfo {
             name: "kvm".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            features: vec!["networking".into()],
+            features: vec!["networking".into(), broker_guest::listing::ID_ORDERED_PAGES.into()],
         }
     }
 

@@ -147,7 +147,7 @@ impl Guest for LxdProvider {
         ProviderInfo {
             name: "lxd".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            features: vec!["networking".into()],
+            features: vec!["networking".into(), broker_guest::listing::ID_ORDERED_PAGES.into()],
         }
     }
 

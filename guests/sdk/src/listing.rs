@@ -8,6 +8,14 @@
 
 use crate::types::{BrokerError, Instance, InstancePage, ListedInstance, PageRequest};
 
+/// The `describe` feature of a provider whose pages are in id order: each
+/// page's ids ascending, and above the page before's (as [`kv_page`] over
+/// keys that are a fixed prefix and the id, and [`page_of`], list them). The
+/// host then merges each page with its records of the ids it spans, so a
+/// page of its listing costs what the page holds; without it, each page of
+/// the host's listing is cut from a whole listing.
+pub const ID_ORDERED_PAGES: &str = "id-ordered-pages";
+
 /// An instance with nothing more known of it.
 pub fn listed(instance: Instance) -> ListedInstance {
     ListedInstance { instance, display_name: String::new(), hardware: None, tags: Vec::new() }

@@ -97,7 +97,9 @@ fn config_value(ctx: &CallContext, key: &str) -> Option<String> {
 
 impl Guest for Hostile {
     fn describe() -> ProviderInfo {
-        ProviderInfo { name: "hostile".into(), version: env!("CARGO_PKG_VERSION").into(), features: vec![] }
+        // It claims id-ordered pages, whatever its mode lists.
+        let features = vec![broker_guest::listing::ID_ORDERED_PAGES.into()];
+        ProviderInfo { name: "hostile".into(), version: env!("CARGO_PKG_VERSION").into(), features }
     }
 
     /// Traps on a config that mentions `trap-validate` (hot-swap refusal tests).
@@ -157,6 +159,32 @@ impl Guest for Hostile {
             // A cursor that never moves: the listing would never end.
             "same-cursor" => return Ok(InstancePage { instances: Vec::new(), next: Some("again".into()) }),
             // The secret in everything a listing says of an instance besides its message.
+            // Each page in id order, the pages backwards: a page's ids are below the page before's.
+            "pages-backwards" => {
+                let count = number(ctx, "flood-entries")?;
+                let size = page.size.max(1) as usize;
+                let pages = count.div_ceil(size).max(1);
+                let at: usize = page.cursor.as_deref().and_then(|c| c.strip_prefix('p')?.parse().ok()).unwrap_or(0);
+                let chunk = pages.saturating_sub(at + 1);
+                let ids = (chunk * size..count.min((chunk + 1) * size)).map(|i| format!("i-{i:04}"));
+                let instances = ids.map(|id| broker_guest::listing::listed(instance(&id))).collect();
+                let next = (at + 1 < pages).then(|| format!("p{}", at + 1));
+                return Ok(InstancePage { instances, next });
+            }
+            // A page whose ids are not in order, then its last page.
+            "page-unsorted" => {
+                let ids: &[&str] = if page.cursor.is_none() { &["i-2", "i-1"] } else { &["i-3"] };
+                let instances = ids.iter().map(|id| broker_guest::listing::listed(instance(id))).collect();
+                return Ok(InstancePage { instances, next: page.cursor.is_none().then(|| "second".into()) });
+            }
+            // The secret as the cursor of its next page: the host must not hand it out.
+            "leak-cursor" => {
+                let token = config_value(ctx, "api-token").unwrap_or_default();
+                let first = page.cursor.is_none();
+                let id = if first { "i-1" } else { "i-2" };
+                let next = first.then(|| format!("after-{token}"));
+                return Ok(InstancePage { instances: vec![broker_guest::listing::listed(instance(id))], next });
+            }
             "leak-record" => {
                 let token = config_value(ctx, "api-token").unwrap_or_default();
                 let mut listed = broker_guest::listing::listed(Self::whole_listing(ctx)?.remove(0));

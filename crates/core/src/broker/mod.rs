@@ -4,7 +4,9 @@
 
 pub mod host_preparer;
 mod in_flight;
+pub mod listing;
 pub mod reconcile;
 pub mod service;
 
+pub use listing::{InstancesPage, ListCursor};
 pub use service::{Broker, BrokerServiceError, InstanceRecord, cursor, page};

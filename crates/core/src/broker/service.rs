@@ -139,7 +139,7 @@ pub enum BrokerServiceError {
 
 /// The host's service: the registered providers, the store of what they did, and the machine lock.
 pub struct Broker {
-    store: Arc<Store>,
+    pub(super) store: Arc<Store>,
     registry: Registry,
     machine_lock: MachineLock,
     host: HostConfig,
@@ -797,7 +797,19 @@ impl Broker {
         // The records are read while the provider answers.
         let hooks = CallHooks::default();
         let (live, records) = tokio::join!(wasm.listed_instances(&hooks), self.records_of(name));
-        let (live, records) = (crate::version::in_id_order(live?), records?);
+        self.joined(name, crate::version::in_id_order(live?), records?)
+    }
+
+    /// What provider `name` lists joined with its records, both in id order:
+    /// a record it does not list shows as `unknown`, an instance it lists
+    /// that the host never recorded shows without hardware (if its id is
+    /// one the host may show: see [`Broker::screen_reported`]).
+    pub(super) fn joined(
+        &self,
+        name: &str,
+        live: Vec<ListedInstance>,
+        records: Vec<InstanceRecord>,
+    ) -> Result<Vec<InstanceRecord>, BrokerServiceError> {
         // Only an id no record of this provider's holds needs screening (a
         // recorded id was screened when it was recorded): invalid, or another's.
         let mut unrecorded_ids = Vec::new();

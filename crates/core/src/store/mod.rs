@@ -602,17 +602,7 @@ impl Store {
         let txn = self.db.begin_read()?;
         let table = txn.open_table(INSTANCES).map_err(db_error)?;
         let mut records = Vec::new();
-        // One record that does not decode hides no other: it is named, and
-        // `broker store recover` leaves it out.
-        let mut keep = |owner: &str, id: &str, value: &[u8]| match decode::<records::ListedRecord>("instance", value) {
-            Ok(record) => records.push(record.into()),
-            Err(error) => tracing::error!(
-                provider = owner,
-                instance_id = id,
-                %error,
-                "an instance record does not decode: left out (`broker store check` names it, `broker store recover` drops it)"
-            ),
-        };
+        let mut keep = |owner: &str, id: &str, value: &[u8]| records.extend(listed_record(owner, id, value));
         match provider {
             Some(owner) => each_of_owner(&table, owner, |id, value| {
                 keep(owner, id, value);
@@ -627,6 +617,54 @@ impl Store {
             }
         }
         Ok(records)
+    }
+
+    /// At most `limit` of `provider`'s records whose ids sort after `after`
+    /// (none: from its first), in id order, without their start params: a
+    /// listing's page costs what it holds, however many are recorded.
+    pub fn instances_after(
+        &self,
+        provider: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<InstanceRecord>, StoreError> {
+        use std::ops::Bound;
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(INSTANCES).map_err(db_error)?;
+        let from = match after {
+            Some(id) => Bound::Excluded((provider, id)),
+            None => Bound::Included((provider, "")),
+        };
+        let mut records = Vec::with_capacity(limit.min(1024));
+        for entry in table.range::<(&str, &str)>((from, Bound::Unbounded)).map_err(db_error)? {
+            if records.len() == limit {
+                break;
+            }
+            let (key, value) = entry.map_err(db_error)?;
+            let (owner, id) = key.value();
+            if owner != provider {
+                break;
+            }
+            records.extend(listed_record(owner, id, value.value()));
+        }
+        Ok(records)
+    }
+}
+
+/// A record as a listing shows it. One that does not decode hides no other:
+/// it is named, and `broker store recover` leaves it out.
+fn listed_record(owner: &str, id: &str, value: &[u8]) -> Option<InstanceRecord> {
+    match decode::<records::ListedRecord>("instance", value) {
+        Ok(record) => Some(record.into()),
+        Err(error) => {
+            tracing::error!(
+                provider = owner,
+                instance_id = id,
+                %error,
+                "an instance record does not decode: left out (`broker store check` names it, `broker store recover` drops it)"
+            );
+            None
+        }
     }
 }
 

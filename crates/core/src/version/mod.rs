@@ -395,6 +395,12 @@ impl ProviderVersion {
         self.config.for_guest()
     }
 
+    /// Whether its `all-instances` answers a page at a time (0.3.0 on); an
+    /// older provider answers every instance at once.
+    pub fn lists_in_pages(&self) -> bool {
+        matches!(self.pre, ExportsPre::Current(_))
+    }
+
     /// What hides its secrets' values in text the host shows.
     pub fn redactor(&self) -> &Arc<broker_capabilities::secrets::Redactor> {
         self.config.redactor()

@@ -14,6 +14,7 @@ mod conformance;
 mod contract;
 mod fake_provider;
 mod groups;
+mod listing;
 mod process;
 mod quotas;
 mod resume;

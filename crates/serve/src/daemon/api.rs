@@ -488,26 +488,82 @@ struct ProviderFilter {
 #[serde(deny_unknown_fields)]
 struct ListQuery {
     provider: Option<String>,
-    /// At most this many records (a page); `X-Next-After` then names the cursor of the next.
+    /// At most this many records (a page, of at most `listing::MAX_PAGE`);
+    /// `X-Next-After` then names the cursor of the next.
     limit: Option<usize>,
-    /// Only records after this cursor, `PROVIDER/ID`, in the listing's order.
+    /// Only records after this cursor (what `X-Next-After` gave; or
+    /// `PROVIDER/ID`), in the listing's order.
     after: Option<String>,
 }
 
+/// How many records the full listing reads at once.
+const STREAMED_PAGE: usize = 1000;
+
+/// The instances, a page of them (`limit`), or all of them streamed a page
+/// at a time: the host never holds the whole listing. An instance started or
+/// stopped while the listing streams may be in it or not.
 async fn list_instances(State(broker): State<Shared>, Query(query): Query<ListQuery>) -> ApiResult<Response> {
+    use broker_core::broker::ListCursor;
     if query.limit == Some(0) {
         return Err(ApiError::bad_request("limit: at least 1"));
     }
-    if query.after.as_deref().is_some_and(|after| !after.contains('/')) {
-        return Err(ApiError::bad_request("after: a cursor is PROVIDER/ID (X-Next-After gives it)"));
+    let from = match query.after.as_deref() {
+        Some(after) => Some(ListCursor::parse(after).map_err(|e| ApiError::bad_request(e.to_string()))?),
+        None => None,
+    };
+    let only = query.provider;
+    if let (Some(only), Some(from)) = (&only, &from)
+        && *only != from.provider
+    {
+        return Err(ApiError::bad_request(format!("after: a cursor of provider {}, not of {only}", from.provider)));
     }
-    let records = broker.list_instances(query.provider.as_deref()).await?;
-    let (page, next) = broker_core::broker::page(records, query.after.as_deref(), query.limit);
-    let mut response = Json(page).into_response();
-    if let Some(next) = next.and_then(|next| header::HeaderValue::from_str(&next).ok()) {
-        response.headers_mut().insert("x-next-after", next);
+    if let Some(limit) = query.limit {
+        let page = broker.instances_page(only.as_deref(), from, limit).await?;
+        let mut response = Json(page.records).into_response();
+        if let Some(next) = page.next.and_then(|next| header::HeaderValue::from_str(&next.to_text()).ok()) {
+            response.headers_mut().insert("x-next-after", next);
+        }
+        return Ok(response);
     }
-    Ok(response)
+    // The first page's failure is the answer's status; a later one ends the
+    // stream short of its closing bracket, so no client takes it for the whole.
+    let first = broker.instances_page(only.as_deref(), from, STREAMED_PAGE).await?;
+    // The state: the page to write, and whether a record was written before it.
+    let pages = futures_util::stream::unfold(Some((first, false)), move |state| {
+        let (broker, only) = (broker.clone(), only.clone());
+        async move {
+            let (page, mut written) = state?;
+            let mut chunk = Vec::with_capacity(page.records.len() * 256 + 2);
+            if !written {
+                chunk.push(b'[');
+            }
+            for record in &page.records {
+                if written {
+                    chunk.push(b',');
+                }
+                if let Err(e) = serde_json::to_writer(&mut chunk, record) {
+                    return Some((Err(std::io::Error::other(e)), None));
+                }
+                written = true;
+            }
+            let Some(next) = page.next else {
+                chunk.push(b']');
+                return Some((Ok(axum::body::Bytes::from(chunk)), None));
+            };
+            if !written {
+                // Not opened twice: the bracket comes with the first record, or the end.
+                chunk.clear();
+            }
+            match broker.instances_page(only.as_deref(), Some(next), STREAMED_PAGE).await {
+                Ok(page) => Some((Ok(chunk.into()), Some((page, written)))),
+                Err(failed) => {
+                    tracing::warn!(error = %error_text(&failed), "the streamed listing of instances ended short");
+                    Some((Err(std::io::Error::other(error_text(&failed))), None))
+                }
+            }
+        }
+    });
+    Ok(([(header::CONTENT_TYPE, "application/json")], Body::from_stream(pages)).into_response())
 }
 
 #[derive(Deserialize)]

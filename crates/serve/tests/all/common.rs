@@ -129,6 +129,21 @@ pub(crate) fn exchange(
     (status, if chunked { dechunk(rest) } else { rest.to_owned() })
 }
 
+/// A GET of a listing page on the unix socket: its status, body, and the
+/// `X-Next-After` cursor it names, if any.
+pub(crate) fn list_page(socket: &Path, path: &str) -> (u16, String, Option<String>) {
+    let mut stream = UnixStream::connect(socket).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n\r\n").unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let next = head.lines().find_map(|l| l.strip_prefix("x-next-after: ")).map(str::to_owned);
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    (status, if chunked { dechunk(rest) } else { rest.to_owned() }, next)
+}
+
 fn dechunk(mut rest: &str) -> String {
     let mut out = String::new();
     while let Some((size, after)) = rest.split_once("\r\n") {

@@ -410,27 +410,27 @@ fn the_daemon_follows_its_providers_directory() {
 }
 
 /// Listing pages: `limit` bounds the answer and `X-Next-After` names where
-/// the next page starts; the pages together are the whole listing.
+/// the next page starts; the pages together are the whole listing, and the
+/// whole listing (streamed a page at a time, past one page of the stream)
+/// is what they are.
 #[test]
 fn instance_listing_pages() {
     let dir = tempfile::tempdir().unwrap();
     let daemon = Daemon::start(dir.path());
     let manifest = fake_manifest(dir.path(), "");
     daemon.json("POST", "/v1/providers", Some(&format!("{{\"manifest\":\"{manifest}\"}}")));
+    let (status, empty) = daemon.json("GET", "/v1/instances", None);
+    assert_eq!((status, empty), (200, serde_json::json!([])), "an empty listing streams as an empty array");
     for _ in 0..5 {
         assert_eq!(daemon.request("POST", "/v1/instances", Some(br#"{"provider":"fake"}"#)).0, 200);
     }
     let (mut seen, mut after) = (Vec::new(), String::new());
     for _ in 0..3 {
-        let path = format!("/v1/instances?limit=2{after}");
-        let mut stream = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
-        write!(stream, "GET {path} HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n").unwrap();
-        let mut raw = String::new();
-        stream.read_to_string(&mut raw).unwrap();
-        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-        let page: Value = serde_json::from_str(body).unwrap();
+        let (status, body, next) = crate::common::list_page(&daemon.socket, &format!("/v1/instances?limit=2{after}"));
+        assert_eq!(status, 200, "{body}");
+        let page: Value = serde_json::from_str(&body).unwrap();
         seen.extend(page.as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap().to_owned()));
-        match head.lines().find_map(|l| l.strip_prefix("x-next-after: ")) {
+        match next {
             Some(next) => after = format!("&after={next}"),
             None => after.clear(),
         }
@@ -439,6 +439,31 @@ fn instance_listing_pages() {
     assert!(after.is_empty(), "the last page names no next one");
     let (status, refused) = daemon.json("GET", "/v1/instances?after=fake-1", None);
     assert_eq!(status, 400, "{refused}");
+    let (status, refused) = daemon.json("GET", "/v1/instances?after=~1.bm90IGEgY3Vyc29y", None);
+    assert!(status == 400 && refused["error"]["message"].as_str().unwrap().contains("X-Next-After"), "{refused}");
+    let (status, refused) = daemon.json("GET", "/v1/instances?provider=other&after=fake/fake-1", None);
+    assert_eq!(status, 400, "a cursor of another provider: {refused}");
+    // The old cursor form goes on after its id.
+    let (_, rest) = daemon.json("GET", "/v1/instances?limit=10&after=fake/fake-2", None);
+    let rest: Vec<&str> = rest.as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(rest, ["fake-3", "fake-4"]);
+
+    // More than one page of the stream: streamed whole, it is every page.
+    for _ in 5..2600 {
+        assert_eq!(daemon.request("POST", "/v1/instances", Some(br#"{"provider":"fake"}"#)).0, 200);
+    }
+    let (status, whole) = daemon.json("GET", "/v1/instances", None);
+    assert_eq!(status, 200);
+    let whole = whole.as_array().unwrap().clone();
+    assert_eq!(whole.len(), 2600);
+    let (mut paged, mut after) = (Vec::new(), String::new());
+    loop {
+        let (_, body, next) = crate::common::list_page(&daemon.socket, &format!("/v1/instances?limit=700{after}"));
+        paged.extend(serde_json::from_str::<Vec<Value>>(&body).unwrap());
+        let Some(next) = next else { break };
+        after = format!("&after={next}");
+    }
+    assert_eq!(paged, whole);
 }
 
 /// A daemon started while a CLI command holds the state (a supervisor's

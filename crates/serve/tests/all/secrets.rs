@@ -128,3 +128,37 @@ fn a_recording_gives_real_secrets_only_with_with_secrets() {
         assert!(!text.contains(SECRET), "{text}");
     }
 }
+
+/// A provider whose next-page cursor holds its secret's value: the host
+/// never hands that cursor out (it cuts the provider's pages from its whole
+/// listing instead), and the pages still list all it lists.
+#[test]
+fn a_cursor_holding_a_secret_is_never_handed_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    private(&data.join("secrets/pager/api"), &format!("{SECRET}\n"));
+    let daemon = crate::common::Daemon::start(&data);
+    let pager = manifest(dir.path(), "pager", "[secrets]\napi-token = \"api\"\n");
+    std::fs::write(&pager, std::fs::read_to_string(&pager).unwrap().replace("\"leak\"", "\"leak-cursor\"")).unwrap();
+    let (status, added) = daemon.json("POST", "/v1/providers", Some(&format!("{{\"manifest\":\"{pager}\"}}")));
+    assert_eq!(status, 201, "{added}");
+    let (mut ids, mut after, mut cursors) = (Vec::new(), String::new(), Vec::new());
+    for _ in 0..4 {
+        let path = format!("/v1/instances?limit=1{after}");
+        let (status, body, next) = crate::common::list_page(&daemon.socket, &path);
+        assert_eq!(status, 200, "{body}");
+        assert!(!body.contains(SECRET), "{body}");
+        let page: Vec<serde_json::Value> = serde_json::from_str(&body).unwrap();
+        ids.extend(page.iter().map(|r| r["id"].as_str().unwrap().to_owned()));
+        let Some(next) = next else { break };
+        let cursor = broker_core::broker::ListCursor::parse(&next).unwrap();
+        cursors.push(format!("{cursor:?}"));
+        after = format!("&after={next}");
+    }
+    assert_eq!(ids, ["i-1", "i-2"]);
+    assert!(!cursors.is_empty());
+    for cursor in &cursors {
+        assert!(!cursor.contains(SECRET) && !cursor.contains("after-"), "{cursor}");
+    }
+}
