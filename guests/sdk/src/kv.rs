@@ -70,8 +70,13 @@ pub type Entry = (String, Vec<u8>);
 /// (none: from the first), in key order, and whether any come after them:
 /// a page of something kept one entry per key, read in pages about its size.
 pub fn scan_count(prefix: &str, after: Option<&str>, count: usize) -> Result<(Vec<Entry>, bool), KvError> {
-    let page_bytes = u32::try_from(count.saturating_mul(1024)).unwrap_or(u32::MAX).clamp(64 << 10, SCAN_PAGE_BYTES);
-    let mut entries = Vec::new();
+    // Pages of about what is wanted (`count` and one more, to tell whether
+    // any follow): the host packs, and this unpacks, only what is used.
+    let bytes_for = |entries: usize, each: usize| {
+        u32::try_from(entries.saturating_mul(each)).unwrap_or(u32::MAX).clamp(4 << 10, SCAN_PAGE_BYTES)
+    };
+    let mut page_bytes = bytes_for(count + 1, 128);
+    let (mut entries, mut packed) = (Vec::new(), 0usize);
     let mut cursor = after.map(str::to_owned);
     loop {
         let page = scan_page(prefix, cursor.as_deref(), page_bytes)?;
@@ -81,8 +86,12 @@ pub fn scan_count(prefix: &str, after: Option<&str>, count: usize) -> Result<(Ve
             if entries.len() == count {
                 return Ok((entries, true));
             }
+            packed += entry.0.len() + entry.1.len() + 8;
             entries.push(entry);
         }
+        // Short: ask for the rest at the size seen so far, and a quarter more.
+        let each = packed / entries.len().max(1) * 5 / 4;
+        page_bytes = bytes_for(count + 1 - entries.len(), each);
     }
 }
 

@@ -148,7 +148,10 @@ impl Mirrors {
     /// Let go of the least recently used clean namespaces while the mirror is
     /// past its budget. Clean: no change waits to be persisted and nobody holds
     /// it (a call reading it, a persist on its way). Both are checked under the
-    /// map's write lock, where nobody can take a new hold.
+    /// map's write lock, where nobody can take a new hold. The namespace used
+    /// last is kept whatever its size (its `kv-mib` bounds it): let go, a
+    /// namespace larger than the budget would be read whole from the file
+    /// again at every call of its provider.
     fn trim(&self) {
         let budget = self.budget.load(Ordering::Relaxed);
         if self.stats().bytes <= budget {
@@ -159,6 +162,7 @@ impl Mirrors {
         let mut by_age: Vec<(u64, String)> =
             loaded.iter().map(|(name, ns)| (ns.used.load(Ordering::Relaxed), name.clone())).collect();
         by_age.sort_unstable();
+        by_age.pop();
         for (_, name) in by_age {
             if total <= budget {
                 break;
@@ -553,6 +557,26 @@ mod tests {
         assert_eq!((stats.namespaces, stats.loads, stats.evictions), (2, 4, 2), "{stats:?}");
     }
 
+    /// A namespace larger than the whole budget, used call after call, is
+    /// read from the file once, not at every call (each call leaves it clean).
+    #[test]
+    fn a_namespace_past_the_budget_is_not_read_again_at_every_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let kv = store.kv();
+        kv.set_mirror_budget(1000);
+        for n in 0..20 {
+            kv.set("big", &format!("instance/{n}"), &[1; 100]).unwrap();
+            assert_eq!(kv.get("big", "instance/0").unwrap(), Some(vec![1; 100]));
+        }
+        let stats = kv.mirror_stats();
+        assert_eq!((stats.namespaces, stats.loads, stats.evictions), (1, 1, 0), "{stats:?}");
+        // Another namespace's use makes it the least recently used: let go then.
+        kv.set("small", "k", b"v").unwrap();
+        let stats = kv.mirror_stats();
+        assert_eq!((stats.namespaces, stats.evictions), (1, 1), "{stats:?}");
+    }
+
     /// A namespace holding a change the file does not have is never let go,
     /// whatever the budget; once the change is persisted, it may be.
     #[test]
@@ -569,14 +593,20 @@ mod tests {
         let mut writes = KvWrites::new("p".into());
         writes.keys.insert("new".into());
         kv.persist_blocking(writes).unwrap();
-        assert_eq!(kv.mirror_stats().namespaces, 0, "both clean and past the budget: let go");
+        let stats = kv.mirror_stats();
+        assert_eq!(
+            (stats.namespaces, stats.evictions),
+            (1, 1),
+            "clean and past the budget: let go, but for the last used"
+        );
         assert_eq!(kv.get("p", "new").unwrap(), Some(b"2".to_vec()), "read again from the file");
         assert_eq!(kv.get("q", "k").unwrap(), Some(b"3".to_vec()));
     }
 
     /// A namespace let go and read again while another thread changes it
     /// loses nothing: a read that raced a commit is not kept. (A budget of 0
-    /// lets the namespace go after each commit; the reader reads it again.)
+    /// lets the namespace go after each commit once another was used since;
+    /// the reader uses one between its reads, and reads it again.)
     #[test]
     fn reading_a_namespace_again_races_no_change_away() {
         let dir = tempfile::tempdir().unwrap();
@@ -598,8 +628,10 @@ mod tests {
                 }
             })
         };
+        kv.set("q", "k", b"other").unwrap();
         let mut seen = 0;
         while !counting.is_finished() {
+            kv.get("q", "k").unwrap();
             let now = kv.get("p", "n").unwrap().map_or(0, |v| i64::from_le_bytes(v.try_into().unwrap()));
             assert!(now >= seen, "went back from {seen} to {now}");
             seen = now;
@@ -618,11 +650,12 @@ mod tests {
         let kv = store.kv();
         kv.set("p", "k", b"v").unwrap();
         assert!(kv.warm("p").is_none(), "held");
+        kv.set("q", "k", b"v").unwrap();
         kv.set_mirror_budget(0);
-        assert_eq!(kv.mirror_stats().namespaces, 0);
+        assert_eq!(kv.mirror_stats().namespaces, 1, "all but the last used let go");
         kv.warm("p").expect("not held").await.unwrap();
         let stats = kv.mirror_stats();
-        assert_eq!((stats.namespaces, stats.loads), (1, 2), "{stats:?}");
+        assert_eq!((stats.namespaces, stats.loads), (1, 3), "{stats:?}");
     }
 
     /// A change is visible at once and reaches the file only when its key is
