@@ -328,6 +328,7 @@ impl BrokerServiceError {
             BrokerServiceError::UnknownInstance(id) => (ErrorKind::UnknownInstance, None, Some(id)),
             BrokerServiceError::AmbiguousInstance { id, .. } => (ErrorKind::Conflict, None, Some(id)),
             BrokerServiceError::AtRecordBound { provider, .. } => (ErrorKind::Limit, Some(provider), None),
+            BrokerServiceError::EndlessListing { provider, .. } => (ErrorKind::BadAnswer, Some(provider), None),
             BrokerServiceError::RecordFailed { provider, id, .. } => (ErrorKind::Storage, Some(provider), Some(id)),
             BrokerServiceError::InvalidInstanceId { provider, id, .. }
             | BrokerServiceError::InstanceIdReused { provider, id }

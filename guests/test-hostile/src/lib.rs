@@ -171,6 +171,11 @@ impl Guest for Hostile {
                 let next = (at + 1 < pages).then(|| format!("p{}", at + 1));
                 return Ok(InstancePage { instances, next });
             }
+            // Empty pages without end, its cursor going back and forth.
+            "pages-endless" => {
+                let next = if page.cursor.as_deref() == Some("a") { "b" } else { "a" };
+                return Ok(InstancePage { instances: Vec::new(), next: Some(next.into()) });
+            }
             // A page whose ids are not in order, then its last page.
             "page-unsorted" => {
                 let ids: &[&str] = if page.cursor.is_none() { &["i-2", "i-1"] } else { &["i-3"] };

@@ -120,7 +120,7 @@ fn list_scale(c: &mut Criterion) {
             // From the middle: the cursor a page ending at the middle id hands out.
             let id = format!("fake-{}", instances / 2);
             let at = ProviderAt::Next { cursor: format!("instance/{id}"), above: Some(id.clone()) };
-            let middle = ListCursor { provider: "fake".into(), after: Some(id.clone()), at };
+            let middle = ListCursor { provider: "fake".into(), after: Some(id.clone()), at, pages: 1 };
             let page = runtime.block_on(broker.instances_page(None, Some(middle.clone()), 100)).unwrap();
             assert!(page.records.len() == 100 && page.records[0].id > id, "{:?}", page.next);
             group.bench_with_input(BenchmarkId::new("page/middle", instances), &instances, |b, _| {

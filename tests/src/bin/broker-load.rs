@@ -164,7 +164,9 @@ fn rss_kib(pid: i32) -> u64 {
 
 /// This process's CPU time, user and system.
 fn own_cpu() -> Duration {
-    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF).unwrap();
+    let Ok(usage) = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF) else {
+        return Duration::ZERO;
+    };
     let time = |t: nix::sys::time::TimeVal| Duration::new(t.tv_sec() as u64, t.tv_usec() as u32 * 1000);
     time(usage.user_time()) + time(usage.system_time())
 }
@@ -276,17 +278,21 @@ fn run(args: &Args) -> Result<(), String> {
     };
     let pid = (daemon.as_ref().map(|daemon| daemon.child.id() as i32).or(args.daemon_pid))
         .ok_or("with --socket, --daemon-pid names the daemon whose CPU to count")?;
-    let perf = args.perf.as_ref().map(|file| {
-        Command::new("perf")
-            .args(["record", "-g", "-F", "999", "-o"])
-            .arg(file)
-            .args(["-p", &pid.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("perf record")
-    });
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let perf = match &args.perf {
+        Some(file) => Some(
+            Command::new("perf")
+                .args(["record", "-g", "-F", "999", "-o"])
+                .arg(file)
+                .args(["-p", &pid.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| format!("cannot run perf record: {e}"))?,
+        ),
+        None => None,
+    };
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("a runtime: {e}"))?;
     let rss_before = rss_kib(pid);
     let (daemon_before, own_before, since) = (cpu_of(pid), own_cpu(), Instant::now());
     let answers = runtime.block_on(async {

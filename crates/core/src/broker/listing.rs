@@ -12,7 +12,7 @@
 
 use super::service::{Broker, BrokerServiceError, InstanceRecord};
 use crate::providers::RegistryError;
-use crate::store::records::MAX_INSTANCE_ID_BYTES;
+use crate::store::records::{MAX_INSTANCE_ID_BYTES, instance_id_problem};
 use crate::version::{MAX_CURSOR_BYTES, ProviderVersion};
 use broker_capabilities::rooms::context::CallHooks;
 
@@ -34,6 +34,9 @@ pub struct ListCursor {
     pub after: Option<String>,
     /// Where the provider's own listing is at.
     pub at: ProviderAt,
+    /// How many of the provider's own pages were asked for so far: past its
+    /// `max-records` and one, its listing would never end.
+    pub pages: usize,
 }
 
 /// Where a provider's own listing is at.
@@ -62,35 +65,67 @@ pub struct CursorError(&'static str);
 
 /// Marks the cursors this host makes (a provider's name never starts with it).
 const CURSOR_PREFIX: &str = "~1.";
-/// Longest cursor text taken: a provider's cursor and two ids, encoded.
-const MAX_CURSOR_TEXT: usize = 4 * (MAX_CURSOR_BYTES + 3 * MAX_INSTANCE_ID_BYTES);
+/// Longest cursor text taken: a provider's cursor, two ids and a name, as
+/// JSON (a byte at worst six) in base64 (4 for 3), and the seal.
+const MAX_CURSOR_TEXT: usize = (6 * (MAX_CURSOR_BYTES + 3 * MAX_INSTANCE_ID_BYTES) + 64) * 4 / 3 + 64;
 
-/// A cursor as text: `[provider, after, cursor, above]`.
-type CursorFields = (String, Option<String>, Option<String>, Option<String>, u8);
+/// A cursor as text: `[provider, after, cursor, above, kind, pages]`.
+type CursorFields = (String, Option<String>, Option<String>, Option<String>, u8, usize);
+
+/// Seals the cursors a host hands out, so that what it passes a provider as
+/// the cursor of its next page is what that provider answered, never what
+/// an API client made up (the contract promises the previous page's `next`).
+/// A host's own: a cursor from before a restart is not taken as sealed.
+pub struct CursorKey(ring::hmac::Key);
+
+impl CursorKey {
+    /// A new random key.
+    pub fn new() -> CursorKey {
+        let rng = ring::rand::SystemRandom::new();
+        // The OS's randomness failing is no state this host can run in.
+        CursorKey(ring::hmac::Key::generate(ring::hmac::HMAC_SHA256, &rng).expect("the OS's randomness"))
+    }
+}
+
+impl Default for CursorKey {
+    fn default() -> CursorKey {
+        CursorKey::new()
+    }
+}
 
 impl ListCursor {
     /// The start of `provider`'s part of the listing.
     pub fn first(provider: &str) -> ListCursor {
-        ListCursor { provider: provider.to_owned(), after: None, at: ProviderAt::First }
+        ListCursor { provider: provider.to_owned(), after: None, at: ProviderAt::First, pages: 0 }
     }
 
     /// The cursor `text` names: one this host made, or `PROVIDER/ID` (the
     /// form of hosts before paging, and of `broker instance list --after`).
-    pub fn parse(text: &str) -> Result<ListCursor, CursorError> {
+    /// One whose seal is not `key`'s (made before a restart, or made up) goes
+    /// on after its id, cut from the provider's whole listing.
+    pub fn parse(text: &str, key: &CursorKey) -> Result<ListCursor, CursorError> {
         if text.len() > MAX_CURSOR_TEXT {
             return Err(CursorError("longer than any cursor this host makes"));
         }
-        let Some(encoded) = text.strip_prefix(CURSOR_PREFIX) else {
+        let Some(sealed) = text.strip_prefix(CURSOR_PREFIX) else {
             let (provider, id) =
                 text.split_once('/').ok_or(CursorError("a cursor is PROVIDER/ID or one this host made"))?;
-            return Ok(ListCursor { provider: provider.to_owned(), after: Some(id.to_owned()), at: ProviderAt::Whole });
+            return Ok(ListCursor::whole_after(provider, Some(id.to_owned())));
         };
-        let bytes = data_encoding::BASE64URL_NOPAD.decode(encoded.as_bytes()).map_err(|_| CursorError("not base64"))?;
-        let (provider, after, cursor, above, kind): CursorFields =
+        let (encoded, seal) = sealed.split_once('.').ok_or(CursorError("not a cursor this host made"))?;
+        let decode = |text: &str| data_encoding::BASE64URL_NOPAD.decode(text.as_bytes());
+        let (bytes, seal) = match (decode(encoded), decode(seal)) {
+            (Ok(bytes), Ok(seal)) => (bytes, seal),
+            _ => return Err(CursorError("not base64")),
+        };
+        let (provider, after, cursor, above, kind, pages): CursorFields =
             serde_json::from_slice(&bytes).map_err(|_| CursorError("not a cursor this host made"))?;
         let id_too_long = |id: &Option<String>| id.as_ref().is_some_and(|id| id.len() > MAX_INSTANCE_ID_BYTES);
         if id_too_long(&after) || id_too_long(&above) || cursor.as_ref().is_some_and(|c| c.len() > MAX_CURSOR_BYTES) {
             return Err(CursorError("a part of it is longer than a cursor this host makes holds"));
+        }
+        if ring::hmac::verify(&key.0, &bytes, &seal).is_err() {
+            return Ok(ListCursor::whole_after(&provider, after));
         }
         let at = match (kind, cursor) {
             (0, None) => ProviderAt::First,
@@ -98,24 +133,26 @@ impl ListCursor {
             (2, None) => ProviderAt::Whole,
             _ => return Err(CursorError("not a cursor this host made")),
         };
-        Ok(ListCursor { provider, after, at })
+        Ok(ListCursor { provider, after, at, pages })
     }
 
-    /// As text, for `X-Next-After`.
-    pub fn to_text(&self) -> String {
+    /// As text, for `X-Next-After`, sealed with `key`.
+    pub fn to_text(&self, key: &CursorKey) -> String {
         let (kind, cursor, above) = match &self.at {
             ProviderAt::First => (0, None, None),
             ProviderAt::Next { cursor, above } => (1, Some(cursor.clone()), above.clone()),
             ProviderAt::Whole => (2, None, None),
         };
-        let fields: CursorFields = (self.provider.clone(), self.after.clone(), cursor, above, kind);
-        // A tuple of strings always serializes.
+        let fields: CursorFields = (self.provider.clone(), self.after.clone(), cursor, above, kind, self.pages);
+        // A tuple of strings and numbers always serializes.
         let json = serde_json::to_vec(&fields).unwrap_or_default();
-        format!("{CURSOR_PREFIX}{}", data_encoding::BASE64URL_NOPAD.encode(&json))
+        let seal = ring::hmac::sign(&key.0, &json);
+        let encode = |bytes: &[u8]| data_encoding::BASE64URL_NOPAD.encode(bytes);
+        format!("{CURSOR_PREFIX}{}.{}", encode(&json), encode(seal.as_ref()))
     }
 
     fn whole_after(provider: &str, after: Option<String>) -> ListCursor {
-        ListCursor { provider: provider.to_owned(), after, at: ProviderAt::Whole }
+        ListCursor { provider: provider.to_owned(), after, at: ProviderAt::Whole, pages: 0 }
     }
 }
 
@@ -129,6 +166,11 @@ pub struct InstancesPage {
 }
 
 impl Broker {
+    /// What seals the cursors of this host's listing.
+    pub fn cursor_key(&self) -> &CursorKey {
+        &self.cursor_key
+    }
+
     /// A page of the listing of instances, of at most `limit` records (1 to
     /// [`MAX_PAGE`]), from `from` (none: the first page): of provider `only`,
     /// or of every provider in name order. As [`Broker::list_instances`] does,
@@ -206,10 +248,21 @@ impl Broker {
     ) -> Result<Paged, BrokerServiceError> {
         let hooks = CallHooks::default();
         let size = u32::try_from(room).unwrap_or(u32::MAX);
-        let (mut at, mut after) = (cursor.at.clone(), cursor.after.clone());
-        let here =
-            |after: Option<String>, at: &ProviderAt| ListCursor { provider: name.to_owned(), after, at: at.clone() };
+        let (mut at, mut after, mut pages) = (cursor.at.clone(), cursor.after.clone(), cursor.pages);
+        let here = |after: Option<String>, at: &ProviderAt, pages: usize| ListCursor {
+            provider: name.to_owned(),
+            after,
+            at: at.clone(),
+            pages,
+        };
+        // As many pages as instances it may list, and one more: an empty page
+        // that is not the last is allowed, endlessly not.
+        let most_pages = wasm.manifest().limits.max_records.saturating_add(1);
         for _ in 0..EMPTY_PAGES_ASKED {
+            pages += 1;
+            if pages > most_pages {
+                return Err(BrokerServiceError::EndlessListing { provider: name.to_owned(), pages: most_pages });
+            }
             let (asked, above) = match &at {
                 ProviderAt::Next { cursor, above } => (Some(cursor.clone()), above.clone()),
                 _ => (None, None),
@@ -239,6 +292,12 @@ impl Broker {
                 Some(_) => ids().next_back().map(str::to_owned).or(above),
                 None => None,
             };
+            // That id goes in the cursor handed out: one the host would show.
+            if let Some(upto) = &upto
+                && (instance_id_problem(upto).is_some() || wasm.redactor().redact(upto) != *upto)
+            {
+                return Ok(Paged::Unmergeable("its page's last id is not one the host shows"));
+            }
             let in_page = |id: &str| next.is_none() || upto.as_deref().is_some_and(|upto| id <= upto);
             let unlisted = |id: &str| after.as_deref().is_none_or(|after| id > after);
             let live = answer.instances.into_iter().filter(|listed| unlisted(&listed.instance.id)).collect();
@@ -247,17 +306,17 @@ impl Broker {
             if joined.len() > room {
                 // Cut: the next page asks the provider from the same place again.
                 joined.truncate(room);
-                let next = here(joined.last().map(|record| record.id.clone()), &at);
+                let next = here(joined.last().map(|record| record.id.clone()), &at, pages);
                 return Ok(Paged::Part(Part { records: joined, next: Some(next) }));
             }
             let Some(next) = next else { return Ok(Paged::Part(Part { records: joined, next: None })) };
             after = std::cmp::max(after, upto.clone());
             at = ProviderAt::Next { cursor: next, above: upto };
             if !joined.is_empty() {
-                return Ok(Paged::Part(Part { records: joined, next: Some(here(after, &at)) }));
+                return Ok(Paged::Part(Part { records: joined, next: Some(here(after, &at, pages)) }));
             }
         }
-        Ok(Paged::Part(Part { records: Vec::new(), next: Some(here(after, &at)) }))
+        Ok(Paged::Part(Part { records: Vec::new(), next: Some(here(after, &at, pages)) }))
     }
 
     /// A provider that did not answer, in the listing of all: its records,
@@ -282,6 +341,7 @@ impl Broker {
             provider: name.to_owned(),
             after: records.last().map(|record| record.id.clone()),
             at: cursor.at.clone(),
+            pages: cursor.pages,
         });
         Ok(Part { records, next })
     }
@@ -342,48 +402,83 @@ enum Paged {
 mod tests {
     use super::*;
 
+    fn next_at(cursor: &str) -> ListCursor {
+        ListCursor {
+            provider: "kvm".into(),
+            after: Some("vm/7".into()),
+            at: ProviderAt::Next { cursor: cursor.into(), above: Some("vm/7".into()) },
+            pages: 3,
+        }
+    }
+
     #[test]
     fn a_cursor_reads_back_as_it_was_made() {
+        let key = CursorKey::new();
+        // The longest there is: every byte of the provider's cursor escaped in JSON.
+        let longest = ListCursor {
+            provider: "p".repeat(64),
+            after: Some("a".repeat(MAX_INSTANCE_ID_BYTES)),
+            at: ProviderAt::Next { cursor: "\u{1}".repeat(MAX_CURSOR_BYTES), above: Some("b".repeat(255)) },
+            pages: usize::MAX,
+        };
         let cursors = [
             ListCursor::first("fake"),
-            ListCursor {
-                provider: "kvm".into(),
-                after: Some("vm/7".into()),
-                at: ProviderAt::Next { cursor: "instance/vm/7".into(), above: Some("vm/7".into()) },
-            },
+            next_at("instance/vm/7"),
             ListCursor::whole_after("lxd", Some("c1".into())),
+            longest,
         ];
         for cursor in cursors {
-            let text = cursor.to_text();
-            assert!(text.starts_with(CURSOR_PREFIX) && !text.contains(['/', '+', '=', ' ']), "{text}");
-            assert_eq!(ListCursor::parse(&text).unwrap(), cursor);
+            let text = cursor.to_text(&key);
+            assert!(text.starts_with(CURSOR_PREFIX) && !text.contains(['/', '+', '=', ' ']), "{text:.80}");
+            assert_eq!(ListCursor::parse(&text, &key).unwrap(), cursor);
         }
     }
 
     #[test]
     fn the_old_form_is_taken_and_cuts_from_the_whole_listing() {
-        let cursor = ListCursor::parse("fake/fake-1/x").unwrap();
+        let cursor = ListCursor::parse("fake/fake-1/x", &CursorKey::new()).unwrap();
         assert_eq!(cursor, ListCursor::whole_after("fake", Some("fake-1/x".into())));
+    }
+
+    /// A provider is passed only the cursors it answered: one another key
+    /// sealed (a host before a restart), or one made up, goes on after its
+    /// id without it.
+    #[test]
+    fn a_cursor_this_host_did_not_seal_passes_no_cursor_to_the_provider() {
+        let (key, other) = (CursorKey::new(), CursorKey::new());
+        let cut = ListCursor::whole_after("kvm", Some("vm/7".into()));
+        assert_eq!(ListCursor::parse(&next_at("x").to_text(&other), &key).unwrap(), cut);
+        let sealed = next_at("instance/vm/7").to_text(&key);
+        let (fields, seal) = sealed.rsplit_once('.').unwrap();
+        let json = data_encoding::BASE64URL_NOPAD.decode(&fields.as_bytes()[CURSOR_PREFIX.len()..]).unwrap();
+        let forged = String::from_utf8(json).unwrap().replace("instance/vm/7", "../../other");
+        let forged = format!("{CURSOR_PREFIX}{}.{seal}", data_encoding::BASE64URL_NOPAD.encode(forged.as_bytes()));
+        assert_eq!(ListCursor::parse(&forged, &key).unwrap(), cut);
     }
 
     #[test]
     fn a_cursor_the_host_did_not_make_is_refused() {
-        let made =
-            |fields: &str| format!("{CURSOR_PREFIX}{}", data_encoding::BASE64URL_NOPAD.encode(fields.as_bytes()));
+        let key = CursorKey::new();
+        let made = |fields: &str| {
+            let seal = ring::hmac::sign(&key.0, fields.as_bytes());
+            let encode = |bytes: &[u8]| data_encoding::BASE64URL_NOPAD.encode(bytes);
+            format!("{CURSOR_PREFIX}{}.{}", encode(fields.as_bytes()), encode(seal.as_ref()))
+        };
         let long_id = "i".repeat(MAX_INSTANCE_ID_BYTES + 1);
         let refused = [
             "fake-1".to_owned(),
-            format!("{CURSOR_PREFIX}not*base64"),
+            format!("{CURSOR_PREFIX}not*base64.x"),
+            format!("{CURSOR_PREFIX}bm8gc2VhbA"),
             made("{}"),
-            made(r#"["fake",null,"c",null,0]"#),
-            made(r#"["fake",null,null,null,1]"#),
-            made(r#"["fake",null,null,null,9]"#),
-            made(&format!(r#"["fake","{long_id}",null,null,0]"#)),
-            made(&format!(r#"["fake",null,"{}",null,1]"#, "c".repeat(MAX_CURSOR_BYTES + 1))),
+            made(r#"["fake",null,"c",null,0,0]"#),
+            made(r#"["fake",null,null,null,1,0]"#),
+            made(r#"["fake",null,null,null,9,0]"#),
+            made(&format!(r#"["fake","{long_id}",null,null,0,0]"#)),
+            made(&format!(r#"["fake",null,"{}",null,1,0]"#, "c".repeat(MAX_CURSOR_BYTES + 1))),
             format!("{CURSOR_PREFIX}{}", "A".repeat(MAX_CURSOR_TEXT)),
         ];
         for text in refused {
-            assert!(ListCursor::parse(&text).is_err(), "{text:.80}");
+            assert!(ListCursor::parse(&text, &key).is_err(), "{text:.80}");
         }
     }
 }

@@ -80,6 +80,16 @@ pub enum BrokerServiceError {
         /// Its starts under way.
         starting: usize,
     },
+    /// A provider's paged listing went on past every page it may have.
+    #[error(
+        "provider {provider} broke the contract: a listing of more than {pages} pages, more than the instances it may list (limits.max-records)"
+    )]
+    EndlessListing {
+        /// The provider.
+        provider: String,
+        /// The pages it may have: its `max-records` and one.
+        pages: usize,
+    },
     /// A started instance could not be recorded, so it was stopped.
     #[error("provider {provider}: started {id} but could not record it ({}); the instance was stopped again", broker_capabilities::error_text::cause_text(.cause))]
     RecordFailed {
@@ -147,6 +157,8 @@ pub struct Broker {
     pub(super) unsettled: Unsettled,
     /// The ids this process's starts and stops are working on now.
     pub(super) in_flight: Arc<super::in_flight::InFlight>,
+    /// Seals the listing's cursors.
+    pub(super) cursor_key: super::listing::CursorKey,
 }
 
 /// Providers whose new starts wait until the first reconcile after a restart
@@ -316,7 +328,8 @@ impl Broker {
         let mut capabilities = HostCapabilities { backends, data_filesystems, secrets, ..on_host };
         adjust(&mut capabilities);
         let registry = Registry::new(runtime, store.clone(), capabilities);
-        Broker { registry, store, machine_lock, host, unsettled: Unsettled::default(), in_flight: Arc::default() }
+        let (unsettled, in_flight, cursor_key) = (Unsettled::default(), Arc::default(), Default::default());
+        Broker { registry, store, machine_lock, host, unsettled, in_flight, cursor_key }
     }
 
     /// The registered providers and the versions loaded for them.

@@ -32,7 +32,8 @@ async fn paged(
         assert!(pages < 1000, "the listing does not end");
         all.extend(page.records);
         // What the API hands out is what it takes back.
-        from = page.next.map(|next| ListCursor::parse(&next.to_text()).unwrap());
+        from =
+            page.next.map(|next| ListCursor::parse(&next.to_text(broker.cursor_key()), broker.cursor_key()).unwrap());
         if from.is_none() {
             return (all, pages);
         }
@@ -92,25 +93,27 @@ async fn the_pages_of_a_listing_put_together_are_the_whole_listing() {
         assert_eq!(shown(&paged(&broker, Some("fake"), None, limit).await.0), shown(&one), "fake, pages of {limit}");
     }
     // A cursor of the form before paging, `PROVIDER/ID`, goes on after that id.
-    let (rest, _) = paged(&broker, None, Some(ListCursor::parse("fake/fake-5").unwrap()), 4).await;
+    let (rest, _) = paged(&broker, None, Some(ListCursor::parse("fake/fake-5", broker.cursor_key()).unwrap()), 4).await;
     let from = whole.iter().position(|r| r.id == "fake-5").unwrap() + 1;
     assert_eq!(shown(&rest), shown(&whole[from..]));
     // One past the last of a provider goes on with the next.
-    let (rest, _) = paged(&broker, None, Some(ListCursor::parse("fake/zzz").unwrap()), 4).await;
+    let (rest, _) = paged(&broker, None, Some(ListCursor::parse("fake/zzz", broker.cursor_key()).unwrap()), 4).await;
     assert!(rest.iter().all(|r| r.provider == "fake-b") && rest.len() == 4, "{:?}", shown(&rest));
 }
 
 /// Hostile providers that say their pages are in id order and list
 /// otherwise: a page out of order is seen and the provider listed whole,
 /// rightly; pages that go backwards garble only the liar's own part (its
-/// ids in order, each once), never the next provider's.
+/// ids in order, each once), never the next provider's; pages without end
+/// are refused past the most it may have, and the listing goes on.
 #[tokio::test]
 async fn pages_out_of_order_garble_only_their_own_provider() {
     let dir = tempfile::tempdir().unwrap();
     let broker = Broker::open(&dir.path().join("data")).unwrap();
-    for (name, mode) in [("backwards", "pages-backwards"), ("unsorted", "page-unsorted")] {
+    for (name, mode) in [("backwards", "pages-backwards"), ("endless", "pages-endless"), ("unsorted", "page-unsorted")]
+    {
         let text = format!(
-            "name = \"{name}\"\ncomponent = \"{}\"\n[grants]\nkv = true\n[config]\nmode = \"{mode}\"\nflood-entries = 7\n",
+            "name = \"{name}\"\ncomponent = \"{}\"\n[limits]\nmax-records = 40\n[grants]\nkv = true\n[config]\nmode = \"{mode}\"\nflood-entries = 7\n",
             wasm("test-hostile").display()
         );
         std::fs::write(dir.path().join(format!("{name}.toml")), text).unwrap();
@@ -132,4 +135,16 @@ async fn pages_out_of_order_garble_only_their_own_provider() {
         assert!(garbled.iter().all(|id| backwards.contains(id)), "pages of {limit}: {garbled:?}");
         assert!(listed.iter().all(|r| r.provider == "backwards" || r.provider == "unsorted"));
     }
+    // Pages without end: refused past as many pages as it may list instances, and one.
+    let mut from = None;
+    let refused = loop {
+        match broker.instances_page(Some("endless"), from, 10).await {
+            Ok(page) => {
+                assert!(page.records.is_empty());
+                from = Some(page.next.expect("an endless listing never says it is at its end"));
+            }
+            Err(refused) => break refused.to_string(),
+        }
+    };
+    assert!(refused.contains("more than 41 pages"), "{refused}");
 }

@@ -128,6 +128,7 @@ impl From<BrokerServiceError> for ApiError {
             BrokerServiceError::Recorded(_) | BrokerServiceError::ByName(_) => StatusCode::BAD_REQUEST,
             // The provider answered with an id the host does not take.
             BrokerServiceError::InvalidInstanceId { .. }
+            | BrokerServiceError::EndlessListing { .. }
             | BrokerServiceError::InstanceIdTaken { .. }
             | BrokerServiceError::InstanceIdReused { .. } => StatusCode::BAD_GATEWAY,
             BrokerServiceError::Call(CallError::Unavailable { .. } | CallError::Busy { .. }) => {
@@ -496,8 +497,11 @@ struct ListQuery {
     after: Option<String>,
 }
 
-/// How many records the full listing reads at once.
-const STREAMED_PAGE: usize = 1000;
+/// How many records the full listing reads at once: a provider that pages
+/// in id order is asked a page of its own at a time whatever this is; one
+/// that does not is listed whole once per this many (a `max-records` of the
+/// default, once).
+const STREAMED_PAGE: usize = broker_core::broker::listing::MAX_PAGE;
 
 /// The instances, a page of them (`limit`), or all of them streamed a page
 /// at a time: the host never holds the whole listing. An instance started or
@@ -508,7 +512,9 @@ async fn list_instances(State(broker): State<Shared>, Query(query): Query<ListQu
         return Err(ApiError::bad_request("limit: at least 1"));
     }
     let from = match query.after.as_deref() {
-        Some(after) => Some(ListCursor::parse(after).map_err(|e| ApiError::bad_request(e.to_string()))?),
+        Some(after) => {
+            Some(ListCursor::parse(after, broker.cursor_key()).map_err(|e| ApiError::bad_request(e.to_string()))?)
+        }
         None => None,
     };
     let only = query.provider;
@@ -520,7 +526,8 @@ async fn list_instances(State(broker): State<Shared>, Query(query): Query<ListQu
     if let Some(limit) = query.limit {
         let page = broker.instances_page(only.as_deref(), from, limit).await?;
         let mut response = Json(page.records).into_response();
-        if let Some(next) = page.next.and_then(|next| header::HeaderValue::from_str(&next.to_text()).ok()) {
+        let next = page.next.map(|next| next.to_text(broker.cursor_key()));
+        if let Some(next) = next.and_then(|next| header::HeaderValue::from_str(&next).ok()) {
             response.headers_mut().insert("x-next-after", next);
         }
         return Ok(response);
