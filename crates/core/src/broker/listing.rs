@@ -34,8 +34,8 @@ pub struct ListCursor {
     pub after: Option<String>,
     /// Where the provider's own listing is at.
     pub at: ProviderAt,
-    /// How many of the provider's own pages were asked for so far: past its
-    /// `max-records` and one, its listing would never end.
+    /// How many pages were asked of the provider so far in this listing: past
+    /// three times its `max-records` and one, its listing would never end.
     pub pages: usize,
 }
 
@@ -255,9 +255,11 @@ impl Broker {
             at: at.clone(),
             pages,
         };
-        // As many pages as instances it may list, and one more: an empty page
-        // that is not the last is allowed, endlessly not.
-        let most_pages = wasm.manifest().limits.max_records.saturating_add(1);
+        // An empty page that is not the last is allowed, endlessly not. Its
+        // own pages are at most as many as the instances it may list, and one;
+        // a page cut short is asked again, at most once per instance or record
+        // shown: three times that, whatever the pages' sizes.
+        let most_pages = wasm.manifest().limits.max_records.saturating_add(1).saturating_mul(3);
         for _ in 0..EMPTY_PAGES_ASKED {
             pages += 1;
             if pages > most_pages {

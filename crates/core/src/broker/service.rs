@@ -82,12 +82,12 @@ pub enum BrokerServiceError {
     },
     /// A provider's paged listing went on past every page it may have.
     #[error(
-        "provider {provider} broke the contract: a listing of more than {pages} pages, more than the instances it may list (limits.max-records)"
+        "provider {provider} broke the contract: a listing of more than {pages} pages, more than the instances it may list (limits.max-records) allow"
     )]
     EndlessListing {
         /// The provider.
         provider: String,
-        /// The pages it may have: its `max-records` and one.
+        /// The most pages its listing may take: three times its `max-records` and one.
         pages: usize,
     },
     /// A started instance could not be recorded, so it was stopped.
