@@ -78,6 +78,13 @@ pub fn fake_manifest_extra(isolation: &str) -> String {
     )
 }
 
+/// The resident set of process `pid`, in KiB (0 if it cannot be read).
+pub fn rss_kib(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let line = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap_or_default();
+    line.trim().trim_end_matches("kB").trim().parse().unwrap_or(0)
+}
+
 /// One runtime for a test binary: the engine and its epoch thread are shared.
 pub fn runtime() -> Arc<Runtime> {
     Runtime::new(None).expect("engine")

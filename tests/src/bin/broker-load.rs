@@ -155,13 +155,6 @@ fn cpu_of(pid: i32) -> Duration {
     Duration::from_millis(ticks * 10)
 }
 
-/// The resident set of `pid`, in KiB.
-fn rss_kib(pid: i32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let line = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap_or_default();
-    line.trim().trim_end_matches("kB").trim().parse().unwrap_or(0)
-}
-
 /// This process's CPU time, user and system.
 fn own_cpu() -> Duration {
     let Ok(usage) = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF) else {
@@ -171,14 +164,20 @@ fn own_cpu() -> Duration {
     time(usage.user_time()) + time(usage.system_time())
 }
 
+/// A kept-alive HTTP/1.1 connection to the daemon's socket.
+async fn connect(socket: &Path) -> Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>, String> {
+    let stream = tokio::net::UnixStream::connect(socket).await.map_err(|e| e.to_string())?;
+    let (sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| e.to_string())?;
+    // The connection drives the socket until the sender is dropped.
+    tokio::spawn(connection);
+    Ok(sender)
+}
+
 /// One client: `count` starts one after another on one connection; each
 /// start's latency.
 async fn client(socket: PathBuf, provider: String, count: usize) -> Result<Vec<Duration>, String> {
-    let stream = tokio::net::UnixStream::connect(&socket).await.map_err(|e| e.to_string())?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
-        .await
-        .map_err(|e| e.to_string())?;
-    tokio::spawn(connection);
+    let mut sender = connect(&socket).await?;
     let body = Bytes::from(format!("{{\"provider\":\"{provider}\"}}"));
     let mut latencies = Vec::with_capacity(count);
     for _ in 0..count {
@@ -204,11 +203,7 @@ async fn client(socket: PathBuf, provider: String, count: usize) -> Result<Vec<D
 
 /// GET `path` on a new connection; the body and how long it took.
 async fn get(socket: &Path, path: &str) -> Result<(Bytes, Duration), String> {
-    let stream = tokio::net::UnixStream::connect(socket).await.map_err(|e| e.to_string())?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
-        .await
-        .map_err(|e| e.to_string())?;
-    tokio::spawn(connection);
+    let mut sender = connect(socket).await?;
     let request = http::Request::get(path)
         .header(http::header::HOST, "broker")
         .body(Full::new(Bytes::new()))
@@ -244,7 +239,7 @@ async fn time_listing(socket: &Path, pid: i32, starts: usize) -> Result<(), Stri
         pages[pages.len() / 2],
         whole[1],
         whole[1].as_secs_f64() * 1e6 / starts as f64,
-        rss_kib(pid),
+        broker_tests::rss_kib(pid),
     );
     Ok(())
 }
@@ -293,7 +288,7 @@ fn run(args: &Args) -> Result<(), String> {
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("a runtime: {e}"))?;
-    let rss_before = rss_kib(pid);
+    let rss_before = broker_tests::rss_kib(pid);
     let (daemon_before, own_before, since) = (cpu_of(pid), own_cpu(), Instant::now());
     let answers = runtime.block_on(async {
         let clients = (0..args.clients).map(|at| {
@@ -304,7 +299,7 @@ fn run(args: &Args) -> Result<(), String> {
     });
     let elapsed = since.elapsed();
     let (daemon_cpu, own) = (cpu_of(pid).saturating_sub(daemon_before), own_cpu().saturating_sub(own_before));
-    let rss_after = rss_kib(pid);
+    let rss_after = broker_tests::rss_kib(pid);
     if let Some(mut perf) = perf {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(perf.id() as i32), nix::sys::signal::Signal::SIGINT);
         let _ = perf.wait();

@@ -330,15 +330,10 @@ impl Broker {
         room: usize,
         failed: &BrokerServiceError,
     ) -> Result<Part, BrokerServiceError> {
-        let why = broker_capabilities::error_text::error_text(failed);
-        tracing::warn!(provider = %name, error = %why, "a provider did not answer the listing of all");
         let mut records = self.records_after(name, &cursor.after, room + 1).await?;
         let more = records.len() > room;
         records.truncate(room);
-        for record in &mut records {
-            record.status = "unknown".into();
-            record.message = format!("provider {name} did not answer: {why}");
-        }
+        Broker::unanswered(name, failed, &mut records);
         let next = more.then(|| ListCursor {
             provider: name.to_owned(),
             after: records.last().map(|record| record.id.clone()),
@@ -346,19 +341,6 @@ impl Broker {
             pages: cursor.pages,
         });
         Ok(Part { records, next })
-    }
-
-    /// At most `limit` of provider `name`'s records after `after`, read off the async workers.
-    async fn records_after(
-        &self,
-        name: &str,
-        after: &Option<String>,
-        limit: usize,
-    ) -> Result<Vec<InstanceRecord>, crate::store::StoreError> {
-        let (store, name, after) = (self.store.clone(), name.to_owned(), after.clone());
-        tokio::task::spawn_blocking(move || store.instances_after(&name, after.as_deref(), limit))
-            .await
-            .map_err(|_| crate::store::StoreError::ReadPanicked)?
     }
 }
 

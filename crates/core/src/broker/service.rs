@@ -787,13 +787,9 @@ impl Broker {
                 // Being removed, so it has no recorded instances; listing all is not its business.
                 Err(BrokerServiceError::Registry(RegistryError::Removing(_))) => {}
                 Err(failed) => {
-                    let why = broker_capabilities::error_text::error_text(&failed);
-                    tracing::warn!(provider = %name, error = %why, "a provider did not answer the listing of all");
-                    for mut record in self.records_of(name).await? {
-                        record.status = "unknown".into();
-                        record.message = format!("provider {name} did not answer: {why}");
-                        out.push(record);
-                    }
+                    let mut records = self.records_of(name).await?;
+                    Broker::unanswered(name, &failed, &mut records);
+                    out.extend(records);
                 }
             }
         }
@@ -867,8 +863,32 @@ impl Broker {
     /// A provider's records, in id order (the store's key order), read off
     /// the async workers: thousands of them take milliseconds.
     pub(crate) async fn records_of(&self, name: &str) -> Result<Vec<InstanceRecord>, StoreError> {
-        let (store, name) = (self.store.clone(), name.to_owned());
-        tokio::task::spawn_blocking(move || store.instances(Some(&name))).await.map_err(|_| StoreError::ReadPanicked)?
+        self.records_after(name, &None, usize::MAX).await
+    }
+
+    /// At most `limit` of provider `name`'s records after `after`, in id
+    /// order, read off the async workers.
+    pub(super) async fn records_after(
+        &self,
+        name: &str,
+        after: &Option<String>,
+        limit: usize,
+    ) -> Result<Vec<InstanceRecord>, StoreError> {
+        let (store, name, after) = (self.store.clone(), name.to_owned(), after.clone());
+        tokio::task::spawn_blocking(move || store.instances_after(&name, after.as_deref(), limit))
+            .await
+            .map_err(|_| StoreError::ReadPanicked)?
+    }
+
+    /// Why provider `name` did not answer the listing of all (it is warned
+    /// of), and its `records` as that listing shows them: `unknown`, with why.
+    pub(super) fn unanswered(name: &str, failed: &BrokerServiceError, records: &mut [InstanceRecord]) {
+        let why = broker_capabilities::error_text::error_text(failed);
+        tracing::warn!(provider = %name, error = %why, "a provider did not answer the listing of all");
+        for record in records {
+            record.status = "unknown".into();
+            record.message = format!("provider {name} did not answer: {why}");
+        }
     }
 
     /// Split what a provider's `all-instances` reported into the instances the

@@ -41,6 +41,7 @@ use broker_capabilities::rooms::process::{ChildRecord, ChildRecords, RecordsErro
 use db::StateDb;
 use futures_util::future::BoxFuture;
 use redb::{Database, ReadableTable, TableDefinition};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -628,24 +629,14 @@ impl Store {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<InstanceRecord>, StoreError> {
-        use std::ops::Bound;
         let txn = self.db.begin_read()?;
         let table = txn.open_table(INSTANCES).map_err(db_error)?;
-        let from = match after {
-            Some(id) => Bound::Excluded((provider, id)),
-            None => Bound::Included((provider, "")),
-        };
         let mut records = Vec::with_capacity(limit.min(1024));
-        for entry in table.range::<(&str, &str)>((from, Bound::Unbounded)).map_err(db_error)? {
-            if records.len() == limit {
-                break;
-            }
-            let (key, value) = entry.map_err(db_error)?;
-            let (owner, id) = key.value();
-            if owner != provider {
-                break;
-            }
-            records.extend(listed_record(owner, id, value.value()));
+        if limit > 0 {
+            each_of_owner_after(&table, provider, after, |id, value| {
+                records.extend(listed_record(provider, id, value));
+                Ok(if records.len() == limit { ControlFlow::Break(()) } else { ControlFlow::Continue(()) })
+            })?;
         }
         Ok(records)
     }
@@ -766,13 +757,31 @@ fn each_of_owner<T>(
 where
     T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
 {
-    for entry in table.range((owner, "")..).map_err(db_error)? {
+    each_of_owner_after(table, owner, None, |key, value| visit(key, value).map(|()| ControlFlow::Continue(())))
+}
+
+/// As [`each_of_owner`], from the first key after `after` (none: from the
+/// first), until `visit` says to stop.
+fn each_of_owner_after<T>(
+    table: &T,
+    owner: &str,
+    after: Option<&str>,
+    mut visit: impl FnMut(&str, &[u8]) -> Result<ControlFlow<()>, StoreError>,
+) -> Result<(), StoreError>
+where
+    T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
+{
+    use std::ops::Bound;
+    let from = match after {
+        Some(key) => Bound::Excluded((owner, key)),
+        None => Bound::Included((owner, "")),
+    };
+    for entry in table.range::<(&str, &str)>((from, Bound::Unbounded)).map_err(db_error)? {
         let (key, value) = entry.map_err(db_error)?;
         let (found, key) = key.value();
-        if found != owner {
+        if found != owner || visit(key, value.value())?.is_break() {
             break;
         }
-        visit(key, value.value())?;
     }
     Ok(())
 }
