@@ -1,7 +1,8 @@
 //! The wasmtime side: one [`Engine`] per host (epoch interruption, pooling
-//! allocator, on-disk compilation cache), the per-store [`HostState`], and
-//! the linker built from a provider's grants.
+//! allocator, compiled components kept on disk and compiled apart), the
+//! per-store [`HostState`], and the linker built from a provider's grants.
 
+pub mod compiled;
 mod limits;
 mod state;
 mod ticker;
@@ -17,7 +18,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use wasmtime::component::{Component, Linker};
-use wasmtime::{Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 /// How often the epoch advances: a long-running guest passes its turn on
 /// this often (see [`turnstile`]), and a call's deadline is checked.
@@ -32,9 +33,14 @@ pub enum RuntimeError {
     /// wasmtime refused the engine's configuration.
     #[error("cannot configure the wasm engine: {}", broker_capabilities::error_text::cause_text(&**.0))]
     Engine(BoxError),
-    /// The on-disk compilation cache could not be set up.
-    #[error("cannot configure the wasm engine: cache: {}", broker_capabilities::error_text::cause_text(&**.0))]
-    Cache(BoxError),
+    /// The directory compiled components are kept in could not be made.
+    #[error("cannot keep compiled components in {path}: {}", broker_capabilities::error_text::cause_text(.cause))]
+    Compiled {
+        /// The directory.
+        path: String,
+        /// Why.
+        cause: std::io::Error,
+    },
     /// The bytes are not a component this engine can compile.
     #[error("cannot compile component {path}: {}", broker_capabilities::error_text::cause_text(&**.cause))]
     Compile {
@@ -81,6 +87,8 @@ pub const INSTANCE_SLOTS: usize = 512;
 /// Shared by every provider of one host.
 pub struct Runtime {
     engine: Engine,
+    /// Where compiled components are kept; `None`: compiled in this process, kept nowhere.
+    compiled: Option<compiled::CompiledStore>,
     _ticker: ticker::EpochTicker,
     /// Turns of executor time for long-running guests.
     turnstile: Arc<turnstile::Turnstile>,
@@ -117,24 +125,17 @@ impl Runtime {
 
     /// As [`Runtime::new`], with `turns` long-running guests at once (at least one).
     pub fn with_guest_turns(cache_dir: Option<&Path>, turns: usize) -> Result<Arc<Runtime>, RuntimeError> {
-        let mut config = Config::new();
-        config.epoch_interruption(true);
-        config.wasm_component_model(true);
-        config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling_config()));
-        // Guests get a small fiber stack: providers are not deep recursers.
-        config.max_wasm_stack(512 << 10);
-        config.async_stack_size(1 << 20);
-        if let Some(dir) = cache_dir {
-            let mut cache_config = CacheConfig::new();
-            cache_config.with_directory(dir);
-            let cache = Cache::new(cache_config).map_err(|e| RuntimeError::Cache(e.into_boxed_dyn_error()))?;
-            config.cache(Some(cache));
-        }
-        let engine = Engine::new(&config).map_err(|e| RuntimeError::Engine(e.into_boxed_dyn_error()))?;
+        let engine = Engine::new(&engine_config()).map_err(|e| RuntimeError::Engine(e.into_boxed_dyn_error()))?;
+        let compiled = cache_dir
+            .map(|dir| {
+                compiled::CompiledStore::open(dir, &engine)
+                    .map_err(|cause| RuntimeError::Compiled { path: dir.display().to_string(), cause })
+            })
+            .transpose()?;
         let turnstile = turnstile::Turnstile::new(turns, EPOCH_TICK);
         let ticker =
             ticker::EpochTicker::start(engine.clone(), EPOCH_TICK, turnstile.clone()).map_err(RuntimeError::Ticker)?;
-        Ok(Arc::new(Runtime { engine, _ticker: ticker, turnstile, reserved: Default::default() }))
+        Ok(Arc::new(Runtime { engine, compiled, _ticker: ticker, turnstile, reserved: Default::default() }))
     }
 
     /// Reserve `slots` instance slots for `provider`, while the reservation lives.
@@ -162,7 +163,10 @@ impl Runtime {
         &self.engine
     }
 
-    pub(crate) fn compile(&self, path: &Path, bytes: &[u8]) -> Result<Component, RuntimeError> {
+    /// The component of `bytes` (read from `path`, SHA-256 `sha256`): from
+    /// the compiled store when this runtime keeps one (compiled apart and
+    /// kept first if it is not there), else compiled here.
+    pub(crate) fn compile(&self, path: &Path, bytes: &[u8], sha256: &str) -> Result<Component, RuntimeError> {
         let path_text = || path.display().to_string();
         // The preamble: magic, then a u16 version and a u16 layer (0: core module, 1: component).
         match bytes.get(..8) {
@@ -170,8 +174,11 @@ impl Runtime {
             Some([0, b'a', b's', b'm', ..]) => {}
             _ => return Err(RuntimeError::NotWasm { path: path_text() }),
         }
-        Component::new(&self.engine, bytes)
-            .map_err(|e| RuntimeError::Compile { path: path_text(), cause: e.into_boxed_dyn_error() })
+        match &self.compiled {
+            Some(store) => store.component(&self.engine, path, bytes, sha256),
+            None => Component::new(&self.engine, bytes)
+                .map_err(|e| RuntimeError::Compile { path: path_text(), cause: e.into_boxed_dyn_error() }),
+        }
     }
 
     /// A linker with WASI (nothing ambient), `wasi:http` (each request checked
@@ -183,6 +190,19 @@ impl Runtime {
         broker_capabilities::rooms::add_to_linker(&mut linker, grants)?;
         Ok(linker)
     }
+}
+
+/// The engine's settings; a compiler child uses them too, so that what it
+/// makes loads here.
+fn engine_config() -> Config {
+    let mut config = Config::new();
+    config.epoch_interruption(true);
+    config.wasm_component_model(true);
+    config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling_config()));
+    // Guests get a small fiber stack: providers are not deep recursers.
+    config.max_wasm_stack(512 << 10);
+    config.async_stack_size(1 << 20);
+    config
 }
 
 /// Most core instances, memories and tables one provider component may have
@@ -226,7 +246,7 @@ mod tests {
         let runtime = Runtime::new(None).unwrap();
         let path = Path::new("provider.wasm");
         // The smallest core module: the preamble alone (version 1, layer 0).
-        let core = runtime.compile(path, b"\0asm\x01\0\0\0").err().map(|e| e.to_string());
+        let core = runtime.compile(path, b"\0asm\x01\0\0\0", "").err().map(|e| e.to_string());
         assert_eq!(
             core.as_deref(),
             Some(
@@ -234,11 +254,11 @@ mod tests {
             )
         );
         for not_wasm in [&b""[..], b"\0as", b"#!/bin/sh\necho hi\n"] {
-            let refused = runtime.compile(path, not_wasm).err();
+            let refused = runtime.compile(path, not_wasm, "").err();
             assert!(matches!(refused, Some(RuntimeError::NotWasm { .. })), "{refused:?}");
         }
         // A component's preamble (layer 1) goes on to wasmtime, whose error is kept.
-        let truncated = runtime.compile(path, b"\0asm\x0d\0\x01\0\xff").err();
+        let truncated = runtime.compile(path, b"\0asm\x0d\0\x01\0\xff", "").err();
         assert!(matches!(truncated, Some(RuntimeError::Compile { .. })), "{truncated:?}");
     }
 }

@@ -245,7 +245,7 @@ impl ProviderVersion {
         let pooled = if manifest.isolation == Isolation::Pooled { limits.pool_size } else { 0 };
         let slots = runtime.reserve(&manifest.name, limits.max_concurrent_calls + pooled)?;
         let (bytes, sha256) = manifest.read_component()?;
-        let component = runtime.compile(&manifest.component, &bytes)?;
+        let component = runtime.compile(&manifest.component, &bytes, &sha256)?;
         let provider = manifest.name.clone();
         let served = imports::check(runtime.engine(), &component, &manifest.grants)
             .map_err(|source| LoadError::Contract { provider: provider.clone(), cause: source })?;

@@ -1017,6 +1017,13 @@ pub(crate) fn error_report(error: &anyhow::Error) -> ErrorReport {
 /// the outcome into the exit code: 0, 2 for usage errors, else the error
 /// kind's (the README's "Errors"). The `broker` binary is this.
 pub fn main() -> std::process::ExitCode {
+    use broker_core::runtime::compiled;
+    // Run by itself to compile a component apart (runtime::compiled): no CLI.
+    if std::env::args_os().nth(1).is_some_and(|arg| arg == compiled::COMPILE_ARG) {
+        return compiled::compiler_child_main();
+    }
+    // This very binary, even if the file was replaced since it started.
+    compiled::compile_in_children("/proc/self/exe".into());
     // clap exits with 2 on usage errors and 0 for --help/--version.
     let cli = <Cli as clap::Parser>::parse();
     let default_level = match cli.verbose {

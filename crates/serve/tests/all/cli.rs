@@ -2,6 +2,7 @@
 
 use crate::common::{broker, broker_command};
 use serde_json::Value;
+use sha2::Digest;
 use std::path::Path;
 use std::process::Command;
 
@@ -38,9 +39,13 @@ fn start_list_stop_maintain_through_the_fake_provider() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path();
     assert!(ok(data, &["provider", "add", &fake_manifest()]).contains("added provider fake"));
-    // wasmtime names a cached module by its hash; its bookkeeping files have dots.
-    let modules = file_names(&data.join("cache")).into_iter().filter(|n| !n.contains('.')).count();
-    assert!(modules >= 1, "the compiled component is cached on disk for the next run");
+    // Compiled apart (a child of the binary) and kept, named by the component's hash.
+    let sha256 = hex::encode(sha2::Sha256::digest(std::fs::read(guest_artifacts::wasm("fake")).unwrap()));
+    let kept = file_names(&data.join("cache"));
+    assert!(
+        kept.iter().any(|n| n.starts_with(&sha256) && n.ends_with(".cwasm")),
+        "the compiled component is kept on disk for the next run: {kept:?}"
+    );
     let providers = json(data, &["provider", "list", "--json"]);
     assert_eq!(providers[0]["name"], "fake");
     let shown = json(data, &["provider", "show", "fake", "--json"]);
@@ -153,6 +158,26 @@ fn refuses_a_provider_with_instances_and_a_missing_manifest() {
     ok(data, &["instance", "stop", "fake-0"]);
     ok(data, &["provider", "remove", "fake"]);
     assert_eq!(json(data, &["provider", "list", "--json"]), serde_json::json!([]));
+}
+
+/// The binary compiles apart (a child of itself): what the compiler says of
+/// a component it refuses reaches the user as the compile error, the exit
+/// code is an invalid provider's, and nothing is kept of it.
+#[test]
+fn a_component_the_compiler_child_refuses_is_named_and_nothing_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    // The wasm magic and a component's layer, then bytes no parser takes.
+    let junk = dir.path().join("junk.wasm");
+    std::fs::write(&junk, b"\0asm\x0d\0\x01\0\xff\xff\xff").unwrap();
+    let manifest = dir.path().join("junk.toml");
+    std::fs::write(&manifest, format!("name = \"junk\"\ncomponent = \"{}\"\n", junk.display())).unwrap();
+    let added = broker(&data, &["provider", "add", &manifest.display().to_string()]);
+    let said = String::from_utf8_lossy(&added.stderr);
+    assert_eq!(added.status.code(), Some(3), "{said}");
+    assert!(said.contains("cannot compile component") && said.contains("junk.wasm"), "{said}");
+    assert!(!said.contains("__compile-component"), "the child's own arguments are not the user's business: {said}");
+    assert_eq!(file_names(&data.join("cache")), Vec::<String>::new(), "nothing kept");
 }
 
 /// Kill the CLI with SIGKILL at many points of `instance start`: the state
