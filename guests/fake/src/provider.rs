@@ -226,10 +226,13 @@ impl Guest for Fake {
 
     /// A page of the instances the fake keeps one per kv key.
     fn all_instances(ctx: &CallContext, page: PageRequest) -> Result<InstancePage, BrokerError> {
-        let failed_zones = knobs(ctx).failed_zones;
+        // Read for a page that lists something, once: an empty page costs
+        // no host call for the config and no parse of it.
+        let mut failed_zones = None;
         broker_guest::listing::kv_page(fake_logic::INSTANCE_PREFIX, &page, |_, value| {
             let fake = fake_logic::decode(value).map_err(to_broker_error)?;
             let mut listed = instance(&fake);
+            let failed_zones = failed_zones.get_or_insert_with(|| knobs(ctx).failed_zones);
             if let Some(zone) = fake.hardware.availability_zone.as_ref().filter(|z| failed_zones.contains(z)) {
                 listed.status = InstanceStatus::Error;
                 listed.message = format!("zone {zone} fails its instances (fake config failed-zones)");

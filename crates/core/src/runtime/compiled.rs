@@ -124,7 +124,10 @@ impl CompiledStore {
         }
         let compile_error =
             |cause: BoxedText| RuntimeError::Compile { path: path.display().to_string(), cause: Box::new(cause) };
-        let tmp = self.dir.join(format!("{sha256}.{}.tmp", std::process::id()));
+        // Its own name: two loads of one component at once each make theirs.
+        static ATTEMPT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let attempt = ATTEMPT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = self.dir.join(format!("{sha256}.{}-{attempt}.tmp", std::process::id()));
         let made = match COMPILER.get() {
             Some(program) => compile_apart(program, bytes, &tmp),
             None => engine

@@ -680,7 +680,9 @@ impl ProviderVersion {
     }
 
     fn observe(&self, method: Method, outcome: Outcome, began: Instant) {
-        self.stats.methods.get(method).observe(outcome, began.elapsed());
+        // One clock read for both: a call's clock reads are a measurable part of it.
+        let now = Instant::now();
+        self.stats.methods.get(method).observe(outcome, now.saturating_duration_since(began));
         // A read-only call that answered more than a bound lets it hold (a
         // listing past max-records) is refused, not a sign that the provider
         // is failing: tripping on it would refuse the stops that bring the
@@ -688,7 +690,7 @@ impl ProviderVersion {
         if method.is_read_only() && outcome == Outcome::Limit {
             return;
         }
-        if self.breaker.record(outcome, Instant::now()) {
+        if self.breaker.record(outcome, now) {
             tracing::warn!(provider = &*self.name, policy = %self.breaker.describe(), "provider half-open");
         }
     }
@@ -748,8 +750,10 @@ impl ProviderVersion {
         self.stats.calls.fetch_add(1, Ordering::Relaxed);
         // One budget for the method: instantiating a fresh instance spends from it.
         let deadline = self.manifest.limits.deadlines.for_method(method);
-        let until = Instant::now() + deadline;
-        let mut warm = self.checkout(method, deadline).await?;
+        // Admitted now: the clock read once for the deadline, the pool's ages and the log.
+        let began = Instant::now();
+        let until = began + deadline;
+        let mut warm = self.checkout(method, deadline, began).await?;
         // A first slice, unless the provider's long-runners fill its lane: then
         // the call queues at once, as its slice would take a worker from
         // another provider. The deadline is the timeout around the call.
@@ -767,7 +771,6 @@ impl ProviderVersion {
             reason: format!("call context: {e}"),
         })?;
         let borrowed = Resource::<CallContext>::new_borrow(handle.rep());
-        let started = Instant::now();
         let outcome = {
             let Warm { store, exports, .. } = &mut warm;
             tokio::time::timeout_at(until.into(), invoke(store, exports, borrowed)).await
@@ -781,14 +784,15 @@ impl ProviderVersion {
         // Taken whatever the outcome (a trap or deadline too): reads already see them.
         *unpersisted = warm.store.data_mut().rooms.of::<Kv>().take_unpersisted();
         warm.calls += 1;
-        tracing::debug!(elapsed_us = started.elapsed().as_micros() as u64, "call finished");
+        let ended = Instant::now();
+        tracing::debug!(elapsed_us = ended.saturating_duration_since(began).as_micros() as u64, "call finished");
         match outcome {
             Ok(Ok(Ok(value))) => {
-                self.checkin(warm);
+                self.checkin(warm, ended);
                 Ok(value)
             }
             Ok(Ok(Err(error))) => {
-                self.checkin(warm);
+                self.checkin(warm, ended);
                 // Logged, listed, kept in events: never more of it than a status message.
                 let error = cut_broker_error(error, self.config.redactor());
                 Err(CallError::Guest { provider: self.name.to_string(), method, error })
@@ -842,14 +846,15 @@ impl ProviderVersion {
         if self.lane.is_full() { 0 } else { FIRST_SLICE_TICKS }
     }
 
-    /// A healthy warm instance from the pool, or a fresh one.
-    async fn checkout(&self, method: Method, deadline: Duration) -> Result<Warm, CallError> {
+    /// A healthy warm instance from the pool (of an age under `max-age` at
+    /// `now`), or a fresh one.
+    async fn checkout(&self, method: Method, deadline: Duration, now: Instant) -> Result<Warm, CallError> {
         if self.manifest.isolation == Isolation::Pooled {
             let max_age = self.manifest.limits.max_age;
             loop {
                 let candidate = self.lock_pool().pop();
                 match candidate {
-                    Some(warm) if warm.born.elapsed() < max_age => return Ok(warm),
+                    Some(warm) if now.saturating_duration_since(warm.born) < max_age => return Ok(warm),
                     Some(_) => {
                         self.stats.discarded.fetch_add(1, Ordering::Relaxed);
                     }
@@ -883,12 +888,12 @@ impl ProviderVersion {
     }
 
     /// Return a healthy instance to the pool unless its isolation, call count,
-    /// age or the pool's size says to retire it.
-    fn checkin(&self, warm: Warm) {
+    /// age (at `now`) or the pool's size says to retire it.
+    fn checkin(&self, warm: Warm, now: Instant) {
         let limits = &self.manifest.limits;
         let keep = self.manifest.isolation == Isolation::Pooled
             && warm.calls < limits.max_calls
-            && warm.born.elapsed() < limits.max_age;
+            && now.saturating_duration_since(warm.born) < limits.max_age;
         if keep {
             let mut pool = self.lock_pool();
             if pool.len() < limits.pool_size && !self.retired.load(Ordering::SeqCst) {
