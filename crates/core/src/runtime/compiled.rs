@@ -14,25 +14,35 @@
 
 // Audited: loading an artifact is `unsafe` in wasmtime because it trusts the
 // machine code inside. Only files this module wrote are loaded: in the host's
-// own cache dir (the state dir, never a provider's), made by this engine's
-// settings (the name says which; wasmtime checks them again), synced before
-// they are given their name, so no torn file is ever read as code.
+// own cache dir (0700, the host's, no symlink; the state dir, never a
+// provider's), opened without following a link and checked to be a regular
+// file of the host's with one name, made by this engine's settings (the name
+// says which; wasmtime checks them again), synced before they were given
+// their name, so no torn file is ever read as code.
 #![allow(unsafe_code)]
 
 use super::RuntimeError;
+use std::collections::HashSet;
 use std::fs::File;
 use std::hash::{Hash, Hasher};
 use std::io::{Read, Seek, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
 /// The first argument that makes the `broker` binary a compiler child.
 pub const COMPILE_ARG: &str = "__compile-component";
 
-/// Artifacts kept; past this many the ones used longest ago go.
+/// The child's exit code when the compiler refused the component (its words on stderr).
+const REFUSED: u8 = 1;
+/// The child's exit code when it compiled but could not write the artifact.
+const UNWRITTEN: u8 = 2;
+
+/// Artifacts kept, besides those this process has loaded; past this many
+/// the ones used longest ago go.
 const KEPT: usize = 32;
 
 /// Most an artifact may take (a component is at most 64 MiB).
@@ -51,8 +61,16 @@ pub fn compile_in_children(program: PathBuf) {
 }
 
 /// The compiler child: a component on stdin, the artifact of this engine's
-/// settings on stdout, or an error on stderr and exit code 1.
+/// settings on stdout; else its error on stderr, and exit code [`REFUSED`]
+/// (the compiler's refusal) or [`UNWRITTEN`] (the artifact not written).
 pub fn compiler_child_main() -> ExitCode {
+    // Gone with the host that asked; never writing more than an artifact may hold.
+    let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+    let _ = nix::sys::resource::setrlimit(
+        nix::sys::resource::Resource::RLIMIT_FSIZE,
+        MAX_ARTIFACT_BYTES,
+        MAX_ARTIFACT_BYTES,
+    );
     let compiled = (|| -> Result<Vec<u8>, String> {
         let mut bytes = Vec::new();
         std::io::stdin()
@@ -63,19 +81,33 @@ pub fn compiler_child_main() -> ExitCode {
             return Err("the component is larger than a component may be".into());
         }
         let engine = Engine::new(&super::engine_config()).map_err(|e| format!("{e:#}"))?;
-        let artifact = engine.precompile_component(&bytes).map_err(|e| format!("{e:#}"))?;
-        if artifact.len() as u64 > MAX_ARTIFACT_BYTES {
-            return Err(format!("its compiled code is larger than {} MiB", MAX_ARTIFACT_BYTES >> 20));
-        }
-        Ok(artifact)
+        precompile(&engine, &bytes)
     })();
-    match compiled.and_then(|artifact| std::io::stdout().write_all(&artifact).map_err(|e| e.to_string())) {
-        Ok(()) => ExitCode::SUCCESS,
+    let artifact = match compiled {
+        Ok(artifact) => artifact,
         Err(message) => {
             eprint!("{message}");
-            ExitCode::from(1)
+            return ExitCode::from(REFUSED);
+        }
+    };
+    // Flushed here, its error seen: an artifact cut short must not exit 0.
+    let mut out = std::io::stdout().lock();
+    match out.write_all(&artifact).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprint!("cannot write the compiled component: {e}");
+            ExitCode::from(UNWRITTEN)
         }
     }
+}
+
+/// The engine's artifact of `bytes`, held to [`MAX_ARTIFACT_BYTES`].
+fn precompile(engine: &Engine, bytes: &[u8]) -> Result<Vec<u8>, String> {
+    let artifact = engine.precompile_component(bytes).map_err(|e| format!("{e:#}"))?;
+    if artifact.len() as u64 > MAX_ARTIFACT_BYTES {
+        return Err(format!("its compiled code is larger than {} MiB", MAX_ARTIFACT_BYTES >> 20));
+    }
+    Ok(artifact)
 }
 
 /// The artifacts of one engine, in one directory.
@@ -83,17 +115,49 @@ pub(crate) struct CompiledStore {
     dir: PathBuf,
     /// Names the engine's settings: an artifact of others is never looked for.
     engine_key: String,
+    /// One compile at a time: each takes every core, and a second load of a
+    /// component being compiled waits for its artifact instead.
+    compiling: Mutex<()>,
+    /// Artifacts this process loaded: never trimmed, so that a host with
+    /// more components than [`KEPT`] does not compile them all at each start.
+    loaded: Mutex<HashSet<PathBuf>>,
 }
 
 impl CompiledStore {
-    /// The store in `dir` (made if missing); what a killed compile left there goes.
+    /// The store in `dir`: made 0700 if missing, refused unless it is a
+    /// directory of this user's that only it can use (an older host's `0755`
+    /// is narrowed). What a killed compile left there goes, and what
+    /// wasmtime's own cache kept there before.
     pub(crate) fn open(dir: &Path, engine: &Engine) -> std::io::Result<CompiledStore> {
-        std::fs::DirBuilder::new().recursive(true).create(dir)?;
+        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+            _ => {}
+        }
+        let meta = std::fs::symlink_metadata(dir)?;
+        let refuse = |why: &str| Err(std::io::Error::other(format!("{} {why}", dir.display())));
+        if !meta.is_dir() {
+            return refuse("is not a directory (a link is not followed)");
+        }
+        if meta.uid() != rustix::process::geteuid().as_raw() {
+            return refuse("belongs to another user");
+        }
+        if meta.mode() & 0o077 != 0 {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        }
         let mut hasher = std::hash::DefaultHasher::new();
         engine.precompile_compatibility_hash().hash(&mut hasher);
-        let store = CompiledStore { dir: dir.to_owned(), engine_key: format!("{:016x}", hasher.finish()) };
+        let store = CompiledStore {
+            dir: dir.to_owned(),
+            engine_key: format!("{:016x}", hasher.finish()),
+            compiling: Mutex::new(()),
+            loaded: Mutex::default(),
+        };
         for (path, _) in store.entries(".tmp") {
             let _ = std::fs::remove_file(path);
+        }
+        let old_cache = dir.join("modules");
+        if std::fs::symlink_metadata(&old_cache).is_ok_and(|m| m.is_dir()) {
+            let _ = std::fs::remove_dir_all(old_cache);
         }
         Ok(store)
     }
@@ -109,58 +173,110 @@ impl CompiledStore {
         sha256: &str,
     ) -> Result<Component, RuntimeError> {
         let kept = self.dir.join(format!("{sha256}-{}.cwasm", self.engine_key));
-        if kept.exists() {
-            match load(engine, &kept) {
-                Ok(component) => {
-                    // Used now: the last to go when the store is trimmed.
-                    let _ = File::open(&kept).and_then(|f| f.set_modified(std::time::SystemTime::now()));
-                    return Ok(component);
-                }
-                Err(e) => {
-                    tracing::warn!(artifact = %kept.display(), error = %format!("{e:#}"), "a kept compiled component does not load: compiling it again");
-                    let _ = std::fs::remove_file(&kept);
-                }
-            }
+        if let Some(component) = self.load_kept(engine, &kept) {
+            return Ok(component);
+        }
+        let _one_at_a_time = self.compiling.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Compiled by the load this one waited for.
+        if let Some(component) = self.load_kept(engine, &kept) {
+            return Ok(component);
         }
         let compile_error =
-            |cause: BoxedText| RuntimeError::Compile { path: path.display().to_string(), cause: Box::new(cause) };
-        // Its own name: two loads of one component at once each make theirs.
+            |cause: CompilerText| RuntimeError::Compile { path: path.display().to_string(), cause: Box::new(cause) };
+        let in_process = || {
+            Component::new(engine, bytes).map_err(|e| RuntimeError::Compile {
+                path: path.display().to_string(),
+                cause: e.into_boxed_dyn_error(),
+            })
+        };
+        // Its own name: a load in another thread never writes the same file.
         static ATTEMPT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let attempt = ATTEMPT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let tmp = self.dir.join(format!("{sha256}.{}-{attempt}.tmp", std::process::id()));
+        let here = || {
+            precompile(engine, bytes).map_err(Failed::Refused).and_then(|a| write_new(&tmp, &a).map_err(Failed::Unkept))
+        };
         let made = match COMPILER.get() {
-            Some(program) => compile_apart(program, bytes, &tmp),
-            None => engine
-                .precompile_component(bytes)
-                .map_err(|e| Failed::Compile(format!("{e:#}")))
-                .and_then(|artifact| write_new(&tmp, &artifact).map_err(Failed::Keep)),
+            Some(program) => match compile_apart(program, bytes, &tmp) {
+                Err(Failed::NoChild(e)) => {
+                    tracing::warn!(program = %program.display(), error = %e, "cannot run the compiler apart: compiling in this process");
+                    let _ = std::fs::remove_file(&tmp);
+                    here()
+                }
+                made => made,
+            },
+            None => here(),
         };
         match made {
             Ok(()) => {}
-            Err(Failed::Compile(text)) => {
+            Err(Failed::Refused(text)) => {
                 let _ = std::fs::remove_file(&tmp);
-                return Err(compile_error(BoxedText(text)));
+                return Err(compile_error(CompilerText(text)));
             }
-            Err(Failed::Keep(e)) => {
+            Err(Failed::Unkept(e) | Failed::NoChild(e)) => {
                 let _ = std::fs::remove_file(&tmp);
                 // A full or read-only disk: compile here, keep nothing.
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot keep a compiled component: compiling it in this process");
-                return Component::new(engine, bytes).map_err(|e| RuntimeError::Compile {
-                    path: path.display().to_string(),
-                    cause: e.into_boxed_dyn_error(),
-                });
+                return in_process();
             }
         }
-        if let Err(e) = std::fs::rename(&tmp, &kept).and_then(|()| File::open(&self.dir)?.sync_all()) {
+        if let Err(e) = std::fs::rename(&tmp, &kept) {
             let _ = std::fs::remove_file(&tmp);
             tracing::warn!(dir = %self.dir.display(), error = %e, "cannot keep a compiled component: compiling it in this process");
-            return Component::new(engine, bytes).map_err(|e| RuntimeError::Compile {
-                path: path.display().to_string(),
-                cause: e.into_boxed_dyn_error(),
-            });
+            return in_process();
         }
-        self.trim();
-        load(engine, &kept).map_err(|e| compile_error(BoxedText(format!("its compiled code does not load: {e:#}"))))
+        if let Err(e) = File::open(&self.dir).and_then(|dir| dir.sync_all()) {
+            tracing::warn!(dir = %self.dir.display(), error = %e, "the compiled component's name may not survive a crash");
+        }
+        match self.load_checked(engine, &kept) {
+            Ok(component) => {
+                // After the load: the new artifact counts as loaded.
+                self.trim();
+                Ok(component)
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&kept);
+                Err(compile_error(CompilerText(format!("its compiled code does not load: {e:#}"))))
+            }
+        }
+    }
+
+    /// The kept artifact at `kept`, if there is one that loads; one that is
+    /// there but does not load (damaged, or not ours) is removed.
+    fn load_kept(&self, engine: &Engine, kept: &Path) -> Option<Component> {
+        match self.load_checked(engine, kept) {
+            Ok(component) => Some(component),
+            Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::NotFound) => {
+                None
+            }
+            // Out of descriptors or address space: the file is not to blame.
+            Err(e) if e.downcast_ref::<std::io::Error>().is_some() => {
+                tracing::warn!(artifact = %kept.display(), error = %format!("{e:#}"), "cannot open a kept compiled component");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(artifact = %kept.display(), error = %format!("{e:#}"), "a kept compiled component does not load: compiling it again");
+                let _ = std::fs::remove_file(kept);
+                None
+            }
+        }
+    }
+
+    /// Map the artifact at `kept`: opened without following a link, and a
+    /// regular file of this user's, with this one name, or refused.
+    fn load_checked(&self, engine: &Engine, kept: &Path) -> wasmtime::Result<Component> {
+        let file =
+            std::fs::OpenOptions::new().read(true).custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits()).open(kept)?;
+        let meta = file.metadata()?;
+        if !meta.is_file() || meta.uid() != rustix::process::geteuid().as_raw() || meta.nlink() != 1 {
+            return Err(wasmtime::Error::msg("not a file this host wrote (a special file, another user's, or linked)"));
+        }
+        // The very file checked, by its descriptor.
+        let component = load(engine, Path::new(&format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&file))))?;
+        // Used now: the last to go when the store is trimmed.
+        let _ = file.set_modified(std::time::SystemTime::now());
+        self.loaded.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(kept.to_owned());
+        Ok(component)
     }
 
     /// Files of the store whose names end in `suffix`, with when each was last used.
@@ -177,9 +293,10 @@ impl CompiledStore {
             .collect()
     }
 
-    /// Keep the [`KEPT`] artifacts used last.
+    /// Keep the [`KEPT`] artifacts used last, and every one this process loaded.
     fn trim(&self) {
-        let mut kept = self.entries(".cwasm");
+        let loaded = self.loaded.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
+        let mut kept: Vec<_> = self.entries(".cwasm").into_iter().filter(|(path, _)| !loaded.contains(path)).collect();
         if kept.len() <= KEPT {
             return;
         }
@@ -192,35 +309,37 @@ impl CompiledStore {
 
 /// Why no artifact was made.
 enum Failed {
-    /// The compiler refused the component (or the child died): its words.
-    Compile(String),
-    /// No child could compile, or the artifact could not be written: this
-    /// process compiles, and keeps nothing.
-    Keep(std::io::Error),
+    /// The compiler refused the component, or its process died: its words.
+    Refused(String),
+    /// The artifact could not be written: this process compiles, and keeps nothing.
+    Unkept(std::io::Error),
+    /// No child could be run: this process compiles (and keeps what it makes).
+    NoChild(std::io::Error),
 }
 
 /// A compiler's message as an error cause.
 #[derive(Debug)]
-struct BoxedText(String);
+struct CompilerText(String);
 
-impl std::fmt::Display for BoxedText {
+impl std::fmt::Display for CompilerText {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
     }
 }
 
-impl std::error::Error for BoxedText {}
+impl std::error::Error for CompilerText {}
 
 /// Map an artifact this store wrote.
 fn load(engine: &Engine, artifact: &Path) -> wasmtime::Result<Component> {
     // SAFETY: see the module's note: only artifacts this module wrote, synced,
-    // in the host's own directory, of this engine's settings.
+    // in the host's own directory, of this engine's settings, checked by
+    // their descriptor before this.
     unsafe { Component::deserialize_file(engine, artifact) }
 }
 
-/// `bytes` into a new file at `path`, synced.
+/// `bytes` into a new file at `path` (0600), synced.
 fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).open(path)?;
+    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
     file.write_all(bytes)?;
     file.sync_all()
 }
@@ -230,28 +349,39 @@ fn compile_apart(program: &Path, bytes: &[u8], out: &Path) -> Result<(), Failed>
     let dir = out.parent().unwrap_or(Path::new("."));
     // The component and the child's words go through unnamed files, not
     // pipes: nothing to pump, nothing that blocks on a full pipe.
-    let mut input = tempfile::tempfile_in(dir).map_err(Failed::Keep)?;
-    input.write_all(bytes).and_then(|()| input.rewind()).map_err(Failed::Keep)?;
-    let mut stderr = tempfile::tempfile_in(dir).map_err(Failed::Keep)?;
-    let output = std::fs::OpenOptions::new().write(true).create_new(true).open(out).map_err(Failed::Keep)?;
-    let child_stderr = stderr.try_clone().map_err(Failed::Keep)?;
+    let mut input = tempfile::tempfile_in(dir).map_err(Failed::Unkept)?;
+    input.write_all(bytes).and_then(|()| input.rewind()).map_err(Failed::Unkept)?;
+    let mut stderr = tempfile::tempfile_in(dir).map_err(Failed::Unkept)?;
+    let output =
+        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(out).map_err(Failed::Unkept)?;
     let status = Command::new(program)
         .arg(COMPILE_ARG)
         .stdin(Stdio::from(input))
-        .stdout(Stdio::from(output.try_clone().map_err(Failed::Keep)?))
-        .stderr(Stdio::from(child_stderr))
+        .stdout(Stdio::from(output.try_clone().map_err(Failed::Unkept)?))
+        .stderr(Stdio::from(stderr.try_clone().map_err(Failed::Unkept)?))
         .env_remove("RUST_LOG")
         .status()
-        .map_err(Failed::Keep)?;
+        .map_err(Failed::NoChild)?;
     if status.success() {
-        return output.sync_all().map_err(Failed::Keep);
+        return output.sync_all().map_err(Failed::Unkept);
     }
     let mut said = Vec::new();
     let _ = stderr.rewind().and_then(|()| (&mut stderr).take(MAX_CHILD_STDERR).read_to_end(&mut said));
-    Err(Failed::Compile(match (status.code(), String::from_utf8_lossy(&said).trim()) {
-        (Some(_), said) if !said.is_empty() => said.to_owned(),
-        _ => format!("the compiler process ended with {status}"),
-    }))
+    let said = String::from_utf8_lossy(&said).trim().to_owned();
+    match (status.code(), std::os::unix::process::ExitStatusExt::signal(&status)) {
+        (Some(code), _) if code == i32::from(REFUSED) && !said.is_empty() => Err(Failed::Refused(said)),
+        (Some(code), _) if code == i32::from(UNWRITTEN) => Err(Failed::Unkept(std::io::Error::other(said))),
+        (_, Some(signal)) => {
+            let name = nix::sys::signal::Signal::try_from(signal).map_or(String::new(), |s| format!(" ({s})"));
+            let oom = if signal == 9 { ", out of memory?" } else { "" };
+            Err(Failed::Refused(
+                format!("the compiler process was killed by signal {signal}{name}{oom} {said}").trim_end().to_owned(),
+            ))
+        }
+        _ => Err(Failed::Refused(
+            format!("the compiler process ended with {status}: {said}").trim_end_matches(": ").to_owned(),
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -313,25 +443,52 @@ mod tests {
         assert!(artifacts(dir.path()).is_empty(), "{:?}", artifacts(dir.path()));
     }
 
-    /// Past [`super::KEPT`] artifacts, the ones used longest ago go.
+    /// Past [`super::KEPT`] artifacts, the ones used longest ago go; one
+    /// this process loaded stays whatever their number.
     #[test]
-    fn the_store_keeps_the_artifacts_used_last() {
+    fn the_store_keeps_the_artifacts_used_last_and_those_loaded() {
         let dir = tempfile::tempdir().unwrap();
         let runtime = Runtime::new(Some(dir.path())).unwrap();
         let store = runtime.compiled.as_ref().unwrap();
-        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
-        for n in 0..super::KEPT {
-            let path = dir.path().join(format!("{n:064}-{}.cwasm", store.engine_key));
-            std::fs::write(&path, b"x").unwrap();
-            std::fs::File::options().write(true).open(&path).unwrap().set_modified(old).unwrap();
+        let now = std::time::SystemTime::now();
+        let old = |n: usize| dir.path().join(format!("{n:064}-{}.cwasm", store.engine_key));
+        for n in 0..=super::KEPT {
+            std::fs::write(old(n), b"x").unwrap();
+            let used = now - std::time::Duration::from_secs(3600 + n as u64);
+            std::fs::File::options().write(true).open(old(n)).unwrap().set_modified(used).unwrap();
         }
         let (bytes, sha256) = fake();
         runtime.compile(Path::new("fake.wasm"), &bytes, &sha256).unwrap();
         let kept = artifacts(dir.path());
-        assert_eq!(kept.len(), super::KEPT);
+        assert_eq!(kept.len(), super::KEPT + 1, "{} others and the one loaded", super::KEPT);
+        assert!(!kept.contains(&old(super::KEPT)), "the one used longest ago went");
         assert!(
             kept.iter().any(|p| p.file_name().unwrap().to_string_lossy().starts_with(&sha256)),
             "the new one stays"
         );
+    }
+
+    /// An artifact's name that is a link is never followed, even to a good
+    /// artifact: the component is compiled again, and the link replaced by
+    /// the host's own file. A cache dir that is a link is refused.
+    #[test]
+    fn a_link_is_never_mapped_as_code() {
+        let dir = tempfile::tempdir().unwrap();
+        let (bytes, sha256) = fake();
+        Runtime::new(Some(dir.path())).unwrap().compile(Path::new("fake.wasm"), &bytes, &sha256).unwrap();
+        let kept = artifacts(dir.path()).remove(0);
+        let elsewhere = tempfile::tempdir().unwrap();
+        let planted = elsewhere.path().join("planted.cwasm");
+        std::fs::rename(&kept, &planted).unwrap();
+        let good = std::fs::read(&planted).unwrap();
+        std::os::unix::fs::symlink(&planted, &kept).unwrap();
+        Runtime::new(Some(dir.path())).unwrap().compile(Path::new("fake.wasm"), &bytes, &sha256).unwrap();
+        assert!(std::fs::symlink_metadata(&kept).unwrap().is_file(), "the link was not followed, but replaced");
+        assert_eq!(std::fs::read(&planted).unwrap(), good, "what it pointed at is untouched");
+
+        let linked = elsewhere.path().join("cache");
+        std::os::unix::fs::symlink(dir.path(), &linked).unwrap();
+        let refused = Runtime::new(Some(&linked)).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(refused.contains("not a directory"), "{refused}");
     }
 }
