@@ -183,12 +183,6 @@ impl CompiledStore {
         }
         let compile_error =
             |cause: CompilerText| RuntimeError::Compile { path: path.display().to_string(), cause: Box::new(cause) };
-        let in_process = || {
-            Component::new(engine, bytes).map_err(|e| RuntimeError::Compile {
-                path: path.display().to_string(),
-                cause: e.into_boxed_dyn_error(),
-            })
-        };
         // Its own name: a load in another thread never writes the same file.
         static ATTEMPT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let attempt = ATTEMPT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -207,7 +201,8 @@ impl CompiledStore {
             },
             None => here(),
         };
-        match made {
+        // Named only once whole and synced: the name is what a later load trusts.
+        match made.and_then(|()| std::fs::rename(&tmp, &kept).map_err(Failed::Unkept)) {
             Ok(()) => {}
             Err(Failed::Refused(text)) => {
                 let _ = std::fs::remove_file(&tmp);
@@ -217,13 +212,8 @@ impl CompiledStore {
                 let _ = std::fs::remove_file(&tmp);
                 // A full or read-only disk: compile here, keep nothing.
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot keep a compiled component: compiling it in this process");
-                return in_process();
+                return super::compile_here(engine, path, bytes);
             }
-        }
-        if let Err(e) = std::fs::rename(&tmp, &kept) {
-            let _ = std::fs::remove_file(&tmp);
-            tracing::warn!(dir = %self.dir.display(), error = %e, "cannot keep a compiled component: compiling it in this process");
-            return in_process();
         }
         if let Err(e) = File::open(&self.dir).and_then(|dir| dir.sync_all()) {
             tracing::warn!(dir = %self.dir.display(), error = %e, "the compiled component's name may not survive a crash");

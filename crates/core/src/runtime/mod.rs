@@ -176,8 +176,7 @@ impl Runtime {
         }
         match &self.compiled {
             Some(store) => store.component(&self.engine, path, bytes, sha256),
-            None => Component::new(&self.engine, bytes)
-                .map_err(|e| RuntimeError::Compile { path: path_text(), cause: e.into_boxed_dyn_error() }),
+            None => compile_here(&self.engine, path, bytes),
         }
     }
 
@@ -190,6 +189,12 @@ impl Runtime {
         broker_capabilities::rooms::add_to_linker(&mut linker, grants)?;
         Ok(linker)
     }
+}
+
+/// Compile `bytes` (read from `path`) in this process, keeping nothing.
+fn compile_here(engine: &Engine, path: &Path, bytes: &[u8]) -> Result<Component, RuntimeError> {
+    Component::new(engine, bytes)
+        .map_err(|e| RuntimeError::Compile { path: path.display().to_string(), cause: e.into_boxed_dyn_error() })
 }
 
 /// The engine's settings; a compiler child uses them too, so that what it
