@@ -11,9 +11,11 @@
 //! [`HarvestMode`] says, only after a complete inventory and before the
 //! provider starts anything new.
 
+use super::BrokerServiceError;
 use super::service::Broker;
-use crate::store::{Event, EventKind, InstanceRecord};
-use broker_capabilities::bindings::ListedInstance;
+use crate::store::{Event, EventKind, InstanceRecord, StoreError};
+use broker_capabilities::bindings::{ListedInstance, StartInstanceParams};
+use broker_capabilities::contract::empty_params;
 use broker_capabilities::rooms::context::CallHooks;
 use clap::ValueEnum;
 
@@ -114,8 +116,15 @@ impl Reconciled {
     }
 }
 
-/// `maintain-instance` calls a reconcile runs at once per provider.
-const MAINTAIN_AT_ONCE: usize = 8;
+/// `maintain-instance` calls a reconcile runs at once per provider: half its
+/// `max-concurrent-calls`, the other half left to the calls the API serves
+/// meanwhile (the bound is the operator's word on what its backend takes).
+fn maintain_at_once(max_concurrent_calls: usize) -> usize {
+    (max_concurrent_calls / 2).max(1)
+}
+
+/// Records a reconcile reads at once (with their params) to maintain them.
+const MAINTAIN_PAGE: usize = 256;
 
 /// Ids a `reconciled` event names per kind; past that it counts them.
 const IDS_NAMED: usize = 20;
@@ -128,6 +137,14 @@ fn named(ids: impl ExactSizeIterator<Item = String>) -> String {
         text.push(format!("and {} more", count - IDS_NAMED));
     }
     text.join(", ")
+}
+
+/// Where one instance's maintenance is in a reconcile.
+enum Maintained {
+    /// Its call answered: failed, or its kv changes are on their way.
+    Called(String, Result<crate::version::Durable, BrokerServiceError>),
+    /// Its kv changes are durable, or could not be made so.
+    Durable(String, Result<(), BrokerServiceError>),
 }
 
 /// Opens a provider's starts when its first reconcile ends, however it ends.
@@ -278,31 +295,66 @@ impl Broker {
         use futures_util::StreamExt;
         use std::collections::HashSet;
         let mut found = Reconciled { provider: name.to_owned(), ..Reconciled::default() };
-        let before = match self.store().instances(Some(name)) {
-            Ok(records) => records,
-            Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
-        };
         // Not maintained: what a stop is ending (this process's now, or the
         // last process's, which the restart's reconcile finishes below).
         let stopping: HashSet<String> = match self.store().interrupted_stops(name) {
             Ok(marked) => marked.into_iter().chain(self.in_flight.of(name)).collect(),
             Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
         };
-        // A few at once: the provider's concurrency bound is shared with the
-        // calls the API serves meanwhile, and its own backend has its limits too.
-        let ids: Vec<String> = before.iter().map(|r| r.id.clone()).filter(|id| !stopping.contains(id)).collect();
-        let maintained: Vec<_> = futures_util::stream::iter(ids)
-            .map(|id: String| async move {
-                let outcome = self.maintain_instance(name, &id).await;
-                (id, outcome)
-            })
-            .buffer_unordered(MAINTAIN_AT_ONCE)
-            .collect()
-            .await;
-        for (id, outcome) in maintained {
-            match outcome {
-                Ok(()) => found.maintained.push(id),
-                Err(e) => found.maintain_failed.push((id, e.to_string())),
+        // The records a page at a time, each with its params, as the calls
+        // take them: a million records are never all in hand, nor read twice.
+        // `before` (in id order) is what was recorded before the provider was
+        // asked. Several calls at once (each waits for its kv changes to be
+        // durable, or for the provider's backend), not all it may run.
+        let at_once = match self.registry().get(name).await {
+            Ok(wasm) => maintain_at_once(wasm.manifest().limits.max_concurrent_calls),
+            Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
+        };
+        let mut before: Vec<String> = Vec::new();
+        let mut queued = std::collections::VecDeque::new();
+        // The next page is read on the blocking pool while the calls of this
+        // one run: the reads and the calls take a core each.
+        let mut reading = Some(self.read_to_maintain(name, None));
+        // Calls running (at most `at_once`), and changes of calls that answered
+        // on their way to the state file: many commit together while the next
+        // calls run.
+        let mut steps =
+            futures_util::stream::FuturesUnordered::<futures_util::future::BoxFuture<'_, Maintained>>::new();
+        let mut calling = 0;
+        loop {
+            while calling < at_once && steps.len() < MAINTAIN_PAGE {
+                if queued.is_empty()
+                    && let Some(read) = reading.take()
+                {
+                    let page = match read.await {
+                        Ok(Ok(page)) => page,
+                        Ok(Err(e)) => return Reconciled { error: Some(e.to_string()), ..found },
+                        Err(_) => return Reconciled { error: Some(StoreError::ReadPanicked.to_string()), ..found },
+                    };
+                    if page.len() == MAINTAIN_PAGE
+                        && let Some((last, _)) = page.last()
+                    {
+                        reading = Some(self.read_to_maintain(name, Some(last.clone())));
+                    }
+                    before.extend(page.iter().map(|(id, _)| id.clone()));
+                    queued.extend(page.into_iter().filter(|(id, _)| !stopping.contains(id)));
+                }
+                let Some((id, params)) = queued.pop_front() else { break };
+                calling += 1;
+                steps.push(Box::pin(self.maintain_recorded(name, id, params)));
+            }
+            match steps.next().await {
+                None => break,
+                Some(Maintained::Called(id, Ok(durable))) => {
+                    calling -= 1;
+                    steps.push(Box::pin(async move { Maintained::Durable(id, durable.await.map_err(Into::into)) }));
+                }
+                Some(Maintained::Called(id, Err(e))) => {
+                    calling -= 1;
+                    found.maintain_failed.push((id, e.to_string()));
+                }
+                Some(Maintained::Durable(id, Ok(()))) => found.maintained.push(id),
+                Some(Maintained::Durable(id, Err(e))) => found.maintain_failed.push((id, e.to_string())),
             }
         }
         found.maintained.sort_unstable();
@@ -334,11 +386,11 @@ impl Broker {
         // one and not yet the other: left out, taken before the records are
         // read, so a call that ended between the two has its record read.
         let flying = self.in_flight.of(name);
-        let after = match self.store().instances(Some(name)) {
-            Ok(records) => records,
+        let after = match self.store().instance_ids(name) {
+            Ok(ids) => ids,
             Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
         };
-        let recorded_after: HashSet<&str> = after.iter().map(|r| r.id.as_str()).collect();
+        let recorded_after: HashSet<&str> = after.iter().map(String::as_str).collect();
         // Stopped by this reconcile: in the inventory, no longer anyone's.
         let harvested: HashSet<&str> =
             found.harvested.iter().chain(&found.stops_finished).map(String::as_str).collect();
@@ -349,12 +401,35 @@ impl Broker {
             .cloned()
             .collect();
         found.vanished = before
-            .iter()
-            .filter(|r| recorded_after.contains(r.id.as_str()) && !reported.contains(r.id.as_str()))
-            .filter(|r| !flying.contains(&r.id))
-            .map(|r| r.id.clone())
+            .into_iter()
+            .filter(|id| recorded_after.contains(id.as_str()) && !reported.contains(id.as_str()))
+            .filter(|id| !flying.contains(id))
             .collect();
         found
+    }
+
+    /// Read a page of `name`'s records to maintain, after `after`, on the blocking pool.
+    fn read_to_maintain(
+        &self,
+        name: &str,
+        after: Option<String>,
+    ) -> tokio::task::JoinHandle<Result<Vec<crate::store::ToMaintain>, StoreError>> {
+        let (store, name) = (self.store.clone(), name.to_owned());
+        tokio::task::spawn_blocking(move || store.to_maintain_after(&name, after.as_deref(), MAINTAIN_PAGE))
+    }
+
+    /// `maintain-instance` on one recorded instance with its recorded params.
+    async fn maintain_recorded(
+        &self,
+        name: &str,
+        id: String,
+        params: Result<Option<StartInstanceParams>, StoreError>,
+    ) -> Maintained {
+        let outcome = match params {
+            Ok(params) => self.maintain_durable_apart(name, &id, &params.unwrap_or_else(empty_params)).await,
+            Err(unreadable) => Err(unreadable.into()),
+        };
+        Maintained::Called(id, outcome)
     }
 
     /// Finish what the last process left of `name`'s calls, against `live`
@@ -369,7 +444,7 @@ impl Broker {
     ) -> Result<(), crate::broker::BrokerServiceError> {
         use std::collections::{HashMap, HashSet};
         let reported: HashMap<&str, &ListedInstance> = live.iter().map(|i| (i.instance.id.as_str(), i)).collect();
-        let mut recorded: HashSet<String> = self.store().instances(Some(name))?.into_iter().map(|r| r.id).collect();
+        let mut recorded: HashSet<String> = self.store().instance_ids(name)?.into_iter().collect();
 
         for (key, start) in self.store().interrupted_starts(name)? {
             let claimed = start.claimed.clone();

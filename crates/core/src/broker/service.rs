@@ -716,11 +716,27 @@ impl Broker {
     /// The provider's `maintain-instance` on `id`, with the params recorded at its start (empty if none).
     #[tracing::instrument(skip(self, id), fields(instance_id = %id))]
     pub async fn maintain_instance(&self, provider: &str, id: &str) -> Result<(), BrokerServiceError> {
-        let wasm = self.registry.get(provider).await?;
         let params =
             self.store.instance(provider, id)?.and_then(|r| r.params).map_or_else(empty_params, |params| *params);
+        let wasm = self.registry.get(provider).await?;
         wasm.maintain_instance(&CallHooks::default(), id, &params).await?;
         Ok(())
+    }
+
+    /// The provider's `maintain-instance` on `id` with `params` (those recorded
+    /// at its start, read by the caller: a reconcile reads them a page at a
+    /// time); what it changed in its kv is made durable apart (see
+    /// [`ProviderVersion::maintain_instance_durable_apart`]).
+    ///
+    /// [`ProviderVersion::maintain_instance_durable_apart`]: crate::version::ProviderVersion::maintain_instance_durable_apart
+    pub(crate) async fn maintain_durable_apart(
+        &self,
+        provider: &str,
+        id: &str,
+        params: &broker_capabilities::bindings::StartInstanceParams,
+    ) -> Result<crate::version::Durable, BrokerServiceError> {
+        let wasm = self.registry.get(provider).await?;
+        Ok(wasm.maintain_instance_durable_apart(&CallHooks::default(), id, params).await?)
     }
 
     /// The provider to stop `id` through: the one it is recorded for, else

@@ -642,6 +642,90 @@ impl Store {
     }
 }
 
+/// An instance a reconcile maintains: its id, and its start params (`None`
+/// if none were recorded) or why they cannot be read.
+pub type ToMaintain = (String, Result<Option<broker_capabilities::bindings::StartInstanceParams>, StoreError>);
+
+impl Store {
+    /// At most `limit` of `provider`'s instances whose ids sort after `after`
+    /// (none: from its first), in id order, each with its start params: what a
+    /// reconcile maintains, a page at a time. A record that does not decode is
+    /// left out (as a listing leaves it out); params that do not decode are
+    /// that instance's error, not the page's.
+    pub fn to_maintain_after(
+        &self,
+        provider: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<ToMaintain>, StoreError> {
+        use std::ops::Bound;
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(INSTANCES).map_err(db_error)?;
+        let params_table = txn.open_table(INSTANCE_PARAMS).map_err(db_error)?;
+        let mut page = Vec::with_capacity(limit.min(1024));
+        if limit == 0 {
+            return Ok(page);
+        }
+        // The params in the same key order, walked beside the records (one
+        // leaf after another, not a lookup from the root per record).
+        let from = match after {
+            Some(id) => Bound::Excluded((provider, id)),
+            None => Bound::Included((provider, "")),
+        };
+        let mut params = params_table.range::<(&str, &str)>((from, Bound::Unbounded)).map_err(db_error)?.peekable();
+        each_of_owner_after(&table, provider, after, |id, value| {
+            // Only a record from before the params' own table holds them inline.
+            let decoded = match decode::<records::InlineParams>("instance", value) {
+                Ok(records::InlineParams { params: Some(inline) }) => Ok(Some(*inline)),
+                Ok(records::InlineParams { params: None }) => {
+                    let mut found = None;
+                    while let Some(entry) = params.peek() {
+                        let order = match entry {
+                            Ok((key, _)) => key.value().cmp(&(provider, id)),
+                            // Taken below, where its error is returned.
+                            Err(_) => std::cmp::Ordering::Less,
+                        };
+                        match order {
+                            std::cmp::Ordering::Less => {
+                                if let Some(Err(e)) = params.next() {
+                                    return Err(db_error(e));
+                                }
+                            }
+                            std::cmp::Ordering::Equal => {
+                                if let Some(Ok((_, value))) = params.next() {
+                                    found = Some(decode("instance params", value.value()));
+                                }
+                                break;
+                            }
+                            std::cmp::Ordering::Greater => break,
+                        }
+                    }
+                    found.transpose()
+                }
+                Err(error) => {
+                    tracing::error!(provider, instance_id = id, %error, "an instance record does not decode: not maintained");
+                    return Ok(ControlFlow::Continue(()));
+                }
+            };
+            page.push((id.to_owned(), decoded));
+            Ok(if page.len() == limit { ControlFlow::Break(()) } else { ControlFlow::Continue(()) })
+        })?;
+        Ok(page)
+    }
+
+    /// The ids recorded for `provider`, in id order: the keys alone, no record decoded.
+    pub fn instance_ids(&self, provider: &str) -> Result<Vec<String>, StoreError> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(INSTANCES).map_err(db_error)?;
+        let mut ids = Vec::new();
+        each_of_owner(&table, provider, |id, _| {
+            ids.push(id.to_owned());
+            Ok(())
+        })?;
+        Ok(ids)
+    }
+}
+
 /// A record as a listing shows it. One that does not decode hides no other:
 /// it is named, and `broker store recover` leaves it out.
 fn listed_record(owner: &str, id: &str, value: &[u8]) -> Option<InstanceRecord> {
@@ -861,6 +945,7 @@ fn untag(txn: &Txn<'_>, provider: &str, ids: &[String], keys: &[String]) -> Resu
 mod tests {
     use super::*;
     use crate::store::records::Hardware;
+    use broker_capabilities::bindings::StartInstanceParams;
 
     pub(super) fn record(provider: &str, id: &str) -> InstanceRecord {
         InstanceRecord {
@@ -963,6 +1048,38 @@ mod tests {
             assert_eq!(read.params.as_deref(), Some(&params), "{id}");
         }
         assert!(store.instances(None).unwrap().iter().all(|listed| listed.params.is_none()));
+        // What a reconcile reads a page at a time: each id with its params, inline or apart.
+        let maintained = |after: Option<&str>, limit| -> Vec<(String, Option<StartInstanceParams>)> {
+            let page = store.to_maintain_after("fake", after, limit).unwrap();
+            page.into_iter().map(|(id, params)| (id, params.unwrap())).collect()
+        };
+        assert_eq!(maintained(None, 1), [("fake-0".to_owned(), Some(params.clone()))]);
+        assert_eq!(maintained(Some("fake-0"), 5), [("fake-1".to_owned(), Some(params.clone()))]);
+        assert_eq!(maintained(Some("fake-1"), 5), []);
+        assert_eq!(maintained(None, 0), []);
+        // Records with params apart, inline and none, interleaved; whole or a page of one at a time.
+        let mut other = params.clone();
+        other.constraints.tags = Some(vec!["other".into()]);
+        store.put_new_instance(&record("fake", "fake-00")).wait().unwrap();
+        let later = InstanceRecord { params: Some(Box::new(other.clone())), ..record("fake", "fake-2") };
+        store.put_new_instance(&later).wait().unwrap();
+        let expected = [
+            ("fake-0".to_owned(), Some(params.clone())),
+            ("fake-00".to_owned(), None),
+            ("fake-1".to_owned(), Some(params.clone())),
+            ("fake-2".to_owned(), Some(other)),
+        ];
+        assert_eq!(maintained(None, 10), expected);
+        let mut one_by_one = Vec::new();
+        while let [next] = maintained(one_by_one.last().map(|(id, _): &(String, _)| id.as_str()), 1).as_slice() {
+            one_by_one.push(next.clone());
+        }
+        assert_eq!(one_by_one, expected);
+        assert_eq!(store.instance_ids("fake").unwrap(), ["fake-0", "fake-00", "fake-1", "fake-2"]);
+        for id in ["fake-00", "fake-2"] {
+            store.remove_instances("fake", &[id.into()]).wait().unwrap();
+        }
+        assert_eq!(store.instance_ids("other").unwrap(), Vec::<String>::new());
         store.remove_instances("fake", &["fake-0".into()]).wait().unwrap();
         let txn = store.db.begin_read().unwrap();
         assert!(txn.open_table(INSTANCE_PARAMS).unwrap().get(("fake", "fake-0")).unwrap().is_none());

@@ -194,6 +194,14 @@ pub struct InstanceRecord {
     pub params: Option<Box<StartInstanceParams>>,
 }
 
+/// Of an instance record, only the start params a record from before their
+/// own table holds inline: every other field skipped unread.
+#[derive(Deserialize)]
+pub(crate) struct InlineParams {
+    #[serde(default)]
+    pub(crate) params: Option<Box<StartInstanceParams>>,
+}
+
 /// An instance record as a listing reads it: every field but the start
 /// params, which only `maintain-instance` needs (they are most of a record's
 /// bytes, and of the time to decode it), skipped unread.

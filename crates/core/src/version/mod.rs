@@ -100,6 +100,9 @@ pub enum LoadError {
     },
 }
 
+/// A call's kv changes on their way to the state file: resolves once they are durable.
+pub type Durable = futures_util::future::BoxFuture<'static, Result<(), CallError>>;
+
 /// Who persists the kv changes a call leaves for its end.
 #[derive(Clone, Copy)]
 enum Writes {
@@ -583,6 +586,29 @@ impl ProviderVersion {
         .await
     }
 
+    /// As [`ProviderVersion::maintain_instance`], but what a call that succeeds
+    /// changed in its kv is made durable apart: the answer is a future that
+    /// resolves once it is, and the call's slot is free before that. A
+    /// reconcile makes its next calls while these commit (one commit for many),
+    /// and says an instance is maintained once its future has resolved. A
+    /// failed call's changes are durable before it answers, as ever.
+    pub async fn maintain_instance_durable_apart(
+        &self,
+        hooks: &CallHooks,
+        id: &str,
+        params: &StartInstanceParams,
+    ) -> Result<Durable, CallError> {
+        let (id, params) = (id.to_owned(), params.clone());
+        let ((), writes) = self
+            .call_then(Method::MaintainInstance, hooks, Writes::LeaveToCaller, move |store, exports, ctx| {
+                Box::pin(
+                    async move { on_guest!(exports, |guest| guest.call_maintain_instance(store, ctx, &id, &params)) },
+                )
+            })
+            .await?;
+        Ok(self.durable(Method::MaintainInstance, writes))
+    }
+
     /// Run one export on a warm or fresh instance under the method's deadline;
     /// what it changed in its kv is durable before the answer.
     async fn call<R, F>(&self, method: Method, hooks: &CallHooks, invoke: F) -> Result<R, CallError>
@@ -667,15 +693,23 @@ impl ProviderVersion {
 
     /// Make a call's kv changes durable.
     async fn persist(&self, method: Method, writes: KvWrites) -> Result<(), CallError> {
-        if writes.is_empty() {
-            return Ok(());
-        }
-        let keys = writes.keys.len();
+        self.durable(method, writes).await
+    }
+
+    /// What makes a call's kv changes durable (nothing is written until it is polled).
+    fn durable(&self, method: Method, writes: KvWrites) -> Durable {
         // A store given no kv wrote nothing to persist.
-        let Some(kv) = self.capabilities.host.kv() else { return Ok(()) };
-        kv.persist(writes).await.map_err(|source| {
-            tracing::error!(provider = &*self.name, method = method.name(), keys, error = %source, "kv changes not persisted");
-            CallError::Storage { provider: self.name.to_string(), method, cause: source }
+        let kv = match self.capabilities.host.kv() {
+            Some(kv) if !writes.is_empty() => kv,
+            _ => return Box::pin(std::future::ready(Ok(()))),
+        };
+        let (keys, name) = (writes.keys.len(), self.name.clone());
+        let persisting = kv.persist(writes);
+        Box::pin(async move {
+            persisting.await.map_err(|source| {
+                tracing::error!(provider = &*name, method = method.name(), keys, error = %source, "kv changes not persisted");
+                CallError::Storage { provider: name.to_string(), method, cause: source }
+            })
         })
     }
 

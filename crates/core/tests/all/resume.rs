@@ -112,6 +112,44 @@ async fn a_reconcile_beside_this_processs_own_start_reports_no_phantom() {
     assert_eq!(found.maintained, [id.as_str()], "{found:?}");
 }
 
+/// A reconcile reads the records a page at a time, each with its own start
+/// params: every record is maintained once, past the first page too, with
+/// the params it was started with (the fake refuses those carrying its
+/// unhealthy tag), and nothing is reported vanished or unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconcile_maintains_every_record_with_its_params_page_after_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = outside_fake(dir.path(), r#"unhealthy-tag = "fake.unhealthy""#);
+    let broker = Arc::new(Broker::open(&dir.path().join("data")).unwrap());
+    broker.registry().add(&manifest).await.unwrap();
+    let (count, unhealthy_at) = (700, [0, 300, 699]);
+    let mut unhealthy = Vec::new();
+    for n in 0..count {
+        let mut params = empty_params();
+        if unhealthy_at.contains(&n) {
+            let mut config = broker_capabilities::contract::empty_instance_config();
+            config.tags = vec![("fake.unhealthy".into(), "yes".into())];
+            params.instance_config = Some(config);
+        }
+        let id = broker.start_instance("fake", &params, &CallHooks::default()).await.unwrap().id;
+        if unhealthy_at.contains(&n) {
+            unhealthy.push(id);
+        }
+    }
+    let found = only(broker.reconcile().await).await;
+    let mut failed: Vec<&str> = found.maintain_failed.iter().map(|(id, _)| id.as_str()).collect();
+    failed.sort_unstable();
+    unhealthy.sort_unstable();
+    assert_eq!(failed, unhealthy, "{:?}", found.maintain_failed);
+    assert!(found.maintain_failed.iter().all(|(_, why)| why.contains("not healthy")), "{:?}", found.maintain_failed);
+    assert_eq!(found.maintained.len(), count - unhealthy.len());
+    let mut all: Vec<&str> = found.maintained.iter().map(String::as_str).chain(failed).collect();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), count, "each record maintained once");
+    assert!(found.vanished.is_empty() && found.unknown_to_host.is_empty(), "{}", found.summary());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_killed_before_its_claim_is_forgotten() {
     let dir = tempfile::tempdir().unwrap();
