@@ -304,8 +304,8 @@ impl Broker {
         // The records a page at a time, each with its params, as the calls
         // take them: a million records are never all in hand, nor read twice.
         // `before` (in id order) is what was recorded before the provider was
-        // asked. Several calls at once (each waits for its kv changes to be
-        // durable, or for the provider's backend), not all it may run.
+        // asked. Several calls at once (each waits for the provider's backend,
+        // or for its kv's), not all it may run.
         let at_once = match self.registry().get(name).await {
             Ok(wasm) => maintain_at_once(wasm.manifest().limits.max_concurrent_calls),
             Err(e) => return Reconciled { error: Some(e.to_string()), ..found },
@@ -320,16 +320,24 @@ impl Broker {
         // calls run.
         let mut steps =
             futures_util::stream::FuturesUnordered::<futures_util::future::BoxFuture<'_, Maintained>>::new();
-        let mut calling = 0;
+        let (mut calling, mut unread) = (0, None);
         loop {
             while calling < at_once && steps.len() < MAINTAIN_PAGE {
-                if queued.is_empty()
+                // Until a page leaves something to maintain (one may be all stopping).
+                while queued.is_empty()
                     && let Some(read) = reading.take()
                 {
                     let page = match read.await {
                         Ok(Ok(page)) => page,
-                        Ok(Err(e)) => return Reconciled { error: Some(e.to_string()), ..found },
-                        Err(_) => return Reconciled { error: Some(StoreError::ReadPanicked.to_string()), ..found },
+                        // No more pages: the calls under way finish, then the error is the answer.
+                        Ok(Err(e)) => {
+                            unread = Some(e.to_string());
+                            break;
+                        }
+                        Err(_) => {
+                            unread = Some(StoreError::ReadPanicked.to_string());
+                            break;
+                        }
                     };
                     if page.len() == MAINTAIN_PAGE
                         && let Some((last, _)) = page.last()
@@ -359,6 +367,9 @@ impl Broker {
         }
         found.maintained.sort_unstable();
         found.maintain_failed.sort_unstable();
+        if let Some(e) = unread {
+            return Reconciled { error: Some(e), ..found };
+        }
         let live = match self.registry().get(name).await {
             Ok(wasm) => wasm
                 .listed_instances(&CallHooks::default())

@@ -416,8 +416,13 @@ impl KvBackend for RedbKv {
         if writes.is_empty() {
             return Box::pin(std::future::ready(Ok(())));
         }
+        // Handed to the writer now, not when first polled: changes every
+        // reader already sees reach the file even if nobody waits for them.
         match self.pending(writes) {
-            Ok(pending) => Box::pin(async move { pending.await.map_err(storage) }),
+            Ok(pending) => {
+                let committed = pending.submit();
+                Box::pin(async move { committed.await.map_err(storage) })
+            }
             Err(refused) => Box::pin(std::future::ready(Err(refused))),
         }
     }
@@ -476,6 +481,25 @@ mod tests {
         assert_eq!(reopened.get("p", "i/b").unwrap(), None);
         assert_eq!(reopened.get("q", "i/a").unwrap(), Some(b"other".to_vec()));
         assert_eq!(reopened.increment("p", "n", 1).unwrap(), 4);
+    }
+
+    /// Changes handed to `persist` reach the file even if nobody waits for
+    /// them: every reader already sees them (a reconcile that is dropped
+    /// while its calls' changes commit). Fails with a persist that writes
+    /// only when first polled.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_persist_nobody_waits_for_still_commits() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = Store::open(dir.path()).unwrap();
+            let kv = store.kv();
+            kv.set("p", "k", b"seen").unwrap();
+            let mut writes = KvWrites::new("p".into());
+            writes.keys.insert("k".into());
+            drop(kv.persist(writes));
+        }
+        let reopened = Store::open(dir.path()).unwrap().kv();
+        assert_eq!(reopened.get("p", "k").unwrap(), Some(b"seen".to_vec()));
     }
 
     /// Concurrent increments of one counter, each persisted in shared batches:

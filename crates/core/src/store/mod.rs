@@ -674,9 +674,13 @@ impl Store {
         };
         let mut params = params_table.range::<(&str, &str)>((from, Bound::Unbounded)).map_err(db_error)?.peekable();
         each_of_owner_after(&table, provider, after, |id, value| {
+            // A record a listing would leave out (it does not decode) is left out here too.
+            let Some(_) = listed_record(provider, id, value) else { return Ok(ControlFlow::Continue(())) };
             // Only a record from before the params' own table holds them inline.
             let decoded = match decode::<records::InlineParams>("instance", value) {
-                Ok(records::InlineParams { params: Some(inline) }) => Ok(Some(*inline)),
+                Ok(records::InlineParams { params: Some(inline) }) => serde_json::from_value(inline)
+                    .map(Some)
+                    .map_err(|e| StoreError::Corrupt { what: "instance params", cause: Arc::new(e) }),
                 Ok(records::InlineParams { params: None }) => {
                     let mut found = None;
                     while let Some(entry) = params.peek() {
@@ -702,10 +706,7 @@ impl Store {
                     }
                     found.transpose()
                 }
-                Err(error) => {
-                    tracing::error!(provider, instance_id = id, %error, "an instance record does not decode: not maintained");
-                    return Ok(ControlFlow::Continue(()));
-                }
+                Err(unreadable) => Err(unreadable),
             };
             page.push((id.to_owned(), decoded));
             Ok(if page.len() == limit { ControlFlow::Break(()) } else { ControlFlow::Continue(()) })
@@ -1076,7 +1077,24 @@ mod tests {
         }
         assert_eq!(one_by_one, expected);
         assert_eq!(store.instance_ids("fake").unwrap(), ["fake-0", "fake-00", "fake-1", "fake-2"]);
-        for id in ["fake-00", "fake-2"] {
+        // Inline params that do not decode are that instance's error; the others still read.
+        let mut broken = serde_json::to_value(record("fake", "fake-01")).unwrap();
+        broken["params"] = serde_json::json!({"constraints": 5});
+        let bytes = serde_json::to_vec(&broken).unwrap();
+        store
+            .write(move |txn| {
+                let mut table = txn.open_table(INSTANCES).map_err(db_error)?;
+                table.insert(("fake", "fake-01"), bytes.as_slice()).map_err(db_error)?;
+                Ok(())
+            })
+            .wait()
+            .unwrap();
+        let page = store.to_maintain_after("fake", None, 10).unwrap();
+        let ids: Vec<&str> = page.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, ["fake-0", "fake-00", "fake-01", "fake-1", "fake-2"]);
+        assert!(matches!(page[2].1, Err(StoreError::Corrupt { what: "instance params", .. })), "{:?}", page[2].1);
+        assert!(page.iter().filter(|(id, _)| id != "fake-01").all(|(_, params)| params.is_ok()));
+        for id in ["fake-00", "fake-01", "fake-2"] {
             store.remove_instances("fake", &[id.into()]).wait().unwrap();
         }
         assert_eq!(store.instance_ids("other").unwrap(), Vec::<String>::new());

@@ -198,8 +198,9 @@ pub struct InstanceRecord {
 /// own table holds inline: every other field skipped unread.
 #[derive(Deserialize)]
 pub(crate) struct InlineParams {
+    /// Decoded apart, so that params that do not are that instance's error.
     #[serde(default)]
-    pub(crate) params: Option<Box<StartInstanceParams>>,
+    pub(crate) params: Option<serde_json::Value>,
 }
 
 /// An instance record as a listing reads it: every field but the start

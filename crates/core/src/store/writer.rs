@@ -158,6 +158,15 @@ impl<T: Send + 'static> Pending<T> {
         self.writer.submit((self.job)(Reply::Task(reply)));
     }
 
+    /// Hand the write to the writer now; the answer resolves once it is
+    /// committed. Dropped, the answer leaves the write to commit (its failure
+    /// then the writer's to log).
+    pub(crate) fn submit(self) -> impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.writer.submit((self.job)(Reply::Task(reply)));
+        async move { answer.await.unwrap_or(Err(StoreError::Closed)) }
+    }
+
     /// Wait on this thread until the write is committed: for callers that are
     /// not async (opening the store, tools, tests), never for a host function.
     pub fn wait(self) -> Result<T, StoreError> {
@@ -172,11 +181,7 @@ impl<T: Send + 'static> std::future::IntoFuture for Pending<T> {
     type IntoFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send>>;
 
     fn into_future(self) -> Self::IntoFuture {
-        Box::pin(async move {
-            let (reply, answer) = tokio::sync::oneshot::channel();
-            self.writer.submit((self.job)(Reply::Task(reply)));
-            answer.await.unwrap_or(Err(StoreError::Closed))
-        })
+        Box::pin(async move { self.submit().await })
     }
 }
 

@@ -606,7 +606,16 @@ impl ProviderVersion {
                 )
             })
             .await?;
-        Ok(self.durable(Method::MaintainInstance, writes))
+        // The call was counted when it answered; a commit that fails is counted too.
+        let (durable, stats, began) =
+            (self.durable(Method::MaintainInstance, writes), self.stats.clone(), Instant::now());
+        Ok(Box::pin(async move {
+            let outcome = durable.await;
+            if outcome.is_err() {
+                stats.methods.get(Method::MaintainInstance).observe(Outcome::Storage, began.elapsed());
+            }
+            outcome
+        }))
     }
 
     /// Run one export on a warm or fresh instance under the method's deadline;
@@ -696,7 +705,8 @@ impl ProviderVersion {
         self.durable(method, writes).await
     }
 
-    /// What makes a call's kv changes durable (nothing is written until it is polled).
+    /// What makes a call's kv changes durable: the state's kv hands them to
+    /// its writer at once, so they commit even if the future is dropped.
     fn durable(&self, method: Method, writes: KvWrites) -> Durable {
         // A store given no kv wrote nothing to persist.
         let kv = match self.capabilities.host.kv() {

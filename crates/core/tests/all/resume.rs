@@ -120,7 +120,8 @@ async fn a_reconcile_beside_this_processs_own_start_reports_no_phantom() {
 async fn a_reconcile_maintains_every_record_with_its_params_page_after_page() {
     let dir = tempfile::tempdir().unwrap();
     let manifest = outside_fake(dir.path(), r#"unhealthy-tag = "fake.unhealthy""#);
-    let broker = Arc::new(Broker::open(&dir.path().join("data")).unwrap());
+    let data = dir.path().join("data");
+    let broker = Arc::new(Broker::open(&data).unwrap());
     broker.registry().add(&manifest).await.unwrap();
     let (count, unhealthy_at) = (700, [0, 300, 699]);
     let mut unhealthy = Vec::new();
@@ -148,6 +149,21 @@ async fn a_reconcile_maintains_every_record_with_its_params_page_after_page() {
     all.dedup();
     assert_eq!(all.len(), count, "each record maintained once");
     assert!(found.vanished.is_empty() && found.unknown_to_host.is_empty(), "{}", found.summary());
+
+    // The first pages all stopping (a stop of the oldest, cut short by the
+    // host's end): the pages after them are still maintained.
+    let mut ids: Vec<String> = all.iter().map(|id| id.to_string()).collect();
+    ids.sort_unstable();
+    let (stopping, rest) = ids.split_at(600);
+    broker.store().mark_stopping("fake", stopping).await.unwrap();
+    drop(broker);
+    let broker = Broker::open(&data).unwrap();
+    let found = only(broker.reconcile().await).await;
+    let mut seen: Vec<&str> =
+        found.maintained.iter().chain(found.maintain_failed.iter().map(|(id, _)| id)).map(String::as_str).collect();
+    seen.sort_unstable();
+    assert!(seen == rest, "{} of {} maintained: {}", seen.len(), rest.len(), found.summary());
+    assert!(found.error.is_none(), "{}", found.summary());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
