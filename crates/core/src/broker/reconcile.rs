@@ -452,7 +452,7 @@ impl Broker {
         mode: HarvestMode,
         live: &[ListedInstance],
         found: &mut Reconciled,
-    ) -> Result<(), crate::broker::BrokerServiceError> {
+    ) -> Result<(), BrokerServiceError> {
         use std::collections::{HashMap, HashSet};
         let reported: HashMap<&str, &ListedInstance> = live.iter().map(|i| (i.instance.id.as_str(), i)).collect();
         let mut recorded: HashSet<String> = self.store().instance_ids(name)?.into_iter().collect();

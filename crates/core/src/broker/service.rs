@@ -716,9 +716,9 @@ impl Broker {
     /// The provider's `maintain-instance` on `id`, with the params recorded at its start (empty if none).
     #[tracing::instrument(skip(self, id), fields(instance_id = %id))]
     pub async fn maintain_instance(&self, provider: &str, id: &str) -> Result<(), BrokerServiceError> {
+        let wasm = self.registry.get(provider).await?;
         let params =
             self.store.instance(provider, id)?.and_then(|r| r.params).map_or_else(empty_params, |params| *params);
-        let wasm = self.registry.get(provider).await?;
         wasm.maintain_instance(&CallHooks::default(), id, &params).await?;
         Ok(())
     }

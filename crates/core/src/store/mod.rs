@@ -658,7 +658,6 @@ impl Store {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<ToMaintain>, StoreError> {
-        use std::ops::Bound;
         let txn = self.db.begin_read()?;
         let table = txn.open_table(INSTANCES).map_err(db_error)?;
         let params_table = txn.open_table(INSTANCE_PARAMS).map_err(db_error)?;
@@ -668,11 +667,8 @@ impl Store {
         }
         // The params in the same key order, walked beside the records (one
         // leaf after another, not a lookup from the root per record).
-        let from = match after {
-            Some(id) => Bound::Excluded((provider, id)),
-            None => Bound::Included((provider, "")),
-        };
-        let mut params = params_table.range::<(&str, &str)>((from, Bound::Unbounded)).map_err(db_error)?.peekable();
+        let mut params =
+            params_table.range::<(&str, &str)>(keys_of_owner_after(provider, after)).map_err(db_error)?.peekable();
         each_of_owner_after(&table, provider, after, |id, value| {
             // A record a listing would leave out (it does not decode) is left out here too.
             let Some(_) = listed_record(provider, id, value) else { return Ok(ControlFlow::Continue(())) };
@@ -681,31 +677,7 @@ impl Store {
                 Ok(records::InlineParams { params: Some(inline) }) => serde_json::from_value(inline)
                     .map(Some)
                     .map_err(|e| StoreError::Corrupt { what: "instance params", cause: Arc::new(e) }),
-                Ok(records::InlineParams { params: None }) => {
-                    let mut found = None;
-                    while let Some(entry) = params.peek() {
-                        let order = match entry {
-                            Ok((key, _)) => key.value().cmp(&(provider, id)),
-                            // Taken below, where its error is returned.
-                            Err(_) => std::cmp::Ordering::Less,
-                        };
-                        match order {
-                            std::cmp::Ordering::Less => {
-                                if let Some(Err(e)) = params.next() {
-                                    return Err(db_error(e));
-                                }
-                            }
-                            std::cmp::Ordering::Equal => {
-                                if let Some(Ok((_, value))) = params.next() {
-                                    found = Some(decode("instance params", value.value()));
-                                }
-                                break;
-                            }
-                            std::cmp::Ordering::Greater => break,
-                        }
-                    }
-                    found.transpose()
-                }
+                Ok(records::InlineParams { params: None }) => params_of(&mut params, (provider, id))?.transpose(),
                 Err(unreadable) => Err(unreadable),
             };
             page.push((id.to_owned(), decoded));
@@ -725,6 +697,32 @@ impl Store {
         })?;
         Ok(ids)
     }
+}
+
+/// The params stored for `key`, from `params` walked in key order up to it
+/// (keys before it are passed over; one after it is left for the next key):
+/// `None` if it has none, an error of the table's as the read's error, a
+/// value that does not decode as that instance's.
+fn params_of<'t>(
+    params: &mut std::iter::Peekable<redb::Range<'t, (&'static str, &'static str), &'static [u8]>>,
+    key: (&str, &str),
+) -> Result<Option<Result<broker_capabilities::bindings::StartInstanceParams, StoreError>>, StoreError> {
+    use std::cmp::Ordering;
+    while let Some(entry) = params.peek() {
+        // An error is taken below, where it is returned.
+        let order = entry.as_ref().map_or(Ordering::Less, |(found, _)| found.value().cmp(&key));
+        if order == Ordering::Greater {
+            break;
+        }
+        match params.next() {
+            Some(Err(e)) => return Err(db_error(e)),
+            Some(Ok((_, value))) if order == Ordering::Equal => {
+                return Ok(Some(decode("instance params", value.value())));
+            }
+            _ => {}
+        }
+    }
+    Ok(None)
 }
 
 /// A record as a listing shows it. One that does not decode hides no other:
@@ -856,12 +854,7 @@ fn each_of_owner_after<T>(
 where
     T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
 {
-    use std::ops::Bound;
-    let from = match after {
-        Some(key) => Bound::Excluded((owner, key)),
-        None => Bound::Included((owner, "")),
-    };
-    for entry in table.range::<(&str, &str)>((from, Bound::Unbounded)).map_err(db_error)? {
+    for entry in table.range::<(&str, &str)>(keys_of_owner_after(owner, after)).map_err(db_error)? {
         let (key, value) = entry.map_err(db_error)?;
         let (found, key) = key.value();
         if found != owner || visit(key, value.value())?.is_break() {
@@ -869,6 +862,23 @@ where
         }
     }
     Ok(())
+}
+
+/// A key of a table keyed by `(owner, id)`.
+type OwnerKey<'k> = (&'k str, &'k str);
+
+/// The keys of a `(owner, id)` table from `owner`'s first id after `after`
+/// (none: from its first) on; the caller stops at the owner's last.
+fn keys_of_owner_after<'k>(
+    owner: &'k str,
+    after: Option<&'k str>,
+) -> (std::ops::Bound<OwnerKey<'k>>, std::ops::Bound<OwnerKey<'k>>) {
+    use std::ops::Bound;
+    let from = match after {
+        Some(key) => Bound::Excluded((owner, key)),
+        None => Bound::Included((owner, "")),
+    };
+    (from, Bound::Unbounded)
 }
 
 fn decode<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, StoreError> {

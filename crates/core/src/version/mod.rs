@@ -103,6 +103,18 @@ pub enum LoadError {
 /// A call's kv changes on their way to the state file: resolves once they are durable.
 pub type Durable = futures_util::future::BoxFuture<'static, Result<(), CallError>>;
 
+/// The `maintain-instance` export on `id` with `params`: for the call that
+/// waits for its kv changes and the one that leaves them to commit apart.
+fn invoke_maintain_instance(
+    id: &str,
+    params: &StartInstanceParams,
+) -> impl for<'a> FnOnce(&'a mut Store<HostState>, &'a Exports, Resource<CallContext>) -> CallFuture<'a, ()> {
+    let (id, params) = (id.to_owned(), params.clone());
+    move |store, exports, ctx| {
+        Box::pin(async move { on_guest!(exports, |guest| guest.call_maintain_instance(store, ctx, &id, &params)) })
+    }
+}
+
 /// Who persists the kv changes a call leaves for its end.
 #[derive(Clone, Copy)]
 enum Writes {
@@ -579,11 +591,7 @@ impl ProviderVersion {
         id: &str,
         params: &StartInstanceParams,
     ) -> Result<(), CallError> {
-        let (id, params) = (id.to_owned(), params.clone());
-        self.call(Method::MaintainInstance, hooks, move |store, exports, ctx| {
-            Box::pin(async move { on_guest!(exports, |guest| guest.call_maintain_instance(store, ctx, &id, &params)) })
-        })
-        .await
+        self.call(Method::MaintainInstance, hooks, invoke_maintain_instance(id, params)).await
     }
 
     /// As [`ProviderVersion::maintain_instance`], but what a call that succeeds
@@ -598,14 +606,8 @@ impl ProviderVersion {
         id: &str,
         params: &StartInstanceParams,
     ) -> Result<Durable, CallError> {
-        let (id, params) = (id.to_owned(), params.clone());
-        let ((), writes) = self
-            .call_then(Method::MaintainInstance, hooks, Writes::LeaveToCaller, move |store, exports, ctx| {
-                Box::pin(
-                    async move { on_guest!(exports, |guest| guest.call_maintain_instance(store, ctx, &id, &params)) },
-                )
-            })
-            .await?;
+        let invoke = invoke_maintain_instance(id, params);
+        let ((), writes) = self.call_then(Method::MaintainInstance, hooks, Writes::LeaveToCaller, invoke).await?;
         // The call was counted when it answered; a commit that fails is counted too.
         let (durable, stats, began) =
             (self.durable(Method::MaintainInstance, writes), self.stats.clone(), Instant::now());
@@ -663,7 +665,7 @@ impl ProviderVersion {
                 (result, _) => {
                     // A failed persist is the answer, whatever the call's own was:
                     // the call's changes are seen but may not survive the host.
-                    if let Err(failed) = self.persist(method, unpersisted).await {
+                    if let Err(failed) = self.durable(method, unpersisted).await {
                         if let Err(own) = &result {
                             tracing::warn!(provider = &*self.name, error = %own, "the call's own outcome, superseded");
                         }
@@ -698,11 +700,6 @@ impl ProviderVersion {
                 })
             }
         }
-    }
-
-    /// Make a call's kv changes durable.
-    async fn persist(&self, method: Method, writes: KvWrites) -> Result<(), CallError> {
-        self.durable(method, writes).await
     }
 
     /// What makes a call's kv changes durable: the state's kv hands them to
@@ -749,7 +746,7 @@ impl ProviderVersion {
             let began = Instant::now();
             let (probe, unpersisted) =
                 self.run_call(Method::AllInstances, &CallHooks::default(), first_page_answers).await;
-            let probe = match self.persist(Method::AllInstances, unpersisted).await {
+            let probe = match self.durable(Method::AllInstances, unpersisted).await {
                 Ok(()) => probe,
                 Err(failed) => Err(failed),
             };
