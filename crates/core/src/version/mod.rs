@@ -25,7 +25,7 @@ use broker_capabilities::quotas::{Quota, Quotas};
 use broker_capabilities::rooms::LoadSetup;
 use broker_capabilities::rooms::context::{CallContext, CallHooks};
 use broker_capabilities::rooms::kv::{Kv, KvWrites};
-use exports::{Exports, ExportsPre, Listing, on_guest};
+use exports::{Exports, ExportsPre, Listing};
 use method_stats::Outcome;
 use std::future::Future;
 use std::pin::Pin;
@@ -110,9 +110,7 @@ fn invoke_maintain_instance(
     params: &StartInstanceParams,
 ) -> impl for<'a> FnOnce(&'a mut Store<HostState>, &'a Exports, Resource<CallContext>) -> CallFuture<'a, ()> {
     let (id, params) = (id.to_owned(), params.clone());
-    move |store, exports, ctx| {
-        Box::pin(async move { on_guest!(exports, |guest| guest.call_maintain_instance(store, ctx, &id, &params)) })
-    }
+    move |store, exports, ctx| Box::pin(async move { exports.maintain_instance(store, &ctx, id, params).await })
 }
 
 /// Who persists the kv changes a call leaves for its end.
@@ -399,7 +397,7 @@ impl ProviderVersion {
     /// The contract's `describe`: the provider's name, version and what it supports.
     pub async fn describe(&self) -> Result<ProviderInfo, CallError> {
         self.call(Method::Describe, &CallHooks::default(), |store, exports, _ctx| {
-            Box::pin(async move { on_guest!(exports, |guest| guest.call_describe(store)).map(Ok) })
+            Box::pin(async move { exports.describe(store).await.map(Ok) })
         })
         .await
     }
@@ -413,7 +411,7 @@ impl ProviderVersion {
     /// Whether its `all-instances` answers a page at a time (0.3.0 on); an
     /// older provider answers every instance at once.
     pub fn lists_in_pages(&self) -> bool {
-        matches!(self.pre, ExportsPre::Current(_))
+        self.pre.paged()
     }
 
     /// What hides its secrets' values in text the host shows.
@@ -425,7 +423,7 @@ impl ProviderVersion {
     pub async fn validate_config(&self, config_json: &str) -> Result<(), CallError> {
         let config = config_json.to_owned();
         self.call(Method::ValidateConfig, &CallHooks::default(), move |store, exports, _ctx| {
-            Box::pin(async move { on_guest!(exports, |guest| guest.call_validate_config(store, &config)) })
+            Box::pin(async move { exports.validate_config(store, config).await })
         })
         .await
     }
@@ -463,7 +461,7 @@ impl ProviderVersion {
         let params = params.clone();
         let (mut started, writes) = self
             .call_then(Method::StartInstance, hooks, writes, move |store, exports, ctx| {
-                Box::pin(async move { on_guest!(exports, |guest| guest.call_start_instance(store, ctx, &params)) })
+                Box::pin(async move { exports.start_instance(store, &ctx, params).await })
             })
             .await?;
         // Its texts are kept and shown: never a secret of its own.
@@ -480,7 +478,7 @@ impl ProviderVersion {
     pub async fn stop_instances(&self, hooks: &CallHooks, ids: &[InstanceId]) -> Result<(), CallError> {
         let ids = ids.to_vec();
         self.call(Method::StopInstances, hooks, move |store, exports, ctx| {
-            Box::pin(async move { on_guest!(exports, |guest| guest.call_stop_instances(store, ctx, &ids)) })
+            Box::pin(async move { exports.stop_instances(store, &ctx, ids).await })
         })
         .await
     }
