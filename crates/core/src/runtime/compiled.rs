@@ -11,6 +11,11 @@
 //!
 //! A process that never said where its compiler is (the tests, a library
 //! user) compiles in-process, into the same store.
+//!
+//! A component is the operator's to add, but its author's to write: the
+//! compiler child is held to [`CompileLimits`] (the memory it may map for its
+//! data, the time it may take) and refused past them, so no component can
+//! make a compile take the machine's memory or hold up every later load.
 
 // Audited: loading an artifact is `unsafe` in wasmtime because it trusts the
 // machine code inside. Only files this module wrote are loaded: in the host's
@@ -28,8 +33,9 @@ use std::hash::{Hash, Hasher};
 use std::io::{Read, Seek, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
@@ -51,18 +57,37 @@ const MAX_ARTIFACT_BYTES: u64 = 1 << 30;
 /// What the child said on stderr that is shown: its error's text.
 const MAX_CHILD_STDERR: u64 = 4 << 10;
 
-static COMPILER: OnceLock<PathBuf> = OnceLock::new();
+/// What one compile in a child may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompileLimits {
+    /// Memory the child may map for its data (heap, thread stacks) beyond
+    /// what it holds when it starts compiling: past it an allocation fails
+    /// and the child ends.
+    pub memory_bytes: u64,
+    /// From the child's start to its end; past it the child is killed.
+    pub timeout: Duration,
+}
+
+impl Default for CompileLimits {
+    /// Room for the largest component a manifest may name (64 MiB).
+    fn default() -> Self {
+        CompileLimits { memory_bytes: 4 << 30, timeout: Duration::from_secs(300) }
+    }
+}
+
+static COMPILER: OnceLock<(PathBuf, CompileLimits)> = OnceLock::new();
 
 /// Compile components in children of `program` (run with [`COMPILE_ARG`],
-/// it must call [`compiler_child_main`]): the `broker` binary says so of
-/// itself at its start. Later calls change nothing.
-pub fn compile_in_children(program: PathBuf) {
-    let _ = COMPILER.set(program);
+/// it must call [`compiler_child_main`]), each held to `limits`: the `broker`
+/// binary says so of itself at its start. Later calls change nothing.
+pub fn compile_in_children(program: PathBuf, limits: CompileLimits) {
+    let _ = COMPILER.set((program, limits));
 }
 
 /// The compiler child: a component on stdin, the artifact of this engine's
 /// settings on stdout; else its error on stderr, and exit code [`REFUSED`]
 /// (the compiler's refusal) or [`UNWRITTEN`] (the artifact not written).
+/// Its argument after [`COMPILE_ARG`] is the memory it may take, in bytes.
 pub fn compiler_child_main() -> ExitCode {
     // Gone with the host that asked; never writing more than an artifact may hold.
     let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
@@ -71,7 +96,18 @@ pub fn compiler_child_main() -> ExitCode {
         MAX_ARTIFACT_BYTES,
         MAX_ARTIFACT_BYTES,
     );
+    // Any thread's panic ends the child at once, its message said plainly: a
+    // default hook's backtrace would allocate past a spent budget and wait
+    // forever on the lock the allocation error's report then takes.
+    std::panic::set_hook(Box::new(|info| {
+        let _ = writeln!(std::io::stderr(), "{info}");
+        std::process::abort();
+    }));
     let compiled = (|| -> Result<Vec<u8>, String> {
+        let memory_bytes = std::env::args()
+            .nth(2)
+            .and_then(|bytes| bytes.parse::<u64>().ok())
+            .ok_or("the compiler child was not told how much memory it may take")?;
         let mut bytes = Vec::new();
         std::io::stdin()
             .take(crate::manifest::MAX_COMPONENT_BYTES + 1)
@@ -81,6 +117,8 @@ pub fn compiler_child_main() -> ExitCode {
             return Err("the component is larger than a component may be".into());
         }
         let engine = Engine::new(&super::engine_config()).map_err(|e| format!("{e:#}"))?;
+        // After the engine's own reservations: the budget is the compile's.
+        limit_data(memory_bytes)?;
         precompile(&engine, &bytes)
     })();
     let artifact = match compiled {
@@ -99,6 +137,21 @@ pub fn compiler_child_main() -> ExitCode {
             ExitCode::from(UNWRITTEN)
         }
     }
+}
+
+/// Hold this process's data mappings (heap, thread stacks: what `RLIMIT_DATA`
+/// counts) to what it has now and `budget` more.
+fn limit_data(budget: u64) -> Result<(), String> {
+    let status =
+        std::fs::read_to_string("/proc/self/status").map_err(|e| format!("cannot read /proc/self/status: {e}"))?;
+    let held_kib = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmData:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .ok_or("/proc/self/status says nothing of VmData")?;
+    let limit = held_kib.saturating_mul(1024).saturating_add(budget);
+    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_DATA, limit, limit)
+        .map_err(|e| format!("cannot bound the compiler's memory: {e}"))
 }
 
 /// The engine's artifact of `bytes`, held to [`MAX_ARTIFACT_BYTES`].
@@ -191,7 +244,7 @@ impl CompiledStore {
             precompile(engine, bytes).map_err(Failed::Refused).and_then(|a| write_new(&tmp, &a).map_err(Failed::Unkept))
         };
         let made = match COMPILER.get() {
-            Some(program) => match compile_apart(program, bytes, &tmp) {
+            Some((program, limits)) => match compile_apart(program, limits, bytes, &tmp) {
                 Err(Failed::NoChild(e)) => {
                     tracing::warn!(program = %program.display(), error = %e, "cannot run the compiler apart: compiling in this process");
                     let _ = std::fs::remove_file(&tmp);
@@ -334,8 +387,9 @@ fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     file.sync_all()
 }
 
-/// Compile `bytes` in a child of `program` into a new file at `out`, synced.
-fn compile_apart(program: &Path, bytes: &[u8], out: &Path) -> Result<(), Failed> {
+/// Compile `bytes` in a child of `program`, held to `limits`, into a new
+/// file at `out`, synced.
+fn compile_apart(program: &Path, limits: &CompileLimits, bytes: &[u8], out: &Path) -> Result<(), Failed> {
     let dir = out.parent().unwrap_or(Path::new("."));
     // The component and the child's words go through unnamed files, not
     // pipes: nothing to pump, nothing that blocks on a full pipe.
@@ -344,33 +398,72 @@ fn compile_apart(program: &Path, bytes: &[u8], out: &Path) -> Result<(), Failed>
     let mut stderr = tempfile::tempfile_in(dir).map_err(Failed::Unkept)?;
     let output =
         std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(out).map_err(Failed::Unkept)?;
-    let status = Command::new(program)
+    let mut child = Command::new(program)
         .arg(COMPILE_ARG)
+        .arg(limits.memory_bytes.to_string())
         .stdin(Stdio::from(input))
         .stdout(Stdio::from(output.try_clone().map_err(Failed::Unkept)?))
         .stderr(Stdio::from(stderr.try_clone().map_err(Failed::Unkept)?))
         .env_remove("RUST_LOG")
-        .status()
+        .env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LIB_BACKTRACE")
+        .spawn()
         .map_err(Failed::NoChild)?;
+    let Some(status) = wait_for(&mut child, limits.timeout)
+        .map_err(|e| Failed::Refused(format!("cannot wait for the compiler process: {e}")))?
+    else {
+        return Err(Failed::Refused(format!(
+            "the compiler took longer than {} and was stopped (`--compile-timeout` allows more)",
+            humantime::format_duration(limits.timeout)
+        )));
+    };
     if status.success() {
         return output.sync_all().map_err(Failed::Unkept);
     }
     let mut said = Vec::new();
     let _ = stderr.rewind().and_then(|()| (&mut stderr).take(MAX_CHILD_STDERR).read_to_end(&mut said));
-    let said = String::from_utf8_lossy(&said).trim().to_owned();
+    // Rust's hint about backtraces says nothing of the failure.
+    let said: Vec<&str> = std::str::from_utf8(&said)
+        .unwrap_or("(not UTF-8)")
+        .lines()
+        .filter(|line| !line.starts_with("note: run with `RUST_BACKTRACE"))
+        .collect();
+    let said = said.join("\n").trim().to_owned();
+    // An allocation past the child's budget ends it (SIGABRT).
+    let budget = format!("(a compile may take {} MiB: `--compile-memory-mib` allows more)", limits.memory_bytes >> 20);
     match (status.code(), std::os::unix::process::ExitStatusExt::signal(&status)) {
         (Some(code), _) if code == i32::from(REFUSED) && !said.is_empty() => Err(Failed::Refused(said)),
         (Some(code), _) if code == i32::from(UNWRITTEN) => Err(Failed::Unkept(std::io::Error::other(said))),
         (_, Some(signal)) => {
             let name = nix::sys::signal::Signal::try_from(signal).map_or(String::new(), |s| format!(" ({s})"));
             let oom = if signal == 9 { ", out of memory?" } else { "" };
-            Err(Failed::Refused(
-                format!("the compiler process was killed by signal {signal}{name}{oom} {said}").trim_end().to_owned(),
-            ))
+            let said = if said.is_empty() { String::new() } else { format!(": {said}") };
+            Err(Failed::Refused(format!(
+                "the compiler process was killed by signal {signal}{name}{oom}{said} {budget}"
+            )))
         }
-        _ => Err(Failed::Refused(
-            format!("the compiler process ended with {status}: {said}").trim_end_matches(": ").to_owned(),
-        )),
+        _ => Err(Failed::Refused(format!("the compiler process ended with {status}: {said} {budget}"))),
+    }
+}
+
+/// `child`'s exit status, or `None` once `timeout` has passed (the child is
+/// then killed and reaped).
+fn wait_for(child: &mut Child, timeout: Duration) -> std::io::Result<Option<ExitStatus>> {
+    let deadline = Instant::now() + timeout;
+    // Short at first: most compiles take a fraction of a second.
+    let mut pause = Duration::from_millis(1);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(status));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            let _ = child.kill();
+            child.wait()?;
+            return Ok(None);
+        }
+        std::thread::sleep(pause.min(deadline - now));
+        pause = (pause * 2).min(Duration::from_millis(20));
     }
 }
 
@@ -422,6 +515,23 @@ mod tests {
 
     /// What a killed compile left goes when the store opens; a component
     /// the compiler refuses leaves nothing behind.
+    /// A compiler child past its time is killed and reaped, and the wait
+    /// ends at the deadline, not when the child would have.
+    #[test]
+    fn a_child_past_its_time_is_killed_and_one_within_it_is_waited_for() {
+        let started = std::time::Instant::now();
+        let mut slow = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let waited = super::wait_for(&mut slow, std::time::Duration::from_millis(200)).unwrap();
+        assert_eq!(waited, None, "timed out");
+        assert!(started.elapsed() < std::time::Duration::from_secs(10), "{:?}", started.elapsed());
+        let reaped = std::fs::read_to_string(format!("/proc/{}/stat", slow.id()));
+        assert!(reaped.is_err(), "killed and reaped: {reaped:?}");
+
+        let mut quick = std::process::Command::new("true").spawn().unwrap();
+        let waited = super::wait_for(&mut quick, std::time::Duration::from_secs(30)).unwrap();
+        assert!(waited.is_some_and(|status| status.success()));
+    }
+
     #[test]
     fn leftovers_go_and_a_refused_component_keeps_nothing() {
         let dir = tempfile::tempdir().unwrap();

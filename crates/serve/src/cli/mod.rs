@@ -39,6 +39,18 @@ pub(crate) struct Cli {
     /// More logging on stderr (-v info, -vv debug); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub(crate) verbose: u8,
+    /// Most MiB a component's compile may take (it runs in a child of this binary;
+    /// past this the component is refused). Compiled components are kept, so a
+    /// component is compiled once.
+    #[arg(long, global = true, env = "BROKER_COMPILE_MEMORY_MIB", value_name = "MIB",
+          default_value_t = broker_core::runtime::compiled::CompileLimits::default().memory_bytes >> 20,
+          value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    pub(crate) compile_memory_mib: u64,
+    /// Longest a component's compile may take before it is stopped and the component
+    /// refused (1s to 1h).
+    #[arg(long, global = true, env = "BROKER_COMPILE_TIMEOUT", value_name = "DURATION", default_value = "5m",
+          value_parser = timeout_between_1s_and_1h)]
+    pub(crate) compile_timeout: std::time::Duration,
     #[command(subcommand)]
     pub(crate) command: Command,
 }
@@ -1022,10 +1034,11 @@ pub fn main() -> std::process::ExitCode {
     if std::env::args_os().nth(1).is_some_and(|arg| arg == compiled::COMPILE_ARG) {
         return compiled::compiler_child_main();
     }
-    // This very binary, even if the file was replaced since it started.
-    compiled::compile_in_children("/proc/self/exe".into());
     // clap exits with 2 on usage errors and 0 for --help/--version.
     let cli = <Cli as clap::Parser>::parse();
+    // This very binary, even if the file was replaced since it started.
+    let limits = compiled::CompileLimits { memory_bytes: cli.compile_memory_mib << 20, timeout: cli.compile_timeout };
+    compiled::compile_in_children("/proc/self/exe".into(), limits);
     let default_level = match cli.verbose {
         0 => "warn",
         1 => "info",

@@ -180,6 +180,25 @@ fn a_component_the_compiler_child_refuses_is_named_and_nothing_is_kept() {
     assert_eq!(file_names(&data.join("cache")), Vec::<String>::new(), "nothing kept");
 }
 
+/// The compiler child is held to `--compile-memory-mib`: a compile past it
+/// is refused with the limit named (not a hang, not the machine's memory),
+/// nothing is kept of it, and the same component compiles within the default.
+#[test]
+fn a_compile_past_its_memory_is_refused_with_the_limit_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path();
+    let started = std::time::Instant::now();
+    let added = broker(data, &["--compile-memory-mib", "16", "provider", "add", &fake_manifest()]);
+    let said = String::from_utf8_lossy(&added.stderr);
+    assert_eq!(added.status.code(), Some(3), "{said}");
+    assert!(said.contains("cannot compile component"), "{said}");
+    assert!(said.contains("a compile may take 16 MiB: `--compile-memory-mib` allows more"), "{said}");
+    assert!(!said.contains("RUST_BACKTRACE"), "{said}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(60), "refused, not stuck: {:?}", started.elapsed());
+    assert!(!file_names(&data.join("cache")).iter().any(|n| n.ends_with(".cwasm")), "nothing kept");
+    assert!(ok(data, &["provider", "add", &fake_manifest()]).contains("added provider fake"));
+}
+
 /// Kill the CLI with SIGKILL at many points of `instance start`: the state
 /// always reopens, and every instance the host recorded exists in the
 /// provider's kv (the provider writes first, the host records after).
