@@ -23,7 +23,9 @@
 // provider's), opened without following a link and checked to be a regular
 // file of the host's with one name, made by this engine's settings (the name
 // says which; wasmtime checks them again), synced before they were given
-// their name, so no torn file is ever read as code.
+// their name, so no torn file is ever read as code. When the disk cannot keep
+// an artifact, the one loaded is the memory file the compiler child wrote: made
+// by this process, handed to that child alone, which has exited.
 #![allow(unsafe_code)]
 
 use super::RuntimeError;
@@ -96,6 +98,8 @@ pub fn compiler_child_main() -> ExitCode {
         MAX_ARTIFACT_BYTES,
         MAX_ARTIFACT_BYTES,
     );
+    // A compile ended past its budget dumps no core of its gigabytes.
+    let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_CORE, 0, 0);
     // Any thread's panic ends the child at once, its message said plainly: a
     // default hook's backtrace would allocate past a spent budget and wait
     // forever on the lock the allocation error's report then takes.
@@ -149,9 +153,12 @@ fn limit_data(budget: u64) -> Result<(), String> {
         .find_map(|line| line.strip_prefix("VmData:"))
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .ok_or("/proc/self/status says nothing of VmData")?;
-    let limit = held_kib.saturating_mul(1024).saturating_add(budget);
-    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_DATA, limit, limit)
-        .map_err(|e| format!("cannot bound the compiler's memory: {e}"))
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let cannot = |e: nix::Error| format!("cannot bound the compiler's memory: {e}");
+    // Within a hard limit the host was given (raising it would be refused).
+    let (_, hard) = getrlimit(Resource::RLIMIT_DATA).map_err(cannot)?;
+    let limit = held_kib.saturating_mul(1024).saturating_add(budget).min(hard);
+    setrlimit(Resource::RLIMIT_DATA, limit, limit).map_err(cannot)
 }
 
 /// The engine's artifact of `bytes`, held to [`MAX_ARTIFACT_BYTES`].
@@ -244,13 +251,24 @@ impl CompiledStore {
             precompile(engine, bytes).map_err(Failed::Refused).and_then(|a| write_new(&tmp, &a).map_err(Failed::Unkept))
         };
         let made = match COMPILER.get() {
-            Some((program, limits)) => match compile_apart(program, limits, bytes, &tmp) {
-                Err(Failed::NoChild(e)) => {
-                    tracing::warn!(program = %program.display(), error = %e, "cannot run the compiler apart: compiling in this process");
-                    let _ = std::fs::remove_file(&tmp);
-                    here()
-                }
-                made => made,
+            // Never compiled here once a compiler child is named: only the child is held to the limits.
+            Some((program, limits)) => match compile_apart(program, limits, bytes) {
+                Ok(mut artifact) => match write_new_from(&tmp, &mut artifact) {
+                    Ok(()) => Ok(()),
+                    Err(e) => {
+                        let _ = std::fs::remove_file(&tmp);
+                        // A full or read-only disk: the child's artifact is mapped from memory, kept nowhere.
+                        tracing::warn!(dir = %self.dir.display(), error = %e, "cannot keep a compiled component: it is loaded from memory");
+                        let loaded = load(
+                            engine,
+                            Path::new(&format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&artifact))),
+                        );
+                        return loaded.map_err(|e| {
+                            compile_error(CompilerText(format!("its compiled code does not load: {e:#}")))
+                        });
+                    }
+                },
+                Err(refused) => Err(Failed::Refused(refused)),
             },
             None => here(),
         };
@@ -261,7 +279,7 @@ impl CompiledStore {
                 let _ = std::fs::remove_file(&tmp);
                 return Err(compile_error(CompilerText(text)));
             }
-            Err(Failed::Unkept(e) | Failed::NoChild(e)) => {
+            Err(Failed::Unkept(e)) => {
                 let _ = std::fs::remove_file(&tmp);
                 // A full or read-only disk: compile here, keep nothing.
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot keep a compiled component: compiling it in this process");
@@ -354,10 +372,9 @@ impl CompiledStore {
 enum Failed {
     /// The compiler refused the component, or its process died: its words.
     Refused(String),
-    /// The artifact could not be written: this process compiles, and keeps nothing.
+    /// The artifact could not be written (by a process that compiles in
+    /// itself, having no child): it compiles, and keeps nothing.
     Unkept(std::io::Error),
-    /// No child could be run: this process compiles (and keeps what it makes).
-    NoChild(std::io::Error),
 }
 
 /// A compiler's message as an error cause.
@@ -387,63 +404,81 @@ fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     file.sync_all()
 }
 
-/// Compile `bytes` in a child of `program`, held to `limits`, into a new
-/// file at `out`, synced.
-fn compile_apart(program: &Path, limits: &CompileLimits, bytes: &[u8], out: &Path) -> Result<(), Failed> {
-    let dir = out.parent().unwrap_or(Path::new("."));
-    // The component and the child's words go through unnamed files, not
-    // pipes: nothing to pump, nothing that blocks on a full pipe.
-    let mut input = tempfile::tempfile_in(dir).map_err(Failed::Unkept)?;
-    input.write_all(bytes).and_then(|()| input.rewind()).map_err(Failed::Unkept)?;
-    let mut stderr = tempfile::tempfile_in(dir).map_err(Failed::Unkept)?;
-    let output =
-        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(out).map_err(Failed::Unkept)?;
+/// `artifact` (read from its start) into a new file at `path` (0600), synced.
+fn write_new_from(path: &Path, artifact: &mut File) -> std::io::Result<()> {
+    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    artifact.rewind()?;
+    std::io::copy(artifact, &mut file)?;
+    file.sync_all()
+}
+
+/// A new memory-backed file (no disk needed, gone with its last descriptor).
+fn memory_file(name: &str) -> std::io::Result<File> {
+    let fd = rustix::fs::memfd_create(name, rustix::fs::MemfdFlags::CLOEXEC)?;
+    Ok(File::from(fd))
+}
+
+/// Compile `bytes` in a child of `program`, held to `limits`: the artifact,
+/// in a memory-backed file; else why not, as the user is told.
+fn compile_apart(program: &Path, limits: &CompileLimits, bytes: &[u8]) -> Result<File, String> {
+    let cannot_run = |e: std::io::Error| format!("cannot run the compiler process: {e}");
+    // The component, the artifact and the child's words go through unnamed
+    // files in memory, not pipes (nothing to pump, nothing that blocks on a
+    // full pipe) nor the disk (a full one does not stop a compile).
+    let mut input = memory_file("component").map_err(cannot_run)?;
+    input.write_all(bytes).and_then(|()| input.rewind()).map_err(cannot_run)?;
+    let mut stderr = memory_file("compiler-stderr").map_err(cannot_run)?;
+    let output = memory_file("artifact").map_err(cannot_run)?;
     let mut child = Command::new(program)
         .arg(COMPILE_ARG)
         .arg(limits.memory_bytes.to_string())
         .stdin(Stdio::from(input))
-        .stdout(Stdio::from(output.try_clone().map_err(Failed::Unkept)?))
-        .stderr(Stdio::from(stderr.try_clone().map_err(Failed::Unkept)?))
+        .stdout(Stdio::from(output.try_clone().map_err(cannot_run)?))
+        .stderr(Stdio::from(stderr.try_clone().map_err(cannot_run)?))
         .env_remove("RUST_LOG")
         .env_remove("RUST_BACKTRACE")
         .env_remove("RUST_LIB_BACKTRACE")
         .spawn()
-        .map_err(Failed::NoChild)?;
-    let Some(status) = wait_for(&mut child, limits.timeout)
-        .map_err(|e| Failed::Refused(format!("cannot wait for the compiler process: {e}")))?
+        .map_err(cannot_run)?;
+    let Some(status) = wait_for(&mut child, limits.timeout).map_err(|e| {
+        // Not left running unwatched.
+        let _ = child.kill();
+        let _ = child.wait();
+        format!("cannot wait for the compiler process: {e}")
+    })?
     else {
-        return Err(Failed::Refused(format!(
+        return Err(format!(
             "the compiler took longer than {} and was stopped (`--compile-timeout` allows more)",
             humantime::format_duration(limits.timeout)
-        )));
+        ));
     };
     if status.success() {
-        return output.sync_all().map_err(Failed::Unkept);
+        return Ok(output);
     }
     let mut said = Vec::new();
     let _ = stderr.rewind().and_then(|()| (&mut stderr).take(MAX_CHILD_STDERR).read_to_end(&mut said));
     // Rust's hint about backtraces says nothing of the failure.
-    let said: Vec<&str> = std::str::from_utf8(&said)
-        .unwrap_or("(not UTF-8)")
-        .lines()
-        .filter(|line| !line.starts_with("note: run with `RUST_BACKTRACE"))
-        .collect();
+    let said = String::from_utf8_lossy(&said);
+    let said: Vec<&str> = said.lines().filter(|line| !line.starts_with("note: run with `RUST_BACKTRACE")).collect();
     let said = said.join("\n").trim().to_owned();
-    // An allocation past the child's budget ends it (SIGABRT).
-    let budget = format!("(a compile may take {} MiB: `--compile-memory-mib` allows more)", limits.memory_bytes >> 20);
-    match (status.code(), std::os::unix::process::ExitStatusExt::signal(&status)) {
-        (Some(code), _) if code == i32::from(REFUSED) && !said.is_empty() => Err(Failed::Refused(said)),
-        (Some(code), _) if code == i32::from(UNWRITTEN) => Err(Failed::Unkept(std::io::Error::other(said))),
+    let status_text = match (status.code(), std::os::unix::process::ExitStatusExt::signal(&status)) {
+        (Some(code), _) if code == i32::from(REFUSED) && !said.is_empty() => return Err(said),
+        (Some(code), _) if code == i32::from(UNWRITTEN) => return Err(format!("the compiler could not write: {said}")),
         (_, Some(signal)) => {
             let name = nix::sys::signal::Signal::try_from(signal).map_or(String::new(), |s| format!(" ({s})"));
             let oom = if signal == 9 { ", out of memory?" } else { "" };
-            let said = if said.is_empty() { String::new() } else { format!(": {said}") };
-            Err(Failed::Refused(format!(
-                "the compiler process was killed by signal {signal}{name}{oom}{said} {budget}"
-            )))
+            format!("the compiler process was killed by signal {signal}{name}{oom}")
         }
-        _ => Err(Failed::Refused(format!("the compiler process ended with {status}: {said} {budget}"))),
-    }
+        _ => format!("the compiler process ended with {status}"),
+    };
+    // An allocation past the child's budget ends it (SIGABRT), or its threads cannot start.
+    let budget = if ["memory allocation of", "out of memory", "ThreadPoolBuildError"].iter().any(|s| said.contains(s)) {
+        format!(" (a compile may take {} MiB: `--compile-memory-mib` allows more)", limits.memory_bytes >> 20)
+    } else {
+        String::new()
+    };
+    let said = if said.is_empty() { String::new() } else { format!(": {said}") };
+    Err(format!("{status_text}{said}{budget}"))
 }
 
 /// `child`'s exit status, or `None` once `timeout` has passed (the child is
@@ -513,8 +548,6 @@ mod tests {
         assert!(std::fs::metadata(&kept[0]).unwrap().len() > 1024, "made again whole");
     }
 
-    /// What a killed compile left goes when the store opens; a component
-    /// the compiler refuses leaves nothing behind.
     /// A compiler child past its time is killed and reaped, and the wait
     /// ends at the deadline, not when the child would have.
     #[test]
@@ -532,6 +565,8 @@ mod tests {
         assert!(waited.is_some_and(|status| status.success()));
     }
 
+    /// What a killed compile left goes when the store opens; a component
+    /// the compiler refuses leaves nothing behind.
     #[test]
     fn leftovers_go_and_a_refused_component_keeps_nothing() {
         let dir = tempfile::tempdir().unwrap();

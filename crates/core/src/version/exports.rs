@@ -3,20 +3,22 @@
 //! `bindings::v0_2`, `bindings::v0_1`) but `all-instances`, which 0.3.0
 //! pages: an older component's one answer is paged by the host.
 //!
-//! Each export is found once per component (and its whole interface
-//! type-checked then, by the version's generated `ProviderPre`), and checked
-//! against its Rust signature in an instance only when the instance first
-//! calls it: an instance made for one call (per-call isolation) checks one
-//! function, not the six that the generated `load` checks.
+//! Each export is found and type-checked once per component, when it loads
+//! (a component whose exports do not have the contract's types is refused
+//! then, the export named), and typed in an instance only when the instance
+//! first calls it: an instance made for one call (per-call isolation) types
+//! one function, not the six that the generated `load` checks at every
+//! instantiation.
 
 use crate::runtime::HostState;
 use broker_capabilities::bindings::{
     self, BrokerError, Instance, InstanceId, InstancePage, ListedInstance, PageRequest, ProviderInfo,
-    StartInstanceParams, StartInstanceResult, v0_1, v0_2,
+    StartInstanceParams, StartInstanceResult,
 };
 use broker_capabilities::rooms::context::CallContext;
 use std::sync::OnceLock;
 use wasmtime::Store;
+use wasmtime::component::types::ComponentItem;
 use wasmtime::component::{ComponentExportIndex, ComponentNamedList, Instance as GuestInstance, InstancePre};
 use wasmtime::component::{Lift, Lower, Resource, TypedFunc};
 
@@ -62,31 +64,27 @@ impl ExportsPre {
     /// The exports of `version` (one of `bindings::SERVED_VERSIONS`) in `pre`,
     /// every one type-checked against that version's contract.
     pub(crate) fn new(version: &str, pre: InstancePre<HostState>) -> wasmtime::Result<ExportsPre> {
-        // The generated check of the whole interface, with its errors' words.
-        match version {
-            "0.1.0" => drop(v0_1::ProviderPre::new(pre.clone())?),
-            "0.2.0" => drop(v0_2::ProviderPre::new(pre.clone())?),
-            _ => drop(bindings::ProviderPre::new(pre.clone())?),
-        }
-        let component = pre.component();
         let interface = format!("{}/instance-broker@{version}", bindings::CONTRACT_PACKAGE);
-        let (_, broker) = component
+        let (_, broker) = pre
+            .component()
             .get_export(None, &interface)
             .ok_or_else(|| wasmtime::format_err!("no export `{interface}` found"))?;
-        let func = |name: &str| {
-            component
-                .get_export_index(Some(&broker), name)
-                .ok_or_else(|| wasmtime::format_err!("export `{interface}` has no function `{name}`"))
-        };
-        let at = Indices {
-            describe: func("describe")?,
-            validate_config: func("validate-config")?,
-            start_instance: func("start-instance")?,
-            stop_instances: func("stop-instances")?,
-            all_instances: func("all-instances")?,
-            maintain_instance: func("maintain-instance")?,
-        };
         let paged = !matches!(version, "0.1.0" | "0.2.0");
+        let export = BrokerExport { pre: &pre, interface: &interface, broker: &broker };
+        let at = Indices {
+            describe: export.checked::<(), (ProviderInfo,)>("describe")?,
+            validate_config: export.checked::<(String,), (Refusable<()>,)>("validate-config")?,
+            start_instance: export
+                .checked::<(Ctx, StartInstanceParams), (Refusable<StartInstanceResult>,)>("start-instance")?,
+            stop_instances: export.checked::<(Ctx, Vec<InstanceId>), (Refusable<()>,)>("stop-instances")?,
+            all_instances: if paged {
+                export.checked::<(Ctx, PageRequest), (Refusable<InstancePage>,)>("all-instances")?
+            } else {
+                export.checked::<(Ctx,), (Refusable<Vec<Instance>>,)>("all-instances")?
+            },
+            maintain_instance: export
+                .checked::<(Ctx, InstanceId, StartInstanceParams), (Refusable<()>,)>("maintain-instance")?,
+        };
         Ok(ExportsPre { pre, at, paged })
     }
 
@@ -109,6 +107,34 @@ impl ExportsPre {
             all_instances_whole: OnceLock::new(),
             maintain_instance: OnceLock::new(),
         })
+    }
+}
+
+/// One component's `instance-broker` export, while its functions are looked up.
+struct BrokerExport<'a> {
+    pre: &'a InstancePre<HostState>,
+    interface: &'a str,
+    broker: &'a ComponentExportIndex,
+}
+
+impl BrokerExport<'_> {
+    /// The function `name`, checked to take `P` and answer `R` (the types
+    /// [`Exports`] calls it with).
+    fn checked<P, R>(&self, name: &str) -> wasmtime::Result<ComponentExportIndex>
+    where
+        P: ComponentNamedList + Lower,
+        R: ComponentNamedList + Lift,
+    {
+        let interface = self.interface;
+        let (item, index) = (self.pre.component().get_export(Some(self.broker), name))
+            .ok_or_else(|| wasmtime::format_err!("export `{interface}` has no function `{name}`"))?;
+        let ComponentItem::ComponentFunc(func) = item else {
+            return Err(wasmtime::format_err!("`{name}` of export `{interface}` is not a function"));
+        };
+        // The check the generated bindings make (doc-hidden in wasmtime, which is pinned).
+        func.typecheck::<P, R>(&self.pre.instance_type())
+            .map_err(|e| e.context(format!("`{name}` of export `{interface}` does not have the contract's type")))?;
+        Ok(index)
     }
 }
 
@@ -219,4 +245,58 @@ impl Exports {
 fn whole(instances: Vec<Instance>) -> Listing {
     let listed = |instance| ListedInstance { instance, display_name: String::new(), hardware: None, tags: Vec::new() };
     Listing::Whole(instances.into_iter().map(listed).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+    use super::*;
+    use crate::manifest::Grants;
+    use broker_capabilities::rooms::RoomGrants;
+    use broker_capabilities::rooms::kv::Kv;
+    use std::path::Path;
+
+    fn pre_of(runtime: &crate::runtime::Runtime, guest: &str) -> InstancePre<HostState> {
+        let path = guest_artifacts::wasm(guest);
+        let bytes = std::fs::read(&path).unwrap();
+        let component = runtime.compile(Path::new(&path), &bytes, "").unwrap();
+        let grants = Grants { rooms: RoomGrants::default().with::<Kv>(true) };
+        runtime.linker(&grants).unwrap().instantiate_pre(&component).unwrap()
+    }
+
+    /// Each export is type-checked when the component loads: the types the
+    /// host calls it with pass, others are refused with the export named,
+    /// and a version's exports are looked for under its own name.
+    #[test]
+    fn exports_are_type_checked_at_load_and_a_mismatch_is_named() {
+        let runtime = crate::runtime::Runtime::new(None).unwrap();
+        let current = pre_of(&runtime, "fake");
+        assert!(ExportsPre::new(bindings::CONTRACT_VERSION, current.clone()).unwrap().paged());
+        let interface = format!("{}/instance-broker@{}", bindings::CONTRACT_PACKAGE, bindings::CONTRACT_VERSION);
+        let (_, broker) = current.component().get_export(None, &interface).unwrap();
+        let export = BrokerExport { pre: &current, interface: &interface, broker: &broker };
+        assert!(export.checked::<(), (ProviderInfo,)>("describe").is_ok());
+        let mistyped = export.checked::<(String,), (ProviderInfo,)>("describe").unwrap_err();
+        assert!(
+            format!("{mistyped:#}").contains(
+                "`describe` of export `broker:provider/instance-broker@0.3.0` does not have the contract's type"
+            ),
+            "{mistyped:#}"
+        );
+        // The paged signature is not 0.2.0's whole answer, nor the reverse.
+        assert!(export.checked::<(Ctx,), (Refusable<Vec<Instance>>,)>("all-instances").is_err());
+        assert!(
+            export
+                .checked::<(), (ProviderInfo,)>("teleport")
+                .unwrap_err()
+                .to_string()
+                .contains("no function `teleport`")
+        );
+        let unexported = ExportsPre::new("0.2.0", current).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(unexported.contains("no export `broker:provider/instance-broker@0.2.0`"), "{unexported}");
+
+        let older = pre_of(&runtime, "fake_v0_2");
+        assert!(!ExportsPre::new("0.2.0", older).unwrap().paged());
+    }
 }

@@ -199,6 +199,34 @@ fn a_compile_past_its_memory_is_refused_with_the_limit_named() {
     assert!(ok(data, &["provider", "add", &fake_manifest()]).contains("added provider fake"));
 }
 
+/// A cache dir that cannot be written (here immutable) does not take the
+/// compile into the CLI's own process: the child's limits still hold (a
+/// compile past them is refused; before, the compile ran unbounded in the
+/// process itself), and within them the child's artifact is loaded from
+/// memory, kept nowhere, and the provider works.
+#[test]
+fn a_cache_that_cannot_keep_an_artifact_keeps_the_compile_apart_and_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::fs::set_permissions(&data, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let cache = data.join("cache");
+    std::fs::create_dir(&cache).unwrap();
+    std::fs::set_permissions(&cache, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let chattr = |flag: &str| Command::new("chattr").arg(flag).arg(&cache).status().unwrap().success();
+    assert!(chattr("+i"), "chattr +i on {}", cache.display());
+    let bounded = broker(&data, &["--compile-memory-mib", "16", "provider", "add", &fake_manifest()]);
+    let added = broker(&data, &["provider", "add", &fake_manifest()]);
+    let started = broker(&data, &["instance", "start", "--provider", "fake"]);
+    assert!(chattr("-i"));
+    let said = String::from_utf8_lossy(&bounded.stderr);
+    assert_eq!(bounded.status.code(), Some(3), "{said}");
+    assert!(said.contains("a compile may take 16 MiB"), "{said}");
+    assert!(added.status.success(), "{}", String::from_utf8_lossy(&added.stderr));
+    assert!(started.status.success(), "{}", String::from_utf8_lossy(&started.stderr));
+    assert_eq!(file_names(&cache), Vec::<String>::new(), "nothing kept");
+}
+
 /// Kill the CLI with SIGKILL at many points of `instance start`: the state
 /// always reopens, and every instance the host recorded exists in the
 /// provider's kv (the provider writes first, the host records after).
