@@ -83,6 +83,14 @@ pub(crate) fn confine_before_exec(command: &mut std::process::Command, before: B
                 if nix::libc::ioctl(tun, crate::network::tap::TUNSETIFF, &mut request as *mut _) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                if tun == *at {
+                    // Opened at its very place (the lowest free descriptor):
+                    // dup2 would do nothing, and closing it would close it.
+                    if nix::libc::fcntl(tun, nix::libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    continue;
+                }
                 // dup2 leaves the new descriptor open across exec.
                 if nix::libc::dup2(tun, *at) < 0 {
                     return Err(std::io::Error::last_os_error());
