@@ -18,7 +18,7 @@ use broker_capabilities::bindings::{
 use broker_capabilities::rooms::context::CallContext;
 use std::sync::OnceLock;
 use wasmtime::Store;
-use wasmtime::component::types::ComponentItem;
+use wasmtime::component::types::{ComponentFunc, ComponentItem};
 use wasmtime::component::{ComponentExportIndex, ComponentNamedList, Instance as GuestInstance, InstancePre};
 use wasmtime::component::{Lift, Lower, Resource, TypedFunc};
 
@@ -43,21 +43,46 @@ pub(crate) struct ExportsPre {
 
 type Ctx = Resource<CallContext>;
 type Refusable<T> = Result<T, BrokerError>;
-/// An export answering `R`, typed once it is first called.
-type Export<P, R> = OnceLock<TypedFunc<P, (R,)>>;
+
+// Each export's signature as the host calls it, spelled once: checked against
+// the component at load ([`Signature`]) and typed with it in an instance.
+type Describe = TypedFunc<(), (ProviderInfo,)>;
+type ValidateConfig = TypedFunc<(String,), (Refusable<()>,)>;
+type StartInstance = TypedFunc<(Ctx, StartInstanceParams), (Refusable<StartInstanceResult>,)>;
+type StopInstances = TypedFunc<(Ctx, Vec<InstanceId>), (Refusable<()>,)>;
+type AllInstancesPaged = TypedFunc<(Ctx, PageRequest), (Refusable<InstancePage>,)>;
+type AllInstancesWhole = TypedFunc<(Ctx,), (Refusable<Vec<Instance>>,)>;
+type MaintainInstance = TypedFunc<(Ctx, InstanceId, StartInstanceParams), (Refusable<()>,)>;
 
 /// One instance's exports, each typed when first called.
 pub(crate) struct Exports {
     instance: GuestInstance,
     at: Indices,
     paged: bool,
-    describe: Export<(), ProviderInfo>,
-    validate_config: Export<(String,), Refusable<()>>,
-    start_instance: Export<(Ctx, StartInstanceParams), Refusable<StartInstanceResult>>,
-    stop_instances: Export<(Ctx, Vec<InstanceId>), Refusable<()>>,
-    all_instances_paged: Export<(Ctx, PageRequest), Refusable<InstancePage>>,
-    all_instances_whole: Export<(Ctx,), Refusable<Vec<Instance>>>,
-    maintain_instance: Export<(Ctx, InstanceId, StartInstanceParams), Refusable<()>>,
+    describe: OnceLock<Describe>,
+    validate_config: OnceLock<ValidateConfig>,
+    start_instance: OnceLock<StartInstance>,
+    stop_instances: OnceLock<StopInstances>,
+    all_instances_paged: OnceLock<AllInstancesPaged>,
+    all_instances_whole: OnceLock<AllInstancesWhole>,
+    maintain_instance: OnceLock<MaintainInstance>,
+}
+
+/// An export's Rust signature, which a component's function must have.
+trait Signature {
+    /// Whether `func` of the component in `pre` has it.
+    fn typecheck(func: &ComponentFunc, pre: &InstancePre<HostState>) -> wasmtime::Result<()>;
+}
+
+impl<P, R> Signature for TypedFunc<P, R>
+where
+    P: ComponentNamedList + Lower,
+    R: ComponentNamedList + Lift,
+{
+    fn typecheck(func: &ComponentFunc, pre: &InstancePre<HostState>) -> wasmtime::Result<()> {
+        // The check the generated bindings make (doc-hidden in wasmtime, which is pinned).
+        func.typecheck::<P, R>(&pre.instance_type())
+    }
 }
 
 impl ExportsPre {
@@ -72,18 +97,16 @@ impl ExportsPre {
         let paged = !matches!(version, "0.1.0" | "0.2.0");
         let export = BrokerExport { pre: &pre, interface: &interface, broker: &broker };
         let at = Indices {
-            describe: export.checked::<(), (ProviderInfo,)>("describe")?,
-            validate_config: export.checked::<(String,), (Refusable<()>,)>("validate-config")?,
-            start_instance: export
-                .checked::<(Ctx, StartInstanceParams), (Refusable<StartInstanceResult>,)>("start-instance")?,
-            stop_instances: export.checked::<(Ctx, Vec<InstanceId>), (Refusable<()>,)>("stop-instances")?,
+            describe: export.checked::<Describe>("describe")?,
+            validate_config: export.checked::<ValidateConfig>("validate-config")?,
+            start_instance: export.checked::<StartInstance>("start-instance")?,
+            stop_instances: export.checked::<StopInstances>("stop-instances")?,
             all_instances: if paged {
-                export.checked::<(Ctx, PageRequest), (Refusable<InstancePage>,)>("all-instances")?
+                export.checked::<AllInstancesPaged>("all-instances")?
             } else {
-                export.checked::<(Ctx,), (Refusable<Vec<Instance>>,)>("all-instances")?
+                export.checked::<AllInstancesWhole>("all-instances")?
             },
-            maintain_instance: export
-                .checked::<(Ctx, InstanceId, StartInstanceParams), (Refusable<()>,)>("maintain-instance")?,
+            maintain_instance: export.checked::<MaintainInstance>("maintain-instance")?,
         };
         Ok(ExportsPre { pre, at, paged })
     }
@@ -118,21 +141,16 @@ struct BrokerExport<'a> {
 }
 
 impl BrokerExport<'_> {
-    /// The function `name`, checked to take `P` and answer `R` (the types
+    /// The function `name`, checked to have the signature `F` (the one
     /// [`Exports`] calls it with).
-    fn checked<P, R>(&self, name: &str) -> wasmtime::Result<ComponentExportIndex>
-    where
-        P: ComponentNamedList + Lower,
-        R: ComponentNamedList + Lift,
-    {
+    fn checked<F: Signature>(&self, name: &str) -> wasmtime::Result<ComponentExportIndex> {
         let interface = self.interface;
         let (item, index) = (self.pre.component().get_export(Some(self.broker), name))
             .ok_or_else(|| wasmtime::format_err!("export `{interface}` has no function `{name}`"))?;
         let ComponentItem::ComponentFunc(func) = item else {
             return Err(wasmtime::format_err!("`{name}` of export `{interface}` is not a function"));
         };
-        // The check the generated bindings make (doc-hidden in wasmtime, which is pinned).
-        func.typecheck::<P, R>(&self.pre.instance_type())
+        F::typecheck(&func, self.pre)
             .map_err(|e| e.context(format!("`{name}` of export `{interface}` does not have the contract's type")))?;
         Ok(index)
     }
@@ -146,35 +164,38 @@ pub(crate) enum Listing {
     Whole(Vec<ListedInstance>),
 }
 
-/// The export at `index` of `instance` as `TypedFunc<P, R>`: type-checked the
-/// first time (kept in `typed`), as it is from then on.
-fn typed<P, R>(
-    store: &mut Store<HostState>,
-    instance: &GuestInstance,
-    index: &ComponentExportIndex,
-    typed: &OnceLock<TypedFunc<P, R>>,
-) -> wasmtime::Result<TypedFunc<P, R>>
-where
-    P: ComponentNamedList + Lower,
-    R: ComponentNamedList + Lift,
-{
-    if let Some(func) = typed.get() {
-        return Ok(*func);
-    }
-    let func = instance.get_typed_func::<P, R>(&mut *store, index)?;
-    Ok(*typed.get_or_init(|| func))
-}
-
 /// A borrow of the call's context, for one export call.
 fn lend(ctx: &Ctx) -> Ctx {
     Resource::new_borrow(ctx.rep())
 }
 
 impl Exports {
+    /// Call the export at `index` with `params`: typed the first time (kept
+    /// in `typed`), as it is from then on.
+    async fn call<P, R>(
+        &self,
+        store: &mut Store<HostState>,
+        index: &ComponentExportIndex,
+        typed: &OnceLock<TypedFunc<P, (R,)>>,
+        params: P,
+    ) -> wasmtime::Result<R>
+    where
+        P: ComponentNamedList + Lower + Send + Sync,
+        R: Lift + Send + Sync + 'static,
+    {
+        let func = match typed.get() {
+            Some(func) => *func,
+            None => {
+                let func = self.instance.get_typed_func::<P, (R,)>(&mut *store, index)?;
+                *typed.get_or_init(|| func)
+            }
+        };
+        Ok(func.call_async(&mut *store, params).await?.0)
+    }
+
     /// `describe`: who the provider is.
     pub(crate) async fn describe(&self, store: &mut Store<HostState>) -> wasmtime::Result<ProviderInfo> {
-        let func = typed(store, &self.instance, &self.at.describe, &self.describe)?;
-        Ok(func.call_async(&mut *store, ()).await?.0)
+        self.call(store, &self.at.describe, &self.describe, ()).await
     }
 
     /// `validate-config` of `config` (JSON).
@@ -183,8 +204,7 @@ impl Exports {
         store: &mut Store<HostState>,
         config: String,
     ) -> wasmtime::Result<Refusable<()>> {
-        let func = typed(store, &self.instance, &self.at.validate_config, &self.validate_config)?;
-        Ok(func.call_async(&mut *store, (config,)).await?.0)
+        self.call(store, &self.at.validate_config, &self.validate_config, (config,)).await
     }
 
     /// `start-instance` with `params`.
@@ -193,9 +213,8 @@ impl Exports {
         store: &mut Store<HostState>,
         ctx: &Ctx,
         params: StartInstanceParams,
-    ) -> wasmtime::Result<Result<StartInstanceResult, BrokerError>> {
-        let func = typed(store, &self.instance, &self.at.start_instance, &self.start_instance)?;
-        Ok(func.call_async(&mut *store, (lend(ctx), params)).await?.0)
+    ) -> wasmtime::Result<Refusable<StartInstanceResult>> {
+        self.call(store, &self.at.start_instance, &self.start_instance, (lend(ctx), params)).await
     }
 
     /// `stop-instances` of `ids`.
@@ -205,8 +224,7 @@ impl Exports {
         ctx: &Ctx,
         ids: Vec<InstanceId>,
     ) -> wasmtime::Result<Refusable<()>> {
-        let func = typed(store, &self.instance, &self.at.stop_instances, &self.stop_instances)?;
-        Ok(func.call_async(&mut *store, (lend(ctx), ids)).await?.0)
+        self.call(store, &self.at.stop_instances, &self.stop_instances, (lend(ctx), ids)).await
     }
 
     /// `maintain-instance` of `id`, started with `params`.
@@ -217,8 +235,7 @@ impl Exports {
         id: InstanceId,
         params: StartInstanceParams,
     ) -> wasmtime::Result<Refusable<()>> {
-        let func = typed(store, &self.instance, &self.at.maintain_instance, &self.maintain_instance)?;
-        Ok(func.call_async(&mut *store, (lend(ctx), id, params)).await?.0)
+        self.call(store, &self.at.maintain_instance, &self.maintain_instance, (lend(ctx), id, params)).await
     }
 
     /// `all-instances` of whichever version: a page of the current one (asked
@@ -228,16 +245,13 @@ impl Exports {
         store: &mut Store<HostState>,
         ctx: &Ctx,
         page: &PageRequest,
-    ) -> wasmtime::Result<Result<Listing, BrokerError>> {
-        if self.paged {
-            let func = typed(store, &self.instance, &self.at.all_instances, &self.all_instances_paged)?;
-            let answer = func.call_async(&mut *store, (lend(ctx), page.clone())).await?.0;
-            Ok(answer.map(Listing::Page))
+    ) -> wasmtime::Result<Refusable<Listing>> {
+        let (index, ctx) = (&self.at.all_instances, lend(ctx));
+        Ok(if self.paged {
+            self.call(store, index, &self.all_instances_paged, (ctx, page.clone())).await?.map(Listing::Page)
         } else {
-            let func = typed(store, &self.instance, &self.at.all_instances, &self.all_instances_whole)?;
-            let answer = func.call_async(&mut *store, (lend(ctx),)).await?.0;
-            Ok(answer.map(whole))
-        }
+            self.call(store, index, &self.all_instances_whole, (ctx,)).await?.map(whole)
+        })
     }
 }
 
@@ -276,8 +290,8 @@ mod tests {
         let interface = format!("{}/instance-broker@{}", bindings::CONTRACT_PACKAGE, bindings::CONTRACT_VERSION);
         let (_, broker) = current.component().get_export(None, &interface).unwrap();
         let export = BrokerExport { pre: &current, interface: &interface, broker: &broker };
-        assert!(export.checked::<(), (ProviderInfo,)>("describe").is_ok());
-        let mistyped = export.checked::<(String,), (ProviderInfo,)>("describe").unwrap_err();
+        assert!(export.checked::<Describe>("describe").is_ok());
+        let mistyped = export.checked::<ValidateConfig>("describe").unwrap_err();
         assert!(
             format!("{mistyped:#}").contains(
                 "`describe` of export `broker:provider/instance-broker@0.3.0` does not have the contract's type"
@@ -285,18 +299,18 @@ mod tests {
             "{mistyped:#}"
         );
         // The paged signature is not 0.2.0's whole answer, nor the reverse.
-        assert!(export.checked::<(Ctx,), (Refusable<Vec<Instance>>,)>("all-instances").is_err());
-        assert!(
-            export
-                .checked::<(), (ProviderInfo,)>("teleport")
-                .unwrap_err()
-                .to_string()
-                .contains("no function `teleport`")
-        );
+        assert!(export.checked::<AllInstancesPaged>("all-instances").is_ok());
+        assert!(export.checked::<AllInstancesWhole>("all-instances").is_err());
+        assert!(export.checked::<Describe>("teleport").unwrap_err().to_string().contains("no function `teleport`"));
         let unexported = ExportsPre::new("0.2.0", current).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(unexported.contains("no export `broker:provider/instance-broker@0.2.0`"), "{unexported}");
 
         let older = pre_of(&runtime, "fake_v0_2");
-        assert!(!ExportsPre::new("0.2.0", older).unwrap().paged());
+        assert!(!ExportsPre::new("0.2.0", older.clone()).unwrap().paged());
+        let interface = format!("{}/instance-broker@0.2.0", bindings::CONTRACT_PACKAGE);
+        let (_, broker) = older.component().get_export(None, &interface).unwrap();
+        let export = BrokerExport { pre: &older, interface: &interface, broker: &broker };
+        assert!(export.checked::<AllInstancesWhole>("all-instances").is_ok());
+        assert!(export.checked::<AllInstancesPaged>("all-instances").is_err());
     }
 }
