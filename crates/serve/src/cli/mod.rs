@@ -41,18 +41,41 @@ pub(crate) struct Cli {
     pub(crate) verbose: u8,
     /// Most MiB a component's compile may take (it runs in a child of this binary;
     /// past this the component is refused). Compiled components are kept, so a
-    /// component is compiled once.
+    /// component is compiled once. With a daemon answering, the daemon compiles, with
+    /// its own limits: give them to `broker serve`.
     #[arg(long, global = true, env = "BROKER_COMPILE_MEMORY_MIB", value_name = "MIB",
           default_value_t = broker_core::runtime::compiled::CompileLimits::default().memory_bytes >> 20,
           value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pub(crate) compile_memory_mib: u64,
     /// Longest a component's compile may take before it is stopped and the component
-    /// refused (1s to 1h).
+    /// refused (1s to 1h). With a daemon answering, the daemon's applies.
     #[arg(long, global = true, env = "BROKER_COMPILE_TIMEOUT", value_name = "DURATION", default_value = "5m",
           value_parser = timeout_between_1s_and_1h)]
     pub(crate) compile_timeout: std::time::Duration,
+    /// The compile flags given on the command line (not from the environment or
+    /// the defaults), named, for the warning that a daemon does not apply them.
+    #[arg(skip)]
+    pub(crate) compile_flags_given: Vec<&'static str>,
     #[command(subcommand)]
     pub(crate) command: Command,
+}
+
+impl Cli {
+    /// The command line, parsed (clap exits with 2 on usage errors, 0 for
+    /// --help and --version), with the compile flags it names.
+    fn parse_args() -> Cli {
+        use clap::{CommandFactory, FromArgMatches};
+        let matches = Cli::command().get_matches();
+        let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+        let on_command_line = |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+        cli.compile_flags_given =
+            [("compile_memory_mib", "--compile-memory-mib"), ("compile_timeout", "--compile-timeout")]
+                .into_iter()
+                .filter(|(id, _)| on_command_line(id))
+                .map(|(_, flag)| flag)
+                .collect();
+        cli
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -485,6 +508,20 @@ pub(crate) async fn run(mut cli: Cli) -> Result<u8> {
         return Ok(0);
     }
     let backend = Backend::open(&cli.data_dir, &socket).await?;
+    if !cli.compile_flags_given.is_empty()
+        && matches!(backend, Backend::Daemon(_))
+        && matches!(cli.command, Command::Provider(ProviderCommand::Add { .. } | ProviderCommand::Swap { .. }))
+    {
+        let (flags, verb) = match cli.compile_flags_given.as_slice() {
+            [flag] => (flag.to_string(), "is"),
+            flags => (flags.join(" and "), "are"),
+        };
+        eprintln!(
+            "warning: {flags} {verb} not applied: the daemon on {} compiles components with the limits it was \
+             started with (give them to `broker serve`)",
+            socket.display()
+        );
+    }
     match cli.command {
         Command::Provider(command) => provider(&backend, command, &mut stdout).await?,
         Command::Instance(command) => instance(&backend, command, &mut stdout).await?,
@@ -1035,7 +1072,7 @@ pub fn main() -> std::process::ExitCode {
         return compiled::compiler_child_main();
     }
     // clap exits with 2 on usage errors and 0 for --help/--version.
-    let cli = <Cli as clap::Parser>::parse();
+    let cli = Cli::parse_args();
     // This very binary, even if the file was replaced since it started.
     let limits = compiled::CompileLimits { memory_bytes: cli.compile_memory_mib << 20, timeout: cli.compile_timeout };
     compiled::compile_in_children("/proc/self/exe".into(), limits);

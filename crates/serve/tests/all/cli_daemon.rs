@@ -252,3 +252,39 @@ fn a_daemon_that_cannot_listen_says_so_and_exits() {
     assert_eq!(status.code(), Some(1));
     assert!(error.contains("cannot listen on /nonexistent-dir/broker.sock"), "{error}");
 }
+
+/// The compile limits are the process's that compiles: with a daemon
+/// answering, `provider add` is compiled by the daemon within its own
+/// limits, and the CLI says that the flags given on its command line were
+/// not applied (here a 16 MiB budget, which the fake's compile exceeds alone).
+#[test]
+fn compile_flags_given_to_a_command_a_daemon_runs_are_said_not_applied() {
+    let served = tempfile::tempdir().unwrap();
+    let _daemon = Daemon::start(served.path());
+    let manifest = guest_artifacts::manifest("fake").display().to_string();
+    let (code, added, said) = run(served.path(), &["--compile-memory-mib", "16", "provider", "add", &manifest]);
+    assert_eq!(code, 0, "{said}");
+    assert!(added.contains("added provider fake"), "{added}");
+    assert!(
+        said.contains("warning: --compile-memory-mib is not applied: the daemon on ")
+            && said.contains("compiles components with the limits it was started with (give them to `broker serve`)"),
+        "{said}"
+    );
+    // After the subcommand too, both named.
+    let next = guest_artifacts::wasm("fake_next").display().to_string();
+    let args = ["provider", "swap", "fake", &next, "--compile-memory-mib", "16", "--compile-timeout", "1m"];
+    let (code, _, said) = run(served.path(), &args);
+    assert_eq!(code, 0, "{said}");
+    assert!(said.contains("warning: --compile-memory-mib and --compile-timeout are not applied"), "{said}");
+    // Commands that compile nothing say nothing of it, nor do the variables,
+    // which may be set in this shell for the daemon itself.
+    let (code, _, said) = run(served.path(), &["--compile-timeout", "10s", "provider", "list"]);
+    assert_eq!((code, said.as_str()), (0, ""));
+    let back = guest_artifacts::wasm("fake").display().to_string();
+    let out = crate::common::broker_command(served.path(), &["provider", "swap", "fake", &back])
+        .env("BROKER_COMPILE_TIMEOUT", "10s")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !said.contains("not applied"), "{said}");
+}
