@@ -62,6 +62,20 @@ const OBSERVED_NETWORK: TableDefinition<&str, &[u8]> = TableDefinition::new("obs
 /// Key: (provider, child name).
 const CHILDREN: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("children");
 
+/// What the state file says of itself, by name: [`FORMAT_KEY`] only, so far.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+/// The key in [`META`] of the state's format.
+const FORMAT_KEY: &str = "format";
+/// The layout of the state (its tables, its records' encoding) this host
+/// writes, and the newest it reads. A host that changes the layout raises
+/// it; an older host then refuses the file, naming both, instead of reading
+/// records it does not know as corrupt (and `store recover` dropping them).
+/// A file made before the format was recorded is format 1.
+pub const STATE_FORMAT: u64 = 1;
+/// Formats are counted one by one: one past this is damage, not a newer
+/// broker's file (and `store recover` leaves it out).
+const NO_BROKER_WRITES_FORMATS_PAST: u64 = 1 << 16;
+
 /// Most instance config tags a record keeps once labelled (`Instance.Label`).
 pub(crate) const MAX_INSTANCE_TAGS: usize = 128;
 
@@ -149,6 +163,17 @@ pub enum StoreError {
         path: String,
         /// What failed.
         reason: String,
+    },
+    /// The state file is of a format newer than this host reads: a newer
+    /// broker made it. Nothing was read or changed.
+    #[error(
+        "state database {path} is of state format {format}, made by a newer broker; this one reads formats up to {STATE_FORMAT}: run the newer broker on it (nothing was read or changed)"
+    )]
+    Newer {
+        /// `state.redb`.
+        path: String,
+        /// The format the file says it is.
+        format: u64,
     },
     /// A recovered store could not be written.
     #[error("cannot write the recovered state database {path}: {reason}")]
@@ -267,6 +292,8 @@ impl Store {
         check_not_exposed(data_dir)?;
         salvage::remove_check_copies(data_dir);
         let db = open_database(data_dir).map_err(|e| open_error(e.into()))?;
+        // Before the log: a newer host's log may hold what this one cannot apply.
+        refuse_newer(&db, &state_file(data_dir))?;
         let mut wal = wal::Wal::open(&data_dir.join("state.wal"), checkpoints).map_err(log_error)?;
         let txn = db.begin_write().map_err(db_error)?;
         let replayed = wal.replay(|table, key, value| replay_change(&txn, table, key, value)).map_err(log_error)?;
@@ -283,6 +310,11 @@ impl Store {
         txn.open_table(sandbox_users::SANDBOX_USERS).map_err(db_error)?;
         txn.open_table(sandbox_users::SANDBOX_SHARED).map_err(db_error)?;
         txn.open_table(devices::DEVICE_OWNERS).map_err(db_error)?;
+        let mut meta = txn.open_table(META).map_err(db_error)?;
+        if meta.get(FORMAT_KEY).map_err(db_error)?.is_none() {
+            meta.insert(FORMAT_KEY, STATE_FORMAT).map_err(db_error)?;
+        }
+        drop(meta);
         let counts = Arc::new(RecordCounts::new(index_instance_ids(&txn)?));
         txn.commit().map_err(db_error)?;
         if replayed > 0 {
@@ -755,6 +787,33 @@ fn check_not_exposed(data_dir: &Path) -> Result<(), StoreError> {
         return Err(StoreError::Exposed { path: shown, mode });
     }
     Ok(())
+}
+
+/// The state format `db` says it is (1 if it says none: it was made before
+/// formats were recorded).
+fn state_format(db: &impl redb::ReadableDatabase) -> Result<u64, redb::Error> {
+    let txn = db.begin_read()?;
+    let meta = match txn.open_table(META) {
+        Ok(meta) => meta,
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(1),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(meta.get(FORMAT_KEY)?.map_or(1, |format| format.value()))
+}
+
+/// Refuse a state file (at `path`) of a format newer than [`STATE_FORMAT`]
+/// (or one whose format no broker writes: damaged).
+fn refuse_newer(db: &impl redb::ReadableDatabase, path: &Path) -> Result<(), StoreError> {
+    let format = state_format(db).map_err(|e| StoreError::Db(Arc::new(e)))?;
+    let path = path.display().to_string();
+    match format {
+        format if format <= STATE_FORMAT => Ok(()),
+        format if format <= NO_BROKER_WRITES_FORMATS_PAST => Err(StoreError::Newer { path, format }),
+        format => Err(StoreError::Damaged {
+            path,
+            reason: format!("its state format reads {format}, which no broker writes"),
+        }),
+    }
 }
 
 /// Open (or create) the state file in `data_dir`, with the host's page cache.
