@@ -63,6 +63,8 @@ const OBSERVED_NETWORK: TableDefinition<&str, &[u8]> = TableDefinition::new("obs
 const CHILDREN: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("children");
 
 /// What the state file says of itself, by name: [`FORMAT_KEY`] only, so far.
+/// Its name and types never change, whatever the format: every broker,
+/// older and newer, must be able to read the format to refuse it.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 /// The key in [`META`] of the state's format.
 const FORMAT_KEY: &str = "format";
@@ -167,7 +169,7 @@ pub enum StoreError {
     /// The state file is of a format newer than this host reads: a newer
     /// broker made it. Nothing was read or changed.
     #[error(
-        "state database {path} is of state format {format}, made by a newer broker; this one reads formats up to {STATE_FORMAT}: run the newer broker on it (nothing was read or changed)"
+        "state database {path} is of state format {format}, made by a newer broker; this one reads formats up to {STATE_FORMAT}: run the newer broker on it (no record was read or changed)"
     )]
     Newer {
         /// `state.redb`.
@@ -291,6 +293,11 @@ impl Store {
             .map_err(|e| open_error(redb::Error::Io(e)))?;
         check_not_exposed(data_dir)?;
         salvage::remove_check_copies(data_dir);
+        // A newer broker's file is refused unwritten: opening it to write
+        // rewrites its header, and closing it commits. (One not closed
+        // cleanly cannot be read without the repair the open makes: it is
+        // refused after that, its records unread and unchanged.)
+        refuse_newer_read_only(&state_file(data_dir))?;
         let db = open_database(data_dir).map_err(|e| open_error(e.into()))?;
         // Before the log: a newer host's log may hold what this one cannot apply.
         refuse_newer(&db, &state_file(data_dir))?;
@@ -807,12 +814,25 @@ fn refuse_newer(db: &impl redb::ReadableDatabase, path: &Path) -> Result<(), Sto
     let format = state_format(db).map_err(|e| StoreError::Db(Arc::new(e)))?;
     let path = path.display().to_string();
     match format {
-        format if format <= STATE_FORMAT => Ok(()),
-        format if format <= NO_BROKER_WRITES_FORMATS_PAST => Err(StoreError::Newer { path, format }),
+        1..=STATE_FORMAT => Ok(()),
+        format if (1..=NO_BROKER_WRITES_FORMATS_PAST).contains(&format) => Err(StoreError::Newer { path, format }),
         format => Err(StoreError::Damaged {
             path,
             reason: format!("its state format reads {format}, which no broker writes"),
         }),
+    }
+}
+
+/// [`refuse_newer`] on the file at `path` opened read-only, if it opens so
+/// (it exists, was closed cleanly, no one holds it, redb reads it): what
+/// does not is left to the open that follows, which reports or repairs it.
+fn refuse_newer_read_only(path: &Path) -> Result<(), StoreError> {
+    if !path.exists() {
+        return Ok(());
+    }
+    match salvage::caught(|| redb::ReadOnlyDatabase::open(path).map(|db| refuse_newer(&db, path))) {
+        Ok(Ok(Err(refused @ StoreError::Newer { .. }))) => Err(refused),
+        _ => Ok(()),
     }
 }
 

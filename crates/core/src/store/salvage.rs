@@ -123,7 +123,7 @@ fn any_bytes(_: &&[u8]) -> Result<(), String> {
 /// tables' own reports (`recover` leaves the format out: the new file is 1).
 fn refuse_newer(db: &impl ReadableDatabase, path: &Path) -> Result<(), StoreError> {
     match unpanicked(|| super::state_format(db).map_err(|e| e.to_string())) {
-        Ok(format) if format > super::STATE_FORMAT && format <= super::NO_BROKER_WRITES_FORMATS_PAST => {
+        Ok(format) if (super::STATE_FORMAT + 1..=super::NO_BROKER_WRITES_FORMATS_PAST).contains(&format) => {
             Err(StoreError::Newer { path: path.display().to_string(), format })
         }
         _ => Ok(()),
@@ -132,9 +132,9 @@ fn refuse_newer(db: &impl ReadableDatabase, path: &Path) -> Result<(), StoreErro
 
 /// A state format this host reads.
 fn known_format(format: &u64) -> Result<(), String> {
-    match *format <= super::STATE_FORMAT {
+    match (1..=super::STATE_FORMAT).contains(format) {
         true => Ok(()),
-        false => Err(format!("state format {format}, newer than this broker reads (up to {})", super::STATE_FORMAT)),
+        false => Err(format!("state format {format}, not one this broker reads (1 to {})", super::STATE_FORMAT)),
     }
 }
 
@@ -361,8 +361,9 @@ fn check_a_repaired_copy(data_dir: &Path, mut report: SalvageReport) -> Result<S
         let mut copy = options.write(true).create_new(true).mode(0o600).open(&to).map_err(|e| io(&to, e))?;
         std::io::copy(&mut source, &mut copy).map_err(|e| io(&to, e))?;
     }
-    match caught(|| super::Store::open(scratch.path())) {
-        Ok(Ok(store)) => drop(store),
+    // Dropped inside the catch too: closing a damaged store commits.
+    match caught(|| super::Store::open(scratch.path()).map(drop)) {
+        Ok(Ok(())) => {}
         Ok(Err(StoreError::Newer { format, .. })) => {
             return Err(StoreError::Newer { path: state_file(data_dir).display().to_string(), format });
         }
@@ -418,14 +419,26 @@ pub fn recover(data_dir: &Path) -> Result<SalvageReport, StoreError> {
     let into = Database::create(&fresh).map_err(|e| salvage_error(e.to_string()))?;
     let from = match open_damaged(&path, || Database::open(&path))? {
         Opened::Opened(from) => {
-            // The same, for a file that did not open read-only (not closed cleanly): its copy is kept.
-            if let Err(newer) = refuse_newer(&from, &path) {
-                drop(into);
-                let _ = std::fs::remove_file(&fresh);
-                let _ = caught(move || drop(from));
-                return Err(newer);
+            // A file that did not open read-only (not closed cleanly) is
+            // known newer only now that redb repaired it: its records are
+            // unread and unchanged, and the copy of it is not kept.
+            let copied = refuse_newer(&from, &path)
+                .and_then(|()| each_table(&from, Some(&into)).map_err(salvage_error))
+                .inspect_err(|refused| {
+                    if matches!(refused, StoreError::Newer { .. }) {
+                        let _ = std::fs::remove_file(&kept);
+                    }
+                });
+            match copied {
+                Ok(tables) => report.tables = tables,
+                Err(error) => {
+                    drop(into);
+                    let _ = std::fs::remove_file(&fresh);
+                    // Closing a damaged file commits: it may panic (see below).
+                    let _ = caught(move || drop(from));
+                    return Err(error);
+                }
             }
-            report.tables = each_table(&from, Some(&into)).map_err(salvage_error)?;
             Some(from)
         }
         Opened::Damaged(why) => {
@@ -434,14 +447,17 @@ pub fn recover(data_dir: &Path) -> Result<SalvageReport, StoreError> {
         }
     };
     drop(into);
-    std::fs::File::open(&fresh).and_then(|file| file.sync_all()).map_err(|e| io(&fresh, e))?;
     // The damaged file is held open until it is replaced.
-    std::fs::rename(&fresh, &path).map_err(|e| io(&path, e))?;
-    std::fs::File::open(data_dir).and_then(|dir| dir.sync_all()).map_err(|e| io(data_dir, e))?;
+    let replaced = std::fs::File::open(&fresh)
+        .and_then(|file| file.sync_all())
+        .map_err(|e| io(&fresh, e))
+        .and_then(|()| std::fs::rename(&fresh, &path).map_err(|e| io(&path, e)))
+        .and_then(|()| std::fs::File::open(data_dir).and_then(|dir| dir.sync_all()).map_err(|e| io(data_dir, e)));
     // Closing a damaged file commits redb's allocator state to it, which can
     // panic on what is damaged (a seed of the test below found one): the new
     // file is in place by now, and the old one's closing is no one's concern.
     let _ = caught(move || drop(from));
+    replaced?;
     // The new file opens as a store: the log applied, the id index made. What
     // it then holds is the answer, not only what the damaged file gave. If it
     // does not, the report still says where the damaged file was kept.
@@ -546,6 +562,7 @@ mod tests {
             assert_eq!(super::super::state_format(&*store.db.handle().unwrap()).unwrap(), super::super::STATE_FORMAT);
         }
         say_format(dir.path(), Some(super::super::STATE_FORMAT + 1));
+        let before = std::fs::read(state_file(dir.path())).unwrap();
         let newer = format!(
             "is of state format {}, made by a newer broker; this one reads formats up to {}",
             super::super::STATE_FORMAT + 1,
@@ -563,11 +580,44 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, ["state.redb", "state.wal"], "no copy kept aside, no new file");
+        assert!(std::fs::read(state_file(dir.path())).unwrap() == before, "not a byte written");
+
+        // Not closed cleanly (copied while a process held it open): redb reads
+        // it only through the repair a writable open makes, so it is refused
+        // after that, and `recover` keeps no copy of it either.
+        let unclean = tempfile::tempdir().unwrap();
+        {
+            let held = Database::open(state_file(dir.path())).unwrap();
+            std::fs::copy(state_file(dir.path()), state_file(unclean.path())).unwrap();
+            drop(held);
+        }
+        std::fs::copy(dir.path().join("state.wal"), unclean.path().join("state.wal")).unwrap();
+        assert!(matches!(
+            redb::ReadOnlyDatabase::open(state_file(unclean.path())),
+            Err(redb::DatabaseError::RepairAborted)
+        ));
+        // In this order: `check` reads a repaired copy, `recover` repairs the
+        // file itself before it can tell, then the store refuses it.
+        for refused in [check(unclean.path()).err(), recover(unclean.path()).err(), Store::open(unclean.path()).err()] {
+            let refused = refused.expect("refused");
+            assert!(matches!(refused, StoreError::Newer { .. }) && refused.to_string().contains(&newer), "{refused}");
+        }
+        let mut names: Vec<String> = std::fs::read_dir(unclean.path())
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["state.redb", "state.wal"], "no copy kept aside, no new file");
+        say_format(unclean.path(), Some(1));
+        assert_eq!(Store::open(unclean.path()).unwrap().instances(None).unwrap().len(), 200, "no record changed");
 
         // Nothing was dropped or replaced: said to be format 1 again, it holds all it held.
         say_format(dir.path(), Some(1));
         assert!(check(dir.path()).unwrap().is_sound());
-        // A format no broker writes is damage: refused as such; `recover` leaves it out.
+        // A format no broker writes (0, or past what formats are counted to)
+        // is damage: refused as such; `recover` leaves it out.
+        say_format(dir.path(), Some(0));
+        assert!(Store::open(dir.path()).err().expect("refused").to_string().contains("its state format reads 0"));
         say_format(dir.path(), Some(u64::MAX));
         let damaged = Store::open(dir.path()).err().expect("refused");
         assert!(
