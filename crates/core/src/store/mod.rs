@@ -167,7 +167,7 @@ pub enum StoreError {
         reason: String,
     },
     /// The state file is of a format newer than this host reads: a newer
-    /// broker made it. Nothing was read or changed.
+    /// broker made it. No record was read or changed.
     #[error(
         "state database {path} is of state format {format}, made by a newer broker; this one reads formats up to {STATE_FORMAT}: run the newer broker on it (no record was read or changed)"
     )]
