@@ -413,6 +413,15 @@ impl Writing {
     }
 
     fn reopened(&self) -> Result<Database, StoreError> {
+        let path = super::state_file(&self.data_dir);
+        // Gone (moved or deleted under the daemon): never made anew empty,
+        // which would lose every record; refused until it is back.
+        if let Err(missing) = std::fs::symlink_metadata(&path) {
+            return Err(StoreError::Open {
+                path: path.display().to_string(),
+                cause: Arc::new(redb::Error::Io(missing)),
+            });
+        }
         let waited = Instant::now();
         let db = loop {
             match super::open_database(&self.data_dir) {
@@ -424,6 +433,8 @@ impl Writing {
                 Err(error) => return Err(StoreError::Db(Arc::new(error.into()))),
             }
         };
+        // Another broker's file put in its place is not this one's to write.
+        super::refuse_newer(&db, &path)?;
         let txn = db.begin_write().map_err(super::db_error)?;
         let replayed = self
             .wal

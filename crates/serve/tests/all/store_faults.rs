@@ -103,8 +103,23 @@ fn a_full_disk_refuses_writes_with_its_cause_then_heals_without_a_restart() {
     let listed = crate::common::broker(&data, &["instance", "list", "--json"]);
     assert!(listed.status.success() || String::from_utf8_lossy(&listed.stdout).contains("storage"), "{listed:?}");
 
-    // Space comes back: the store reopens by itself, and writes are taken again.
+    // Space comes back, but the state file is gone (moved away under the
+    // daemon): it is not made anew, empty; writes stay refused, naming why.
+    let away = data.join("state.redb.away");
+    std::fs::rename(data.join("state.redb"), &away).unwrap();
     std::fs::remove_file(&filler).unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    let (status, health) = daemon.request("GET", "/healthz", None);
+    assert_eq!(status, 503, "{health}");
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        said.contains("the state file cannot be reopened yet") && said.contains("No such file or directory"),
+        "{}",
+        log_tail()
+    );
+    assert!(!data.join("state.redb").exists(), "made anew");
+    // It is put back: the store reopens by itself, and writes are taken again.
+    std::fs::rename(&away, data.join("state.redb")).unwrap();
     let healed = Instant::now();
     while daemon.request("GET", "/healthz", None).0 != 200 {
         let health = daemon.request("GET", "/healthz", None);
