@@ -823,15 +823,16 @@ fn refuse_newer(db: &impl redb::ReadableDatabase, path: &Path) -> Result<(), Sto
     }
 }
 
-/// [`refuse_newer`] on the file at `path` opened read-only, if it opens so
-/// (it exists, was closed cleanly, no one holds it, redb reads it): what
-/// does not is left to the open that follows, which reports or repairs it.
+/// A newer broker's file at `path` refused, read with the file opened
+/// read-only, if it opens so (it exists, was closed cleanly, no one holds
+/// it, redb reads it): what does not is left to the open that follows,
+/// which reports or repairs it.
 fn refuse_newer_read_only(path: &Path) -> Result<(), StoreError> {
     if !path.exists() {
         return Ok(());
     }
-    match salvage::caught(|| redb::ReadOnlyDatabase::open(path).map(|db| refuse_newer(&db, path))) {
-        Ok(Ok(Err(refused @ StoreError::Newer { .. }))) => Err(refused),
+    match salvage::caught(|| redb::ReadOnlyDatabase::open(path).map(|db| salvage::refuse_newer(&db, path))) {
+        Ok(Ok(refused)) => refused,
         _ => Ok(()),
     }
 }

@@ -118,14 +118,12 @@ fn any_bytes(_: &&[u8]) -> Result<(), String> {
     Ok(())
 }
 
-/// Refuse a newer broker's state file (see [`super::refuse_newer`]); a file
-/// whose format cannot be read, or reads as no broker's, is left to the
-/// tables' own reports (`recover` leaves the format out: the new file is 1).
-fn refuse_newer(db: &impl ReadableDatabase, path: &Path) -> Result<(), StoreError> {
-    match unpanicked(|| super::state_format(db).map_err(|e| e.to_string())) {
-        Ok(format) if (super::STATE_FORMAT + 1..=super::NO_BROKER_WRITES_FORMATS_PAST).contains(&format) => {
-            Err(StoreError::Newer { path: path.display().to_string(), format })
-        }
+/// Refuse a newer broker's state file ([`super::refuse_newer`]'s `Newer`);
+/// a file whose format cannot be read, or reads as no broker's, is left to
+/// the tables' own reports (`recover` leaves the format out: the new file is 1).
+pub(super) fn refuse_newer(db: &impl ReadableDatabase, path: &Path) -> Result<(), StoreError> {
+    match caught(|| super::refuse_newer(db, path)) {
+        Ok(Err(newer @ StoreError::Newer { .. })) => Err(newer),
         _ => Ok(()),
     }
 }
@@ -534,6 +532,16 @@ mod tests {
         assert!(err.to_string().contains("nothing was changed"), "{err}");
     }
 
+    /// The names in `dir`, sorted.
+    fn names_in(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
     /// Set the state format `dir`'s state file says it is (`None`: say none,
     /// as a file made before formats were recorded).
     fn say_format(dir: &Path, format: Option<u64>) {
@@ -574,12 +582,7 @@ mod tests {
         assert!(checked.to_string().contains(&newer), "{checked}");
         let recovered = recover(dir.path()).unwrap_err();
         assert!(recovered.to_string().contains(&newer), "{recovered}");
-        let mut names: Vec<String> = std::fs::read_dir(dir.path())
-            .unwrap()
-            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        assert_eq!(names, ["state.redb", "state.wal"], "no copy kept aside, no new file");
+        assert_eq!(names_in(dir.path()), ["state.redb", "state.wal"], "no copy kept aside, no new file");
         assert!(std::fs::read(state_file(dir.path())).unwrap() == before, "not a byte written");
 
         // Not closed cleanly (copied while a process held it open): redb reads
@@ -602,12 +605,7 @@ mod tests {
             let refused = refused.expect("refused");
             assert!(matches!(refused, StoreError::Newer { .. }) && refused.to_string().contains(&newer), "{refused}");
         }
-        let mut names: Vec<String> = std::fs::read_dir(unclean.path())
-            .unwrap()
-            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        assert_eq!(names, ["state.redb", "state.wal"], "no copy kept aside, no new file");
+        assert_eq!(names_in(unclean.path()), ["state.redb", "state.wal"], "no copy kept aside, no new file");
         say_format(unclean.path(), Some(1));
         assert_eq!(Store::open(unclean.path()).unwrap().instances(None).unwrap().len(), 200, "no record changed");
 
